@@ -1,0 +1,214 @@
+"""What runs inside a rank process: join the process group, then run calls until told to stop.
+
+A rank is started by the supervisor (see ``supervisor.py``) from the forkserver, which already
+imported torch, so start-up costs a fork and a process-group rendezvous.  It never decides
+anything alone: before every call all ranks check they are about to run the same call id, so one
+call's collectives can never pair with another's.  A rank watches its supervisor through a
+lifeline and exits the moment the supervisor is gone, so a killed pytest leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import faulthandler
+import importlib.util
+import os
+import select
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop
+
+#: environment a rank must not inherit: they would point the process group at another world.
+INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+#: the signal on which a rank dumps every thread's Python stack into its stack file.
+STACK_SIGNAL = signal.SIGUSR1
+#: exit status of a rank that saw its supervisor die.
+ORPHAN_EXIT = 70
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    backend: str
+    store_host: str
+    store_port: int
+    prefix: str
+    supervisor_pid: int
+    stack_path: str
+    pg_timeout_s: float
+    #: files for fd 1 and 2; ``None`` leaves output going to the terminal (pytest ``-s``).
+    stdout_path: str | None = None
+    stderr_path: str | None = None
+    cuda_device: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _lifeline(supervisor_pid: int) -> None:
+    """Exit when the supervisor dies: a pidfd watched by a thread, plus PR_SET_PDEATHSIG.
+
+    PDEATHSIG fires when the *parent* dies, which under forkserver is the fork server, not pytest;
+    the pidfd watches pytest itself.
+    """
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    try:
+        fd = os.pidfd_open(supervisor_pid)
+    except ProcessLookupError:
+        os._exit(ORPHAN_EXIT)
+    except (AttributeError, OSError):  # no pidfd: poll the pid instead
+        fd = -1
+
+    def watch() -> None:
+        if fd >= 0:
+            select.select([fd], [], [])
+        else:
+            while True:
+                try:
+                    os.kill(supervisor_pid, 0)
+                except ProcessLookupError:
+                    break
+                threading.Event().wait(0.5)
+        os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="moe-ep-lifeline", daemon=True).start()
+
+
+def _redirect(path: str | None, fd: int) -> None:
+    if path is None:
+        return
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _import_with_assert_rewriting(ref: FunctionRef) -> None:
+    """Import a test module as pytest would, so a failing ``assert`` explains itself on a rank."""
+    if ref.module in sys.modules or not ref.rewrite_asserts or not ref.path:
+        return
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    with open(ref.path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=ref.path)
+    rewrite_asserts(tree, source, ref.path, None)
+    code = compile(tree, ref.path, "exec", dont_inherit=True)
+    spec = importlib.util.spec_from_file_location(ref.module, ref.path)
+    if spec is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[ref.module] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        del sys.modules[ref.module]
+        raise
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _error(rank: int, exc: BaseException) -> RankError:
+    return RankError(rank, type(exc).__qualname__, str(exc), traceback.format_exc())
+
+
+def _init_process_group(spec: RankSpec) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if spec.backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                          timeout=timedelta(seconds=spec.pg_timeout_s))
+    kwargs: dict[str, Any] = {}
+    device = torch.device("cpu")
+    if spec.backend == "nccl":
+        device = torch.device("cuda", spec.cuda_device or 0)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(spec.backend, store=dist.PrefixStore(spec.prefix, store), rank=spec.rank,
+                            world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s),
+                            **kwargs)
+    return device
+
+
+def _agree_on_call(call_id: int, device: Any, world_size: int) -> None:
+    """All ranks check they run the same call, so collectives never pair across calls."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([call_id], dtype=torch.int64, device=device)
+    seen = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(seen, mine)
+    ids = [int(t.item()) for t in seen]
+    if len(set(ids)) != 1:
+        raise RuntimeError(f"ranks disagree on the call they are running: call ids by rank {ids}")
+
+
+def rank_main(spec: RankSpec, conn: Any) -> None:
+    """Entry point of a rank process; always ends in ``os._exit``."""
+    _lifeline(spec.supervisor_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    _redirect(spec.stdout_path, 1)
+    _redirect(spec.stderr_path, 2)
+    stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the process
+    stack_file.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
+    stack_file.flush()
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    for name in INHERITED_RENDEZVOUS:
+        os.environ.pop(name, None)
+    os.environ.update(spec.env)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(spec.rank), str(spec.world_size)
+    os.environ["LOCAL_RANK"] = str(spec.rank)
+    try:
+        device = _init_process_group(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the supervisor
+        conn.send(Result(-1, spec.rank, error=_error(spec.rank, exc)))
+        _flush()
+        os._exit(1)
+    conn.send(Ready(spec.rank, os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        if isinstance(msg, Stop):
+            break
+        assert isinstance(msg, Call), f"rank {spec.rank} got an unknown message {msg!r}"
+        result = _run(spec, msg, device)
+        try:
+            conn.send(result)
+        except Exception as exc:  # noqa: BLE001 - the value did not pickle; nothing was sent
+            message = f"the return value of {msg.fn} could not be sent to the supervisor: {exc}"
+            conn.send(Result(msg.call_id, spec.rank, error=RankError(spec.rank, type(exc).__qualname__,
+                                                                     message, "")))
+    _flush()
+    os._exit(0)
+
+
+def _run(spec: RankSpec, call: Call, device: Any) -> Result:
+    for entry in reversed(call.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    try:
+        _agree_on_call(call.call_id, device, spec.world_size)
+        _import_with_assert_rewriting(call.fn)
+        value = call.fn.resolve()(*call.args, **call.kwargs)
+        result = Result(call.call_id, spec.rank, value)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back, labelled with the rank
+        result = Result(call.call_id, spec.rank, error=_error(spec.rank, exc))
+    _flush()
+    return result

@@ -1,0 +1,485 @@
+"""The controller side of the world engine: start, reuse, supervise and kill worlds of ranks.
+
+A *world* is N rank processes joined in one default process group.  Worlds are keyed by
+``(world_size, backend)``, started lazily and kept for the whole session, so a matrix of hundreds
+of calls pays start-up once.  Ranks are forked from a ``forkserver`` that preloaded torch (it
+never touches CUDA), so only the first world costs a torch import.  Rendezvous goes through a
+TCPStore this process hosts on port 0, with a key prefix per world generation: no port is ever
+chosen or guessed, so parallel pytest processes cannot collide.
+
+A call that fails in any way -- an exception, a dead rank, a deadline -- kills its world; the next
+call gets a fresh one.  A call never inherits a broken world.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+from pytest_moe_ep.world.backend import GpuLease, lease_gpus, resolve_backend
+from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop, function_ref
+from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
+from pytest_moe_ep.world.stacks import (
+    RankState,
+    in_collective,
+    main_thread_stack,
+    raised_in_collective,
+    suspects,
+)
+
+#: modules the forkserver imports once, so every rank starts with them loaded.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "pytest",
+    "pytest_moe_ep.world.rank",
+)
+START_TIMEOUT_S = 180.0
+#: how long the other ranks may still report once one rank failed, before they are stopped.
+FAILURE_GRACE_S = 2.0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "died (exit status unknown)"
+    if code < 0:
+        try:
+            return f"died of signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"died of signal {-code} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def _shorten(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class RankOutput:
+    stdout: str = ""
+    stderr: str = ""
+
+
+@dataclass
+class CallResult:
+    """Per-rank return values and the output each rank wrote during the call."""
+
+    values: list[Any]
+    outputs: list[RankOutput]
+
+
+class WorldError(Exception):
+    """A call failed.  ``headline`` names the rank(s) at fault; ``report()`` has every rank's story."""
+
+    def __init__(self, headline: str, sections: list[tuple[str, str]], outputs: list[RankOutput],
+                 ranks: list[int]) -> None:
+        super().__init__(headline)
+        self.headline = headline
+        self.sections = sections
+        self.outputs = outputs
+        self.ranks = ranks
+
+    def report(self) -> str:
+        parts = [self.headline]
+        for title, body in self.sections:
+            parts.append(f"{'-' * 8} {title} {'-' * 8}\n{body.rstrip()}")
+        return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+class WorldStartError(WorldError):
+    """The ranks could not form a world."""
+
+
+class RankFailure(WorldError):
+    """One or more ranks raised or died."""
+
+
+class WorldTimeout(WorldError):
+    """The call passed its deadline; the report holds every live rank's stack."""
+
+
+class _Files:
+    """Byte offsets into a rank's output and stack files, to read what one call wrote."""
+
+    def __init__(self, paths: Sequence[str | None]) -> None:
+        self.paths = paths
+        self.offsets = [self._size(p) for p in paths]
+
+    @staticmethod
+    def _size(path: str | None) -> int:
+        try:
+            return os.path.getsize(path) if path else 0
+        except OSError:
+            return 0
+
+    def read(self, i: int) -> str:
+        path = self.paths[i]
+        if not path:
+            return ""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.offsets[i])
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class World:
+    """One live world: its processes, their pipes, and the files they write."""
+
+    world_size: int
+    backend: str
+    generation: int
+    processes: list[Any] = field(default_factory=list)
+    conns: list[Any] = field(default_factory=list)
+    specs: list[RankSpec] = field(default_factory=list)
+    lease: GpuLease | None = None
+    started_s: float = 0.0
+    calls: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def kill(self, grace_s: float = 1.0) -> None:
+        """Terminate, wait ``grace_s``, kill, and join with a bound.  Never hangs."""
+        for p in self.processes:
+            if p.is_alive():
+                with contextlib.suppress(Exception):
+                    p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                with contextlib.suppress(Exception):
+                    p.kill()
+                p.join(2.0)
+        for c in self.conns:
+            with contextlib.suppress(Exception):
+                c.close()
+        if self.lease:
+            self.lease.release()
+        self.processes, self.conns = [], []
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Ask the ranks to exit, then make sure they did."""
+        for c in self.conns:
+            with contextlib.suppress(Exception):
+                c.send(Stop())
+        deadline = time.monotonic() + grace_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self.kill(grace_s=0.5)
+
+
+class Supervisor:
+    """Owns this process's worlds.  Cheap to create: torch is imported at the first world."""
+
+    def __init__(self, *, start_method: str = "forkserver", capture: bool = True,
+                 pg_timeout_s: float = 270.0, default_timeout_s: float = 300.0,
+                 preload: Sequence[str] = (), workdir: str | None = None) -> None:
+        self.start_method = start_method
+        self.capture = capture
+        self.pg_timeout_s = pg_timeout_s
+        self.default_timeout_s = default_timeout_s
+        self.preload = tuple(PRELOAD) + tuple(preload)
+        self._workdir = workdir
+        self._store: Any = None
+        self._ctx: Any = None
+        self.worlds: dict[tuple[int, str], World] = {}
+        self.generations = itertools.count()
+        self.call_ids = itertools.count(1)
+        self.starts = 0
+        atexit.register(self.shutdown)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    @property
+    def workdir(self) -> str:
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="pytest-moe-ep-")
+        return self._workdir
+
+    def _context(self) -> Any:
+        if self._ctx is None:
+            import multiprocessing as mp
+
+            if self.start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
+                self._ctx = mp.get_context("forkserver")
+                self._ctx.set_forkserver_preload(list(self.preload))
+            else:
+                self._ctx = mp.get_context("spawn")
+        return self._ctx
+
+    @property
+    def effective_start_method(self) -> str:
+        return self._context().get_start_method()
+
+    def _store_port(self) -> int:
+        if self._store is None:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.pg_timeout_s))
+        return int(self._store.port)
+
+    # -- worlds ---------------------------------------------------------------------------------
+    def world(self, world_size: int, backend: str = "auto") -> World:
+        """The live world for ``(world_size, backend)``, started if there is none."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        concrete = resolve_backend(backend, world_size)
+        key = (world_size, concrete)
+        found = self.worlds.get(key)
+        if found is not None and found.alive:
+            return found
+        if found is not None:
+            found.kill()
+        self.worlds[key] = world = self._start(world_size, concrete)
+        return world
+
+    def _start(self, world_size: int, backend: str) -> World:
+        t0 = time.perf_counter()
+        ctx = self._context()
+        port = self._store_port()
+        gen = next(self.generations)
+        world = World(world_size, backend, gen)
+        if backend == "nccl":
+            world.lease = lease_gpus(world_size)
+        base = os.path.join(self.workdir, f"gen{gen}")
+        os.makedirs(base, exist_ok=True)
+        for rank in range(world_size):
+            env = {}
+            if world.lease:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, world.lease.devices))
+            spec = RankSpec(
+                rank=rank, world_size=world_size, backend=backend, store_host="127.0.0.1",
+                store_port=port, prefix=f"pytest-moe-ep/{os.getpid()}/gen{gen}/",
+                supervisor_pid=os.getpid(), stack_path=os.path.join(base, f"rank{rank}.stacks"),
+                pg_timeout_s=self.pg_timeout_s,
+                stdout_path=os.path.join(base, f"rank{rank}.stdout") if self.capture else None,
+                stderr_path=os.path.join(base, f"rank{rank}.stderr") if self.capture else None,
+                cuda_device=rank if backend == "nccl" else None, env=env,
+            )
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=rank_main, args=(spec, child), name=f"moe-ep-rank{rank}")
+            proc.start()
+            child.close()
+            world.processes.append(proc)
+            world.conns.append(parent)
+            world.specs.append(spec)
+        self._await_ready(world)
+        world.started_s = time.perf_counter() - t0
+        self.starts += 1
+        return world
+
+    def _await_ready(self, world: World) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = set(range(world.world_size))
+        problems: list[tuple[str, str]] = []
+        while pending and not problems:
+            ready = wait([world.conns[r] for r in pending] + [world.processes[r].sentinel for r in pending],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                problems.append(("start-up", f"ranks {sorted(pending)} not ready after {START_TIMEOUT_S:.0f}s"))
+            for r in list(pending):
+                if world.conns[r] in ready or world.conns[r].poll():
+                    try:
+                        msg = world.conns[r].recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if isinstance(msg, Ready):
+                        pending.discard(r)
+                        continue
+                    if isinstance(msg, Result) and msg.error:
+                        problems.append((f"rank {r} traceback", msg.error.traceback))
+                        continue
+                if world.processes[r].sentinel in ready:
+                    world.processes[r].join(1.0)
+                    problems.append((f"rank {r}", _describe_exit(world.processes[r].exitcode)))
+        if problems:
+            outputs = []
+            for spec in world.specs:
+                files = _Files([spec.stdout_path, spec.stderr_path])
+                files.offsets = [0, 0]
+                outputs.append(RankOutput(files.read(0), files.read(1)))
+            world.kill()
+            raise WorldStartError(
+                f"a {world.world_size}-rank {world.backend} world failed to start", problems, outputs,
+                sorted({int(t.split()[1]) for t, _ in problems if t.startswith("rank ")}))
+
+    # -- calls ----------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, world_size: int, backend: str = "auto",
+            timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; the per-rank return values in rank order."""
+        return self.call(function_ref(fn), args, kwargs, world_size=world_size, backend=backend,
+                         timeout=timeout).values
+
+    def call(self, fn: FunctionRef, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
+             world_size: int, backend: str = "auto", timeout: float | None = None) -> CallResult:
+        """Like :meth:`run` with a ready :class:`FunctionRef`; also returns each rank's output."""
+        import pickle
+
+        kwargs = dict(kwargs or {})
+        try:  # refuse arguments that cannot travel before any process is involved
+            pickle.dumps((tuple(args), kwargs))
+        except Exception as exc:
+            raise TypeError(f"the arguments of {fn} cannot be sent to ranks: {exc}") from exc
+        world = self.world(world_size, backend)
+        call = Call(next(self.call_ids), fn, tuple(args), kwargs, tuple(sys.path))
+        timeout_s = self.default_timeout_s if timeout is None or timeout <= 0 else float(timeout)
+        try:
+            return self._call(world, call, timeout_s)
+        except BaseException:
+            world.kill()
+            raise
+
+    def _call(self, world: World, call: Call, timeout_s: float) -> CallResult:
+        n = world.world_size
+        files = [_Files([s.stdout_path, s.stderr_path, s.stack_path]) for s in world.specs]
+        results: dict[int, Result] = {}
+        dead: dict[int, int | None] = {}
+        for r, conn in enumerate(world.conns):
+            try:
+                conn.send(call)
+            except (BrokenPipeError, OSError):
+                world.processes[r].join(1.0)
+                dead[r] = world.processes[r].exitcode
+        world.calls += 1
+        deadline = time.monotonic() + timeout_s
+        failed_at: float | None = time.monotonic() if dead else None
+        pending = set(range(n)) - set(dead)
+        while pending:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+            if now >= limit:
+                break
+            ready = wait([world.conns[r] for r in pending] + [world.processes[r].sentinel for r in pending],
+                         timeout=limit - now)
+            for r in list(pending):
+                conn, proc = world.conns[r], world.processes[r]
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    try:
+                        results[r] = conn.recv()
+                        pending.discard(r)
+                        if results[r].error is not None and failed_at is None:
+                            failed_at = time.monotonic()
+                        continue
+                    except (EOFError, OSError):
+                        pass
+                if proc.sentinel in ready:
+                    proc.join(1.0)
+                    dead[r] = proc.exitcode
+                    pending.discard(r)
+                    failed_at = failed_at or time.monotonic()
+        outputs = [RankOutput(f.read(0), f.read(1)) for f in files]
+        errors = {r: res.error for r, res in results.items() if res.error is not None}
+        if not pending and not dead and not errors:
+            return CallResult([results[r].value for r in range(n)], outputs)
+        stacks = self._collect_stacks(world, sorted(pending), files)
+        timed_out = bool(pending) and failed_at is None
+        raise self._failure(world, call, timeout_s, results, errors, dead, stacks, outputs, files, timed_out)
+
+    def _collect_stacks(self, world: World, ranks: list[int], files: list[_Files]) -> dict[int, str]:
+        """Signal each rank to dump its stacks, and read them back once the files stop growing."""
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(world.processes[r].pid, STACK_SIGNAL)
+        sizes: dict[int, int] = {}
+        stable_since = time.monotonic()
+        deadline = time.monotonic() + 3.0
+        while ranks and time.monotonic() < deadline:
+            now = {r: _Files._size(world.specs[r].stack_path) for r in ranks}
+            grown = all(now[r] > files[r].offsets[2] for r in ranks)
+            if now != sizes:
+                sizes, stable_since = now, time.monotonic()
+            elif grown and time.monotonic() - stable_since > 0.2:
+                break
+            time.sleep(0.05)
+        stacks = {}
+        for r in ranks:
+            with open(world.specs[r].stack_path, errors="replace") as f:
+                header = f.readline()
+            stacks[r] = main_thread_stack(header, files[r].read(2))
+        return stacks
+
+    def _failure(self, world: World, call: Call, timeout_s: float, results: dict[int, Result],
+                 errors: dict[int, RankError], dead: dict[int, int | None], stacks: dict[int, str],
+                 outputs: list[RankOutput], files: list[_Files], timed_out: bool) -> WorldError:
+        states: list[RankState] = []
+        for r in range(world.world_size):
+            if r in errors:
+                kind = "raised in a collective" if raised_in_collective(errors[r].traceback) else "raised"
+                states.append(RankState(r, kind, errors[r].headline()))
+            elif r in dead:
+                states.append(RankState(r, "dead", f"rank {r} {_describe_exit(dead[r])}"))
+            elif r in results:
+                states.append(RankState(r, "returned"))
+            elif r in stacks:
+                where = "in a collective" if in_collective(stacks[r]) else "outside any collective"
+                states.append(RankState(r, where))
+        at_fault = suspects(states)
+        where = f"{call.fn} on a {world.world_size}-rank {world.backend} world"
+        names = ", ".join(map(str, at_fault))
+        if timed_out:
+            waiting = [s.rank for s in states if s.state == "in a collective" and s.rank not in at_fault]
+            headline = (f"{where} passed its {timeout_s:g}s deadline; suspect rank(s) {names}"
+                        + (f" (ranks {', '.join(map(str, waiting))} wait in a collective)" if waiting else ""))
+        else:
+            details = "; ".join(_shorten(s.detail) for s in states if s.rank in at_fault and s.detail)
+            headline = f"{where} failed on rank(s) {names}: {details}"
+        sections: list[tuple[str, str]] = [
+            ("ranks", "\n".join(f"rank {s.rank}: {s.state}" + (" <- suspect" if s.rank in at_fault else "")
+                                for s in states))]
+        for r in range(world.world_size):
+            if r in errors:
+                sections.append((f"rank {r} traceback", errors[r].traceback or errors[r].headline()))
+            if r in dead:
+                crash = files[r].read(2).strip()
+                sections.append((f"rank {r} {_describe_exit(dead[r])}", crash or "(no Python stack recorded)"))
+            if r in stacks:
+                label = "suspect" if r in at_fault else "victim"
+                sections.append((f"rank {r} stack at the deadline ({label})" if timed_out
+                                 else f"rank {r} stack when stopped", stacks[r]))
+        cls = WorldTimeout if timed_out else RankFailure
+        return cls(headline, sections, outputs, at_fault)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def kill_all(self) -> None:
+        for world in self.worlds.values():
+            world.kill()
+        self.worlds.clear()
+
+    def shutdown(self) -> None:
+        """Stop every world and release what the supervisor holds.  Safe to call more than once."""
+        for world in self.worlds.values():
+            world.stop()
+        self.worlds.clear()
+        self._store = None
+        if self._workdir and os.path.isdir(self._workdir):
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None

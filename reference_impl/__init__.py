@@ -1,0 +1,1 @@
+"""The reference implementation: expert layout, MoE layer, ExpertLayout and its checkpoint path."""
