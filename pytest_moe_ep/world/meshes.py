@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """``init_device_mesh`` on this world's device type, cached by ``(shape, names)``."""
     import torch.distributed as dist

@@ -68,7 +68,7 @@ def function_ref(fn: Any) -> FunctionRef:
     ref = FunctionRef(module, qualname, getattr(sys.modules.get(module), "__file__", None))
     try:
         found = ref.resolve()
-    except Exception as exc:  # noqa: BLE001 - report whatever stopped the lookup
+    except Exception as exc:
         raise TypeError(f"{ref} cannot run on ranks: importing it here fails with {exc!r}") from exc
     if getattr(found, "__func__", found) is not getattr(fn, "__func__", fn):
         raise TypeError(f"{ref} cannot run on ranks: that name does not refer to {fn!r}")
@@ -106,7 +106,8 @@ class RankError:
     traceback: str
 
     def headline(self) -> str:
-        return f"rank {self.rank} raised {self.type_name}: {self.message}".rstrip(": ")
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"rank {self.rank} raised {self.type_name}: {first}".rstrip(": ")
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,14 @@ def _flush() -> None:
             stream.flush()
 
 
-def _error(rank: int, exc: BaseException) -> RankError:
-    return RankError(rank, type(exc).__qualname__, str(exc), traceback.format_exc())
+def _error(rank: int, exc: BaseException, skip_frames: int = 0) -> RankError:
+    """``exc`` flattened, its traceback without the engine's own ``skip_frames`` outer frames."""
+    tb = exc.__traceback__
+    for _ in range(skip_frames):
+        if tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return RankError(rank, type(exc).__qualname__, str(exc), text)
 
 
 def _init_process_group(spec: RankSpec) -> Any:
@@ -175,7 +181,7 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
     os.environ["LOCAL_RANK"] = str(spec.rank)
     try:
         device = _init_process_group(spec)
-    except BaseException as exc:  # noqa: BLE001 - reported to the supervisor
+    except BaseException as exc:
         conn.send(Result(-1, spec.rank, error=_error(spec.rank, exc)))
         _flush()
         os._exit(1)
@@ -191,7 +197,7 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
         result = _run(spec, msg, device)
         try:
             conn.send(result)
-        except Exception as exc:  # noqa: BLE001 - the value did not pickle; nothing was sent
+        except Exception as exc:
             message = f"the return value of {msg.fn} could not be sent to the supervisor: {exc}"
             conn.send(Result(msg.call_id, spec.rank, error=RankError(spec.rank, type(exc).__qualname__,
                                                                      message, "")))
@@ -206,9 +212,13 @@ def _run(spec: RankSpec, call: Call, device: Any) -> Result:
     try:
         _agree_on_call(call.call_id, device, spec.world_size)
         _import_with_assert_rewriting(call.fn)
-        value = call.fn.resolve()(*call.args, **call.kwargs)
-        result = Result(call.call_id, spec.rank, value)
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back, labelled with the rank
-        result = Result(call.call_id, spec.rank, error=_error(spec.rank, exc))
+        fn = call.fn.resolve()
+    except BaseException as exc:
+        _flush()
+        return Result(call.call_id, spec.rank, error=_error(spec.rank, exc))
+    try:
+        result = Result(call.call_id, spec.rank, fn(*call.args, **call.kwargs))
+    except BaseException as exc:  # every failure goes back, labelled with the rank
+        result = Result(call.call_id, spec.rank, error=_error(spec.rank, exc, skip_frames=1))
     _flush()
     return result

@@ -483,3 +483,6 @@ class Supervisor:
         if self._workdir and os.path.isdir(self._workdir):
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+    def describe(self) -> str:
+        return f"start={self.start_method}"

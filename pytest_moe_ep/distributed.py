@@ -1,0 +1,84 @@
+"""Running a ``moe_ep_world``-marked test function on every rank.
+
+The pytest process resolves the test's fixtures and parametrize values, pickles them, and asks the
+engine (a :class:`~pytest_moe_ep.world.Supervisor`, or the in-process torchrun world) to run the
+function on every rank.  Fixture values therefore must pickle: parametrize values, ``tmp_path``,
+``moe_ep_shared_dir`` and plain-data fixtures work; fixtures that act on the pytest process
+itself (``capsys``, ``monkeypatch``, ``request``, ...) cannot, and are refused by name.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+
+from pytest_moe_ep.settings import Settings, WorldMarker
+from pytest_moe_ep.world.backend import BackendUnavailable
+from pytest_moe_ep.world.protocol import FunctionRef
+from pytest_moe_ep.world.supervisor import CallResult, RankOutput, WorldError
+
+ENGINE = pytest.StashKey[Any]()
+SETTINGS = pytest.StashKey[Settings]()
+#: a pytest-timeout value handed to us through ``pytest_timeout_set_timer``.
+TIMEOUT = pytest.StashKey[float]()
+#: set on items (conformance cells) that run on a world without a marker.
+DISTRIBUTED_ATTR = "moe_ep_distributed"
+
+
+def is_distributed(item: pytest.Item) -> bool:
+    return WorldMarker.from_item(item) is not None or bool(getattr(item, DISTRIBUTED_ATTR, False))
+
+
+def call_timeout(item: pytest.Item, explicit: float | None = None) -> float:
+    """The deadline of ``item``'s call: the marker's, else pytest-timeout's, else ``moe_ep_timeout``."""
+    if explicit:
+        return float(explicit)
+    found = item.stash.get(TIMEOUT, 0.0)
+    return found if found and found > 0 else item.config.stash[SETTINGS].timeout_s
+
+
+def attach_outputs(item: pytest.Item, outputs: list[RankOutput]) -> None:
+    """Each rank's output as its own report section, shown on failure like pytest's capture."""
+    for rank, out in enumerate(outputs):
+        if out.stdout:
+            item.add_report_section("call", f"rank {rank} stdout", out.stdout)
+        if out.stderr:
+            item.add_report_section("call", f"rank {rank} stderr", out.stderr)
+
+
+def run_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 world_size: int, backend: str, timeout: float | None = None) -> CallResult:
+    """Run ``fn`` through the session's engine; skip on a missing backend, fail with every rank's story."""
+    engine = item.config.stash[ENGINE]
+    try:
+        result = engine.call(fn, args, kwargs, world_size=world_size, backend=backend,
+                             timeout=call_timeout(item, timeout))
+    except BackendUnavailable as exc:
+        skipped = str(exc)
+    except WorldError as exc:
+        failed = exc
+    else:
+        attach_outputs(item, result.outputs)
+        return result
+    # Outside the except blocks, so pytest shows the report once rather than a chain of exceptions.
+    if "failed" in locals():
+        attach_outputs(item, failed.outputs)
+        pytest.fail(failed.report(), pytrace=False)
+    pytest.skip(skipped)
+
+
+def run_marked_test(item: pytest.Function, marker: WorldMarker) -> None:
+    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    for name, value in kwargs.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            pytest.fail(f"fixture {name!r} cannot be used in a {marker.world_size}-rank test: its value "
+                        f"({type(value).__qualname__}) cannot be sent to rank processes ({exc}). Fixtures "
+                        "that work inside ranks: parametrize values, tmp_path, moe_ep_shared_dir and "
+                        "fixtures returning plain data.", pytrace=False)
+    fn = FunctionRef(item.module.__name__, item.obj.__qualname__, str(item.path), rewrite_asserts=True)
+    run_on_world(item, fn, (), kwargs, world_size=marker.world_size, backend=marker.backend,
+                 timeout=marker.timeout)

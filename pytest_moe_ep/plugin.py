@@ -1,0 +1,129 @@
+"""pytest-moe-ep's entry module (``pytest11``): options, markers, fixtures and hook wiring.
+
+pytest loads this module in every session of every user, so it stays light: it never imports
+torch.  torch is imported the first time a world is actually needed.
+
+- ``@pytest.mark.moe_ep_world(n, backend="auto", timeout=None)`` runs a test on every rank.
+- ``moe_ep_shared_dir`` is one directory every rank of a test sees.
+- ``moe_ep_engine`` is the session's engine, for ``engine.run(fn, *args, world_size=n)``.
+- Deadlines: the marker's ``timeout``, else pytest-timeout's value (its timer is handed to the
+  supervisor instead of SIGALRM), else ``moe_ep_timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_moe_ep import hooks
+from pytest_moe_ep.distributed import (
+    ENGINE,
+    SETTINGS,
+    TIMEOUT,
+    is_distributed,
+    run_marked_test,
+)
+from pytest_moe_ep.settings import WORLD_MARKER_HELP, Settings, WorldMarker, add_options
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hooks)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def under_torchrun() -> bool:
+    """pytest itself was launched by torchrun, or a default process group already exists."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", WORLD_MARKER_HELP)
+    settings = Settings.from_config(config)
+    config.stash[SETTINGS] = settings
+    if under_torchrun():
+        from pytest_moe_ep.world.torchrun import TorchrunWorld
+
+        engine: Any = TorchrunWorld(settings.backend, settings.timeout_s)
+        if engine.rank != 0:  # only rank 0 writes reports
+            config.option.xmlpath = None
+    else:
+        from pytest_moe_ep.world.supervisor import Supervisor
+
+        engine = Supervisor(start_method=settings.start_method, capture=settings.capture,
+                            pg_timeout_s=settings.timeout_s * 0.9, default_timeout_s=settings.timeout_s,
+                            preload=settings.preload)
+    config.stash[ENGINE] = engine
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    s = config.stash[SETTINGS]
+    engine = config.stash[ENGINE]
+    where = engine.describe() if hasattr(engine, "describe") else f"start={s.start_method}"
+    return (f"moe-ep: backend={s.backend} world_size={s.world_size} timeout={s.timeout_s:g}s "
+            f"{where}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        WorldMarker.from_item(item)  # a bad marker is a usage error before anything runs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    marker = WorldMarker.from_item(pyfuncitem)
+    if marker is None:
+        return None
+    run_marked_test(pyfuncitem, marker)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """A distributed test's pytest-timeout value becomes the supervisor's deadline, not a SIGALRM."""
+    if not is_distributed(item):
+        return None
+    item.stash[TIMEOUT] = float(settings.timeout or 0)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if is_distributed(item) else None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    engine = session.config.stash.get(ENGINE, None)
+    if engine is not None and hasattr(engine, "agree_on_exit"):
+        session.exitstatus = engine.agree_on_exit(int(exitstatus))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    engine = config.stash.get(ENGINE, None)
+    if engine is not None:
+        engine.shutdown()
+
+
+@pytest.fixture
+def moe_ep_shared_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every rank of the test sees: the same path on every rank."""
+    engine = request.config.stash[ENGINE]
+    if hasattr(engine, "shared_dir"):
+        return engine.shared_dir(request.node.nodeid)
+    return tmp_path_factory.mktemp("moe-ep-shared")
+
+
+@pytest.fixture(scope="session")
+def moe_ep_engine(pytestconfig: pytest.Config) -> Iterator[Any]:
+    """The session's world engine: ``moe_ep_engine.run(fn, *args, world_size=n)``."""
+    yield pytestconfig.stash[ENGINE]

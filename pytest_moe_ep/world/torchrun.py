@@ -1,0 +1,129 @@
+"""The in-process world: pytest itself runs on every rank under ``torchrun``.
+
+This is the multi-node path (``torchrun --nnodes 2 --nproc-per-node 8 -m pytest ...``).  Every
+rank runs the same session; a distributed test runs in-process on every rank.  Ranks exchange
+what they need through the default process group's *store*, never through collectives, so a test
+that fails on one rank can never pair its collectives with another test's:
+
+- before each call, all ranks check they run the same call (sequence number and name);
+- after it, every rank publishes its outcome and reads everyone's, so all ranks report the same
+  pass/fail naming the ranks at fault;
+- at session end, ranks all-agree on the worst exit status behind a bounded barrier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
+from pytest_moe_ep.world.protocol import FunctionRef, RankError
+from pytest_moe_ep.world.supervisor import CallResult, RankFailure, RankOutput, WorldTimeout
+
+PREFIX = "pytest-moe-ep/"
+
+
+class TorchrunWorld:
+    """The engine when pytest runs under torchrun: same ``call`` contract as the Supervisor."""
+
+    def __init__(self, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.timeout_s = timeout_s
+        if not dist.is_initialized():
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+            concrete = resolve_backend(backend, local) if backend != "nccl" else "nccl"
+            if concrete == "nccl":
+                import torch
+
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(concrete, timeout=timedelta(seconds=timeout_s * 0.9))
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = dist.get_backend()
+        self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+        self.seq = itertools.count(1)
+
+    def describe(self) -> str:
+        return f"inside torchrun: rank {self.rank} of {self.world_size} ({self.backend})"
+
+    # -- store exchange -------------------------------------------------------------------------
+    def _exchange(self, key: str, value: Any, timeout_s: float) -> tuple[dict[int, Any], list[int]]:
+        """Publish ``value`` under ``key`` and read every rank's; ranks missing at the deadline too."""
+        self.store.set(f"{key}/{self.rank}", pickle.dumps(value))
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            present = [self.store.check([k]) for k in keys]
+            if all(present) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        found = {r: pickle.loads(self.store.get(k)) for r, (k, ok) in enumerate(zip(keys, present, strict=True)) if ok}
+        return found, [r for r, ok in enumerate(present) if not ok]
+
+    # -- the engine contract --------------------------------------------------------------------
+    def call(self, fn: FunctionRef, args: Any = (), kwargs: dict[str, Any] | None = None, *,
+             world_size: int, backend: str = "auto", timeout: float | None = None) -> CallResult:
+        if world_size != self.world_size:
+            raise BackendUnavailable(f"needs a {world_size}-rank world; this torchrun launch has "
+                                     f"{self.world_size} ranks")
+        if backend not in ("auto", self.backend):
+            raise BackendUnavailable(f"needs {backend}; this torchrun launch runs {self.backend}")
+        timeout_s = timeout or self.timeout_s
+        seq = next(self.seq)
+        names, missing = self._exchange(f"call{seq}/name", str(fn), timeout_s)
+        where = f"{fn} on a {self.world_size}-rank torchrun world"
+        if missing:
+            raise WorldTimeout(f"{where}: rank(s) {missing} never reached call {seq}", [], self._no_output(),
+                               missing)
+        if len(set(names.values())) != 1:
+            listing = "\n".join(f"rank {r}: {n}" for r, n in sorted(names.items()))
+            raise RankFailure(f"{where}: ranks are out of step at call {seq}", [("calls", listing)],
+                              self._no_output(), sorted(names))
+        try:
+            value, error = fn.resolve()(*args, **(kwargs or {})), None
+            pickle.dumps(value)
+        except Exception as exc:
+            value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc), traceback.format_exc())
+        outcomes, missing = self._exchange(f"call{seq}/outcome", (value, error), timeout_s)
+        errors = {r: e for r, (_, e) in outcomes.items() if e is not None}
+        if missing:
+            raise WorldTimeout(f"{where} passed its {timeout_s:g}s deadline; suspect rank(s) "
+                               f"{', '.join(map(str, missing))} (no outcome reported)",
+                               [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())],
+                               self._no_output(), missing)
+        if errors:
+            heads = "; ".join(e.headline() for _, e in sorted(errors.items()))
+            raise RankFailure(f"{where} failed on rank(s) {', '.join(map(str, sorted(errors)))}: {heads}",
+                              [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())],
+                              self._no_output(), sorted(errors))
+        return CallResult([outcomes[r][0] for r in range(self.world_size)], self._no_output())
+
+    def _no_output(self) -> list[RankOutput]:
+        return [RankOutput() for _ in range(self.world_size)]  # each rank's pytest shows its own
+
+    def shared_dir(self, nodeid: str) -> Path:
+        """A directory made by rank 0 whose path every rank reads (needs a shared filesystem across nodes)."""
+        seq = next(self.seq)
+        made = tempfile.mkdtemp(prefix="moe-ep-shared-") if self.rank == 0 else None
+        paths, _ = self._exchange(f"dir{seq}", made, self.timeout_s)
+        if 0 not in paths:
+            raise RuntimeError(f"{nodeid}: rank 0 did not share a directory within {self.timeout_s:g}s")
+        return Path(paths[0])
+
+    def agree_on_exit(self, status: int) -> int:
+        """Every rank ends with the worst status of all; a bounded barrier, never a hang."""
+        statuses, missing = self._exchange("exit", status, min(self.timeout_s, 120.0))
+        worst = max([status, *statuses.values()])
+        return max(worst, 1) if missing else worst
+
+    def shutdown(self) -> None:
+        """The launcher owns the process group; exiting is torchrun's business."""
