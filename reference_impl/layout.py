@@ -34,6 +34,7 @@ def expert_range(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]
 
 def expert_counts(num_experts: int, num_ranks: int) -> list[int]:
     """How many experts each of ``num_ranks`` ranks holds, in rank order."""
+    _check(num_experts, num_ranks)
     return [end - start for start, end in (expert_range(num_experts, num_ranks, r) for r in range(num_ranks))]
 
 

@@ -1,0 +1,65 @@
+"""The expert layout rule is DTensor's Shard(0) rule, and refuses what it cannot place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from reference_impl.layout import expert_counts, expert_owner, expert_range
+
+GRID = [(e, k) for e in range(1, 17) for k in range(1, 9)]
+
+
+def test_e6_on_4_ranks_leaves_the_last_rank_empty() -> None:
+    # The balanced split would give [(0, 2), (2, 4), (4, 5), (5, 6)]: not what DTensor saves.
+    assert [expert_range(6, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 6)]
+    assert expert_counts(6, 4) == [2, 2, 2, 0]
+    assert [expert_owner(e, 6, 4) for e in range(6)] == [0, 0, 1, 1, 2, 2]
+
+
+def test_fewer_experts_than_ranks() -> None:
+    assert [expert_range(2, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+@pytest.mark.parametrize(("n_experts", "n_ranks"), GRID)
+def test_rule_matches_torch_chunk_and_dtensor_shard0(n_experts: int, n_ranks: int) -> None:
+    rows = torch.arange(n_experts)
+    chunks = list(torch.chunk(rows, n_ranks))
+    chunks += [rows[n_experts:]] * (n_ranks - len(chunks))  # torch.chunk omits empty trailing chunks
+    for rank in range(n_ranks):
+        start, end = expert_range(n_experts, n_ranks, rank)
+        assert rows[start:end].tolist() == chunks[rank].tolist(), f"E={n_experts} k={n_ranks} rank={rank}"
+        # DTensor's own placement logic, for this mesh coordinate, without a process group.
+        shape, offset = _compute_local_shape_and_global_offset((n_experts, 3), (n_ranks,), [rank], [Shard(0)])
+        assert shape[0] == end - start, f"E={n_experts} k={n_ranks} rank={rank}: DTensor says {shape}"
+        if shape[0]:
+            assert offset[0] == start, f"E={n_experts} k={n_ranks} rank={rank}: DTensor offset {offset}"
+
+
+@pytest.mark.parametrize(("n_experts", "n_ranks"), GRID)
+def test_every_expert_has_exactly_one_owner(n_experts: int, n_ranks: int) -> None:
+    held = [e for r in range(n_ranks) for e in range(*expert_range(n_experts, n_ranks, r))]
+    assert held == list(range(n_experts))
+    assert sum(expert_counts(n_experts, n_ranks)) == n_experts
+    for e in range(n_experts):
+        start, end = expert_range(n_experts, n_ranks, expert_owner(e, n_experts, n_ranks))
+        assert start <= e < end
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: expert_range(0, 2, 0), "num_experts must be an int >= 1"),
+        (lambda: expert_range(True, 2, 0), "num_experts must be an int >= 1"),
+        (lambda: expert_range(4, 0, 0), "expert-parallel ranks must be an int >= 1"),
+        (lambda: expert_range(4, 2, 2), r"rank must be an int in \[0, 2\)"),
+        (lambda: expert_range(4, 2, -1), r"rank must be an int in \[0, 2\)"),
+        (lambda: expert_owner(4, 4, 2), r"expert id must be an int in \[0, 4\)"),
+        (lambda: expert_counts(3, 1.5), "expert-parallel ranks must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_raise_value_error(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
