@@ -27,6 +27,14 @@ TIMEOUT = pytest.StashKey[float]()
 DISTRIBUTED_ATTR = "moe_ep_distributed"
 
 
+#: pytest's fixtures that act on the pytest process itself: a copy in a rank would do nothing useful.
+PROCESS_BOUND_FIXTURES = frozenset({
+    "request", "pytestconfig", "monkeypatch", "capsys", "capsysbinary", "capfd", "capfdbinary", "caplog",
+    "recwarn", "record_property", "record_xml_attribute", "record_testsuite_property", "pytester",
+    "testdir", "subtests",
+})
+
+
 def is_distributed(item: pytest.Item) -> bool:
     return WorldMarker.from_item(item) is not None or bool(getattr(item, DISTRIBUTED_ATTR, False))
 
@@ -72,13 +80,16 @@ def run_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwar
 def run_marked_test(item: pytest.Function, marker: WorldMarker) -> None:
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     for name, value in kwargs.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            pytest.fail(f"fixture {name!r} cannot be used in a {marker.world_size}-rank test: its value "
-                        f"({type(value).__qualname__}) cannot be sent to rank processes ({exc}). Fixtures "
-                        "that work inside ranks: parametrize values, tmp_path, moe_ep_shared_dir and "
-                        "fixtures returning plain data.", pytrace=False)
+        why = "it acts on the pytest process itself" if name in PROCESS_BOUND_FIXTURES else None
+        if why is None:
+            try:
+                pickle.dumps(value)
+            except Exception as exc:
+                why = f"its value ({type(value).__qualname__}) cannot be sent to rank processes ({exc})"
+        if why:
+            pytest.fail(f"fixture {name!r} cannot be used in a {marker.world_size}-rank test: {why}. "
+                        "Fixtures that work inside ranks: parametrize values, tmp_path, moe_ep_shared_dir "
+                        "and fixtures returning plain data.", pytrace=False)
     fn = FunctionRef(item.module.__name__, item.obj.__qualname__, str(item.path), rewrite_asserts=True)
     run_on_world(item, fn, (), kwargs, world_size=marker.world_size, backend=marker.backend,
                  timeout=marker.timeout)

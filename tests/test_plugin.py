@@ -1,0 +1,275 @@
+"""The plugin end to end, in pytest subprocesses (pytester): markers, options, failures, orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PASSING = """
+import pytest
+
+@pytest.mark.moe_ep_world(2)
+@pytest.mark.parametrize("x", [1, 2])
+def test_all_reduce(x, moe_ep_shared_dir):
+    import torch, torch.distributed as dist
+    t = torch.tensor([x])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} says hello")
+    assert t.item() == 2 * x
+    (moe_ep_shared_dir / f"rank{dist.get_rank()}").write_text("here")
+    dist.barrier()
+    assert sorted(p.name for p in moe_ep_shared_dir.iterdir()) == ["rank0", "rank1"]
+"""
+
+FAILING_ON_RANK_1 = """
+import pytest
+
+@pytest.mark.moe_ep_world(2)
+def test_rank_one_disagrees():
+    import torch.distributed as dist
+    print(f"rank {dist.get_rank()} was here")
+    expected = 0
+    assert dist.get_rank() == expected
+"""
+
+HANGING = """
+import time, pytest
+
+@pytest.mark.moe_ep_world(2)
+@pytest.mark.timeout(4)
+def test_rank_one_hangs():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+@pytest.mark.moe_ep_world(2)
+def test_after_the_hang():
+    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+# Writes the pids of every rank (and its parent, the fork server) then hangs on all ranks.
+RECORD_PIDS_AND_HANG = """
+import os, time, pytest
+
+@pytest.mark.moe_ep_world(2)
+def test_hang(moe_ep_shared_dir):
+    import torch.distributed as dist
+    pids = os.environ["PIDS_DIR"]
+    with open(os.path.join(pids, f"rank{dist.get_rank()}"), "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    time.sleep(3600)
+"""
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=300)
+
+
+def test_marked_tests_run_on_every_rank(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(PASSING)
+    result = run(pytester, "-v", "-rA")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*rank 0 stdout*", "rank 0 says hello", "*rank 1 stdout*", "rank 1 says hello"])
+
+
+def test_a_failure_on_one_rank_names_it_with_its_assertion_and_output(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(FAILING_ON_RANK_1)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*failed on rank(s) 1: rank 1 raised AssertionError: assert 1 == 0",
+        "rank 0: returned",
+        "rank 1: raised <- suspect",
+        "*in test_rank_one_disagrees",
+        "*Captured rank 1 stdout call*",
+        "rank 1 was here",
+    ])
+
+
+def test_output_is_live_with_s(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(PASSING)
+    result = run(pytester, "-s")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["rank ? says hello"])
+    assert "Captured rank" not in result.stdout.str()
+
+
+def test_pytest_timeout_value_goes_to_the_supervisor(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(HANGING)
+    t0 = time.monotonic()
+    result = run(pytester)
+    assert time.monotonic() - t0 < 120
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines([
+        "*passed its 4s deadline; suspect rank(s) 1 (ranks 0 wait in a collective)",
+        "*rank 1 stack at the deadline (suspect)*",
+        "*in test_rank_one_hangs",
+    ])
+    assert "Timeout" not in result.stdout.str().split("short test summary")[0].split("deadline")[0]
+
+
+def test_markers_options_and_header(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.moe_ep_world(n, backend='auto', timeout=None)*"])
+    result = run(pytester, "--help")
+    result.stdout.fnmatch_lines(["*--moe-ep-timeout*", "*--moe-ep-backend*", "*--moe-ep-world-size*",
+                                 "*moe_ep_timeout (string)*"])
+    pytester.makeini("[pytest]\nmoe_ep_world_size = 2\nmoe_ep_timeout = 60\n")
+    pytester.makepyfile("def test_nothing(): pass")
+    result = run(pytester, "--moe-ep-timeout=42")
+    result.stdout.fnmatch_lines(["moe-ep: backend=auto world_size=2 timeout=42s start=forkserver"])
+
+
+@pytest.mark.parametrize(("marker", "message"), [
+    ("moe_ep_world(0)", "moe_ep_world needs a world size n >= 1, got 0"),
+    ("moe_ep_world(2, backend='mpi')", "unknown backend 'mpi'; choose one of auto, gloo, nccl"),
+])
+def test_bad_markers_are_usage_errors(pytester: pytest.Pytester, marker: str, message: str) -> None:
+    pytester.makepyfile(f"import pytest\n@pytest.mark.{marker}\ndef test_x(): pass\n")
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_unknown_backend_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "--moe-ep-backend=mpi")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*invalid choice: 'mpi'*"])
+
+
+def test_nccl_without_gpus_skips_with_the_reason(pytester: pytest.Pytester) -> None:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs: the NCCL path really runs")
+    pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2, backend='nccl')\ndef test_x(): pass\n")
+    result = run(pytester, "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*nccl needs 2 GPUs (one per rank)*"])
+
+
+def test_fixture_that_cannot_reach_ranks_is_named(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2)\ndef test_x(monkeypatch): pass\n")
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*fixture 'monkeypatch' cannot be used in a 2-rank test*"])
+
+
+def test_xdist_workers_each_run_worlds(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_a=PASSING, test_b=PASSING)
+    result = run(pytester, "-n", "2", "-p", "xdist")
+    result.assert_outcomes(passed=4)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _start_hanging_session(pytester: pytest.Pytester, tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    pytester.makepyfile(RECORD_PIDS_AND_HANG)
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+                            cwd=pytester.path, env={**os.environ, "PIDS_DIR": str(pids_dir)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(pids_dir.iterdir())) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.2)
+    time.sleep(0.3)
+    pids = [int(x) for f in pids_dir.iterdir() for x in f.read_text().split()]
+    assert all(_alive(p) for p in pids)
+    return proc, sorted(set(pids))
+
+
+def _assert_all_gone(pids: list[int], within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes left alive (ranks or their fork server): {left}"
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_no_rank_survives_its_pytest(pytester: pytest.Pytester, tmp_path: Path, how: str) -> None:
+    proc, pids = _start_hanging_session(pytester, tmp_path)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+    else:
+        proc.kill()
+    proc.wait(60)
+    _assert_all_gone(pids)
+
+
+TORCHRUN_MODULE = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.moe_ep_world(2)
+def test_first_passes():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+@pytest.mark.moe_ep_world(2)
+def test_fails_on_rank_one():
+    assert dist.get_rank() == 0, "rank 1 disagrees"
+
+@pytest.mark.moe_ep_world(2)
+def test_collectives_still_pair():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == 3
+
+def test_plain_test_runs_on_each_rank():
+    assert dist.is_initialized()
+"""
+
+TORCHRUN_CONFTEST = """
+import os, pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    with open(os.path.join(os.environ["STATUS_DIR"], os.environ["RANK"]), "w") as f:
+        f.write(str(int(session.exitstatus)))
+"""
+
+
+def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytester.makepyfile(test_torchrun=TORCHRUN_MODULE)
+    pytester.makeconftest(TORCHRUN_CONFTEST)
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["STATUS_DIR"] = str(status_dir)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--moe-ep-timeout=60", str(pytester.path)],
+        cwd=pytester.path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    statuses = {f.name: f.read_text() for f in status_dir.iterdir()}
+    assert statuses == {"0": "1", "1": "1"}, out
+    assert out.count("PASSED test_torchrun.py::test_first_passes") == 2, out
+    assert out.count("PASSED test_torchrun.py::test_collectives_still_pair") == 2, out
+    assert out.count("FAILED test_torchrun.py::test_fails_on_rank_one") == 2, out
+    assert "failed on rank(s) 1: rank 1 raised AssertionError: rank 1 disagrees" in out
+    assert "inside torchrun: rank 0 of 2 (gloo)" in out

@@ -1,0 +1,174 @@
+"""The world engine driven directly: reuse, per-rank failures, deaths, hangs, bad input.
+
+These run real 4-rank gloo worlds through the session's supervisor (``moe_ep_engine``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import pytest
+
+from pytest_moe_ep.world import RankFailure, Supervisor, WorldTimeout
+
+N = 4
+
+
+# -- functions the ranks run (module level, so ranks can import them) ----------------------------
+def rank_and_pid() -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size(), os.getpid()
+
+
+def noop() -> None:
+    return None
+
+
+def raise_on(rank: int) -> str:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    return "fine"
+
+
+def hang_on(rank: int) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def exit_on(rank: int, code: int) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os._exit(code)
+    dist.barrier()
+
+
+def segfault_on(rank: int) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        ctypes.string_at(0)
+    dist.barrier()
+
+
+def environment() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+
+
+def unpicklable_result() -> object:
+    return lambda: None
+
+
+def all_reduce_sum(value: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+# -- tests ---------------------------------------------------------------------------------------
+def test_world_serves_100_calls_with_one_start(moe_ep_engine: Supervisor) -> None:
+    first = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
+    starts = moe_ep_engine.starts
+    assert [r for r, _, _ in first] == list(range(N))
+    assert {w for _, w, _ in first} == {N}
+    for _ in range(100):
+        assert moe_ep_engine.run(noop, world_size=N, backend="gloo") == [None] * N
+    assert moe_ep_engine.run(all_reduce_sum, 3, world_size=N, backend="gloo") == [3 * N] * N
+    assert moe_ep_engine.starts == starts, "the world was restarted during 100 calls"
+    assert moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo") == first
+
+
+def test_exception_on_one_rank_names_it_and_replaces_the_world(moe_ep_engine: Supervisor) -> None:
+    before = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
+    with pytest.raises(RankFailure) as info:
+        moe_ep_engine.run(raise_on, 2, world_size=N, backend="gloo")
+    err = info.value
+    assert err.ranks == [2]
+    assert "failed on rank(s) 2: rank 2 raised ValueError: deliberate failure on rank 2" in err.headline
+    report = err.report()
+    assert "rank 2 traceback" in report and 'in raise_on' in report
+    assert "rank 0: returned" in report
+    after = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
+    assert {p for _, _, p in after}.isdisjoint({p for _, _, p in before}), "a broken world was reused"
+
+
+def test_hang_names_the_suspect_with_its_stack(moe_ep_engine: Supervisor) -> None:
+    moe_ep_engine.run(noop, world_size=N, backend="gloo")
+    t0 = time.monotonic()
+    with pytest.raises(WorldTimeout) as info:
+        moe_ep_engine.run(hang_on, 1, world_size=N, backend="gloo", timeout=3)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3 + 10, f"the hang was reported after {elapsed:.1f}s, deadline 3s"
+    err = info.value
+    assert err.ranks == [1]
+    assert "passed its 3s deadline; suspect rank(s) 1 (ranks 0, 2, 3 wait in a collective)" in err.headline
+    report = err.report()
+    assert "rank 1 stack at the deadline (suspect)" in report
+    suspect_stack = report.split("rank 1 stack at the deadline (suspect)")[1].split("--------")[1]
+    assert "in hang_on" in suspect_stack
+    assert "rank 0 stack at the deadline (victim)" in report and "in barrier" in report
+    assert moe_ep_engine.run(all_reduce_sum, 1, world_size=N, backend="gloo") == [N] * N
+
+
+def test_dead_rank_is_reported_with_its_exit_code(moe_ep_engine: Supervisor) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        moe_ep_engine.run(exit_on, 3, 3, world_size=N, backend="gloo", timeout=120)
+    assert time.monotonic() - t0 < 30, "the other ranks were left waiting for the dead one"
+    assert info.value.ranks == [3]
+    assert "rank 3 exited with code 3" in info.value.headline
+    assert moe_ep_engine.run(noop, world_size=N, backend="gloo") == [None] * N
+
+
+def test_segfault_is_reported_with_the_signal_and_stack(moe_ep_engine: Supervisor) -> None:
+    with pytest.raises(RankFailure) as info:
+        moe_ep_engine.run(segfault_on, 0, world_size=N, backend="gloo", timeout=120)
+    assert info.value.ranks == [0]
+    assert "rank 0 died of signal SIGSEGV" in info.value.headline
+    assert "in segfault_on" in info.value.report()
+
+
+@pytest.mark.parametrize("fn", [lambda: None, pytest.param("closure", id="closure")])
+def test_functions_ranks_cannot_import_are_refused_before_starting(moe_ep_engine: Supervisor, fn: object) -> None:
+    if fn == "closure":
+        def fn() -> None:  # a function defined inside another one
+            return None
+    starts = moe_ep_engine.starts
+    with pytest.raises(TypeError, match="cannot run on ranks: lambdas, closures"):
+        moe_ep_engine.run(fn, world_size=N, backend="gloo")
+    assert moe_ep_engine.starts == starts
+
+
+def test_bad_world_size_and_backend(moe_ep_engine: Supervisor) -> None:
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        moe_ep_engine.run(noop, world_size=0)
+    with pytest.raises(ValueError, match="unknown backend 'mpi': choose one of auto, gloo, nccl"):
+        moe_ep_engine.run(noop, world_size=2, backend="mpi")
+
+
+def test_unpicklable_result_is_a_clear_error(moe_ep_engine: Supervisor) -> None:
+    with pytest.raises(RankFailure, match=r"return value of .*unpicklable_result could not be sent"):
+        moe_ep_engine.run(unpicklable_result, world_size=2, backend="gloo")
+
+
+def test_inherited_rendezvous_variables_are_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "10.9.9.9")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    supervisor = Supervisor()
+    try:
+        envs = supervisor.run(environment, world_size=2, backend="gloo")
+    finally:
+        supervisor.shutdown()
+    assert envs == [{"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)]
