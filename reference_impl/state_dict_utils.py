@@ -332,11 +332,10 @@ def create_dtensor_from_local(
     for dim, name in enumerate(mesh_names):
         shapes, ranks = _gather_local_shapes(local_shape, mesh, dim)
         if name == "ep_replicate":
-            differ = [r for r, s in zip(ranks, shapes, strict=True) if s != local_shape]
-            if differ:
+            if len(set(shapes)) > 1:
                 raise ValueError(
-                    f"ranks {differ} hold local shapes {[shapes[ranks.index(r)] for r in differ]} but "
-                    f"ep_replicate replicates, so every rank in it must hold {local_shape}"
+                    f"local shapes over the ep_replicate group (global ranks {ranks}) are {shapes}: "
+                    "ep_replicate replicates, so they must all be equal"
                 )
             continue
         axis = placement_of[name].dim
