@@ -1,0 +1,84 @@
+"""Save and load an expert-parallel model and its optimizer with DCP, experts under global ids.
+
+The whole fix is two calls around DCP::
+
+    state = layout.to_global({"model": ..., "optimizer": ...})   # before dcp.save / dcp.load
+    state = layout.to_local(state)                              # after dcp.load
+
+and a guard, :func:`reference_impl.expert_layout.check_saved_experts`, that refuses a checkpoint
+written without the layout before the load touches anything.
+
+After ``dcp.load`` the model's parameters and the optimizer's moments already hold the loaded
+values, because every tensor DCP loaded into is the original or a view of it.  What a load
+cannot write in place are the optimizer's param-group settings (lr, betas, ...), which DCP
+loads as new Python objects into the dict, so :func:`load` still hands the result to
+``set_state_dict``; for the model that call copies each tensor onto itself.
+
+:func:`save_legacy` saves the way frameworks did before the layout existed: it is the negative
+control that shows the bug and that the guard catches it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from reference_impl.expert_layout import check_saved_experts, expert_layout
+
+__all__ = ["load", "save", "save_legacy", "state_dict"]
+
+
+def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` as get_model/optimizer_state_dict give them (rank-local)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str]) -> None:
+    """Save ``model`` (and ``optimizer``) so that every expert is stored once under its global id."""
+    state = state_dict(model, optimizer)
+    layout = expert_layout(model)
+    if layout is not None:
+        state = layout.to_global(state)
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def save_legacy(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                path: str | os.PathLike[str]) -> None:
+    """Save the rank-local state dict as is: at ep > 1 the checkpoint keeps one rank's experts."""
+    dcp.save(state_dict(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str]) -> None:
+    """Load a checkpoint of :func:`save`, saved at any ep, into ``model`` (and ``optimizer``).
+
+    Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a
+    layer than the model has (a legacy ep > 1 checkpoint).
+    """
+    path = os.fspath(path)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    check_saved_experts(model, metadata.state_dict_metadata, where=path)
+    # get_optimizer_state_dict creates a fresh optimizer's moments (a zero-lr step), so DCP has
+    # tensors to load into.
+    state = state_dict(model, optimizer)
+    layout = expert_layout(model)
+    if layout is not None:
+        state = layout.to_global(state)
+    dcp.load(state, checkpoint_id=path)
+    if layout is not None:
+        state = layout.to_local(state)
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])

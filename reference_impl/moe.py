@@ -1,0 +1,398 @@
+"""A small, real MoE feed-forward and the expert-parallel split whose checkpoints this project tests.
+
+:class:`MoEMLP` routes each token to ``top_k`` of ``num_experts`` experts (plus an optional shared
+expert every token uses).  Its experts come in the two forms frameworks use:
+
+- **unpacked**: ``experts`` is a ``ModuleList`` of small MLPs, ``experts.{i}.{up,gate,down}.weight``;
+- **packed**: one Parameter per weight with a leading expert axis, ``up_w``/``gate_w`` ``[E, hidden,
+  dim]`` and ``down_w`` ``[E, dim, hidden]``, so ``up_w[g]`` is unpacked ``experts[g].up.weight``.
+
+Weights are a pure function of ``(seed, layer name, expert, weight name)``, so a model built for any
+expert-parallel degree holds the same global expert ``g``: that is what lets a test compare a load
+at ``ep=4`` with a save at ``ep=2`` bit for bit, with no communication.
+
+:func:`apply_expert_parallel` then keeps only this rank's experts, exactly as frameworks do, and
+that is the bug this project is about: afterwards a rank names and shapes its experts as if they
+were the layer's only ones (``experts.0`` is global expert ``start``; a packed weight has
+``num_local_experts`` rows), so a DCP checkpoint of the raw state dict keeps one rank's experts in
+place of all of them.  :mod:`reference_impl.expert_layout` is the fix.  Which experts a rank keeps
+comes from :func:`reference_impl.layout.expert_range`, the one layout rule.
+
+:func:`apply_fsdp` composes FSDP2 on top, sharding each rank's experts over ``dp_shard``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reference_impl.layout import expert_range
+
+__all__ = [
+    "PACKED_WEIGHTS",
+    "ExpertMLP",
+    "GlobalRegion",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEMLP",
+    "MoEModel",
+    "apply_expert_parallel",
+    "apply_fsdp",
+    "build_model",
+    "global_regions",
+    "set_deterministic_grads",
+    "stable_seed",
+]
+
+#: the packed expert weights, in the order :class:`MoEMLP` registers them (gate only for SwiGLU).
+PACKED_WEIGHTS = ("gate_w", "up_w", "down_w")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and flavour of every MoE layer of a model."""
+
+    num_experts: int = 6
+    dim: int = 32
+    hidden: int = 64
+    kind: Literal["packed", "unpacked"] = "unpacked"
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    top_k: int = 2
+    shared_expert: bool = True
+    dtype: torch.dtype = torch.float32
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("packed", "unpacked"):
+            raise ValueError(f"kind must be 'packed' or 'unpacked', got {self.kind!r}")
+        if self.activation not in ("swiglu", "gelu"):
+            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` that is the same in every process (unlike ``hash()``)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, *key: object) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(stable_seed(*key))
+    return (torch.randn(shape, generator=generator) * std).to(dtype)
+
+
+def _fill(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` into ``param`` unless it is on meta (a layout-only model has no data)."""
+    if not param.is_meta:
+        with torch.no_grad():
+            param.copy_(value)
+
+
+def _act(activation: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return F.silu(gate) * up if activation == "swiglu" else F.gelu(up)
+
+
+class ExpertMLP(nn.Module):
+    """One expert (or the shared expert): ``down(act(up(x)))``, SwiGLU adding a ``gate``."""
+
+    def __init__(self, dim: int, hidden: int, activation: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.activation = activation
+        if activation == "swiglu":
+            self.gate = nn.Linear(dim, hidden, bias=False, dtype=dtype)
+        self.up = nn.Linear(dim, hidden, bias=False, dtype=dtype)
+        self.down = nn.Linear(hidden, dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate(x) if self.activation == "swiglu" else None
+        return self.down(_act(self.activation, self.up(x), gate))
+
+
+class _ReduceOverEP(torch.autograd.Function):
+    """Sum the EP ranks' partial outputs; the gradient passes through unchanged.
+
+    Every EP rank sees the same tokens and holds part of the experts, so the layer's output is the
+    sum of the ranks' parts and its gradient reaches every part as is (Megatron's "reduce from the
+    model-parallel region").
+    """
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class MoEMLP(nn.Module):
+    """Router over all experts, optional shared expert, and this rank's routed experts.
+
+    ``name`` is the layer's name in its model; with ``seed`` it fixes every weight, so the same
+    ``(seed, name)`` gives the same global experts at every EP degree and in both forms.
+
+    After :func:`apply_expert_parallel` the module holds experts ``local_expert_start`` to
+    ``local_expert_start + num_local_experts`` of ``num_experts``.  Its forward then computes those
+    experts' share and sums it over the EP group, which is the layer's output when every EP rank
+    sees the same tokens (real EP frameworks all-to-all the tokens instead; this reference only
+    needs a forward that is right, not fast).
+    """
+
+    def __init__(self, config: MoEConfig, name: str = "", seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.name = name
+        self.kind = config.kind
+        self.activation = config.activation
+        self.top_k = config.top_k
+        self.num_experts = config.num_experts
+        self.ep_world_size = 1
+        self.ep_rank = 0
+        self.local_expert_start = 0
+        self.num_local_experts = config.num_experts
+        self.ep_mesh: Any = None
+
+        E, dim, hidden, dtype = config.num_experts, config.dim, config.hidden, config.dtype
+        self.router = nn.Linear(dim, E, bias=False, dtype=dtype)
+        self.shared = ExpertMLP(dim, hidden, config.activation, dtype) if config.shared_expert else None
+        if config.kind == "unpacked":
+            self.experts = nn.ModuleList(ExpertMLP(dim, hidden, config.activation, dtype) for _ in range(E))
+        else:
+            for weight, shape in self._packed_shapes().items():
+                self.register_parameter(weight, nn.Parameter(torch.empty(shape, dtype=dtype)))
+        self.reset_parameters(seed)
+
+    def _packed_shapes(self) -> dict[str, tuple[int, int, int]]:
+        c = self.config
+        shapes = {"up_w": (c.num_experts, c.hidden, c.dim), "down_w": (c.num_experts, c.dim, c.hidden)}
+        if c.activation == "swiglu":
+            shapes = {"gate_w": (c.num_experts, c.hidden, c.dim), **shapes}
+        return shapes
+
+    def packed_weights(self) -> list[str]:
+        """Names of the packed expert Parameters (empty for the unpacked form)."""
+        return [w for w in PACKED_WEIGHTS if w in self._parameters] if self.kind == "packed" else []
+
+    def expert_weight(self, expert: int, linear: str) -> torch.Tensor:
+        """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in either form."""
+        if self.kind == "unpacked":
+            return getattr(self.experts[expert], linear).weight
+        return getattr(self, f"{linear}_w")[expert]
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Give every weight its deterministic value (global expert ids, so any EP split agrees)."""
+        c = self.config
+        _fill(self.router.weight, _normal((c.num_experts, c.dim), c.init_std, c.dtype, seed, self.name,
+                                          "router.weight"))
+        if self.shared is not None:
+            for pname, p in self.shared.named_parameters():
+                _fill(p, _normal(tuple(p.shape), c.init_std, c.dtype, seed, self.name, "shared", pname))
+        linears = ("gate", "up", "down") if c.activation == "swiglu" else ("up", "down")
+        for i in range(self.num_local_experts):
+            g = self.local_expert_start + i
+            for linear in linears:
+                w = self.expert_weight(i, linear)
+                _fill(w, _normal(tuple(w.shape), c.init_std, c.dtype, seed, self.name, "expert", g, linear))
+
+    def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "unpacked":
+            return self.experts[i](x)
+        gate = F.linear(x, self.gate_w[i]) if self.activation == "swiglu" else None
+        return F.linear(_act(self.activation, F.linear(x, self.up_w[i]), gate), self.down_w[i])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).float().softmax(dim=-1)
+        top_w, top_i = probs.topk(self.top_k, dim=-1)
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(tokens.dtype)
+        out = torch.zeros_like(tokens)
+        for i in range(self.num_local_experts):
+            token, slot = (top_i == self.local_expert_start + i).nonzero(as_tuple=True)
+            if token.numel():
+                out = out.index_add(0, token, self._expert(i, tokens[token]) * top_w[token, slot, None])
+        if self.ep_world_size > 1:
+            out = _ReduceOverEP.apply(out, self.ep_mesh.get_group())
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.reshape(x.shape)
+
+
+class MoEBlock(nn.Module):
+    """A pre-norm residual block around one MoE layer (``layers.{i}.norm``, ``layers.{i}.moe``)."""
+
+    def __init__(self, config: MoEConfig, name: str, seed: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(config.dim, dtype=config.dtype)
+        self.moe = MoEMLP(config, name=f"{name}.moe", seed=seed)
+        _fill(self.norm.weight, 1 + _normal((config.dim,), config.init_std, config.dtype, seed, name, "norm"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class MoEModel(nn.Module):
+    """``num_layers`` MoE blocks and a final norm: enough model for more than one MoE layer."""
+
+    def __init__(self, config: MoEConfig, num_layers: int, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(MoEBlock(config, f"layers.{i}", seed) for i in range(num_layers))
+        self.norm = nn.RMSNorm(config.dim, dtype=config.dtype)
+        _fill(self.norm.weight, 1 + _normal((config.dim,), config.init_std, config.dtype, seed, "norm"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def build_model(config: MoEConfig, num_layers: int = 2, seed: int = 0) -> MoEModel:
+    """A whole (ep=1) model; its weights depend only on ``(config, num_layers, seed)``.
+
+    Build it under ``torch.device("meta")`` for a layout-only model with no data.
+    """
+    return MoEModel(config, num_layers, seed)
+
+
+def _moe_modules(model: nn.Module) -> Iterator[MoEMLP]:
+    return (m for m in model.modules() if isinstance(m, MoEMLP))
+
+
+def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """Keep only this EP rank's experts in every :class:`MoEMLP` of ``model``, in place.
+
+    Which experts: :func:`reference_impl.layout.expert_range` over ``device_mesh["ep"]`` (ranks
+    past the last expert hold none).  Unpacked layers keep a ``ModuleList`` of their experts
+    renumbered from 0; packed layers keep their rows as new Parameters (copies, so the full
+    weights can be freed).  Without an ``ep`` dimension, or with ep size 1, nothing changes.
+    """
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    if "ep" not in names:
+        return model
+    ep_mesh = device_mesh["ep"]
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    if ep == 1:
+        return model
+    for moe in _moe_modules(model):
+        if moe.ep_world_size != 1:
+            raise ValueError(f"MoE layer {moe.name!r} is already split over {moe.ep_world_size} EP ranks")
+        start, end = expert_range(moe.num_experts, ep, ep_rank)
+        if moe.kind == "unpacked":
+            moe.experts = nn.ModuleList(list(moe.experts)[start:end])
+        else:
+            for weight in moe.packed_weights():
+                full = getattr(moe, weight)
+                setattr(moe, weight, nn.Parameter(full.detach()[start:end].clone(),
+                                                  requires_grad=full.requires_grad))
+        moe.ep_world_size, moe.ep_rank, moe.ep_mesh = ep, ep_rank, ep_mesh
+        moe.local_expert_start, moe.num_local_experts = start, end - start
+    return model
+
+
+def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """FSDP2 over ``device_mesh["dp_shard"]``: each :class:`MoEMLP`, then the whole model.
+
+    Apply it after :func:`apply_expert_parallel`: each rank's experts are then sharded over
+    dp_shard (FSDP2 pads uneven dim-0 shards, ranks may hold zero rows).  Parameters outside the
+    experts are sharded over dp_shard and replicated over ep, which a checkpoint stores once.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if "dp_shard" not in (getattr(device_mesh, "mesh_dim_names", None) or ()):
+        raise ValueError(f"apply_fsdp needs a mesh with a 'dp_shard' dimension, got {device_mesh}")
+    dp_mesh = device_mesh["dp_shard"]
+    for moe in list(_moe_modules(model)):
+        if moe is not model:
+            fully_shard(moe, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+@dataclass(frozen=True)
+class GlobalRegion:
+    """Where one parameter of a (split, sharded) model sits in the ep=1 model.
+
+    ``name`` and ``global_shape`` are the parameter's name and shape at ep=1 without FSDP, and
+    ``region`` the slices of that tensor this rank's ``local`` holds.  Tests compare any rank's
+    weights, gradients and optimizer moments with an ep=1 model through it, with no communication.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    region: tuple[slice, ...]
+    param: nn.Parameter
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The rank's own data of ``param`` (FSDP's shard without padding, or the tensor itself)."""
+        return _local(self.param)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
+    """Every parameter of ``model`` with its ep=1 name, ep=1 shape and the region this rank holds."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from reference_impl.expert_layout import moe_layers
+
+    owners: dict[int, tuple[str, MoEMLP]] = {}
+    for name, moe in moe_layers(model):
+        for p in moe.parameters():
+            owners[id(p)] = (name, moe)
+    for fqn, p in model.named_parameters():
+        parts = [part for part in fqn.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")]
+        local = _local(p)
+        shape = list(p.shape)
+        offset = [0] * p.dim()
+        if isinstance(p, DTensor):
+            _, found = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            offset = list(found)
+        layer = owners.get(id(p))
+        if layer is not None and layer[1].ep_world_size > 1:
+            name, moe = layer
+            depth = len(name.split(".")) if name else 0
+            rest = parts[depth:]
+            if rest[0] == "experts":  # unpacked: experts.{i}.{linear}.weight -> global expert id
+                rest[1] = str(moe.local_expert_start + int(rest[1]))
+                parts = parts[:depth] + rest
+            elif rest[0] in PACKED_WEIGHTS:
+                shape[0] = moe.num_experts
+                offset[0] += moe.local_expert_start
+        region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
+        yield GlobalRegion(".".join(parts), tuple(shape), region, p)
+
+
+def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
+    """Set every gradient to a pure function of ``(seed, step, ep=1 name)``, sliced to this rank.
+
+    A model at any ep, with or without FSDP, then takes the same optimizer step as an ep=1 model,
+    and every expert's moments differ from every other's.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for piece in global_regions(model):
+        full = _normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name, "grad")
+        grad = full[piece.region].clone()
+        p = piece.param
+        if isinstance(p, DTensor):
+            grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+        p.grad = grad
