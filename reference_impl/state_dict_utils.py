@@ -182,8 +182,9 @@ def get_expert_slice_for_rank(
 
     A plain tensor holds all of them.  For a DTensor the range is the rows DTensor assigns this
     rank under every ``Shard(0)`` placement together (EP, EP then FSDP, or FSDP alone), so it names
-    the experts by the global ids DCP saves them under.  The local tensor is the DTensor's own
-    local tensor, not a copy; for inner-axis shards it holds all experts but part of each.
+    the experts by the global ids DCP saves them under.  A rank holding none gets ``(E, E)``, which
+    is also where DTensor places an empty shard.  The local tensor is the DTensor's own local tensor,
+    not a copy; for inner-axis shards it holds all experts but part of each.
     """
     _check_tensor(experts_tensor, "experts_tensor")
     n_experts = _check_n_experts(n_experts)
