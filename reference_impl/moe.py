@@ -88,11 +88,11 @@ def _normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, *key: object
     return (torch.randn(shape, generator=generator) * std).to(dtype)
 
 
-def _fill(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Write ``value`` into ``param`` unless it is on meta (a layout-only model has no data)."""
+def _fill(param: torch.Tensor, std: float, *key: object, mean: float = 0.0) -> None:
+    """Write ``mean + N(0, std)`` drawn from ``key`` into ``param``; a meta tensor has no data to fill."""
     if not param.is_meta:
         with torch.no_grad():
-            param.copy_(value)
+            param.copy_(mean + _normal(tuple(param.shape), std, torch.float32, *key))
 
 
 def _act(activation: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -115,12 +115,34 @@ class ExpertMLP(nn.Module):
         return self.down(_act(self.activation, self.up(x), gate))
 
 
+class _CopyToEP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the EP group.
+
+    The tokens and routing weights every EP rank shares feed only the rank's own experts, so each
+    rank's gradient for them is a part of the whole; the sum gives every rank the whole, and with
+    it the router and everything upstream get the gradient an ep=1 model gets (Megatron's "copy
+    to the model-parallel region").
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shared: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return shared.view_as(shared)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 class _ReduceOverEP(torch.autograd.Function):
-    """Sum the EP ranks' partial outputs; the gradient passes through unchanged.
+    """Sum the EP ranks' partial outputs; the gradient, the same on every rank, passes through.
 
     Every EP rank sees the same tokens and holds part of the experts, so the layer's output is the
-    sum of the ranks' parts and its gradient reaches every part as is (Megatron's "reduce from the
-    model-parallel region").
+    sum of the ranks' parts (Megatron's "reduce from the model-parallel region").
     """
 
     @staticmethod
@@ -144,9 +166,9 @@ class MoEMLP(nn.Module):
 
     After :func:`apply_expert_parallel` the module holds experts ``local_expert_start`` to
     ``local_expert_start + num_local_experts`` of ``num_experts``.  Its forward then computes those
-    experts' share and sums it over the EP group, which is the layer's output when every EP rank
-    sees the same tokens (real EP frameworks all-to-all the tokens instead; this reference only
-    needs a forward that is right, not fast).
+    experts' share and sums it over the EP group, which is the layer's output (and the backward
+    the ep=1 gradients) when every EP rank sees the same tokens.  Real EP frameworks all-to-all the
+    tokens instead; this reference only needs a forward that is right, not fast.
     """
 
     def __init__(self, config: MoEConfig, name: str = "", seed: int = 0) -> None:
@@ -194,17 +216,16 @@ class MoEMLP(nn.Module):
     def reset_parameters(self, seed: int) -> None:
         """Give every weight its deterministic value (global expert ids, so any EP split agrees)."""
         c = self.config
-        _fill(self.router.weight, _normal((c.num_experts, c.dim), c.init_std, c.dtype, seed, self.name,
-                                          "router.weight"))
+        _fill(self.router.weight, c.init_std, seed, self.name, "router.weight")
         if self.shared is not None:
             for pname, p in self.shared.named_parameters():
-                _fill(p, _normal(tuple(p.shape), c.init_std, c.dtype, seed, self.name, "shared", pname))
+                _fill(p, c.init_std, seed, self.name, "shared", pname)
         linears = ("gate", "up", "down") if c.activation == "swiglu" else ("up", "down")
         for i in range(self.num_local_experts):
             g = self.local_expert_start + i
             for linear in linears:
                 w = self.expert_weight(i, linear)
-                _fill(w, _normal(tuple(w.shape), c.init_std, c.dtype, seed, self.name, "expert", g, linear))
+                _fill(w, c.init_std, seed, self.name, "expert", g, linear)
 
     def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "unpacked":
@@ -217,13 +238,23 @@ class MoEMLP(nn.Module):
         probs = self.router(tokens).float().softmax(dim=-1)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
         top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(tokens.dtype)
-        out = torch.zeros_like(tokens)
+        group = self.ep_mesh.get_group() if self.ep_world_size > 1 else None
+        if group is None:
+            routed_in, routed_w, out = tokens, top_w, torch.zeros_like(tokens)
+        else:
+            # One tensor through one collective, so every rank's backward runs the same all-reduces
+            # in the same order; ``out`` starts as zeros tied to it, so a rank with no experts (or
+            # no tokens for them) still joins that all-reduce.
+            routed = _CopyToEP.apply(torch.cat([tokens, top_w], dim=-1), group)
+            routed_in, routed_w = routed[:, : tokens.shape[-1]], routed[:, tokens.shape[-1]:]
+            out = routed_in * 0
         for i in range(self.num_local_experts):
             token, slot = (top_i == self.local_expert_start + i).nonzero(as_tuple=True)
             if token.numel():
-                out = out.index_add(0, token, self._expert(i, tokens[token]) * top_w[token, slot, None])
-        if self.ep_world_size > 1:
-            out = _ReduceOverEP.apply(out, self.ep_mesh.get_group())
+                y = self._expert(i, routed_in[token]) * routed_w[token, slot, None]
+                out = out.index_add(0, token, y)
+        if group is not None:
+            out = _ReduceOverEP.apply(out, group)
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.reshape(x.shape)
@@ -236,7 +267,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(config.dim, dtype=config.dtype)
         self.moe = MoEMLP(config, name=f"{name}.moe", seed=seed)
-        _fill(self.norm.weight, 1 + _normal((config.dim,), config.init_std, config.dtype, seed, name, "norm"))
+        _fill(self.norm.weight, config.init_std, seed, name, "norm", mean=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x))
@@ -250,7 +281,7 @@ class MoEModel(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(MoEBlock(config, f"layers.{i}", seed) for i in range(num_layers))
         self.norm = nn.RMSNorm(config.dim, dtype=config.dtype)
-        _fill(self.norm.weight, 1 + _normal((config.dim,), config.init_std, config.dtype, seed, "norm"))
+        _fill(self.norm.weight, config.init_std, seed, "norm", mean=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -1,0 +1,303 @@
+"""ExpertLayout: global names and shapes without copying, exact undo, and the legacy-checkpoint guard.
+
+Single-process tests cover :func:`moe_layers` under wrappers and :func:`check_saved_experts` on
+hand-made DCP metadata; the 4-rank tests cover what needs a real EP split: storage identity of
+every translated tensor, DTensor placement agreeing with FSDP2's uneven shards, the errors, and
+that a load into the translated dict writes the model and the optimizer moments in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from pytest_moe_ep.world.meshes import device_mesh
+from reference_impl import checkpoint
+from reference_impl.expert_layout import ExpertLayout, check_saved_experts, expert_layout, moe_layers
+from reference_impl.moe import (
+    MoEConfig,
+    MoEMLP,
+    apply_expert_parallel,
+    apply_fsdp,
+    build_model,
+    global_regions,
+    set_deterministic_grads,
+)
+
+WORLD = 4
+
+
+# ---------------------------------------------------------------- moe_layers
+
+
+def _prefixes_in(state: dict[str, Any]) -> set[str]:
+    return {k.rsplit(".router.weight", 1)[0] for k in state if k.endswith("router.weight")}
+
+
+def test_moe_layers_names_are_state_dict_prefixes() -> None:
+    model = build_model(MoEConfig(), 3)
+    assert [(name, type(m)) for name, m in moe_layers(model)] == [
+        (f"layers.{i}.moe", MoEMLP) for i in range(3)]
+    only = MoEMLP(MoEConfig())
+    assert [name for name, _ in moe_layers(only)] == [""]
+
+
+def test_moe_layers_leave_out_checkpoint_and_compile_wrappers() -> None:
+    model = build_model(MoEConfig(), 3)
+    model.layers[0] = checkpoint_wrapper(model.layers[0])            # wraps the block
+    model.layers[1].moe = checkpoint_wrapper(model.layers[1].moe)    # wraps the MoE layer itself
+    compiled = torch.compile(model)                                  # lazy: nothing is compiled here
+    names = [name for name, _ in moe_layers(compiled)]
+    assert names == ["layers.0.moe", "layers.1.moe", "layers.2.moe"]
+    raw = [name for name, m in compiled.named_modules() if isinstance(m, MoEMLP)]
+    assert raw[0] == "_orig_mod.layers.0._checkpoint_wrapped_module.moe", raw
+    assert _prefixes_in(get_model_state_dict(compiled)) == set(names)
+    assert [m for _, m in moe_layers(compiled)] == [m for _, m in compiled.named_modules()
+                                                     if isinstance(m, MoEMLP)]
+
+
+def test_no_layout_without_a_split() -> None:
+    assert expert_layout(build_model(MoEConfig(), 2)) is None
+    assert expert_layout(torch.nn.Linear(2, 2)) is None
+
+
+# ---------------------------------------------------------------- check_saved_experts
+
+
+def _tensor_md(*size: int) -> TensorStorageMetadata:
+    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
+                                 [ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size))])
+
+
+def _unpacked_md(experts: range, prefix: str = "model.") -> dict[str, Any]:
+    md: dict[str, Any] = {f"{prefix}layers.0.moe.router.weight": _tensor_md(6, 32)}
+    for g in experts:
+        for linear in ("gate", "up", "down"):
+            md[f"{prefix}layers.0.moe.experts.{g}.{linear}.weight"] = _tensor_md(64, 32)
+            md[f"optimizer.state.layers.0.moe.experts.{g + 10}.{linear}.weight.exp_avg"] = _tensor_md(64, 32)
+    md["optimizer.param_groups.0.params"] = BytesStorageMetadata()
+    return md
+
+
+def test_check_saved_experts_refuses_a_legacy_unpacked_checkpoint() -> None:
+    model = build_model(MoEConfig(kind="unpacked"), 1)
+    with pytest.raises(ValueError) as info:
+        check_saved_experts(model, _unpacked_md(range(3)), where="/ckpt/step-100")
+    message = str(info.value)
+    for part in ("/ckpt/step-100", "'layers.0.moe'", "holds 3 experts", "the model has 6"):
+        assert part in message, f"{part!r} not in {message!r}"
+    check_saved_experts(model, _unpacked_md(range(6)), where="x")               # complete: fine
+    check_saved_experts(model, _unpacked_md(range(6), prefix=""), where="x")    # un-nested names too
+    with pytest.raises(ValueError, match="holds 2 experts"):
+        check_saved_experts(model, _unpacked_md(range(2), prefix=""), where="x")
+
+
+def test_check_saved_experts_refuses_a_legacy_packed_checkpoint() -> None:
+    model = MoEMLP(MoEConfig(kind="packed", activation="gelu"))  # the model is the layer: name ""
+    saved = {"model.up_w": _tensor_md(3, 64, 32), "model.down_w": _tensor_md(3, 32, 64),
+             "model.router.weight": _tensor_md(6, 32)}
+    with pytest.raises(ValueError, match=r"^here: the checkpoint holds 3 experts of MoE layer '<model>'"):
+        check_saved_experts(model, saved, where="here")
+    check_saved_experts(model, {**saved, "model.up_w": _tensor_md(6, 64, 32),
+                                "model.down_w": _tensor_md(6, 32, 64)}, where="here")
+
+
+def test_check_saved_experts_leaves_a_layer_it_holds_nothing_of_to_the_load() -> None:
+    model = build_model(MoEConfig(kind="packed"), 2)
+    check_saved_experts(model, {"model.layers.0.moe.router.weight": _tensor_md(6, 32)}, where="x")
+    check_saved_experts(model, {}, where="x")
+
+
+# ---------------------------------------------------------------- 4-rank worlds
+
+
+def _mesh(ep: int) -> Any:
+    return device_mesh((ep, WORLD // ep), ("ep", "dp_shard"))
+
+
+def _trained(config: MoEConfig, ep: int, fsdp: bool, seed: int = 1) -> tuple[Any, torch.optim.Optimizer]:
+    model = apply_expert_parallel(build_model(config, 2, seed), _mesh(ep))
+    if fsdp:
+        apply_fsdp(model, _mesh(ep))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for step in range(2):
+        set_deterministic_grads(model, 3, step)
+        optimizer.step()
+    return model, optimizer
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = _local(a), _local(b)
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() == b.data_ptr()
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize(("num_experts", "ep"), [(6, 2), (6, 4), (3, 2), (2, 2)])
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+@pytest.mark.parametrize("kind", ["unpacked", "packed"])
+def test_to_global_renames_and_wraps_without_copying(kind: str, fsdp: bool, num_experts: int, ep: int) -> None:
+    config = MoEConfig(num_experts=num_experts, kind=kind)  # type: ignore[arg-type]
+    model, optimizer = _trained(config, ep, fsdp)
+    state = checkpoint.state_dict(model, optimizer)
+    state["never_stepped"] = {name: False for name in state["model"]}
+    before = {k: dict(v) for k, v in state.items() if k != "optimizer"}
+    before_optim = {k: dict(v) for k, v in state["optimizer"]["state"].items()}
+    layout = expert_layout(model)
+    assert layout is not None
+    out = layout.to_global(state)
+    rank, moe = dist.get_rank(), model.layers[0].moe
+    start, n = moe.local_expert_start, moe.num_local_experts
+    where = f"{kind} E={num_experts} ep={ep} fsdp={fsdp} rank {rank}"
+
+    # The input is left as it is.
+    assert {k: dict(v) for k, v in state.items() if k != "optimizer"} == before, where
+    assert all(state["optimizer"]["state"][k] == v for k, v in before_optim.items()), where
+
+    # Names: each local expert under its global id; every other name unchanged.
+    local_names, global_names = set(state["model"]), set(out["model"])
+    if kind == "unpacked":
+        for i in range(n):
+            assert f"layers.0.moe.experts.{i}.up.weight" in local_names, where
+            assert f"layers.0.moe.experts.{start + i}.up.weight" in global_names, where
+        assert len(global_names) == len(local_names), where
+        assert set(out["never_stepped"]) == global_names, where
+        assert set(out["optimizer"]["state"]) <= global_names, where
+        assert set(out["optimizer"]["param_groups"][0]["params"]) == global_names, where
+    else:
+        assert global_names == local_names, where
+
+    # Tensors: the same objects, or views of the same memory; packed ones global DTensors.
+    regions = {p.name: p.region for p in global_regions(model)}
+    for key, value in state["model"].items():
+        new_key = layout._to_global.get(key, key)
+        got = out["model"][new_key]
+        if key.endswith("_w"):
+            assert isinstance(got, DTensor) and got.shape[0] == num_experts, f"{where}: {key} {got.shape}"
+            assert _same_storage(got, value), f"{where}: {key} was copied"
+            shape, offset = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
+            region = regions[key]
+            assert tuple(shape) == tuple(_local(value).shape), f"{where}: {key} DTensor says {shape}"
+            if shape[0]:
+                assert offset[0] == region[0].start, f"{where}: {key} at row {offset[0]}, holds {region[0]}"
+            expected = (Shard(0), Shard(0)) if fsdp else (Shard(0),)
+            assert tuple(got.placements) == expected, f"{where}: {key} placed {got.placements}"
+            opt = out["optimizer"]["state"][key]
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert isinstance(opt[moment], DTensor) and opt[moment].shape == got.shape, where
+                assert _same_storage(opt[moment], state["optimizer"]["state"][key][moment]), where
+            assert opt["step"] is state["optimizer"]["state"][key]["step"], where
+        else:
+            assert got is value, f"{where}: {key} was replaced"
+            for name, t in state["optimizer"]["state"].get(key, {}).items():
+                assert out["optimizer"]["state"][new_key][name] is t, f"{where}: {key}.{name} was replaced"
+
+    # to_local undoes it exactly: the very same tensor objects and this rank's names.
+    back = layout.to_local(out)
+    assert list(back["model"]) == list(state["model"]), where
+    assert all(back["model"][k] is v for k, v in state["model"].items()), where
+    for key, entry in state["optimizer"]["state"].items():
+        assert all(back["optimizer"]["state"][key][n] is t for n, t in entry.items()), f"{where}: {key}"
+    assert back["optimizer"]["param_groups"] == state["optimizer"]["param_groups"], where
+    assert back["never_stepped"] == state["never_stepped"], where
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize("kind", ["unpacked", "packed"])
+def test_to_global_refuses_what_it_cannot_place(kind: str) -> None:
+    model, optimizer = _trained(MoEConfig(kind=kind), 2, False)  # type: ignore[arg-type]
+    layout = expert_layout(model)
+    assert layout is not None
+    state = checkpoint.state_dict(model, optimizer)
+    key = "layers.1.moe.experts.2.down.weight" if kind == "unpacked" else "layers.1.moe.down_w"
+    lacking = {**state, "model": {k: v for k, v in state["model"].items() if k != key}}
+    with pytest.raises(ValueError, match=rf"lacks 1 expert weight.*{key}"):
+        layout.to_global(lacking)
+    with pytest.raises(ValueError, match="no 'model' entry"):
+        layout.to_global({"optimizer": state["optimizer"]})
+    if kind == "packed":  # a factored moment (Adafactor-like) cannot be placed row-wise
+        optim_state = dict(state["optimizer"]["state"])
+        optim_state[key] = {**optim_state[key], "exp_avg_sq": torch.zeros(3, 32)}
+        bad = {**state, "optimizer": {**state["optimizer"], "state": optim_state}}
+        with pytest.raises(ValueError) as info:
+            layout.to_global(bad)
+        message = str(info.value)
+        for part in (repr(key), "'exp_avg_sq'", "(3, 32)", "(3, 32, 64)"):
+            assert part in message, f"{part!r} not in {message!r}"
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+@pytest.mark.parametrize("kind", ["unpacked", "packed"])
+def test_a_load_into_to_global_writes_in_place(kind: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
+    """dcp.load alone restores weights, moments and steps; only the param-group settings need set_*.
+
+    Saved at ep=2, loaded at ep=4 (rank 3 holds no experts).
+    """
+    config = MoEConfig(kind=kind)  # type: ignore[arg-type]
+    saved_model, saved_optimizer = _trained(config, 2, fsdp)
+    path = moe_ep_shared_dir / "ckpt"
+    checkpoint.save(saved_model, saved_optimizer, path)
+
+    ref_model, ref_optimizer = _trained(config, 1, False)   # ep=1, this rank alone
+    ref = {name: p for name, p in ref_model.named_parameters()}
+
+    model = apply_expert_parallel(build_model(config, 2, seed=9), _mesh(4))
+    if fsdp:
+        apply_fsdp(model, _mesh(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, foreach=False)
+    layout = expert_layout(model)
+    assert layout is not None
+    state = layout.to_global(checkpoint.state_dict(model, optimizer))
+    dcp.load(state, checkpoint_id=str(path))
+    rank = dist.get_rank()
+    for piece in global_regions(model):
+        where = f"{kind} fsdp={fsdp} rank {rank}: {piece.name}"
+        assert torch.equal(piece.local, ref[piece.name].detach()[piece.region]), f"{where}: weight not loaded"
+        moments, ref_moments = optimizer.state[piece.param], ref_optimizer.state[ref[piece.name]]
+        assert torch.equal(_local(moments["exp_avg"]), ref_moments["exp_avg"][piece.region]), where
+        assert float(moments["step"]) == 2.0, f"{where}: step {float(moments['step'])}"
+    assert optimizer.param_groups[0]["lr"] == 0.5  # DCP put the saved lr into the dict, not the optimizer
+
+    local = layout.to_local(state)
+    assert local["optimizer"]["param_groups"][0]["lr"] == 1e-2
+    assert local["optimizer"]["param_groups"][0]["params"] == [
+        name for name in checkpoint.state_dict(model, None)["model"]]
+    set_optimizer_state_dict(model, optimizer, local["optimizer"])
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+    for piece in global_regions(model):  # and set_* left every loaded value as it was
+        assert torch.equal(_local(optimizer.state[piece.param]["exp_avg_sq"]),
+                           ref_optimizer.state[ref[piece.name]]["exp_avg_sq"][piece.region]), piece.name
+
+
+@pytest.mark.moe_ep_world(WORLD)
+def test_moe_layers_under_ddp() -> None:
+    """DDP's ``module.`` is left out too, as get_model_state_dict leaves it out."""
+    model = build_model(MoEConfig(), 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    names = [name for name, _ in moe_layers(ddp)]
+    assert names == ["layers.0.moe", "layers.1.moe"]
+    assert _prefixes_in(get_model_state_dict(ddp)) == set(names)
+
+
+def test_layout_object_is_reusable_for_one_round() -> None:
+    with pytest.raises(ValueError, match="to_global"):
+        ExpertLayout([]).to_local({"model": {}, "optimizer": {"state": {}, "param_groups": [{"params": []}]}})
