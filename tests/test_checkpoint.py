@@ -110,11 +110,6 @@ def assert_matches_reference(model: nn.Module, optimizer: torch.optim.Optimizer 
     return checked
 
 
-def expected_count(config: MoEConfig) -> int:
-    """Parameters an ep=1 model has: every rank checks this many pieces (maybe empty ones)."""
-    return sum(1 for _ in build_model(config, LAYERS, SAVE_SEED).parameters())
-
-
 def roundtrip(path: Path, config: MoEConfig, fsdp: bool, save_ep: int, load_eps: tuple[int, ...]) -> None:
     """Train and save at ``save_ep``, then load at each of ``load_eps`` and compare with ep=1."""
     model, optimizer = build(config, save_ep, fsdp, SAVE_SEED, SAVED_HP)
