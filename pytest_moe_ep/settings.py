@@ -38,6 +38,16 @@ def add_options(parser: pytest.Parser) -> None:
                     "(default 4)", default="4")
     _ini_and_option(parser, group, "start_method", "how ranks start: forkserver (torch preloaded, default) or "
                     "spawn", default="forkserver", choices=START_METHODS)
+    group.addoption("--moe-ep-matrix", dest="moe_ep_matrix", nargs="?", const="default", default=None,
+                    metavar="EPS", help="run the conformance matrix; EPS picks the EP degrees (e.g. 1,2,4; default: "
+                    "every divisor of the world size)")
+    _ini_and_option(parser, group, "adapter", "checkpoint adapter the matrix checks: a built-in name (reference, "
+                    "legacy, ...) or module:attr (default: the pytest_moe_ep_adapter hook, else reference)")
+    group.addoption("--moe-ep-functions", dest="moe_ep_functions", default=None, metavar="MODULE",
+                    help="check a module exposing the nine expert-slice functions against the reference "
+                    "(a built-in name such as nemo_automodel, or a dotted module path)")
+    group.addoption("--moe-ep-report", dest="moe_ep_report", default=None, metavar="DIR",
+                    help="write moe-ep-conformance.json and .md into DIR")
     parser.addini("moe_ep_preload", "extra modules the rank forkserver imports once (for example a "
                   "framework the ranks all need)", type="linelist", default=[])
 

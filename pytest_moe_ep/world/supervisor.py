@@ -38,15 +38,19 @@ from pytest_moe_ep.world.stacks import (
     suspects,
 )
 
-#: modules the forkserver imports once, so every rank starts with them loaded.
+#: modules the forkserver imports once, so every rank starts with them loaded.  torch._dynamo is
+#: here because FSDP2 and DCP import it on first use, which costs a fresh rank seconds.
 PRELOAD = (
     "torch",
+    "torch._dynamo",
     "torch.distributed",
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
     "torch.distributed.fsdp",
     "pytest",
     "pytest_moe_ep.world.rank",
+    "pytest_moe_ep.world.meshes",
 )
 START_TIMEOUT_S = 180.0
 #: how long the other ranks may still report once one rank failed, before they are stopped.
@@ -232,6 +236,11 @@ class Supervisor:
             else:
                 self._ctx = mp.get_context("spawn")
         return self._ctx
+
+    def add_preload(self, modules: Sequence[str]) -> None:
+        """More modules for the fork server to import; only effective before the first world starts."""
+        if self._ctx is None:
+            self.preload += tuple(m for m in modules if m not in self.preload)
 
     @property
     def effective_start_method(self) -> str:

@@ -1,0 +1,155 @@
+"""The adapter API: what a framework provides so the conformance matrix can check it.
+
+A *checkpoint adapter* is any object with these members (a class or an instance; see README's
+example adapter):
+
+``name``, ``version``
+    What the report calls the framework.
+``capabilities``
+    A :class:`Capabilities` (or a mapping with its fields): which cells apply.
+``build(spec, mesh, seed) -> (model, optimizer | None)``
+    The framework's own MoE model at the mesh's EP degree.  ``mesh`` has dims ``dp_replicate``,
+    ``ep``, ``dp_shard``; ``mesh=None`` asks for the unsharded ep=1 model built on this rank alone
+    (the suite's ground truth).  Global expert weights depend only on ``seed``; when
+    ``spec.optimizer_steps > 0`` the adapter has run that many steps of the framework's optimizer
+    with gradients from :func:`conformance.synthetic_grad`.
+``save(model, optimizer, path)`` / ``load(model, optimizer, path)``
+    The framework's real checkpoint path.
+``expert_tensors(model, optimizer)`` / ``other_tensors(model, optimizer)``
+    Yield ``(layer, global_expert_id, name, tensor)`` for this rank's experts (weights and their
+    optimizer moments) and for everything else (``global_expert_id=None``).  A DTensor is compared
+    through its local shard; a plain tensor must be the whole per-expert (or whole) tensor.
+``check_saved(model, path)`` (optional)
+    The framework's refusal of a lossy checkpoint.
+``save_legacy(model, optimizer, path)`` (optional)
+    The framework's old, lossy save, for the legacy-refusal cell.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "BUILTIN_ADAPTERS",
+    "REQUIRED_MEMBERS",
+    "AdapterError",
+    "Capabilities",
+    "Spec",
+    "capabilities_of",
+    "load_adapter",
+    "missing_members",
+]
+
+REQUIRED_MEMBERS = ("name", "version", "capabilities", "build", "save", "load", "expert_tensors",
+                    "other_tensors")
+OPTIONAL_MEMBERS = ("check_saved", "save_legacy")
+BUILTIN_ADAPTERS = {
+    "reference": "conformance.adapters.reference:ReferenceAdapter",
+    "legacy": "conformance.adapters.legacy:LegacyAdapter",
+}
+
+
+class AdapterError(Exception):
+    """The adapter cannot be used: the message says what is missing or what was tried."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The model a cell asks an adapter to build.  ``dtype`` is a torch dtype name ("float32")."""
+
+    num_layers: int = 2
+    num_experts: int = 4
+    dim: int = 16
+    hidden: int = 32
+    kind: str = "unpacked"
+    activation: str = "swiglu"
+    top_k: int = 2
+    shared_expert: bool = True
+    dtype: str = "float32"
+    optimizer_steps: int = 0
+    #: compose FSDP2 over the mesh's ``dp_shard`` dim after the EP split (cells "fsdp").
+    fsdp: bool = False
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an adapter supports; a cell outside them is reported ``n/a`` with the reason."""
+
+    kinds: tuple[str, ...]
+    optimizer: bool
+    fsdp: bool
+    uneven: bool
+    max_ep: int
+    format: str
+    #: a checkpoint saved in one layer kind loads into the other (packed <-> unpacked).
+    cross_kind: bool = False
+
+
+_CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities) if f.name != "cross_kind")
+
+
+def capabilities_of(adapter: Any) -> Capabilities:
+    found = adapter.capabilities
+    if isinstance(found, Capabilities):
+        return found
+    get = found.get if isinstance(found, Mapping) else lambda k, d=None: getattr(found, k, d)
+    missing = [f for f in _CAPABILITY_FIELDS if get(f, None) is None]
+    if missing:
+        raise AdapterError(f"adapter capabilities lack {', '.join(missing)}")
+    kinds = tuple(get("kinds"))
+    bad = [k for k in kinds if k not in ("packed", "unpacked")]
+    if bad or not kinds:
+        raise AdapterError(f"adapter capabilities.kinds must list 'packed' and/or 'unpacked', got {kinds!r}")
+    return Capabilities(kinds, bool(get("optimizer")), bool(get("fsdp")), bool(get("uneven")),
+                        int(get("max_ep")), str(get("format")), bool(get("cross_kind", False)))
+
+
+def missing_members(adapter: Any) -> list[str]:
+    """Required members the adapter lacks (callables must be callable), capability fields included."""
+    missing = [m for m in REQUIRED_MEMBERS if not hasattr(adapter, m)]
+    missing += [m for m in REQUIRED_MEMBERS[3:] if hasattr(adapter, m) and not callable(getattr(adapter, m))]
+    if "capabilities" not in missing:
+        try:
+            capabilities_of(adapter)
+        except AdapterError as exc:
+            missing.append(str(exc))
+    return missing
+
+
+def load_adapter(spec: str) -> Any:
+    """The adapter named by a built-in name or ``module:attr`` (a class is instantiated)."""
+    target = BUILTIN_ADAPTERS.get(spec, spec)
+    if ":" not in target:
+        raise AdapterError(f"unknown adapter {spec!r}: give a built-in name ({', '.join(BUILTIN_ADAPTERS)}) "
+                           "or module:attr")
+    module_name, attr = target.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an adapter module failing to import is the user's to see, whatever it raised
+        raise AdapterError(f"cannot import adapter module {module_name!r} (from {spec!r}): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    try:
+        found = module
+        for part in attr.split("."):
+            found = getattr(found, part)
+    except AttributeError as exc:
+        raise AdapterError(f"adapter module {module_name!r} has no attribute {attr!r} (from {spec!r})") from exc
+    return found() if isinstance(found, type) else found
+
+
+def check_adapter(adapter: Any, origin: str) -> Capabilities:
+    """Refuse an adapter that lacks members or cannot be sent to ranks; its capabilities otherwise."""
+    missing = missing_members(adapter)
+    if missing:
+        raise AdapterError(f"adapter {origin} is missing: {', '.join(missing)} (required: "
+                           f"{', '.join(REQUIRED_MEMBERS)}; optional: {', '.join(OPTIONAL_MEMBERS)})")
+    try:
+        pickle.dumps(adapter)
+    except Exception as exc:  # any pickling failure means the same: ranks cannot receive it
+        raise AdapterError(f"adapter {origin} cannot be sent to rank processes ({exc}); define its class at "
+                           "module level and keep framework objects out of its attributes") from exc
+    return capabilities_of(adapter)

@@ -1,0 +1,46 @@
+"""The built-in ``legacy`` adapter: the reference MoE saved *without* ExpertLayout.
+
+This is the bug as frameworks have it today: every EP rank saves its experts under local names
+and shapes, and DCP keeps one rank's copy.  It is the suite's negative control -- every cell that
+saves at ep > 1 must fail, and every ep=1 save (where local and global names agree) must pass; the
+project's tests assert exactly that, proving the matrix can fail.  Its load is the reference load
+without the ``check_saved_experts`` guard, so the damage shows as wrong values or a failed load
+rather than a refusal.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from conformance.adapters.reference import ReferenceAdapter
+
+
+class LegacyAdapter(ReferenceAdapter):
+    name = "legacy"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.checkpoint import save_legacy
+
+        save_legacy(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from reference_impl.checkpoint import state_dict
+        from reference_impl.expert_layout import expert_layout
+
+        state = state_dict(model, optimizer)
+        layout = expert_layout(model)
+        if layout is not None:
+            state = layout.to_global(state)
+        dcp.load(state, checkpoint_id=os.fspath(path))
+        if layout is not None:
+            state = layout.to_local(state)
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+    check_saved = None  # type: ignore[assignment]  # no guard: that is the point
+    save_legacy = None  # type: ignore[assignment]

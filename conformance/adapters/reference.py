@@ -1,0 +1,172 @@
+"""The built-in ``reference`` adapter: ``reference_impl`` end to end.
+
+The model is :class:`reference_impl.moe.MoEModel`, split with ``apply_expert_parallel``, sharded
+with ``apply_fsdp`` in FSDP cells, stepped with AdamW on :func:`conformance.synthetic_grad`
+gradients, and checkpointed through :mod:`reference_impl.checkpoint` (ExpertLayout + DCP).  Every
+applicable cell of the matrix passes; the ``legacy`` adapter shows what happens without the layout.
+
+Canonical names are the same for both layer kinds (``up``, ``gate``, ``down`` and their Adam
+moments ``up.exp_avg`` ...), so a packed row and the unpacked expert it equals compare equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from conformance.adapter import Capabilities, Spec
+from conformance.synthetic import synthetic_grad
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ReferenceAdapter:
+    name = "reference"
+    version = "0.1.0"
+    capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=True, max_ep=64,
+                                format="dcp")
+
+    # -- building ----------------------------------------------------------------------------------
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
+        import torch
+
+        from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, build_model
+
+        config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden, kind=spec.kind,
+                           activation=spec.activation, top_k=min(spec.top_k, spec.num_experts),
+                           shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype))
+        model = build_model(config, spec.num_layers, seed)
+        if mesh is not None:
+            apply_expert_parallel(model, mesh)
+            if spec.fsdp:
+                apply_fsdp(model, mesh)
+        if spec.optimizer_steps <= 0:
+            return model, None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        for step in range(spec.optimizer_steps):
+            self._set_grads(model, seed, step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return model, optimizer
+
+    @staticmethod
+    def _set_grads(model: Any, seed: int, step: int) -> None:
+        """Gradients from synthetic_grad by global identity, cut to the region this rank holds."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from reference_impl.moe import global_regions
+
+        layers = _layer_index(model)
+        for piece in global_regions(model):
+            layer, expert, name = _identify(piece.name, layers)
+            if expert is None and name in ("gate_w", "up_w", "down_w"):  # packed: one block per expert
+                full = torch.stack([synthetic_grad(seed, step, layer, g, name[:-2], piece.global_shape[1:])
+                                    for g in range(piece.global_shape[0])])
+            else:
+                full = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)
+            grad = full.to(piece.param.dtype)[piece.region].clone()
+            p = piece.param
+            if isinstance(p, DTensor):
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+            p.grad = grad
+
+    # -- checkpoint path ---------------------------------------------------------------------------
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.checkpoint import save
+
+        save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.checkpoint import load
+
+        load(model, optimizer, path)
+
+    def check_saved(self, model: Any, path: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from reference_impl.expert_layout import check_saved_experts
+
+        check_saved_experts(model, FileSystemReader(path).read_metadata().state_dict_metadata, where=path)
+
+    def save_legacy(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.checkpoint import save_legacy
+
+        save_legacy(model, optimizer, path)
+
+    # -- canonical views ---------------------------------------------------------------------------
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+        from reference_impl.expert_layout import moe_layers
+
+        state = optimizer.state if optimizer is not None else {}
+        for layer, (_, moe) in enumerate(moe_layers(model)):
+            for linear in ("gate", "up", "down") if moe.activation == "swiglu" else ("up", "down"):
+                if moe.kind == "unpacked":
+                    for i, expert in enumerate(moe.experts):
+                        weight = getattr(expert, linear).weight
+                        g = moe.local_expert_start + i
+                        yield layer, g, linear, weight
+                        for moment in MOMENTS:
+                            if moment in state.get(weight, {}):
+                                yield layer, g, f"{linear}.{moment}", state[weight][moment]
+                else:
+                    weight = getattr(moe, f"{linear}_w")
+                    tensors = {linear: weight} | {f"{linear}.{m}": state[weight][m]
+                                                  for m in MOMENTS if m in state.get(weight, {})}
+                    for name, tensor in tensors.items():
+                        yield from _rows(layer, moe.local_expert_start, name, tensor)
+
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+        from reference_impl.expert_layout import moe_layers
+
+        expert_params = set()
+        for _, moe in moe_layers(model):
+            expert_params |= {id(p) for p in (moe.experts.parameters() if moe.kind == "unpacked"
+                                              else (getattr(moe, w) for w in moe.packed_weights()))}
+        layers = _layer_index(model)
+        state = optimizer.state if optimizer is not None else {}
+        for fqn, p in model.named_parameters():
+            if id(p) in expert_params:
+                continue
+            name = ".".join(part for part in fqn.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
+            layer = _identify(name, layers)[0]
+            yield layer, None, name, p
+            for moment in MOMENTS:
+                if moment in state.get(p, {}):
+                    yield layer, None, f"{name}.{moment}", state[p][moment]
+
+
+def _rows(layer: int, start: int, name: str, tensor: Any) -> Iterator[tuple[int, int, str, Any]]:
+    """One packed tensor as per-expert rows: plain rows, or the rows of this rank's FSDP shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = tensor.to_local()
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        first = offset[0]
+    else:
+        local, first = tensor, 0
+    for i in range(local.shape[0]):
+        yield layer, start + first + i, name, local[i]
+
+
+def _layer_index(model: Any) -> dict[str, int]:
+    from reference_impl.expert_layout import moe_layers
+
+    return {prefix: i for i, (prefix, _) in enumerate(moe_layers(model))}
+
+
+def _identify(name: str, layers: dict[str, int]) -> tuple[int | None, int | None, str]:
+    """``(layer, global expert, short name)`` of an ep=1 parameter name of the reference model."""
+    for prefix, layer in layers.items():
+        head = f"{prefix}." if prefix else ""
+        if name.startswith(head):
+            rest = name[len(head):]
+            if rest.startswith("experts."):
+                _, g, linear, _ = rest.split(".")
+                return layer, int(g), linear
+            return layer, None, rest
+    return None, None, name

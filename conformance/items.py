@@ -1,0 +1,201 @@
+"""One pytest Item per matrix cell, run through the world engine (controller side).
+
+Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4``, so ``-k``,
+``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
+runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
+matrix runs on.  Each cell attaches its report record (see :mod:`pytest_moe_ep.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from conformance.adapter import Spec
+from conformance.checks import RankVerdict
+from conformance.matrix import Cell
+from pytest_moe_ep.distributed import DISTRIBUTED_ATTR, ENGINE, SETTINGS, run_on_world
+from pytest_moe_ep.report import RECORD
+from pytest_moe_ep.world.protocol import FunctionRef
+
+MATRIX = "moe-ep-matrix"
+RUN_CELL = FunctionRef("conformance.checks", "run_cell")
+CHECK_FUNCTIONS = FunctionRef("conformance.functions_suite", "check_functions")
+
+
+class CellFailed(Exception):
+    """A cell's checks found differences; the message is the whole diagnosis."""
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+class MatrixItem(pytest.Item):
+    """Common machinery: records, n/a skips, failure display."""
+
+    def __init__(self, *, record: dict[str, Any], na: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        setattr(self, DISTRIBUTED_ATTR, True)
+        self.record = {"id": self.nodeid, **record}
+        self.na = na
+
+    def _finish(self, status: str, detail: str, started: float) -> None:
+        self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3),
+                           torch=_torch_version())
+        self.user_properties.append((RECORD, self.record))
+
+    def runtest(self) -> None:
+        started = time.perf_counter()
+        if self.na:
+            self._finish("n/a", self.na, started)
+            pytest.skip(f"n/a: {self.na}")
+        try:
+            status, detail = self.check()
+        except pytest.skip.Exception as exc:
+            self._finish("n/a", str(exc.msg), started)
+            raise
+        except BaseException as exc:
+            message = getattr(exc, "msg", None) or str(exc)
+            self._finish("error", message.splitlines()[0] if message else type(exc).__name__, started)
+            raise
+        self._finish(status, detail, started)
+        if status == "fail":
+            raise CellFailed(detail)
+
+    def check(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Any, int | None, str]:
+        return self.path, None, self.nodeid
+
+    @property
+    def world_size(self) -> int:
+        return self.config.stash[SETTINGS].world_size
+
+    @property
+    def backend(self) -> str:
+        return self.config.stash[SETTINGS].backend
+
+
+class CheckpointCellItem(MatrixItem):
+    def __init__(self, *, cell: Cell, adapter: Any, base: Spec, **kwargs: Any) -> None:
+        record = {"suite": "checkpoint", "adapter": adapter.name, "adapter_version": str(adapter.version),
+                  "kind": cell.kind, "state": cell.state, "fsdp": cell.fsdp, "save_ep": cell.save_ep,
+                  "load_ep": cell.load_ep, "num_experts": cell.num_experts, "legacy": cell.legacy}
+        super().__init__(record=record, na=cell.na, **kwargs)
+        self.cell, self.adapter, self.base = cell, adapter, base
+
+    def check(self) -> tuple[str, str]:
+        engine = self.config.stash[ENGINE]
+        with contextlib.ExitStack() as stack:
+            if hasattr(engine, "shared_dir"):
+                path = str(engine.shared_dir(self.nodeid))
+            else:
+                path = stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-ep-cell-"))
+            result = run_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, path), {},
+                                  world_size=self.world_size, backend=self.backend)
+        verdicts: list[RankVerdict] = result.values
+        self.record["timings"] = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4)
+                                  for k in ("build", "save", "load")}
+        return summarize(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
+
+
+class FunctionsCellItem(MatrixItem):
+    def __init__(self, *, cell: Any, module: str, na: str = "", **kwargs: Any) -> None:
+        record = {"suite": "functions", "adapter": module, "adapter_version": "", "function": "*",
+                  "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
+        super().__init__(record=record, na=na, **kwargs)
+        self.cell, self.module = cell, module
+
+    def check(self) -> tuple[str, str]:
+        from conformance.functions_suite import merge_rank_records
+
+        result = run_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {}, world_size=self.cell.world_size,
+                              backend=self.backend)
+        records = merge_rank_records(result.values)
+        for r in records:  # one record per function; the item's own record summarises them
+            self.user_properties.append((RECORD, {"id": f"{self.nodeid}::{r['function']}",
+                                                  "adapter": self.module, "adapter_version": "",
+                                                  "duration_s": 0.0, "torch": _torch_version(), **r}))
+        self.record["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
+        failed = [r for r in records if r["status"] != "pass"]
+        if not failed:
+            return "pass", f"{len(records)} functions agree with the reference"
+        lines = [f"{len(failed)} of {len(records)} functions disagree with the reference on "
+                 f"mesh {self.cell.mesh} {self.cell.placements}, k={self.cell.k}:"]
+        lines += [f"  {r['function']}: {r['detail']} ({r.get('count', 1)} case(s))" for r in failed]
+        return "fail", "\n".join(lines)
+
+    def _finish(self, status: str, detail: str, started: float) -> None:
+        # The per-function records carry the report; the item's own record is dropped from it.
+        self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3))
+        if status in ("n/a", "error"):
+            self.record["function"] = "*"
+            self.record["torch"] = _torch_version()
+            self.user_properties.append((RECORD, self.record))
+
+
+def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
+    """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen."""
+    head = (f"{cell.node_name} (adapter {adapter}; E={cell.num_experts}, saved at ep={cell.save_ep}, "
+            f"loaded at ep={cell.load_ep})")
+    if cell.legacy:
+        refused = {v.rank: v.refused for v in verdicts if v.refused}
+        if len(refused) == len(verdicts):
+            return "pass", f"refused on every rank: {next(iter(refused.values()))}"
+        silent = [v.rank for v in verdicts if not v.refused]
+        lines = [f"{head}: a checkpoint saved the legacy way was loaded without refusal on rank(s) "
+                 f"{', '.join(map(str, silent))}"]
+        lines += _mismatch_lines(verdicts)
+        return "fail", "\n".join(lines)
+    problems = [p for v in verdicts for p in v.problems]
+    count = sum(v.mismatch_count for v in verdicts)
+    if not problems and not count:
+        compared = sum(v.compared for v in verdicts)
+        return "pass", f"{compared} tensors on {len(verdicts)} ranks equal the ep=1 ground truth bit for bit"
+    lines = [head]
+    lines += _mismatch_lines(verdicts)
+    lines += [f"- {p}" for p in problems[:6]]
+    if len(problems) > 6:
+        lines.append(f"- ... and {len(problems) - 6} more problems")
+    return "fail", "\n".join(lines)
+
+
+def _mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
+    found = [m for v in sorted(verdicts, key=lambda v: v.rank) for m in v.mismatches]
+    if not found:
+        return []
+    count = sum(v.mismatch_count for v in verdicts)
+    first = found[0]
+    lines = [f"first difference: {first.where()}: {first.problem}"]
+    ranks = sorted({v.rank for v in verdicts if v.mismatch_count})
+    others = [m for m in found[1:] if m.rank != first.rank][:3]
+    lines += [f"  also {m.where()}: {m.problem}" for m in others]
+    if count > 1:
+        lines.append(f"{count - 1} other difference(s), on rank(s) {', '.join(map(str, ranks))}")
+    return lines
+
+
+def collect_items(parent: pytest.Collector, *, adapter: Any, cells: list[Cell], base: Spec,
+                  functions: tuple[str, str, list[Any]] | None) -> Iterator[MatrixItem]:
+    """Checkpoint cells for ``adapter``, then functions cells for ``(module, why n/a, cells)``."""
+    if adapter is not None:
+        for cell in cells:
+            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, cell=cell, adapter=adapter, base=base)
+    if functions is not None:
+        module, na, fcells = functions
+        for fcell in fcells:
+            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, cell=fcell, module=module, na=na)

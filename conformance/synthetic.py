@@ -1,0 +1,47 @@
+"""Deterministic tensors for the conformance suite: the same values at every EP degree.
+
+A checkpoint cell compares a load at ``ep=M`` with a save at ``ep=N`` bit for bit and without
+communication, so every value an adapter puts into its model must be a pure function of global
+identities -- the seed, the optimizer step, the MoE layer, the *global* expert id and the tensor's
+name -- never of the rank that happens to hold it.  Each expert gets different values, so a rank
+holding the wrong expert is caught and named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["synthetic_grad", "synthetic_tensor", "synthetic_weight"]
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.sha256("\x1f".join(map(repr, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
+    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone."""
+    import torch
+
+    generator = torch.Generator().manual_seed(_seed(*key))
+    out = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
+    return out if dtype is None else out.to(dtype)
+
+
+def synthetic_grad(seed: int, step: int, layer: int | None, global_expert_id: int | None, name: str,
+                   shape: Sequence[int], dtype: Any = None) -> Any:
+    """The gradient of ``name`` (an expert's weight when ``global_expert_id`` is set) at ``step``.
+
+    Expert parameters use ``(seed, step, layer, global_expert_id, name)``; everything else passes
+    ``global_expert_id=None`` (and ``layer=None`` outside MoE layers).  Deterministic, different for
+    every expert, and identical at every EP degree.
+    """
+    return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name, dtype=dtype)
+
+
+def synthetic_weight(seed: int, layer: int | None, global_expert_id: int | None, name: str,
+                     shape: Sequence[int], dtype: Any = None, scale: float = 0.02) -> Any:
+    """Initial weights keyed like :func:`synthetic_grad`, for adapters whose framework init is not."""
+    return synthetic_tensor(shape, "weight", seed, layer, global_expert_id, name, scale=scale, dtype=dtype)
