@@ -23,6 +23,9 @@ example adapter):
     The framework's refusal of a lossy checkpoint.
 ``save_legacy(model, optimizer, path)`` (optional)
     The framework's old, lossy save, for the legacy-refusal cell.
+``preload`` (optional)
+    Module names the rank fork server imports once (the framework itself), so no cell pays for
+    importing it.
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ __all__ = [
 
 REQUIRED_MEMBERS = ("name", "version", "capabilities", "build", "save", "load", "expert_tensors",
                     "other_tensors")
-OPTIONAL_MEMBERS = ("check_saved", "save_legacy")
+OPTIONAL_MEMBERS = ("check_saved", "save_legacy", "preload")
 BUILTIN_ADAPTERS = {
     "reference": "conformance.adapters.reference:ReferenceAdapter",
     "legacy": "conformance.adapters.legacy:LegacyAdapter",
+    "nemo_automodel": "conformance.adapters.nemo_automodel:NemoAutomodelAdapter",
+    "torchtitan": "conformance.adapters.torchtitan:TorchtitanAdapter",
+    "torchtitan-local": "conformance.adapters.torchtitan:TorchtitanLocalAdapter",
+    "deepspeed": "conformance.adapters.deepspeed:DeepSpeedAdapter",
 }
 
 

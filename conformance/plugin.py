@@ -106,7 +106,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     engine = config.stash[ENGINE]
     if hasattr(engine, "add_preload"):
         modules = ["conformance.checks", "reference_impl.checkpoint", "conformance.functions_suite"]
-        engine.add_preload([*modules, type(adapter).__module__] if adapter is not None else modules)
+        if adapter is not None:
+            modules += [type(adapter).__module__, *getattr(adapter, "preload", ())]
+        engine.add_preload(modules)
     collector = MatrixCollector.from_parent(session, name=MATRIX, nodeid=MATRIX)
     items.extend(collect_items(collector, adapter=adapter, cells=cells or [], base=Spec(), functions=functions))
 
