@@ -205,7 +205,8 @@ def summarize(value: Any, source: int | None) -> Any:
     if isinstance(value, DeviceMesh):
         return MeshValue(value.mesh_dim_names, tuple(value.shape), tuple(value.mesh.flatten().tolist()))
     if isinstance(value, (tuple, list)):
-        return type(value)(summarize(v, source) for v in value)
+        items = [summarize(v, source) for v in value]
+        return items if isinstance(value, list) else tuple(items)  # torch.Size, namedtuples: plain tuples
     return value
 
 
@@ -460,8 +461,8 @@ def check_functions(module: str, cell: FunctionsCell, num_experts: Sequence[int]
         if callable(found):
             pairs[name] = (getattr(reference, name), found)
         elif not tallies[name].missing:
-            what = "is not callable" if found is not None else "is missing"
-            tallies[name].missing = f"missing: {module!r} has no function {name!r} ({name} {what})"
+            why = f" ({name} is a {type(found).__name__}, not callable)" if found is not None else ""
+            tallies[name].missing = f"missing: {module!r} has no function {name!r}{why}"
 
     common = {"k": cell.k, "mesh": cell.mesh, "placements": cell.placements, "rank": rank}
 
