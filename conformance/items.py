@@ -35,7 +35,7 @@ class CellFailed(Exception):
 def _torch_version() -> str:
     import torch
 
-    return torch.__version__
+    return str(torch.__version__)  # a str subclass that execnet (xdist) cannot send
 
 
 class MatrixItem(pytest.Item):

@@ -78,7 +78,7 @@ def _functions(config: pytest.Config) -> tuple[str, str, list[Any]] | None:
     na = ""
     if spec is None:
         if given in FUNCTIONS_BUILTINS:
-            na = f"{name} is not installed"
+            na = f"{name.split('.')[0]} is not installed (the suite would check {name})"
         else:
             raise pytest.UsageError(f"pytest-moe-ep: --moe-ep-functions={given}: cannot find module {name!r}")
     return module, na, functions_cells()

@@ -72,6 +72,10 @@ def run_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwar
         return result
     # Outside the except blocks, so pytest shows the report once rather than a chain of exceptions.
     if "failed" in locals():
+        skips = {r: e for r, e in failed.errors.items() if e.type_name == "Skipped"}
+        if skips and len(skips) == len(failed.errors) == world_size:  # pytest.skip() on every rank
+            attach_outputs(item, failed.outputs)
+            pytest.skip(skips[0].message)
         attach_outputs(item, failed.outputs)
         pytest.fail(failed.report(), pytrace=False)
     pytest.skip(skipped)

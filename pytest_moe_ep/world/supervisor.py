@@ -91,12 +91,14 @@ class WorldError(Exception):
     """A call failed.  ``headline`` names the rank(s) at fault; ``report()`` has every rank's story."""
 
     def __init__(self, headline: str, sections: list[tuple[str, str]], outputs: list[RankOutput],
-                 ranks: list[int]) -> None:
+                 ranks: list[int], errors: dict[int, RankError] | None = None) -> None:
         super().__init__(headline)
         self.headline = headline
         self.sections = sections
         self.outputs = outputs
         self.ranks = ranks
+        #: the exception each rank raised, by rank (ranks that died or hung have none).
+        self.errors = errors or {}
 
     def report(self) -> str:
         parts = [self.headline]
@@ -475,7 +477,7 @@ class Supervisor:
                 sections.append((f"rank {r} stack at the deadline ({label})" if timed_out
                                  else f"rank {r} stack when stopped", stacks[r]))
         cls = WorldTimeout if timed_out else RankFailure
-        return cls(headline, sections, outputs, at_fault)
+        return cls(headline, sections, outputs, at_fault, errors)
 
     # -- shutdown -------------------------------------------------------------------------------
     def kill_all(self) -> None:

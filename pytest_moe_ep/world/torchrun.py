@@ -104,7 +104,7 @@ class TorchrunWorld:
             heads = "; ".join(e.headline() for _, e in sorted(errors.items()))
             raise RankFailure(f"{where} failed on rank(s) {', '.join(map(str, sorted(errors)))}: {heads}",
                               [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())],
-                              self._no_output(), sorted(errors))
+                              self._no_output(), sorted(errors), errors)
         return CallResult([outcomes[r][0] for r in range(self.world_size)], self._no_output())
 
     def _no_output(self) -> list[RankOutput]:

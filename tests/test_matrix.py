@@ -1,0 +1,201 @@
+"""``pytest --moe-ep-matrix`` end to end (pytester subprocesses): reference, legacy, broken adapters, reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_moe_ep.report import SCHEMA_VERSION, diff_reports
+
+RAISES_IN_LOAD = """
+import torch.distributed as dist
+from conformance.adapters.reference import ReferenceAdapter
+
+class RaisesInLoad(ReferenceAdapter):
+    name = "raises-in-load"
+
+    def load(self, model, optimizer, path):
+        if dist.get_rank() == 1:
+            raise RuntimeError("deliberate failure inside load on rank 1")
+        super().load(model, optimizer, path)
+"""
+
+MISSING_LOAD = """
+from conformance.adapter import Capabilities
+
+class NoLoad:
+    name = "no-load"
+    version = "1"
+    capabilities = Capabilities(kinds=("packed",), optimizer=False, fsdp=False, uneven=False, max_ep=4, format="dcp")
+    def build(self, spec, mesh, seed): ...
+    def save(self, model, optimizer, path): ...
+    def expert_tensors(self, model, optimizer): ...
+"""
+
+HOOK_CONFTEST = """
+from conformance.adapters.reference import ReferenceAdapter
+
+class FromHook(ReferenceAdapter):
+    name = "from-hook"
+
+def pytest_moe_ep_adapter(config):
+    return FromHook()
+"""
+
+
+def run(pytester: pytest.Pytester, *args: str, timeout: float = 600) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
+
+
+def report(directory: Path) -> dict[str, Any]:
+    doc = json.loads((directory / "moe-ep-conformance.json").read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION
+    assert set(doc) >= {"schema_version", "adapter", "torch", "backend", "world_size", "created", "summary", "cells"}
+    assert set(doc["summary"]) == {"pass", "fail", "error", "n/a"}
+    assert sum(doc["summary"].values()) == len(doc["cells"])
+    for cell in doc["cells"]:
+        assert {"id", "suite", "status", "detail", "duration_s"} <= set(cell), cell
+        assert cell["status"] in ("pass", "fail", "error", "n/a")
+        keys = ({"kind", "state", "fsdp", "save_ep", "load_ep", "num_experts"} if cell["suite"] == "checkpoint"
+                else {"function", "num_experts", "ep", "mesh", "placements"})
+        assert keys <= set(cell), cell
+    return doc
+
+
+def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> None:
+    out = pytester.path / "out"
+    result = run(pytester, "--moe-ep-matrix", f"--moe-ep-report={out}")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    doc = report(out)
+    assert doc["adapter"] == {"name": "reference", "version": "0.1.0"}
+    cells = doc["cells"]
+    assert doc["summary"]["fail"] == doc["summary"]["error"] == 0
+    assert doc["summary"]["pass"] >= 80
+    na = {c["detail"] for c in cells if c["status"] == "n/a"}
+    assert na == {"adapter does not declare cross_kind (loading one layer kind's checkpoint into the other)"}
+    assert any(c["id"] == "moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4" for c in cells)
+    assert any(c["num_experts"] == 6 and c["load_ep"] == 4 and c["status"] == "pass" for c in cells)
+    legacy = [c for c in cells if c.get("legacy")]
+    assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"] for c in legacy)
+    md = (out / "moe-ep-conformance.md").read_text()
+    assert "| save ep=2 | pass" in md and "## Environment" in md
+    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "unpacked · model+optim · fsdp · E=4"])
+
+
+def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(pytester: pytest.Pytester) -> None:
+    out = pytester.path / "out"
+    result = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=legacy", f"--moe-ep-report={out}")
+    assert result.ret == 1
+    cells = [c for c in report(out)["cells"] if c["status"] != "n/a"]
+    saved_wide = [c for c in cells if c["save_ep"] > 1]
+    saved_at_one = [c for c in cells if c["save_ep"] == 1]
+    assert saved_wide and saved_at_one
+    assert [c["id"] for c in saved_wide if c["status"] == "pass"] == []
+    assert [c["id"] for c in saved_at_one if c["status"] != "pass"] == []
+    # The classic bug is named: a rank holds another expert's values, or the checkpoint lacks experts.
+    same_ep = next(c for c in cells if c["id"] == "moe-ep-matrix::checkpoint::unpacked::model::ep-only::ep2->ep2")
+    assert same_ep["status"] in ("fail", "error")
+    assert "expert" in same_ep["detail"]
+
+
+def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(broken_adapter=RAISES_IN_LOAD)
+    result = run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=broken_adapter:RaisesInLoad",
+                 "-k", "unpacked::model::ep-only", "-p", "no:randomly")
+    result.assert_outcomes(failed=4)  # every ep pair of the selection loads, and rank 1 raises in each
+    result.stdout.fnmatch_lines([
+        "*failed on rank(s) 1: rank 1 raised RuntimeError: deliberate failure inside load on rank 1",
+        "*in load",
+    ])
+
+
+def test_adapter_missing_a_method_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(no_load=MISSING_LOAD)
+    result = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=no_load:NoLoad")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*adapter 'no_load:NoLoad' is missing: load, other_tensors*"])
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ("no_such_module:Adapter", "cannot import adapter module 'no_such_module' (from 'no_such_module:Adapter')"),
+    ("conformance.adapters.reference:Nope", "has no attribute 'Nope' (from 'conformance.adapters.reference:Nope')"),
+    ("nonsense", "unknown adapter 'nonsense': give a built-in name"),
+])
+def test_bad_adapter_paths_are_usage_errors(pytester: pytest.Pytester, given: str, message: str) -> None:
+    result = run(pytester, "--moe-ep-matrix", f"--moe-ep-adapter={given}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_ep_that_does_not_divide_the_world_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "--moe-ep-matrix=1,3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*EP degrees ?3? do not divide the world size 4*"])
+
+
+def test_adapter_from_a_conftest_hook(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(HOOK_CONFTEST)
+    out = pytester.path / "out"
+    result = run(pytester, "--moe-ep-matrix=2", "-k", "unpacked::model::ep-only", f"--moe-ep-report={out}")
+    result.assert_outcomes(passed=1)
+    assert report(out)["adapter"]["name"] == "from-hook"
+
+
+def test_xdist_merges_every_worker_into_one_report(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    out = pytester.path / "out"
+    result = run(pytester, "-n", "2", "-p", "xdist", "--moe-ep-matrix=1,2", "-k", "ep-only and not E6",
+                 f"--moe-ep-report={out}")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    doc = report(out)
+    ran = [c for c in doc["cells"] if c["status"] == "pass"]
+    assert len(ran) == 2 * 2 * 4  # packed/unpacked x model/model+optim x 4 ep pairs, from both workers
+    assert doc["summary"]["n/a"] == 2 * 4  # packed<->unpacked, which the reference does not declare
+    assert len({c["id"] for c in doc["cells"]}) == len(doc["cells"])
+
+
+def test_functions_suite_on_the_reference_and_on_a_balanced_split(pytester: pytest.Pytester) -> None:
+    good, bad = pytester.path / "good", pytester.path / "bad"
+    result = run(pytester, "--moe-ep-functions=reference", f"--moe-ep-report={good}")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    assert all(c["status"] == "pass" for c in report(good)["cells"])
+    result = run(pytester, "--moe-ep-functions=balanced", f"--moe-ep-report={bad}")
+    assert result.ret == 1
+    failed = [c for c in report(bad)["cells"] if c["status"] == "fail"]
+    assert failed
+    for record in failed:
+        for case in record.get("disagreements", []):
+            assert case["E"] % record["ep"] != 0, record
+    result.stdout.fnmatch_lines(["*functions disagree with the reference*"])
+
+
+def test_functions_suite_for_a_missing_framework_is_na(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("torch")
+    try:
+        import nemo_automodel  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("NeMo Automodel is installed here: its suite really runs")
+    result = run(pytester, "--moe-ep-functions=nemo_automodel", "-rs")
+    result.stdout.fnmatch_lines(["*n/a: nemo_automodel is not installed*"])
+    assert result.ret == 0
+
+
+def test_report_diff_prints_changed_cells(tmp_path: Path) -> None:
+    old = {"schema_version": SCHEMA_VERSION, "cells": [{"id": "a", "status": "pass"}, {"id": "b", "status": "pass"}]}
+    new = {"schema_version": SCHEMA_VERSION,
+           "cells": [{"id": "a", "status": "fail", "detail": "rank 1 holds expert 0's values"},
+                     {"id": "b", "status": "pass"}]}
+    assert diff_reports(old, new) == ["a: pass -> fail  (rank 1 holds expert 0's values)"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    proc = subprocess.run([sys.executable, "-m", "pytest_moe_ep.report", str(tmp_path / "old.json"),
+                           str(tmp_path / "new.json")], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == "a: pass -> fail  (rank 1 holds expert 0's values)"
