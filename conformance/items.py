@@ -97,6 +97,9 @@ class CheckpointCellItem(MatrixItem):
                   "load_ep": cell.load_ep, "num_experts": cell.num_experts, "legacy": cell.legacy}
         super().__init__(record=record, na=cell.na, **kwargs)
         self.cell, self.adapter, self.base = cell, adapter, base
+        # -k cannot contain ">", so "ep2->ep4" is also selectable as "save_ep2 and load_ep4".
+        self.extra_keyword_matches.update({f"save_ep{cell.save_ep}", f"load_ep{cell.load_ep}",
+                                           f"E{cell.num_experts}"})
 
     def check(self) -> tuple[str, str]:
         engine = self.config.stash[ENGINE]

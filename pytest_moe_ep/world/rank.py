@@ -120,6 +120,23 @@ def _flush() -> None:
             stream.flush()
 
 
+def _message(exc: BaseException) -> str:
+    """``str(exc)``, plus each rank's cause when ``exc`` gathers them (DCP's CheckpointException).
+
+    DCP reports a failed save or load as ``CheckpointException ranks:dict_keys([2, 3])``; the
+    missing key or shape mismatch that a framework engineer needs is inside ``exc.failures``.
+    """
+    message = str(exc)
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = []
+        for failed_rank, failure in sorted(failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) and failure else failure
+            causes.append(f"rank {failed_rank}: {type(cause).__name__}: {' '.join(str(cause).split())}")
+        message = f"{type(exc).__name__} on rank(s) {sorted(failures)}: " + "; ".join(causes) + f"\n{message}"
+    return message
+
+
 def _error(rank: int, exc: BaseException, skip_frames: int = 0) -> RankError:
     """``exc`` flattened, its traceback without the engine's own ``skip_frames`` outer frames."""
     tb = exc.__traceback__
@@ -127,7 +144,7 @@ def _error(rank: int, exc: BaseException, skip_frames: int = 0) -> RankError:
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return RankError(rank, type(exc).__qualname__, str(exc), text)
+    return RankError(rank, type(exc).__qualname__, _message(exc), text)
 
 
 def _init_process_group(spec: RankSpec) -> Any:

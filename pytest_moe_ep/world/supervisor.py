@@ -73,6 +73,23 @@ def _shorten(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _grouped_details(states: list[RankState], at_fault: list[int], errors: dict[int, RankError]) -> str:
+    """What the ranks at fault did, ranks with the same error named once: "ranks 0, 1 raised X: m"."""
+    groups: dict[str, list[int]] = {}
+    for s in states:
+        if s.rank not in at_fault or not s.detail:
+            continue
+        if s.rank in errors:
+            e = errors[s.rank]
+            first = e.message.strip().splitlines()[0] if e.message.strip() else ""
+            key = f"raised {e.type_name}: {first}".rstrip(": ")
+        else:
+            key = s.detail.split(" ", 2)[2] if s.detail.startswith(f"rank {s.rank} ") else s.detail
+        groups.setdefault(key, []).append(s.rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} {_shorten(what, 400)}"
+                     for what, r in groups.items())
+
+
 @dataclass
 class RankOutput:
     stdout: str = ""
@@ -461,8 +478,7 @@ class Supervisor:
             headline = (f"{where} passed its {timeout_s:g}s deadline; suspect rank(s) {names}"
                         + (f" (ranks {', '.join(map(str, waiting))} wait in a collective)" if waiting else ""))
         else:
-            details = "; ".join(_shorten(s.detail) for s in states if s.rank in at_fault and s.detail)
-            headline = f"{where} failed on rank(s) {names}: {details}"
+            headline = f"{where} failed on rank(s) {names}: {_grouped_details(states, at_fault, errors)}"
         sections: list[tuple[str, str]] = [
             ("ranks", "\n".join(f"rank {s.rank}: {s.state}" + (" <- suspect" if s.rank in at_fault else "")
                                 for s in states))]
