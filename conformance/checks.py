@@ -144,6 +144,8 @@ def compare(rank: int, got: dict[Key, tuple[Any, Any]], truth: dict[Key, Any],
 
 # -- checkpoint metadata --------------------------------------------------------------------------
 _UNPACKED = re.compile(r"^(?P<prefix>.*experts?)\.(?P<id>\d+)\.(?P<suffix>.+)$", re.IGNORECASE)
+#: a shared expert (torchtitan's and DeepSeek's ``shared_experts``) is a dense FFN with no expert axis.
+_SHARED = re.compile(r"shared_?experts?", re.IGNORECASE)
 
 
 def metadata_problems(path: str, num_experts: int) -> list[str]:
@@ -165,7 +167,7 @@ def metadata_problems(path: str, num_experts: int) -> list[str]:
         if overlap or volume != total:
             problems.append(f"checkpoint key {key!r}: its {len(boxes)} chunks cover {volume} of {total} "
                             f"elements{' and overlap' if overlap else ''}")
-        if "expert" not in key.lower():
+        if "expert" not in key.lower() or _SHARED.search(key):
             continue
         found = _UNPACKED.match(key)
         if found:
