@@ -1,0 +1,38 @@
+"""The CI assets a framework copies: the GitHub workflow uses the commands README documents."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_workflow_runs_the_documented_commands() -> None:
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((ROOT / "ci/github/moe-ep-conformance.yml").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert set(workflow["jobs"]) == {"cpu", "gpu"}
+    runs = {job: [step.get("run", "") for step in spec["steps"]] for job, spec in workflow["jobs"].items()}
+    matrix_cpu = [r for r in runs["cpu"] if "--moe-ep-matrix" in r]
+    matrix_gpu = [r for r in runs["gpu"] if "--moe-ep-matrix" in r]
+    assert matrix_cpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-report=moe-ep-report/cpu"]
+    assert matrix_gpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-backend=nccl "
+                          "--moe-ep-report=moe-ep-report/gpu"]
+    # Every option the workflow passes is one README documents.
+    for option in set(re.findall(r"--moe-ep-[a-z-]+", " ".join(matrix_cpu + matrix_gpu))):
+        assert option in readme, option
+    uploads = [s for s in workflow["jobs"]["cpu"]["steps"] if "upload-artifact" in s.get("uses", "")]
+    assert uploads and uploads[0]["with"]["path"] == "moe-ep-report/cpu"
+    assert any("gh release upload" in r for r in runs["cpu"])
+    # YAML reads the bare key `on` as True.
+    assert "release" in workflow[True]
+
+
+def test_ci_run_installs_pinned_cpu_torch_first_and_runs_the_readme_test_command() -> None:
+    ci_run = (ROOT / ".ci/run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert ci_run.index("torch==2.13.0") < ci_run.index('-e ".[test]"')
+    assert "bash ci/test.sh" in ci_run and "bash ci/test.sh" in readme.split("## Quick start")[1].split("##")[0]
