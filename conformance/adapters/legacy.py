@@ -10,7 +10,6 @@ rather than a refusal.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from conformance.adapters.reference import ReferenceAdapter
@@ -25,22 +24,9 @@ class LegacyAdapter(ReferenceAdapter):
         save_legacy(model, optimizer, path)
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from reference_impl.checkpoint import load
 
-        from reference_impl.checkpoint import state_dict
-        from reference_impl.expert_layout import expert_layout
-
-        state = state_dict(model, optimizer)
-        layout = expert_layout(model)
-        if layout is not None:
-            state = layout.to_global(state)
-        dcp.load(state, checkpoint_id=os.fspath(path))
-        if layout is not None:
-            state = layout.to_local(state)
-        set_model_state_dict(model, state["model"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        load(model, optimizer, path, check_saved=False)
 
     check_saved = None  # type: ignore[assignment]  # no guard: that is the point
     save_legacy = None  # type: ignore[assignment]
