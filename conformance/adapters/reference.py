@@ -35,7 +35,7 @@ class ReferenceAdapter:
         config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden, kind=spec.kind,
                            activation=spec.activation, top_k=min(spec.top_k, spec.num_experts),
                            shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype))
-        model = build_model(config, spec.num_layers, seed)
+        model = build_model(config, spec.num_layers, seed).to(_device(mesh))
         if mesh is not None:
             apply_expert_parallel(model, mesh)
             if spec.fsdp:
@@ -65,7 +65,7 @@ class ReferenceAdapter:
                                     for g in range(piece.global_shape[0])])
             else:
                 full = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)
-            grad = full.to(piece.param.dtype)[piece.region].clone()
+            grad = full[piece.region].to(device=piece.local.device, dtype=piece.param.dtype, copy=True)
             p = piece.param
             if isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
@@ -135,6 +135,19 @@ class ReferenceAdapter:
             for moment in MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
+
+
+def _device(mesh: Any) -> Any:
+    """The mesh's device (cuda under NCCL); the ground truth (no mesh) uses the world's device too, so
+    its optimizer runs the same kernels as the model it is compared with."""
+    import torch
+    import torch.distributed as dist
+
+    if mesh is not None:
+        kind = mesh.device_type
+    else:
+        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
 def _rows(layer: int, start: int, name: str, tensor: Any) -> Iterator[tuple[int, int, str, Any]]:
