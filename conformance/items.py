@@ -63,8 +63,12 @@ class MatrixItem(pytest.Item):
             self._finish("n/a", str(exc.msg), started)
             raise
         except BaseException as exc:
-            message = getattr(exc, "msg", None) or str(exc)
-            self._finish("error", message.splitlines()[0] if message else type(exc).__name__, started)
+            message = (getattr(exc, "msg", None) or str(exc) or type(exc).__name__).splitlines()[0]
+            # "conformance.checks:run_cell on a 4-rank gloo world failed on ..." -> "failed on ..."
+            prefix = f"{RUN_CELL} on a " if message.startswith(str(RUN_CELL)) else f"{CHECK_FUNCTIONS} on a "
+            if message.startswith(prefix) and " world " in message:
+                message = message.split(" world ", 1)[1]
+            self._finish("error", message, started)
             raise
         self._finish(status, detail, started)
         if status == "fail":
