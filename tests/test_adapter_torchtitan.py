@@ -14,7 +14,7 @@ change in the harness or in torchtitan that flips one is noticed:
 * both: unpacked and cross-kind cells and legacy cells are n/a (``GroupedExperts`` is packed;
   torchtitan has no legacy save).
 
-The two runs take about 50 s and 65 s on 2 cores.
+Each run takes about 50-80 s on 2 cores (the whole module about 2.5 min on a loaded machine).
 """
 
 from __future__ import annotations
