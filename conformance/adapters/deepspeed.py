@@ -1,0 +1,325 @@
+"""The built-in ``deepspeed`` adapter: DeepSpeed's native MoE and its engine checkpoint.
+
+What it drives (DeepSpeed 0.19.8; all of it DeepSpeed's own code):
+
+* the model: ``num_layers`` blocks, each a ``LayerNorm`` and a ``deepspeed.moe.layer.MoE``
+  (``num_experts=E``, ``ep_size=ep``, ``k=top_k``; the shared expert is DeepSpeed's residual MoE,
+  ``use_residual=True``: an always-on ``mlp`` mixed in by a learned ``coefficient``).  The expert is a
+  small SwiGLU (or GELU) MLP that ``Experts`` deep-copies into its ``nn.ModuleList`` of local
+  experts: the "unpacked" layer kind.  Native MoE has no packed kind (DeepSpeed's fused-weight
+  layers belong to AutoEP, which this adapter does not drive);
+* ``deepspeed.initialize`` (ZeRO stage 0, fp32) wraps it in a ``DeepSpeedEngine``, which creates the
+  expert-parallel and expert-data-parallel groups from ``ep_size`` (consecutive ranks form an EP
+  group; the harness mesh is used for its ``ep`` size only) and, in model+optimizer cells, its
+  optimizer from the config: ``AdamW`` with ``torch_adam`` over the groups
+  ``configure_moe_param_groups`` makes (expert and dense parameters apart).  ``engine.step()``
+  applies :func:`conformance.synthetic_grad` gradients set on ``.grad``;
+* ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (tag from ``latest``) are the checkpoint
+  path: one ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` per layer and *global* expert
+  (written by expert-data-parallel rank 0, local ids renamed to global ones), the dense weights in
+  ``mp_rank_00_model_states.pt``, and the optimizer in ``expp_rank_<r>_mp_rank_00_optim_states.pt``,
+  one file per EP rank.  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value
+  check runs.
+
+A local expert's global id follows DeepSpeed's rule, the one its save and load use:
+``expp_rank * num_local_experts + local_id``, ``expp_rank = groups._get_expert_parallel_rank``.
+DeepSpeed starts every expert as a copy of one template, so all weights are overwritten with
+:func:`conformance.synthetic_weight` (experts keyed by that global id, the rest by layer and name).
+
+The ground truth (``build(spec, None, seed)``) is the same model at ``ep_size=1`` without an engine
+(``MoE`` needs no process group until the engine calls ``set_deepspeed_parallelism``), stepped by
+``torch.optim.AdamW`` over the same ``configure_moe_param_groups``: what the engine's fp32 ZeRO-0
+``step()`` runs, minus a data-parallel gradient average that identical synthetic gradients make moot.
+
+Settings and workarounds, none of which changes what is checked:
+
+* ``gradient_clipping: 0``: DeepSpeed clips to a global norm of 1.0 by default, a norm summed over
+  every rank's experts whose rounding depends on the EP degree -- it would test the clip, not the
+  checkpoint.
+* ``DS_ACCELERATOR=cpu`` is set (unless set already) when this module is imported, which the rank
+  fork server does before it imports ``deepspeed`` (``preload``): DeepSpeed picks its accelerator at
+  import, and the CPU accelerator speaks gloo, the world's backend.  ``deepspeed.initialize`` then
+  joins the world's default process group (``init_distributed`` wraps an initialised
+  ``torch.distributed``).  CPU/gloo only: on an NCCL world the CUDA accelerator would step with
+  other kernels than the CPU ground truth.
+* Persistent world: DeepSpeed keeps its expert groups in module globals for the life of the process
+  and names and finds the optimizer file by *the largest EP group ever created*
+  (``groups._get_max_expert_size_name``).  A rank process here runs many cells at several EP
+  degrees, so before each engine is built the adapter leaves only that cell's ``ep_size_<ep>`` groups
+  visible -- what a fresh DeepSpeed job at that degree sees -- and keeps the others (created once per
+  process, in the same order on every rank) aside for reuse.
+* The CPU accelerator JIT-compiles a shared-memory communication op at the first
+  ``deepspeed.initialize`` of a machine (minutes); ``ci/install_deepspeed.sh`` compiles it at install.
+
+What the matrix finds: model-only cells pass at every EP pair -- the per-global-expert files
+re-shard the weights.  Model+optimizer cells pass when saved and loaded at the same EP degree and
+error at any other: the optimizer is each EP rank's plain ``torch.optim`` ``state_dict`` (moments by
+position among that rank's local experts), so ``load_checkpoint`` reads a file of another layout
+(``ValueError``: a parameter group that doesn't match the size of optimizer's group) or, for an EP
+rank the save did not have, no file (``FileNotFoundError``).  It fails loudly, never loading wrong
+moments.  ``E % ep != 0`` is refused by ``MoE`` itself (``uneven=False``); there is no legacy save.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+from conformance.adapter import Capabilities, Spec
+from conformance.synthetic import synthetic_grad, synthetic_weight
+
+if "deepspeed" not in sys.modules:  # DeepSpeed picks its accelerator at import; see the module docstring
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+LR = 1e-2
+WEIGHT_DECAY = 0.01
+#: the deepspeed.utils.groups tables keyed by expert group name ("ep_size_<ep>").
+_GROUP_TABLES = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
+#: every expert group this rank process created, by table: reused by later cells at the same ep.
+_CREATED_GROUPS: dict[str, dict[str, Any]] = {table: {} for table in _GROUP_TABLES}
+
+
+def _deepspeed() -> Any:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+@cache
+def _classes() -> tuple[type, type]:
+    """The expert template and the model: plain torch modules around DeepSpeed's ``MoE``."""
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    class ExpertMLP(nn.Module):
+        def __init__(self, dim: int, hidden: int, activation: str) -> None:
+            super().__init__()
+            self.activation = activation
+            if activation == "swiglu":
+                self.gate = nn.Linear(dim, hidden, bias=False)
+            self.up = nn.Linear(dim, hidden, bias=False)
+            self.down = nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            up = self.up(x)
+            act = F.silu(self.gate(x)) * up if self.activation == "swiglu" else F.gelu(up)
+            return self.down(act)
+
+    class Block(nn.Module):
+        def __init__(self, spec: Spec, ep: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(spec.dim)
+            self.moe = MoE(hidden_size=spec.dim, expert=ExpertMLP(spec.dim, spec.hidden, spec.activation),
+                           num_experts=spec.num_experts, ep_size=ep, k=min(spec.top_k, spec.num_experts),
+                           use_residual=spec.shared_expert)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.moe(self.norm(x))[0]
+
+    class DeepSpeedMoEModel(nn.Module):
+        def __init__(self, spec: Spec, ep: int) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block(spec, ep) for _ in range(spec.num_layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return ExpertMLP, DeepSpeedMoEModel
+
+
+def _moe_layers(model: Any) -> list[Any]:
+    module = getattr(model, "module", model)  # a DeepSpeedEngine, or the plain model (ground truth)
+    return [block.moe for block in module.layers]
+
+
+def _expert_offset(moe: Any) -> int:
+    """The global id of ``moe``'s local expert 0, by DeepSpeed's rule (as in its save and load)."""
+    if moe.ep_size == 1:
+        return 0
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_rank(moe.expert_group_name) * moe.num_local_experts
+
+
+def _local_experts(model: Any) -> Iterator[tuple[int, int, Any]]:
+    """``(layer, global expert id, expert module)`` for this rank's experts."""
+    for layer, moe in enumerate(_moe_layers(model)):
+        offset = _expert_offset(moe)
+        for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            yield layer, offset + i, expert
+
+
+def _short(name: str) -> str:
+    """An expert parameter's canonical name: its linear ("gate", "up", "down")."""
+    return name.removesuffix(".weight")
+
+
+def _dense_params(model: Any) -> Iterator[tuple[int | None, str, Any]]:
+    """``(layer, name within the layer, parameter)`` for every non-expert parameter."""
+    module = getattr(model, "module", model)
+    experts = {id(p) for _, _, expert in _local_experts(model) for p in expert.parameters()}
+    for fqn, p in module.named_parameters():
+        if id(p) in experts:
+            continue
+        parts = fqn.split(".")
+        if parts[0] == "layers":
+            yield int(parts[1]), ".".join(parts[2:]), p
+        else:
+            yield None, fqn, p
+
+
+def _fill(model: Any, seed: int) -> None:
+    """Every parameter from synthetic_weight, experts keyed by their global id."""
+    import torch
+
+    with torch.no_grad():
+        for layer, g, expert in _local_experts(model):
+            for name, p in expert.named_parameters():
+                p.copy_(synthetic_weight(seed, layer, g, _short(name), p.shape, dtype=p.dtype))
+        for layer, name, p in _dense_params(model):
+            p.copy_(synthetic_weight(seed, layer, None, name, p.shape, dtype=p.dtype))
+
+
+def _set_grads(model: Any, seed: int, step: int) -> None:
+    for layer, g, expert in _local_experts(model):
+        for name, p in expert.named_parameters():
+            p.grad = synthetic_grad(seed, step, layer, g, _short(name), p.shape, dtype=p.dtype).to(p.device)
+    for layer, name, p in _dense_params(model):
+        p.grad = synthetic_grad(seed, step, layer, None, name, p.shape, dtype=p.dtype).to(p.device)
+
+
+def _use_expert_groups(ep: int) -> None:
+    """Leave only ``ep_size_<ep>``'s expert groups visible to DeepSpeed (see the module docstring)."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep}"
+    for table in _GROUP_TABLES:
+        live = getattr(groups, table)
+        _CREATED_GROUPS[table].update(live)
+        live.clear()
+        if name in _CREATED_GROUPS[table]:
+            live[name] = _CREATED_GROUPS[table][name]
+
+
+class DeepSpeedAdapter:
+    name = "deepspeed"
+    capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
+                                format="deepspeed")
+    #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR).
+    preload = ("deepspeed", "deepspeed.moe.layer")
+
+    @property
+    def version(self) -> str:
+        """The installed DeepSpeed's version (read without importing it); pinned to 0.19.8 in CI."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("deepspeed")
+        except PackageNotFoundError:
+            return "not installed"
+
+    # -- building ----------------------------------------------------------------------------------
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
+        import torch
+
+        if spec.kind != "unpacked" or spec.fsdp or spec.dtype != "float32":
+            raise ValueError(f"this adapter drives DeepSpeed's native MoE (unpacked experts), fp32, ZeRO-0; "
+                             f"got kind={spec.kind!r}, fsdp={spec.fsdp}, dtype={spec.dtype!r}")
+        deepspeed = _deepspeed()
+        _, model_class = _classes()
+        ep = 1 if mesh is None else mesh["ep"].size()
+        model = model_class(spec, ep)
+        steps = spec.optimizer_steps
+        if mesh is None:  # the ground truth: ep=1, no engine, no communication
+            from deepspeed.moe.utils import configure_moe_param_groups
+
+            _fill(model, seed)
+            if steps <= 0:
+                return model, None
+            optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=LR,
+                                          weight_decay=WEIGHT_DECAY)
+            for step in range(steps):
+                _set_grads(model, seed, step)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return model, optimizer
+
+        _use_expert_groups(ep)
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 0},
+            # DeepSpeed clips to a global norm of 1.0 by default; the norm sums over every rank's
+            # experts, so its rounding depends on the EP degree.  Off: the values then depend on the
+            # seed alone, and the checkpoint path is what the cells compare.
+            "gradient_clipping": 0.0,
+            "steps_per_print": 1 << 30,
+        }
+        if steps > 0:
+            config["optimizer"] = {"type": "AdamW",
+                                   "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}}
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=list(model.parameters()) if steps > 0 else None, config=config)
+        _fill(engine, seed)
+        for step in range(steps):
+            _set_grads(engine, seed, step)
+            engine.step()
+        return engine, optimizer
+
+    # -- checkpoint path ---------------------------------------------------------------------------
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        model.save_checkpoint(path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        try:
+            loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
+                                              load_lr_scheduler_states=False)
+        except Exception as exc:  # DeepSpeed's own error, prefixed with the EP degrees it happened between
+            message = " ".join(str(exc).split()).replace(os.fspath(path), "<checkpoint>")
+            raise RuntimeError(f"load_checkpoint ({_ep_story(model, path)}) raised {type(exc).__name__}: "
+                               f"{message}") from exc
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+
+    # -- canonical views ---------------------------------------------------------------------------
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+        state = optimizer.state if optimizer is not None else {}
+        for layer, g, expert in _local_experts(model):
+            for name, p in expert.named_parameters():
+                short = _short(name)
+                yield layer, g, short, p
+                for moment in MOMENTS:
+                    if moment in state.get(p, {}):
+                        yield layer, g, f"{short}.{moment}", state[p][moment]
+
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+        state = optimizer.state if optimizer is not None else {}
+        for layer, name, p in _dense_params(model):
+            yield layer, None, name, p
+            for moment in MOMENTS:
+                if moment in state.get(p, {}):
+                    yield layer, None, f"{name}.{moment}", state[p][moment]
+
+
+def _ep_story(engine: Any, path: str) -> str:
+    """"saved at ep=N, loading at ep=M as EP rank r": N counts the per-EP-rank optimizer files."""
+    from deepspeed.utils import groups
+
+    saved = len(glob.glob(os.path.join(path, "*", "expp_rank_*_optim_states.pt")))
+    try:
+        ep = _moe_layers(engine)[0].ep_size
+        rank = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
+    except Exception:  # the story must never hide DeepSpeed's own error
+        return f"saved at ep={saved or '?'}"
+    return f"saved at ep={saved or '?'}, loading at ep={ep} as EP rank {rank}"
