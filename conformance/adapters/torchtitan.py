@@ -59,8 +59,9 @@ What the matrix finds (asserted cell by cell in ``tests/test_adapter_torchtitan.
 
 Workarounds for a CPU/gloo world (none changes what is checked):
 
-* ``torchtitan.distributed.parallel_dims.device_type = "cpu"``: torchtitan picks its device type at
-  import (``_get_available_device_type() or "cuda"``) and would build a CUDA mesh without a GPU.
+* ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` (the world's device): torchtitan picks
+  its device type at import (``_get_available_device_type() or "cuda"``) and would build a CUDA mesh
+  without a GPU.
 * ``OptimizersContainer`` ``implementation="for-loop"``: torchtitan documents its default
   ``"fused"`` as CUDA only, and the for-loop kernel is what torch picks on CPU.  (Both multi-tensor
   kinds, fused and foreach, also refuse EP without FSDP under ``partial_dtensor`` -- DTensor experts
@@ -119,17 +120,18 @@ class TorchtitanAdapter:
             raise ValueError(f"torchtitan's GroupedExperts is SwiGLU; cannot build activation {spec.activation!r}")
         dist_utils.set_spmd_backend(self.spmd_backend)  # what Trainer.__init__ does
         ep = 1 if mesh is None else mesh["ep"].size()
+        device = _device(mesh)
         parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend=self.spmd_backend)
         with torch.device("meta"), set_default_dtype(getattr(torch, spec.dtype)):
             model = _build_model(spec, parallelism, enable_ep=ep > 1)
         coords = (0, 1)
         if mesh is not None:
-            parallel_dims = _parallel_dims(self.spmd_backend, ep)
+            parallel_dims = _parallel_dims(self.spmd_backend, ep, device.type)
             _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp)
             if ep > 1:
                 coords = (parallel_dims.get_mesh("ep").get_local_rank(), ep)
         object.__setattr__(model, _EP_COORDS, coords)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         with torch.no_grad():
             model.init_states(buffer_device=None)
             _overwrite(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
@@ -138,9 +140,10 @@ class TorchtitanAdapter:
         from torchtitan.components.optimizer import default_adamw
 
         # CPU workaround: torchtitan documents its default "fused" as CUDA only; "for-loop" is what
-        # torch itself picks on CPU.  (Both multi-tensor kinds, fused and foreach, also refuse a
-        # model with DTensor experts next to plain dense weights -- EP without FSDP, which the
-        # trainer never builds -- with "got mixed torch.Tensor and DTensor".)
+        # torch itself picks on CPU (kept on any device, so every build runs the same kernels).
+        # Both multi-tensor kinds, fused and foreach, also refuse a model with DTensor experts next
+        # to plain dense weights -- EP without FSDP, which the trainer never builds -- with "got
+        # mixed torch.Tensor and DTensor".
         config = default_adamw()
         config.implementation = "for-loop"
         optimizers = config.build(model_parts=[model])
@@ -198,15 +201,16 @@ class TorchtitanLocalAdapter(TorchtitanAdapter):
 
 # -- torchtitan objects (built inside rank processes only) ---------------------------------------
 @functools.cache
-def _parallel_dims(backend: str, ep: int) -> Any:
+def _parallel_dims(backend: str, ep: int, device_type: str) -> Any:
     """torchtitan's ParallelDims over the whole world at EP degree ``ep``, its mesh built once."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    # Workaround: torchtitan chose "cuda" at import on this GPU-less machine; its mesh must be CPU/gloo.
-    parallel_dims_module.device_type = "cpu"
+    # Workaround: torchtitan chose its device type at import ("cuda" on a machine without a GPU); its
+    # mesh must be on the world's device (CPU under gloo).
+    parallel_dims_module.device_type = device_type
     parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend=backend)
     parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
@@ -302,6 +306,18 @@ def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool
                                f"{type(exc).__name__}: {exc}") from exc
 
 
+def _device(mesh: Any) -> Any:
+    """The world's device: the mesh's, or for the ground truth (no mesh) cuda under NCCL, else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if mesh is not None:
+        kind = mesh.device_type
+    else:
+        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
 def _manager(model: Any, optimizer: Any, path: str) -> Any:
     from torchtitan.components.checkpoint import CheckpointManager
 
@@ -393,7 +409,7 @@ def _overwrite(model: Any, make: Any) -> None:
         expert = expert_name is not None
         local, region = _local_region(model, p, expert)
         full = _full(model, layer, expert_name, _short(fqn), _global_shape(model, p, expert), make)
-        local.copy_(full[region].to(local.dtype))
+        local.copy_(full[region].to(device=local.device, dtype=local.dtype))
 
 
 def _set_grads(model: Any, seed: int, step: int) -> None:
@@ -405,7 +421,7 @@ def _set_grads(model: Any, seed: int, step: int) -> None:
         local, region = _local_region(model, p, expert)
         full = _full(model, layer, expert_name, _short(fqn), _global_shape(model, p, expert),
                      lambda lyr, g, name, shape: synthetic_grad(seed, step, lyr, g, name, shape))
-        grad = full[region].to(local.dtype).contiguous()
+        grad = full[region].to(device=local.device, dtype=local.dtype).contiguous()
         if isinstance(p, DTensor):
             grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                       stride=p.stride())
