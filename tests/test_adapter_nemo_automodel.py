@@ -16,7 +16,7 @@ cell by cell, so a change in the harness or in NeMo that flips one is noticed:
   rows; ``validate_dtensor_expert_sharding`` accepts DTensors built from the other split, exactly at the E
   where the splits differ; wrong inputs are accepted or refused with other error types).
 
-The two runs take about 85 s and 30 s on 2 cores.
+The two runs take about 87 s and 35 s on 2 cores (the first cell includes the world's start-up).
 """
 
 from __future__ import annotations

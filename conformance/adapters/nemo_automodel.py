@@ -52,7 +52,11 @@ between ep 1, 2 and 4, with and without FSDP, model and optimizer; every E=6 cel
 ep=4 fails in NeMo's ``split_experts_weights_dtensor_aware`` ("Expected local tensor first
 dimension to be 1 (experts 4:5), got 2" / "... (experts 5:6), got 0"): NeMo's state-dict
 functions place experts by "the first E % k ranks get one more" while its own ``ExpertParallel``
-places them by DTensor's ``Shard(0)`` (``torch.chunk``), so the two disagree for E=6 on 4 ranks.
+places them by DTensor's ``Shard(0)`` (``torch.chunk``), so the two disagree for E=6 on 4 ranks
+(rows 4:6 and none for ranks 2 and 3, against experts 4:5 and 5:6).  The cells error rather than fail
+because NeMo raises on those ranks; where the local row counts happen to agree it does not: with E=5 at
+ep=4 (not a default cell) ranks 1 and 3 raise, and rank 2 writes expert 4's weights under the key of
+expert 3.
 """
 
 from __future__ import annotations
