@@ -12,7 +12,8 @@ re-implemented here):
   parallelizer and Qwen3-MoE's state-dict adapter find them by their usual names.  NeMo's init is
   not keyed by global expert id, so weights are :func:`conformance.synthetic_weight` (expert rows
   by global id), set on the whole ep=1 model before it is split.  Layer kind: packed only;
-  SwiGLU only.
+  SwiGLU only.  The model lives on the world's device (CPU under gloo; cuda under NCCL, which this
+  adapter has not been run with).
 * **Expert parallelism.**  ``components.moe.parallelizer.apply_ep`` (``ExpertParallel``:
   ``distribute_tensor(..., [Shard(0)])`` of every expert weight over the ``ep`` mesh) on NeMo's
   MoE mesh layout ``("ep_shard", "ep")`` (ep innermost, as ``mesh_utils._create_moe_mesh`` builds
@@ -95,6 +96,7 @@ class NemoAutomodelAdapter:
             raise ValueError(f"this adapter builds NeMo's SwiGLU experts; cannot build activation {spec.activation!r}")
         model = _model_class()(spec)
         _overwrite(model, seed)
+        model.to(_device(mesh))
         moe_mesh = None
         if mesh is not None:
             moe_mesh = _parallelize(model, spec, mesh)
@@ -245,6 +247,18 @@ def _parallelize(model: Any, spec: Spec, mesh: Any) -> Any:
     return moe_mesh
 
 
+def _device(mesh: Any) -> Any:
+    """The world's device (cuda under NCCL, as the reference adapter does); the ground truth too."""
+    import torch
+    import torch.distributed as dist
+
+    if mesh is not None:
+        kind = mesh.device_type
+    else:
+        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
 def _checkpointer(model: Any) -> Any:
     import torch.distributed as dist
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
@@ -307,7 +321,7 @@ def _set_grads(model: Any, seed: int, step: int) -> None:
                 full = synthetic_grad(seed, step, layer, None, name, p.shape)
             local, offset = _region(p)
             region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
-            grad = full.to(p.dtype)[region].clone()
+            grad = full[region].to(device=local.device, dtype=p.dtype, copy=True)
             if isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                           stride=p.stride())
