@@ -93,10 +93,22 @@ def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: Rank
     return out
 
 
+#: ground truths this rank process already built, by (adapter class, version, spec): the truth is a pure
+#: function of them (adapters must build deterministically), and many cells share one.
+_TRUTHS: dict[tuple[Any, ...], dict[Key, Any]] = {}
+
+
 def _truth(adapter: Any, spec: Spec, rank: int) -> dict[Key, Any]:
-    model, optimizer = adapter.build(Spec(**{**spec.__dict__, "fsdp": False}), None, SEED_A)
-    found = canonical(adapter, model, optimizer if spec.optimizer_steps else None, rank)
-    return {k: t for k, (t, _) in found.items()}
+    """The ep=1, unsharded build with seed A, on this rank alone (no communication)."""
+    spec = Spec(**{**spec.__dict__, "fsdp": False})
+    key = (type(adapter).__module__, type(adapter).__qualname__, str(adapter.version), spec)
+    if key not in _TRUTHS:
+        model, optimizer = adapter.build(spec, None, SEED_A)
+        found = canonical(adapter, model, optimizer if spec.optimizer_steps else None, rank)
+        if len(_TRUTHS) >= 32:
+            _TRUTHS.clear()
+        _TRUTHS[key] = {k: t for k, (t, _) in found.items()}
+    return _TRUTHS[key]
 
 
 def _expected(truth: dict[Key, Any], key: Key, region: tuple[slice, ...] | None) -> Any:

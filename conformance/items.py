@@ -32,6 +32,19 @@ class CellFailed(Exception):
     """A cell's checks found differences; the message is the whole diagnosis."""
 
 
+def _version_of(module: str) -> str:
+    """The installed version of the distribution that provides ``module`` ("" when unknown)."""
+    from importlib import metadata
+
+    top = module.split(":")[0].split(".")[0]
+    for dist in metadata.packages_distributions().get(top, []):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
 def _torch_version() -> str:
     import torch
 
@@ -122,7 +135,7 @@ class CheckpointCellItem(MatrixItem):
 
 class FunctionsCellItem(MatrixItem):
     def __init__(self, *, cell: Any, module: str, na: str = "", **kwargs: Any) -> None:
-        record = {"suite": "functions", "adapter": module, "adapter_version": "", "function": "*",
+        record = {"suite": "functions", "adapter": module, "adapter_version": _version_of(module), "function": "*",
                   "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
         super().__init__(record=record, na=na, **kwargs)
         self.cell, self.module = cell, module
@@ -135,7 +148,8 @@ class FunctionsCellItem(MatrixItem):
         records = merge_rank_records(result.values)
         for r in records:  # one record per function; the item's own record summarises them
             self.user_properties.append((RECORD, {"id": f"{self.nodeid}::{r['function']}",
-                                                  "adapter": self.module, "adapter_version": "",
+                                                  "adapter": self.module,
+                                                  "adapter_version": self.record["adapter_version"],
                                                   "duration_s": 0.0, "torch": _torch_version(), **r}))
         self.record["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
         failed = [r for r in records if r["status"] != "pass"]

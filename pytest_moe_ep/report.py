@@ -162,7 +162,8 @@ def index_rows(root: Path) -> list[list[str]]:
     for path in sorted(root.glob(f"*/{JSON_NAME}")):
         doc = json.loads(path.read_text())
         s = doc["summary"]
-        first = next((c for c in doc["cells"] if c["status"] in ("fail", "error")), None)
+        # A silently wrong value ("fail") says more than a loud refusal ("error"): show it first.
+        first = next((c for status in ("fail", "error") for c in doc["cells"] if c["status"] == status), None)
         diagnosis = first["detail"].splitlines()[0][:160].replace("|", "/") if first else ""
         name = doc["adapter"]["name"] or path.parent.name
         rows.append([f"{name} (`{path.parent.name}/`)", doc["adapter"]["version"], str(s["pass"]),
