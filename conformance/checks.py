@@ -43,7 +43,7 @@ class Mismatch:
     problem: str
 
     def where(self) -> str:
-        what = f"expert {self.expert} " if self.expert is not None else ""
+        what = f"expert {self.expert}, " if self.expert is not None else ""
         return f"rank {self.rank}, layer {self.layer}, {what}tensor {self.name!r}"
 
 

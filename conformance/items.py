@@ -182,7 +182,7 @@ def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[st
                  f"{', '.join(map(str, silent))}"]
         lines += _mismatch_lines(verdicts)
         return "fail", "\n".join(lines)
-    problems = [p for v in verdicts for p in v.problems]
+    problems = sorted({p for v in verdicts for p in v.problems})
     count = sum(v.mismatch_count for v in verdicts)
     if not problems and not count:
         compared = sum(v.compared for v in verdicts)
