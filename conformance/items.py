@@ -171,27 +171,26 @@ class FunctionsCellItem(MatrixItem):
 
 def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
     """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen."""
-    head = (f"{cell.node_name} (adapter {adapter}; E={cell.num_experts}, saved at ep={cell.save_ep}, "
-            f"loaded at ep={cell.load_ep})")
+    # The first line is the diagnosis (the report's failure list and index show only it); the cell's
+    # context closes it, since the node id already names the cell.
+    context = f"(E={cell.num_experts}, saved at ep={cell.save_ep}, loaded at ep={cell.load_ep}; adapter {adapter})"
     if cell.legacy:
         refused = {v.rank: v.refused for v in verdicts if v.refused}
         if len(refused) == len(verdicts):
             return "pass", f"refused on every rank: {next(iter(refused.values()))}"
         silent = [v.rank for v in verdicts if not v.refused]
-        lines = [f"{head}: a checkpoint saved the legacy way was loaded without refusal on rank(s) "
-                 f"{', '.join(map(str, silent))}"]
-        lines += _mismatch_lines(verdicts)
+        lines = [f"a checkpoint saved the legacy way was loaded without refusal on rank(s) "
+                 f"{', '.join(map(str, silent))} {context}", *_mismatch_lines(verdicts)]
         return "fail", "\n".join(lines)
     problems = sorted({p for v in verdicts for p in v.problems})
     count = sum(v.mismatch_count for v in verdicts)
     if not problems and not count:
         compared = sum(v.compared for v in verdicts)
         return "pass", f"{compared} tensors on {len(verdicts)} ranks equal the ep=1 ground truth bit for bit"
-    lines = [head]
-    lines += _mismatch_lines(verdicts)
-    lines += [f"- {p}" for p in problems[:6]]
+    lines = _mismatch_lines(verdicts) + [f"- {p}" for p in problems[:6]]
     if len(problems) > 6:
         lines.append(f"- ... and {len(problems) - 6} more problems")
+    lines[0] = f"{lines[0].removeprefix('- ')} {context}"
     return "fail", "\n".join(lines)
 
 
