@@ -183,9 +183,6 @@ class World:
     def alive(self) -> bool:
         return bool(self.processes) and all(p.is_alive() for p in self.processes)
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
     def kill(self, grace_s: float = 1.0) -> None:
         """Terminate, wait ``grace_s``, kill, and join with a bound.  Never hangs."""
         for p in self.processes:
@@ -260,10 +257,6 @@ class Supervisor:
         """More modules for the fork server to import; only effective before the first world starts."""
         if self._ctx is None:
             self.preload += tuple(m for m in modules if m not in self.preload)
-
-    @property
-    def effective_start_method(self) -> str:
-        return self._context().get_start_method()
 
     def _store_port(self) -> int:
         if self._store is None:
