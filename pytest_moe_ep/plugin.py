@@ -104,8 +104,11 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     engine = session.config.stash.get(ENGINE, None)
-    if engine is not None and hasattr(engine, "agree_on_exit"):
+    if engine is None:
+        return
+    if hasattr(engine, "agree_on_exit"):
         session.exitstatus = engine.agree_on_exit(int(exitstatus))
+    engine.shutdown()  # again from pytest_unconfigure and atexit: idempotent
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
