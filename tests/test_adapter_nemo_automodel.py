@@ -21,11 +21,15 @@ The two runs take about 87 s and 35 s on 2 cores (the first cell includes the wo
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import pytest
+from matrix_expectations import (
+    BIT_FOR_BIT,
+    E6,
+    EVEN,
+    PACKED_ONLY_NOT_APPLICABLE,
+    by_status,
+)
+from matrix_expectations import run_report as run
 
 pytest.importorskip("nemo_automodel.components.moe.state_dict_utils",
                     reason="nemo_automodel is not installed (ci/install_nemo_automodel.sh installs "
@@ -34,20 +38,6 @@ pytest.importorskip("nemo_automodel.components.models.qwen3_moe.state_dict_adapt
                     reason="NeMo's Qwen3-MoE state-dict adapter cannot be imported (it needs transformers; "
                            "ci/install_nemo_automodel.sh installs transformers==5.18.0)")
 
-EPS = (1, 2, 4)
-PAIRS = [(s, t) for s in EPS for t in EPS]
-UNEVEN = [(s, t) for s, t in PAIRS if 6 % s or 6 % t]
-STATES = ("model", "model+optim")
-ID = "moe-ep-matrix::checkpoint::packed::{state}::{mode}::ep{s}->ep{t}"
-ID_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::ep{s}->ep{t}"
-EVEN = {ID.format(state=state, mode=mode, s=s, t=t): (state, mode == "fsdp", s, t)
-        for state in STATES for mode in ("ep-only", "fsdp") for s, t in PAIRS}
-E6 = {ID_E6.format(s=s, t=t): (s, t) for s, t in UNEVEN}
-NOT_APPLICABLE = {
-    "adapter supports layer kinds packed, not unpacked": 59,
-    "adapter has no save_legacy (its old, lossy save)": 6,
-}
-BIT_FOR_BIT = "equal the ep=1 ground truth bit for bit"
 #: NeMo's split puts experts 4:5 on rank 2 and 5:6 on rank 3; Shard(0) gave them rows 4:6 and none.
 E6_DIAGNOSIS = (
     "failed on rank(s) 2, 3: rank 2 raised ValueError: Expected local tensor first dimension to be 1 "
@@ -137,24 +127,6 @@ CREATE_DTENSOR_SHAPES = {  # cell -> (local rows of dim 1, placements text, glob
 }
 
 
-def run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    out = pytester.path / "out"
-    result = pytester.runpytest_subprocess(*args, f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
-    doc = json.loads((Path(out) / "moe-ep-conformance.json").read_text())
-    return result, doc
-
-
-def by_status(doc: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, set[str]], dict[str, int]]:
-    cells = {c["id"]: c for c in doc["cells"]}
-    statuses: dict[str, set[str]] = {}
-    for cell_id, cell in cells.items():
-        statuses.setdefault(cell["status"], set()).add(cell_id)
-    na: dict[str, int] = {}
-    for cell_id in statuses.get("n/a", set()):
-        na[cells[cell_id]["detail"]] = na.get(cells[cell_id]["detail"], 0) + 1
-    return cells, statuses, na
-
-
 def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_not_zero(
         pytester: pytest.Pytester) -> None:
     result, doc = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=nemo_automodel")
@@ -164,7 +136,7 @@ def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_
     assert statuses.get("pass", set()) == set(EVEN), {i: cells[i]["detail"] for i in set(EVEN) ^ statuses["pass"]}
     assert statuses.get("error", set()) == set(E6), {i: cells[i]["detail"] for i in set(E6) ^ statuses["error"]}
     assert "fail" not in statuses
-    assert na == NOT_APPLICABLE
+    assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 36, "fail": 0, "error": 5, "n/a": 65}
     result.assert_outcomes(passed=36, failed=5, skipped=65)
 

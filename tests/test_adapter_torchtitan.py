@@ -19,50 +19,27 @@ Each run takes about 50-80 s on 2 cores (the whole module about 2.5 min on a loa
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
+from matrix_expectations import (
+    BIT_FOR_BIT,
+    E6,
+    EVEN,
+    PACKED_ONLY_NOT_APPLICABLE,
+    by_status,
+    run_report,
+)
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (ci/install_torchtitan.sh installs "
                                          "torchtitan==0.3.0)")
 
-EPS = (1, 2, 4)
-PAIRS = [(s, t) for s in EPS for t in EPS]
-UNEVEN = [(s, t) for s, t in PAIRS if 6 % s or 6 % t]
-STATES = ("model", "model+optim")
-ID = "moe-ep-matrix::checkpoint::packed::{state}::{mode}::ep{s}->ep{t}"
-ID_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::ep{s}->ep{t}"
-EVEN = {ID.format(state=state, mode=mode, s=s, t=t): (state, mode == "fsdp", s, t)
-        for state in STATES for mode in ("ep-only", "fsdp") for s, t in PAIRS}
-E6 = {ID_E6.format(s=s, t=t): (s, t) for s, t in UNEVEN}
-NOT_APPLICABLE = {
-    "adapter supports layer kinds packed, not unpacked": 59,
-    "adapter has no save_legacy (its old, lossy save)": 6,
-}
-BIT_FOR_BIT = "equal the ep=1 ground truth bit for bit"
-
 
 def run_matrix(pytester: pytest.Pytester, adapter: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    out = pytester.path / "out"
-    result = pytester.runpytest_subprocess("--moe-ep-matrix", f"--moe-ep-adapter={adapter}",
-                                           f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
-    doc = json.loads((Path(out) / "moe-ep-conformance.json").read_text())
+    result, doc = run_report(pytester, "--moe-ep-matrix", f"--moe-ep-adapter={adapter}")
     assert doc["adapter"] == {"name": adapter, "version": "0.3.0"}
     return result, doc
-
-
-def by_status(doc: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, set[str]], dict[str, int]]:
-    cells = {c["id"]: c for c in doc["cells"]}
-    statuses: dict[str, set[str]] = {}
-    for cell_id, cell in cells.items():
-        statuses.setdefault(cell["status"], set()).add(cell_id)
-    na: dict[str, int] = {}
-    for cell_id in statuses.get("n/a", set()):
-        na[cells[cell_id]["detail"]] = na.get(cells[cell_id]["detail"], 0) + 1
-    return cells, statuses, na
 
 
 def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Pytester) -> None:
@@ -71,7 +48,7 @@ def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Py
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
     passing = set(EVEN) | set(E6)
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing - statuses["pass"]}
-    assert na == NOT_APPLICABLE
+    assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 36 + 5, "fail": 0, "error": 0, "n/a": 65}
     for cell_id, (state, fsdp, s, t) in EVEN.items():
         cell = cells[cell_id]
@@ -95,7 +72,7 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing ^ statuses["pass"]}
     assert statuses.get("fail", set()) == silent, {i: cells[i]["detail"] for i in silent ^ statuses["fail"]}
     assert statuses.get("error", set()) == reshard | fsdp | set(E6)
-    assert na == NOT_APPLICABLE
+    assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 2, "fail": 4, "error": 6 * 2 + 18 + 5, "n/a": 65}
 
     for cell_id in passing:
@@ -103,7 +80,7 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     for cell_id in silent:
         # DCP kept one rank's E/ep rows of each expert tensor; the other ranks got them on reload.
         detail = cells[cell_id]["detail"]
-        assert re.search(r"first difference: rank \d, layer \d, expert \d tensor 'w[123]_E[FD][FD]': "
+        assert re.search(r"first difference: rank \d, layer \d, expert \d, tensor 'w[123]_E[FD][FD]': "
                          r"holds expert \d's values instead of expert \d's", detail), detail
     for cell_id in reshard:
         detail = cells[cell_id]["detail"]

@@ -1,0 +1,47 @@
+"""What the framework-adapter tests share: the default matrix's cell ids for packed-only adapters, running the
+matrix in a pytester subprocess, and grouping a report's cells by status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+EPS = (1, 2, 4)
+PAIRS = [(s, t) for s in EPS for t in EPS]
+UNEVEN = [(s, t) for s, t in PAIRS if 6 % s or 6 % t]
+STATES = ("model", "model+optim")
+ID = "moe-ep-matrix::checkpoint::packed::{state}::{mode}::ep{s}->ep{t}"
+ID_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::ep{s}->ep{t}"
+#: every E=4 packed cell id -> (state, fsdp, save_ep, load_ep)
+EVEN = {ID.format(state=state, mode=mode, s=s, t=t): (state, mode == "fsdp", s, t)
+        for state in STATES for mode in ("ep-only", "fsdp") for s, t in PAIRS}
+#: every E=6 packed cell id -> (save_ep, load_ep)
+E6 = {ID_E6.format(s=s, t=t): (s, t) for s, t in UNEVEN}
+#: the n/a reasons (and counts) of an adapter with packed layers only and no legacy save.
+PACKED_ONLY_NOT_APPLICABLE = {
+    "adapter supports layer kinds packed, not unpacked": 59,
+    "adapter has no save_legacy (its old, lossy save)": 6,
+}
+BIT_FOR_BIT = "equal the ep=1 ground truth bit for bit"
+
+
+def run_report(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+    """``pytest *args --moe-ep-report=...`` in a subprocess; its result and the JSON report."""
+    out = pytester.path / "out"
+    result = pytester.runpytest_subprocess(*args, f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
+    return result, json.loads((Path(out) / "moe-ep-conformance.json").read_text())
+
+
+def by_status(doc: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, set[str]], dict[str, int]]:
+    """The report's cells by id, their ids by status, and the count of each n/a reason."""
+    cells = {c["id"]: c for c in doc["cells"]}
+    statuses: dict[str, set[str]] = {}
+    for cell_id, cell in cells.items():
+        statuses.setdefault(cell["status"], set()).add(cell_id)
+    na: dict[str, int] = {}
+    for cell_id in statuses.get("n/a", set()):
+        na[cells[cell_id]["detail"]] = na.get(cells[cell_id]["detail"], 0) + 1
+    return cells, statuses, na
