@@ -110,7 +110,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             modules += [type(adapter).__module__, *getattr(adapter, "preload", ())]
         engine.add_preload(modules)
     collector = MatrixCollector.from_parent(session, name=MATRIX, nodeid=MATRIX)
-    items.extend(collect_items(collector, adapter=adapter, cells=cells or [], base=Spec(), functions=functions))
+    cell_items = list(collect_items(collector, adapter=adapter, cells=cells or [], base=Spec(), functions=functions))
+    # Report the cells as collected, so "collected N items" and -k's counts include them.
+    config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, cell_items))
+    items.extend(cell_items)
 
 
 class MatrixCollector(pytest.Collector):
