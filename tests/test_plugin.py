@@ -274,3 +274,10 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     assert out.count("FAILED test_torchrun.py::test_fails_on_rank_one") == 2, out
     assert "failed on rank(s) 1: rank 1 raised AssertionError: rank 1 disagrees" in out
     assert "inside torchrun: rank 0 of 2 (gloo)" in out
+
+
+def test_entry_modules_do_not_import_torch() -> None:
+    """pytest loads both entry modules in every session of every user; torch waits for a world."""
+    code = ("import sys, pytest_moe_ep.plugin, conformance.plugin, conformance; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    subprocess.run([sys.executable, "-c", code], check=True)
