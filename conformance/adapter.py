@@ -45,6 +45,7 @@ __all__ = [
     "capabilities_of",
     "load_adapter",
     "missing_members",
+    "world_device",
 ]
 
 REQUIRED_MEMBERS = ("name", "version", "capabilities", "build", "save", "load", "expert_tensors",
@@ -160,3 +161,16 @@ def check_adapter(adapter: Any, origin: str) -> Capabilities:
         raise AdapterError(f"adapter {origin} cannot be sent to rank processes ({exc}); define its class at "
                            "module level and keep framework objects out of its attributes") from exc
     return capabilities_of(adapter)
+
+
+def world_device(mesh: Any) -> Any:
+    """The device an adapter builds on: the mesh's (cuda under NCCL), and for the ground truth (no mesh) the
+    world's, so the truth's optimizer runs the same kernels as the model it is compared with."""
+    import torch
+    import torch.distributed as dist
+
+    if mesh is not None:
+        kind = mesh.device_type
+    else:
+        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")

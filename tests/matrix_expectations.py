@@ -45,3 +45,12 @@ def by_status(doc: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str,
     for cell_id in statuses.get("n/a", set()):
         na[cells[cell_id]["detail"]] = na.get(cells[cell_id]["detail"], 0) + 1
     return cells, statuses, na
+
+
+def assert_even_cells_pass(cells: dict[str, dict[str, Any]]) -> None:
+    """Every E=4 packed cell is in the report with its parameters and passed bit for bit."""
+    for cell_id, (state, fsdp, s, t) in EVEN.items():
+        cell = cells[cell_id]
+        assert (cell["kind"], cell["state"], cell["fsdp"], cell["save_ep"], cell["load_ep"], cell["num_experts"]) == (
+            "packed", state, fsdp, s, t, 4)
+        assert BIT_FOR_BIT in cell["detail"], cell

@@ -66,7 +66,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec
+from conformance.adapter import Capabilities, Spec, world_device
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -96,7 +96,7 @@ class NemoAutomodelAdapter:
             raise ValueError(f"this adapter builds NeMo's SwiGLU experts; cannot build activation {spec.activation!r}")
         model = _model_class()(spec)
         _overwrite(model, seed)
-        model.to(_device(mesh))
+        model.to(world_device(mesh))
         moe_mesh = None
         if mesh is not None:
             moe_mesh = _parallelize(model, spec, mesh)
@@ -245,18 +245,6 @@ def _parallelize(model: Any, spec: Spec, mesh: Any) -> Any:
                    mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=None,
                                                   cast_forward_inputs=False))
     return moe_mesh
-
-
-def _device(mesh: Any) -> Any:
-    """The world's device (cuda under NCCL, as the reference adapter does); the ground truth too."""
-    import torch
-    import torch.distributed as dist
-
-    if mesh is not None:
-        kind = mesh.device_type
-    else:
-        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
 def _checkpointer(model: Any) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec
+from conformance.adapter import Capabilities, Spec, world_device
 from conformance.synthetic import synthetic_grad
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -35,7 +35,7 @@ class ReferenceAdapter:
         config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden, kind=spec.kind,
                            activation=spec.activation, top_k=min(spec.top_k, spec.num_experts),
                            shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype))
-        model = build_model(config, spec.num_layers, seed).to(_device(mesh))
+        model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
             apply_expert_parallel(model, mesh)
             if spec.fsdp:
@@ -135,19 +135,6 @@ class ReferenceAdapter:
             for moment in MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
-
-
-def _device(mesh: Any) -> Any:
-    """The mesh's device (cuda under NCCL); the ground truth (no mesh) uses the world's device too, so
-    its optimizer runs the same kernels as the model it is compared with."""
-    import torch
-    import torch.distributed as dist
-
-    if mesh is not None:
-        kind = mesh.device_type
-    else:
-        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
 def _rows(layer: int, start: int, name: str, tensor: Any) -> Iterator[tuple[int, int, str, Any]]:

@@ -78,7 +78,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec
+from conformance.adapter import Capabilities, Spec, world_device
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -120,7 +120,7 @@ class TorchtitanAdapter:
             raise ValueError(f"torchtitan's GroupedExperts is SwiGLU; cannot build activation {spec.activation!r}")
         dist_utils.set_spmd_backend(self.spmd_backend)  # what Trainer.__init__ does
         ep = 1 if mesh is None else mesh["ep"].size()
-        device = _device(mesh)
+        device = world_device(mesh)
         parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend=self.spmd_backend)
         with torch.device("meta"), set_default_dtype(getattr(torch, spec.dtype)):
             model = _build_model(spec, parallelism, enable_ep=ep > 1)
@@ -304,18 +304,6 @@ def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool
             raise RuntimeError(f"torchtitan parallelize_qwen3 failed (spmd_backend={parallelism.spmd_backend!r}, "
                                f"ep={parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): "
                                f"{type(exc).__name__}: {exc}") from exc
-
-
-def _device(mesh: Any) -> Any:
-    """The world's device: the mesh's, or for the ground truth (no mesh) cuda under NCCL, else CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if mesh is not None:
-        kind = mesh.device_type
-    else:
-        kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
 def _manager(model: Any, optimizer: Any, path: str) -> Any:
