@@ -1,0 +1,168 @@
+"""The rank layout of a checkpoint cell: parallel degrees, which ranks form an EP group, and its mesh.
+
+:class:`ParallelLayout` is the one owner of the layout (like torchtitan's ``ParallelDims``): the cells,
+node ids, the report, the adapters and the benchmarks ask it, and nothing else spells out the
+dimensions.  A world of ``dp_replicate * ep * dp_shard * etp`` ranks is a 4-D grid; its DeviceMesh has
+the dims :data:`MESH_DIMS` in that order, every one present (size 1 where unused), so an adapter reads
+``mesh["ep"]`` whatever the layout.
+
+Which ranks form an EP group is the ``ep_order``:
+
+- ``strided`` (torchtitan's and this suite's default): the grid is ``arange(world)`` in mesh order, so
+  an EP group's ranks are ``dp_shard * etp`` apart -- ranks 0 and 2 at ep=2 on 4 ranks;
+- ``consecutive`` (DeepSpeed, Megatron-Core): an EP group is ``ep * etp`` consecutive ranks -- ranks 0
+  and 1 at ep=2 on 4 ranks.
+
+A framework that takes the global or data-parallel rank for its EP rank passes on one of these
+orders and fails on the other, which is why both are cells.  ``etp`` is expert tensor parallelism:
+each expert's weights split over ``etp`` ranks (always the innermost, consecutive ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EP_ORDERS", "MESH_DIMS", "LayoutError", "ParallelLayout"]
+
+#: the DeviceMesh's dimension names, outermost first.
+MESH_DIMS = ("dp_replicate", "ep", "dp_shard", "etp")
+EP_ORDERS = ("strided", "consecutive")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot exist: ``field`` is the offending degree, ``value`` what was given."""
+
+    def __init__(self, field: str, value: Any, expected: str) -> None:
+        super().__init__(f"parallel layout: {field}={value!r} is invalid: expected {expected}")
+        self.field, self.value, self.expected = field, value, expected
+
+
+@dataclass(frozen=True, order=True)
+class ParallelLayout:
+    """The degrees of one rank layout; ``dp_shard`` is whatever the world leaves over."""
+
+    ep: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    etp: int = 1
+    ep_order: str = "strided"
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(name, value, "an int >= 1")
+        if self.ep_order not in EP_ORDERS:
+            raise LayoutError("ep_order", self.ep_order, f"one of {', '.join(EP_ORDERS)}")
+
+    @classmethod
+    def for_world(cls, world_size: int, ep: int, *, dp_replicate: int = 1, etp: int = 1,
+                  ep_order: str = "strided") -> ParallelLayout:
+        """The layout at ``ep`` (and ``dp_replicate``, ``etp``) that fills a ``world_size``-rank world."""
+        inner = ep * dp_replicate * etp
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise LayoutError("world_size", world_size, "an int >= 1")
+        if inner < 1 or world_size % inner:
+            raise LayoutError("ep", ep, f"ep * dp_replicate * etp ({ep} * {dp_replicate} * {etp}) to divide the "
+                              f"world size {world_size}")
+        return cls(ep=ep, dp_shard=world_size // inner, dp_replicate=dp_replicate, etp=etp, ep_order=ep_order)
+
+    # -- what the layout is -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.ep * self.dp_shard * self.etp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.ep, self.dp_shard, self.etp)
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    def check_world(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            raise LayoutError("world_size", world_size, f"{self.world_size} ranks for {self.fragment}")
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s index along each mesh dim."""
+        for r, e, s, t in self._coords():
+            if self.rank_at(r, e, s, t) == rank:
+                return dict(zip(MESH_DIMS, (r, e, s, t), strict=True))
+        raise LayoutError("rank", rank, f"a rank in [0, {self.world_size})")
+
+    def _coords(self) -> list[tuple[int, int, int, int]]:
+        return [(r, e, s, t) for r in range(self.dp_replicate) for e in range(self.ep)
+                for s in range(self.dp_shard) for t in range(self.etp)]
+
+    def rank_at(self, dp_replicate: int, ep: int, dp_shard: int, etp: int) -> int:
+        """The global rank at a mesh coordinate: the one place the EP order is decided."""
+        if self.ep_order == "strided":
+            inner = (ep * self.dp_shard + dp_shard) * self.etp + etp
+        else:
+            inner = (dp_shard * self.ep + ep) * self.etp + etp
+        return dp_replicate * (self.ep * self.dp_shard * self.etp) + inner
+
+    def rank_grid(self) -> list[list[list[list[int]]]]:
+        """Global ranks as a nested list of shape :attr:`shape` (mesh dim order)."""
+        return [[[[self.rank_at(r, e, s, t) for t in range(self.etp)] for s in range(self.dp_shard)]
+                 for e in range(self.ep)] for r in range(self.dp_replicate)]
+
+    def groups(self, *dims: str) -> list[list[int]]:
+        """The rank groups that vary along ``dims`` with every other coordinate fixed (sorted ranks)."""
+        unknown = [d for d in dims if d not in MESH_DIMS]
+        if unknown:
+            raise LayoutError("dims", unknown, f"names among {', '.join(MESH_DIMS)}")
+        found: dict[tuple[int, ...], list[int]] = {}
+        for coords in self._coords():
+            fixed = tuple(c for d, c in zip(MESH_DIMS, coords, strict=True) if d not in dims)
+            found.setdefault(fixed, []).append(self.rank_at(*coords))
+        return [sorted(g) for _, g in sorted(found.items())]
+
+    def ep_groups(self) -> list[list[int]]:
+        """Each EP group's ranks, in EP-rank order (what DeepSpeed and Megatron form themselves)."""
+        return [sorted(g, key=lambda r: self.coordinates(r)["ep"]) for g in self.groups("ep")]
+
+    def replica_groups(self, fsdp: bool) -> list[list[int]]:
+        """Sets of ranks that together hold one whole copy of the model's experts.
+
+        Without FSDP one copy is spread over ``ep`` x ``etp``; with FSDP2 each rank's experts are also
+        sharded over ``dp_shard``, so a copy spans that too.  ``dp_replicate`` always holds copies.
+        """
+        return self.groups("ep", "etp", "dp_shard") if fsdp else self.groups("ep", "etp")
+
+    # -- names --------------------------------------------------------------------------------------
+    @property
+    def fragment(self) -> str:
+        """The short, ``-k`` friendly node-id part: ``ep2``, ``ep2c`` (consecutive), ``ep2.etp2``, ``ep2.hsdp2``."""
+        parts = [f"ep{self.ep}{'c' if self.ep_order == 'consecutive' and self.ep > 1 else ''}"]
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
+        if self.dp_replicate > 1:
+            parts.append(f"hsdp{self.dp_replicate}")
+        return ".".join(parts)
+
+    def keywords(self) -> set[str]:
+        """``-k`` keywords: each degree, the EP order, and ``hsdp``/``etp`` when they are used."""
+        words = {f"ep{self.ep}", f"dp_shard{self.dp_shard}", f"dp_replicate{self.dp_replicate}",
+                 f"etp{self.etp}", self.ep_order}
+        if self.hsdp:
+            words.add("hsdp")
+        return words
+
+    def describe(self) -> str:
+        """For messages: ``ep=2 (consecutive EP groups), etp=1, dp_shard=2, dp_replicate=1``."""
+        order = f" ({self.ep_order} EP groups)" if self.ep > 1 and self.ep < self.world_size else ""
+        return f"ep={self.ep}{order}, etp={self.etp}, dp_shard={self.dp_shard}, dp_replicate={self.dp_replicate}"
+
+    def as_record(self) -> dict[str, Any]:
+        return {"ep": self.ep, "etp": self.etp, "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate,
+                "ep_order": self.ep_order}
+
+    # -- the mesh -----------------------------------------------------------------------------------
+    def build_mesh(self) -> Any:
+        """This layout's DeviceMesh on the world's device (inside a rank; cached per process)."""
+        from pytest_moe_ep.world.meshes import device_mesh
+
+        return device_mesh(self.shape, MESH_DIMS, self.rank_grid() if self.ep_order != "strided" else None)
