@@ -1,10 +1,10 @@
 """Running a ``moe_ep_world``-marked test function on every rank.
 
 The pytest process resolves the test's fixtures and parametrize values, pickles them, and asks the
-engine (a :class:`~pytest_moe_ep.world.Supervisor`, or the in-process torchrun world) to run the
-function on every rank.  Fixture values therefore must pickle: parametrize values, ``tmp_path``,
-``moe_ep_shared_dir`` and plain-data fixtures work; fixtures that act on the pytest process
-itself (``capsys``, ``monkeypatch``, ``request``, ...) cannot, and are refused by name.
+session's :class:`~pytest_moe_ep.world.engine.Engine` to run the function on every rank.  Fixture
+values therefore must pickle: parametrize values, ``tmp_path``, ``moe_ep_shared_dir`` and plain-data
+fixtures work; fixtures that act on the pytest process itself (``capsys``, ``monkeypatch``,
+``request``, ...) cannot, and are refused by name.
 """
 
 from __future__ import annotations
@@ -14,18 +14,10 @@ from typing import Any
 
 import pytest
 
-from pytest_moe_ep.settings import Settings, WorldMarker
+from pytest_moe_ep.settings import DISTRIBUTED_ATTR, ENGINE, SETTINGS, TIMEOUT, WorldMarker
 from pytest_moe_ep.world.backend import BackendUnavailable
+from pytest_moe_ep.world.engine import CallResult, Engine, RankOutput, WorldError
 from pytest_moe_ep.world.protocol import FunctionRef
-from pytest_moe_ep.world.supervisor import CallResult, RankOutput, WorldError
-
-ENGINE = pytest.StashKey[Any]()
-SETTINGS = pytest.StashKey[Settings]()
-#: a pytest-timeout value handed to us through ``pytest_timeout_set_timer``.
-TIMEOUT = pytest.StashKey[float]()
-#: set on items (conformance cells) that run on a world without a marker.
-DISTRIBUTED_ATTR = "moe_ep_distributed"
-
 
 #: pytest's fixtures that act on the pytest process itself: a copy in a rank would do nothing useful.
 PROCESS_BOUND_FIXTURES = frozenset({
@@ -37,6 +29,10 @@ PROCESS_BOUND_FIXTURES = frozenset({
 
 def is_distributed(item: pytest.Item) -> bool:
     return WorldMarker.from_item(item) is not None or bool(getattr(item, DISTRIBUTED_ATTR, False))
+
+
+def engine_of(config: pytest.Config) -> Engine:
+    return config.stash[ENGINE]
 
 
 def call_timeout(item: pytest.Item, explicit: float | None = None) -> float:
@@ -56,29 +52,26 @@ def attach_outputs(item: pytest.Item, outputs: list[RankOutput]) -> None:
             item.add_report_section("call", f"rank {rank} stderr", out.stderr)
 
 
-def run_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                 world_size: int, backend: str, timeout: float | None = None) -> CallResult:
-    """Run ``fn`` through the session's engine; skip on a missing backend, fail with every rank's story."""
-    engine = item.config.stash[ENGINE]
+def call_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                  world_size: int, backend: str, timeout: float | None = None) -> CallResult:
+    """Run ``fn`` through the session's engine; skip on a missing backend or a skip on every rank.
+
+    A failure raises the engine's :class:`WorldError` with each rank's output attached to ``item``;
+    the caller decides how to show it.
+    """
     try:
-        result = engine.call(fn, args, kwargs, world_size=world_size, backend=backend,
-                             timeout=call_timeout(item, timeout))
+        result = engine_of(item.config).call(fn, args, kwargs, world_size=world_size, backend=backend,
+                                             timeout=call_timeout(item, timeout))
     except BackendUnavailable as exc:
-        skipped = str(exc)
+        pytest.skip(str(exc))
     except WorldError as exc:
-        failed = exc
-    else:
-        attach_outputs(item, result.outputs)
-        return result
-    # Outside the except blocks, so pytest shows the report once rather than a chain of exceptions.
-    if "failed" in locals():
-        skips = {r: e for r, e in failed.errors.items() if e.type_name == "Skipped"}
-        if skips and len(skips) == len(failed.errors) == world_size:  # pytest.skip() on every rank
-            attach_outputs(item, failed.outputs)
-            pytest.skip(skips[0].message)
-        attach_outputs(item, failed.outputs)
-        pytest.fail(failed.report(), pytrace=False)
-    pytest.skip(skipped)
+        attach_outputs(item, exc.outputs)
+        reason = exc.skipped_everywhere  # pytest.skip() on every rank skips the test
+        if reason is not None:
+            pytest.skip(reason)
+        raise
+    attach_outputs(item, result.outputs)
+    return result
 
 
 def run_marked_test(item: pytest.Function, marker: WorldMarker) -> None:
@@ -95,5 +88,11 @@ def run_marked_test(item: pytest.Function, marker: WorldMarker) -> None:
                         "Fixtures that work inside ranks: parametrize values, tmp_path, moe_ep_shared_dir "
                         "and fixtures returning plain data.", pytrace=False)
     fn = FunctionRef(item.module.__name__, item.obj.__qualname__, str(item.path), rewrite_asserts=True)
-    run_on_world(item, fn, (), kwargs, world_size=marker.world_size, backend=marker.backend,
-                 timeout=marker.timeout)
+    try:
+        call_on_world(item, fn, (), kwargs, world_size=marker.world_size, backend=marker.backend,
+                      timeout=marker.timeout)
+    except WorldError as exc:
+        failure = exc.report()
+    else:
+        return
+    pytest.fail(failure, pytrace=False)  # outside the except block: one report, not a chain

@@ -1,13 +1,14 @@
-"""pytest-moe-ep's entry module (``pytest11``): options, markers, fixtures and hook wiring.
+"""pytest-moe-ep's entry module (``pytest11``): the world engine's options, marker, fixtures and hooks.
 
 pytest loads this module in every session of every user, so it stays light: it never imports
-torch.  torch is imported the first time a world is actually needed.
+torch, and an engine is created only in ``pytest_configure`` (torch is imported the first time a
+world is actually needed).  The conformance matrix is another plugin, :mod:`conformance.plugin`.
 
 - ``@pytest.mark.moe_ep_world(n, backend="auto", timeout=None)`` runs a test on every rank.
 - ``moe_ep_shared_dir`` is one directory every rank of a test sees.
 - ``moe_ep_engine`` is the session's engine, for ``engine.run(fn, *args, world_size=n)``.
 - Deadlines: the marker's ``timeout``, else pytest-timeout's value (its timer is handed to the
-  supervisor instead of SIGALRM), else ``moe_ep_timeout``.
+  engine instead of SIGALRM), else ``moe_ep_timeout``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,8 @@ from typing import Any
 
 import pytest
 
-from pytest_moe_ep import hooks
-from pytest_moe_ep.distributed import (
-    ENGINE,
-    SETTINGS,
-    TIMEOUT,
-    is_distributed,
-    run_marked_test,
-)
-from pytest_moe_ep.settings import WORLD_MARKER_HELP, Settings, WorldMarker, add_options
-
-
-def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    pluginmanager.add_hookspecs(hooks)
+from pytest_moe_ep.distributed import engine_of, is_distributed, run_marked_test
+from pytest_moe_ep.settings import ENGINE, SETTINGS, TIMEOUT, WORLD_MARKER_HELP, Settings, WorldMarker, add_options
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,9 +37,21 @@ def under_torchrun() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
+def _check_explicit_backend(settings: Settings) -> None:
+    """An explicitly asked-for backend that cannot run here is a usage error, not a green run that checked nothing."""
+    if settings.backend != "nccl":
+        return
+    from pytest_moe_ep.world.backend import cuda_devices
+
+    if cuda_devices() == 0:
+        raise pytest.UsageError("--moe-ep-backend=nccl: this machine has no CUDA GPU, so no NCCL world can run; "
+                                "use --moe-ep-backend=gloo or auto (auto falls back to gloo)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", WORLD_MARKER_HELP)
     settings = Settings.from_config(config)
+    _check_explicit_backend(settings)
     config.stash[SETTINGS] = settings
     if under_torchrun():
         from pytest_moe_ep.world.torchrun import TorchrunWorld
@@ -68,10 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     s = config.stash[SETTINGS]
-    engine = config.stash[ENGINE]
-    where = engine.describe() if hasattr(engine, "describe") else f"start={s.start_method}"
-    return (f"moe-ep: backend={s.backend} world_size={s.world_size} timeout={s.timeout_s:g}s "
-            f"{where}")
+    return f"moe-ep: backend={s.backend} timeout={s.timeout_s:g}s {engine_of(config).describe()}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -90,7 +89,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
-    """A distributed test's pytest-timeout value becomes the supervisor's deadline, not a SIGALRM."""
+    """A distributed test's pytest-timeout value becomes the engine's deadline, not a SIGALRM."""
     if not is_distributed(item):
         return None
     item.stash[TIMEOUT] = float(settings.timeout or 0)
@@ -106,8 +105,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     engine = session.config.stash.get(ENGINE, None)
     if engine is None:
         return
-    if hasattr(engine, "agree_on_exit"):
-        session.exitstatus = engine.agree_on_exit(int(exitstatus))
+    session.exitstatus = engine.agree_on_exit(int(exitstatus))
     engine.shutdown()  # again from pytest_unconfigure and atexit: idempotent
 
 
@@ -118,15 +116,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def moe_ep_shared_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def moe_ep_shared_dir(request: pytest.FixtureRequest) -> Path:
     """A directory every rank of the test sees: the same path on every rank."""
-    engine = request.config.stash[ENGINE]
-    if hasattr(engine, "shared_dir"):
-        return engine.shared_dir(request.node.nodeid)
-    return tmp_path_factory.mktemp("moe-ep-shared")
+    return engine_of(request.config).shared_dir(request.node.nodeid)
 
 
 @pytest.fixture(scope="session")
 def moe_ep_engine(pytestconfig: pytest.Config) -> Iterator[Any]:
     """The session's world engine: ``moe_ep_engine.run(fn, *args, world_size=n)``."""
-    yield pytestconfig.stash[ENGINE]
+    yield engine_of(pytestconfig)

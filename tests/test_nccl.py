@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_moe_ep.world import BackendUnavailable, Supervisor
+from pytest_moe_ep.world import BackendUnavailable, Engine
 
 
 def _gpus() -> int:
@@ -44,13 +44,13 @@ def test_reference_checkpoint_round_trip_on_the_gpu(moe_ep_shared_dir) -> None: 
         assert a.is_cuda and torch.equal(a, b), name
 
 
-def test_nccl_without_a_gpu_per_rank_is_unavailable(moe_ep_engine: Supervisor) -> None:
+def test_nccl_without_a_gpu_per_rank_is_unavailable(moe_ep_engine: Engine) -> None:
     wanted = _gpus() + 1
     with pytest.raises(BackendUnavailable, match=f"nccl needs {wanted} GPUs \\(one per rank\\)"):
         moe_ep_engine.run(backend_and_device, world_size=wanted, backend="nccl")
 
 
-def test_auto_picks_nccl_only_with_a_gpu_per_rank(moe_ep_engine: Supervisor) -> None:
+def test_auto_picks_nccl_only_with_a_gpu_per_rank(moe_ep_engine: Engine) -> None:
     expected = ("nccl", "cuda") if _gpus() >= 1 else ("gloo", "cpu")
     assert moe_ep_engine.run(backend_and_device, world_size=1, backend="auto") == [expected]
     assert moe_ep_engine.run(backend_and_device, world_size=_gpus() + 1, backend="auto") == [("gloo", "cpu")] * (

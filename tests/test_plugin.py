@@ -112,8 +112,8 @@ def test_pytest_timeout_value_goes_to_the_supervisor(pytester: pytest.Pytester) 
     assert time.monotonic() - t0 < 120
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines([
-        "*passed its 4s deadline; suspect rank(s) 1 (ranks 0 wait in a collective)",
-        "*rank 1 stack at the deadline (suspect)*",
+        "*hung: passed its 4s deadline; suspect rank 1 (rank 1 at *test_rank_one_hangs); rank 0 waiting in a collective",
+        "*rank 1 stack when given up (suspect)*",
         "*in test_rank_one_hangs",
     ])
     assert "Timeout" not in result.stdout.str().split("short test summary")[0].split("deadline")[0]
@@ -128,7 +128,10 @@ def test_markers_options_and_header(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nmoe_ep_world_size = 2\nmoe_ep_timeout = 60\n")
     pytester.makepyfile("def test_nothing(): pass")
     result = run(pytester, "--moe-ep-timeout=42")
-    result.stdout.fnmatch_lines(["moe-ep: backend=auto world_size=2 timeout=42s start=forkserver"])
+    result.stdout.fnmatch_lines(["moe-ep: backend=auto timeout=42s start=forkserver"])
+    assert "moe-ep matrix" not in result.stdout.str()  # the matrix session exists only when asked for
+    result = run(pytester, "--moe-ep-timeout=42", "--moe-ep-matrix", "--collect-only")
+    result.stdout.fnmatch_lines(["moe-ep matrix: world_size=2 experts=4,6"])
 
 
 @pytest.mark.parametrize(("marker", "message"), [

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from pytest_moe_ep.world import RankFailure, Supervisor, WorldTimeout
+from pytest_moe_ep.world import RankFailure, WorldTimeout
+from pytest_moe_ep.world.supervisor import Supervisor
 
 N = 4
 
@@ -94,7 +95,7 @@ def test_exception_on_one_rank_names_it_and_replaces_the_world(moe_ep_engine: Su
     with pytest.raises(RankFailure) as info:
         moe_ep_engine.run(raise_on, 2, world_size=N, backend="gloo")
     err = info.value
-    assert err.ranks == [2]
+    assert err.at_fault == [2]
     assert "failed on rank(s) 2: rank 2 raised ValueError: deliberate failure on rank 2" in err.headline
     report = err.report()
     assert "rank 2 traceback" in report and 'in raise_on' in report
@@ -111,13 +112,17 @@ def test_hang_names_the_suspect_with_its_stack(moe_ep_engine: Supervisor) -> Non
     elapsed = time.monotonic() - t0
     assert elapsed < 3 + 10, f"the hang was reported after {elapsed:.1f}s, deadline 3s"
     err = info.value
-    assert err.ranks == [1]
-    assert "passed its 3s deadline; suspect rank(s) 1 (ranks 0, 2, 3 wait in a collective)" in err.headline
+    assert err.at_fault == [1]
+    assert err.kind == "hang" and err.waiting == [0, 2, 3]
+    assert "hung: passed its 3s deadline; suspect rank 1 (rank 1 at " in err.headline
+    assert "in hang_on); ranks 0, 2, 3 waiting in a collective" in err.headline
+    assert err.locations[1].endswith("in hang_on") and "test_world_engine.py:" in err.locations[1]
     report = err.report()
-    assert "rank 1 stack at the deadline (suspect)" in report
-    suspect_stack = report.split("rank 1 stack at the deadline (suspect)")[1].split("--------")[1]
+    assert "rank 1 stack when given up (suspect)" in report
+    suspect_stack = report.split("rank 1 stack when given up (suspect)")[1].split("--------")[1]
     assert "in hang_on" in suspect_stack
-    assert "rank 0 stack at the deadline (victim)" in report and "in barrier" in report
+    victim = report.split("rank 0 (victim)")[1].split("--------")[1]
+    assert "waiting in a collective at " in victim and "in barrier" in victim
     assert moe_ep_engine.run(all_reduce_sum, 1, world_size=N, backend="gloo") == [N] * N
 
 
@@ -126,7 +131,7 @@ def test_dead_rank_is_reported_with_its_exit_code(moe_ep_engine: Supervisor) -> 
     with pytest.raises(RankFailure) as info:
         moe_ep_engine.run(exit_on, 3, 3, world_size=N, backend="gloo", timeout=120)
     assert time.monotonic() - t0 < 30, "the other ranks were left waiting for the dead one"
-    assert info.value.ranks == [3]
+    assert info.value.at_fault == [3]
     assert "rank 3 exited with code 3" in info.value.headline
     assert moe_ep_engine.run(noop, world_size=N, backend="gloo") == [None] * N
 
@@ -134,7 +139,7 @@ def test_dead_rank_is_reported_with_its_exit_code(moe_ep_engine: Supervisor) -> 
 def test_segfault_is_reported_with_the_signal_and_stack(moe_ep_engine: Supervisor) -> None:
     with pytest.raises(RankFailure) as info:
         moe_ep_engine.run(segfault_on, 0, world_size=N, backend="gloo", timeout=120)
-    assert info.value.ranks == [0]
+    assert info.value.at_fault == [0]
     assert "rank 0 died of signal SIGSEGV" in info.value.headline
     assert "in segfault_on" in info.value.report()
 

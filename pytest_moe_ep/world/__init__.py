@@ -1,29 +1,30 @@
 """The world engine: persistent multi-rank gloo/NCCL worlds, supervised from the pytest process.
 
-Controller side: :mod:`.supervisor`.  Worker side: :mod:`.rank`.  Between them: :mod:`.protocol`.
-Inside an existing torchrun launch: :mod:`.torchrun`.  Importing this package does not import torch.
+The interface and its result and error types: :mod:`.engine`.  Controller side: :mod:`.supervisor`.
+Worker side: :mod:`.rank`.  Between them: :mod:`.protocol`.  Inside an existing torchrun launch:
+:mod:`.torchrun`.  Importing this package imports neither torch nor an engine.
 """
 
 from pytest_moe_ep.world.backend import BACKENDS, BackendUnavailable
-from pytest_moe_ep.world.protocol import FunctionRef, function_ref
-from pytest_moe_ep.world.supervisor import (
+from pytest_moe_ep.world.engine import (
     CallResult,
+    Engine,
     RankFailure,
     RankOutput,
-    Supervisor,
     WorldError,
     WorldStartError,
     WorldTimeout,
 )
+from pytest_moe_ep.world.protocol import FunctionRef, function_ref
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailable",
     "CallResult",
+    "Engine",
     "FunctionRef",
     "RankFailure",
     "RankOutput",
-    "Supervisor",
     "WorldError",
     "WorldStartError",
     "WorldTimeout",

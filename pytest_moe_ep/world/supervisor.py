@@ -18,25 +18,20 @@ import contextlib
 import itertools
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from pytest_moe_ep.world.backend import GpuLease, lease_gpus, resolve_backend
-from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop, function_ref
+from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, main_thread_stack
+from pytest_moe_ep.world.engine import CallResult, RankOutput, WorldError, WorldStartError
+from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
-from pytest_moe_ep.world.stacks import (
-    RankState,
-    in_collective,
-    main_thread_stack,
-    raised_in_collective,
-    suspects,
-)
 
 #: modules the forkserver imports once, so every rank starts with them loaded.  torch._dynamo is
 #: here because FSDP2 and DCP import it on first use, which costs a fresh rank seconds.
@@ -55,88 +50,6 @@ PRELOAD = (
 START_TIMEOUT_S = 180.0
 #: how long the other ranks may still report once one rank failed, before they are stopped.
 FAILURE_GRACE_S = 2.0
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "died (exit status unknown)"
-    if code < 0:
-        try:
-            return f"died of signal {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            return f"died of signal {-code} (exit code {code})"
-    return f"exited with code {code}"
-
-
-def _shorten(text: str, limit: int = 240) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _grouped_details(states: list[RankState], at_fault: list[int], errors: dict[int, RankError]) -> str:
-    """What the ranks at fault did, ranks with the same error named once: "ranks 0, 1 raised X: m"."""
-    groups: dict[str, list[int]] = {}
-    for s in states:
-        if s.rank not in at_fault or not s.detail:
-            continue
-        if s.rank in errors:
-            e = errors[s.rank]
-            first = e.message.strip().splitlines()[0] if e.message.strip() else ""
-            key = f"raised {e.type_name}: {first}".rstrip(": ")
-        else:
-            key = s.detail.split(" ", 2)[2] if s.detail.startswith(f"rank {s.rank} ") else s.detail
-        groups.setdefault(key, []).append(s.rank)
-    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} {_shorten(what, 400)}"
-                     for what, r in groups.items())
-
-
-@dataclass
-class RankOutput:
-    stdout: str = ""
-    stderr: str = ""
-
-
-@dataclass
-class CallResult:
-    """Per-rank return values and the output each rank wrote during the call."""
-
-    values: list[Any]
-    outputs: list[RankOutput]
-
-
-class WorldError(Exception):
-    """A call failed.  ``headline`` names the rank(s) at fault; ``report()`` has every rank's story."""
-
-    def __init__(self, headline: str, sections: list[tuple[str, str]], outputs: list[RankOutput],
-                 ranks: list[int], errors: dict[int, RankError] | None = None) -> None:
-        super().__init__(headline)
-        self.headline = headline
-        self.sections = sections
-        self.outputs = outputs
-        self.ranks = ranks
-        #: the exception each rank raised, by rank (ranks that died or hung have none).
-        self.errors = errors or {}
-
-    def report(self) -> str:
-        parts = [self.headline]
-        for title, body in self.sections:
-            parts.append(f"{'-' * 8} {title} {'-' * 8}\n{body.rstrip()}")
-        return "\n".join(parts)
-
-    def __str__(self) -> str:
-        return self.report()
-
-
-class WorldStartError(WorldError):
-    """The ranks could not form a world."""
-
-
-class RankFailure(WorldError):
-    """One or more ranks raised or died."""
-
-
-class WorldTimeout(WorldError):
-    """The call passed its deadline; the report holds every live rank's stack."""
 
 
 class _Files:
@@ -216,7 +129,13 @@ class World:
 
 
 class Supervisor:
-    """Owns this process's worlds.  Cheap to create: torch is imported at the first world."""
+    """Owns this process's worlds.  Cheap to create: torch is imported at the first world.
+
+    Implements :class:`~pytest_moe_ep.world.engine.Engine`.
+    """
+
+    #: the controller is the only process of its launch: it writes the reports.
+    rank = 0
 
     def __init__(self, *, start_method: str = "forkserver", capture: bool = True,
                  pg_timeout_s: float = 270.0, default_timeout_s: float = 300.0,
@@ -341,7 +260,7 @@ class Supervisor:
                         continue
                 if world.processes[r].sentinel in ready:
                     world.processes[r].join(1.0)
-                    problems.append((f"rank {r}", _describe_exit(world.processes[r].exitcode)))
+                    problems.append((f"rank {r}", describe_exit(world.processes[r].exitcode)))
         if problems:
             outputs = []
             for spec in world.specs:
@@ -349,9 +268,10 @@ class Supervisor:
                 files.offsets = [0, 0]
                 outputs.append(RankOutput(files.read(0), files.read(1)))
             world.kill()
-            raise WorldStartError(
-                f"a {world.world_size}-rank {world.backend} world failed to start", problems, outputs,
-                sorted({int(t.split()[1]) for t, _ in problems if t.startswith("rank ")}))
+            at_fault = sorted({int(t.split()[1]) for t, _ in problems if t.startswith("rank ")})
+            raise WorldStartError(fn="start-up", world_size=world.world_size, backend=world.backend,
+                                  cause=f"failed to start: {problems[0][0]}: {problems[0][1].strip().splitlines()[-1]}",
+                                  at_fault=at_fault, sections=problems, outputs=outputs)
 
     # -- calls ----------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, world_size: int, backend: str = "auto",
@@ -423,7 +343,7 @@ class Supervisor:
             return CallResult([results[r].value for r in range(n)], outputs)
         stacks = self._collect_stacks(world, sorted(pending), files)
         timed_out = bool(pending) and failed_at is None
-        raise self._failure(world, call, timeout_s, results, errors, dead, stacks, outputs, files, timed_out)
+        raise self._failure(world, call, timeout_s, results, dead, stacks, outputs, files, timed_out)
 
     def _collect_stacks(self, world: World, ranks: list[int], files: list[_Files]) -> dict[int, str]:
         """Signal each rank to dump its stacks, and read them back once the files stop growing."""
@@ -449,44 +369,13 @@ class Supervisor:
         return stacks
 
     def _failure(self, world: World, call: Call, timeout_s: float, results: dict[int, Result],
-                 errors: dict[int, RankError], dead: dict[int, int | None], stacks: dict[int, str],
-                 outputs: list[RankOutput], files: list[_Files], timed_out: bool) -> WorldError:
-        states: list[RankState] = []
-        for r in range(world.world_size):
-            if r in errors:
-                kind = "raised in a collective" if raised_in_collective(errors[r].traceback) else "raised"
-                states.append(RankState(r, kind, errors[r].headline()))
-            elif r in dead:
-                states.append(RankState(r, "dead", f"rank {r} {_describe_exit(dead[r])}"))
-            elif r in results:
-                states.append(RankState(r, "returned"))
-            elif r in stacks:
-                where = "in a collective" if in_collective(stacks[r]) else "outside any collective"
-                states.append(RankState(r, where))
-        at_fault = suspects(states)
-        where = f"{call.fn} on a {world.world_size}-rank {world.backend} world"
-        names = ", ".join(map(str, at_fault))
-        if timed_out:
-            waiting = [s.rank for s in states if s.state == "in a collective" and s.rank not in at_fault]
-            headline = (f"{where} passed its {timeout_s:g}s deadline; suspect rank(s) {names}"
-                        + (f" (ranks {', '.join(map(str, waiting))} wait in a collective)" if waiting else ""))
-        else:
-            headline = f"{where} failed on rank(s) {names}: {_grouped_details(states, at_fault, errors)}"
-        sections: list[tuple[str, str]] = [
-            ("ranks", "\n".join(f"rank {s.rank}: {s.state}" + (" <- suspect" if s.rank in at_fault else "")
-                                for s in states))]
-        for r in range(world.world_size):
-            if r in errors:
-                sections.append((f"rank {r} traceback", errors[r].traceback or errors[r].headline()))
-            if r in dead:
-                crash = files[r].read(2).strip()
-                sections.append((f"rank {r} {_describe_exit(dead[r])}", crash or "(no Python stack recorded)"))
-            if r in stacks:
-                label = "suspect" if r in at_fault else "victim"
-                sections.append((f"rank {r} stack at the deadline ({label})" if timed_out
-                                 else f"rank {r} stack when stopped", stacks[r]))
-        cls = WorldTimeout if timed_out else RankFailure
-        return cls(headline, sections, outputs, at_fault, errors)
+                 dead: dict[int, int | None], stacks: dict[int, str], outputs: list[RankOutput],
+                 files: list[_Files], timed_out: bool) -> WorldError:
+        errors = {r: res.error for r, res in results.items() if res.error is not None}
+        seen = Observed(str(call.fn), world.world_size, world.backend, timeout_s,
+                        returned={r for r, res in results.items() if res.error is None}, errors=errors, dead=dead,
+                        stacks=stacks, timed_out=timed_out)
+        return diagnose(seen, outputs, crashes={r: files[r].read(2).strip() for r in dead})
 
     # -- shutdown -------------------------------------------------------------------------------
     def kill_all(self) -> None:
@@ -506,3 +395,10 @@ class Supervisor:
 
     def describe(self) -> str:
         return f"start={self.start_method}"
+
+    def shared_dir(self, nodeid: str) -> Path:
+        """A new directory in this session's work directory: local ranks share the filesystem."""
+        return Path(tempfile.mkdtemp(prefix="moe-ep-cell-", dir=self.workdir))
+
+    def agree_on_exit(self, status: int) -> int:
+        return status

@@ -19,19 +19,20 @@ import pickle
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
-from pytest_moe_ep.world.protocol import FunctionRef, RankError
-from pytest_moe_ep.world.supervisor import CallResult, RankFailure, RankOutput, WorldTimeout
+from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, WorldTimeout
+from pytest_moe_ep.world.protocol import FunctionRef, RankError, function_ref
 
 PREFIX = "pytest-moe-ep/"
 
 
 class TorchrunWorld:
-    """The engine when pytest runs under torchrun: same ``call`` contract as the Supervisor."""
+    """The engine when pytest runs under torchrun; implements :class:`~pytest_moe_ep.world.engine.Engine`."""
 
     def __init__(self, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -80,14 +81,15 @@ class TorchrunWorld:
         timeout_s = timeout or self.timeout_s
         seq = next(self.seq)
         names, missing = self._exchange(f"call{seq}/name", str(fn), timeout_s)
-        where = f"{fn} on a {self.world_size}-rank torchrun world"
+        world = {"fn": str(fn), "world_size": self.world_size, "backend": f"torchrun {self.backend}",
+                 "outputs": self._no_output()}
         if missing:
-            raise WorldTimeout(f"{where}: rank(s) {missing} never reached call {seq}", [], self._no_output(),
-                               missing)
+            raise WorldTimeout(cause=f"hung: rank(s) {', '.join(map(str, missing))} never reached call {seq}",
+                               at_fault=missing, waiting=sorted(names), **world)
         if len(set(names.values())) != 1:
             listing = "\n".join(f"rank {r}: {n}" for r, n in sorted(names.items()))
-            raise RankFailure(f"{where}: ranks are out of step at call {seq}", [("calls", listing)],
-                              self._no_output(), sorted(names))
+            raise OutOfStep(cause=f"ranks are out of step at call {seq}", at_fault=sorted(names),
+                            sections=[("calls", listing)], **world)
         try:
             value, error = fn.resolve()(*args, **(kwargs or {})), None
             pickle.dumps(value)
@@ -95,17 +97,24 @@ class TorchrunWorld:
             value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc), traceback.format_exc())
         outcomes, missing = self._exchange(f"call{seq}/outcome", (value, error), timeout_s)
         errors = {r: e for r, (_, e) in outcomes.items() if e is not None}
+        sections = [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())]
         if missing:
-            raise WorldTimeout(f"{where} passed its {timeout_s:g}s deadline; suspect rank(s) "
-                               f"{', '.join(map(str, missing))} (no outcome reported)",
-                               [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())],
-                               self._no_output(), missing)
+            raise WorldTimeout(cause=f"hung: passed its {timeout_s:g}s deadline; suspect rank(s) "
+                               f"{', '.join(map(str, missing))} (no outcome reported)", at_fault=missing,
+                               errors=errors, sections=sections, **world)
         if errors:
             heads = "; ".join(e.headline() for _, e in sorted(errors.items()))
-            raise RankFailure(f"{where} failed on rank(s) {', '.join(map(str, sorted(errors)))}: {heads}",
-                              [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())],
-                              self._no_output(), sorted(errors), errors)
+            raise RankFailure(cause=f"failed on rank(s) {', '.join(map(str, sorted(errors)))}: {heads}",
+                              at_fault=sorted(errors), errors=errors, sections=sections, **world)
         return CallResult([outcomes[r][0] for r in range(self.world_size)], self._no_output())
+
+    def run(self, fn: Callable[..., Any], *args: Any, world_size: int, backend: str = "auto",
+            timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        return self.call(function_ref(fn), args, kwargs, world_size=world_size, backend=backend,
+                         timeout=timeout).values
+
+    def add_preload(self, modules: Sequence[str]) -> None:
+        """Nothing to preload: every rank is this very process."""
 
     def _no_output(self) -> list[RankOutput]:
         return [RankOutput() for _ in range(self.world_size)]  # each rank's pytest shows its own

@@ -1,0 +1,205 @@
+"""Why a call failed: each rank's state, the ranks at fault, and the :class:`WorldError` that says so.
+
+On a deadline the supervisor sends every live rank ``STACK_SIGNAL``; ``faulthandler`` writes all
+threads' stacks into the rank's stack file, whose first line names the main thread.  A rank whose
+main thread is inside ``torch.distributed`` is a *victim*, blocked in a collective waiting for
+someone; a rank running anything else, or a dead one, is a *suspect*.
+
+A hang is not always seen as a deadline: the process group's own timeout may fire first on the
+ranks waiting in a collective, so they *raise* while the stuck rank still runs its own code.  That is
+still a hang, and it is reported as one, with the stuck rank's ``file:line``.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+from pytest_moe_ep.world.engine import RankFailure, RankOutput, WorldError, WorldTimeout
+from pytest_moe_ep.world.protocol import RankError
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
+_HEADER = re.compile(r"^main thread (0x[0-9a-f]+)$", re.MULTILINE)
+
+
+def main_thread_stack(header: str, dump: str) -> str:
+    """The block of ``dump`` for the main thread named in ``header``; all of ``dump`` if not found."""
+    found = _HEADER.search(header)
+    if not found:
+        return dump
+    ident = int(found.group(1), 16)
+    starts = list(_THREAD.finditer(dump))
+    for i, m in enumerate(starts):
+        if int(m.group(1), 16) == ident:
+            end = starts[i + 1].start() if i + 1 < len(starts) else len(dump)
+            return dump[m.start():end].rstrip()
+    return dump.rstrip()
+
+
+def _frames(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip().startswith("File ")]
+
+
+def in_collective(stack: str) -> bool:
+    """True when a faulthandler dump (innermost frame first) is inside torch.distributed code."""
+    return any("torch/distributed/" in line for line in _frames(stack)[:8])
+
+
+def raised_in_collective(traceback_text: str) -> bool:
+    """True when a Python traceback (innermost frame last) ends inside torch.distributed code."""
+    return any("torch/distributed/" in line for line in _frames(traceback_text)[-3:])
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    #: "returned", "raised", "raised in a collective", "dead", "in a collective" or "outside any collective"
+    state: str
+    detail: str = ""
+
+
+def suspects(states: list[RankState]) -> list[int]:
+    """The ranks at fault in a failed or hung call, most direct cause first.
+
+    A dead rank or one that raised or hangs in its own code is at fault; ranks that merely saw a
+    collective fail or block because of it are victims.  Only when nobody else is to blame do ranks
+    that raised inside a collective, or that left the call while others wait in one, count.
+    """
+    for group in (("dead", "raised", "outside any collective"), ("raised in a collective",)):
+        found = [s.rank for s in states if s.state in group]
+        if found:
+            return found
+    waiting = [s.rank for s in states if s.state == "in a collective"]
+    left = [s.rank for s in states if s.state == "returned"]
+    return left if (waiting and left) else waiting
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def location(stack: str) -> str:
+    """``file:line in function`` of the innermost frame of a faulthandler dump ("" when it has none)."""
+    for line in stack.splitlines():
+        found = _FRAME.match(line)
+        if found:
+            path = "/".join(found["path"].split("/")[-3:])
+            return f"{path}:{found['line']} in {found['func']}"
+    return ""
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "died (exit status unknown)"
+    if code < 0:
+        try:
+            return f"died of signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"died of signal {-code} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def shorten(text: str, limit: int = 240) -> str:
+    """One line of at most ``limit`` characters, cut at a word boundary."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3].rsplit(" ", 1)[0]
+    return f"{cut}..."
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _grouped_details(states: list[RankState], at_fault: list[int], errors: dict[int, RankError],
+                     locations: dict[int, str]) -> str:
+    """What the ranks at fault did, ranks with the same story named once: "ranks 0, 1 raised X: m"."""
+    groups: dict[str, list[int]] = {}
+    for s in states:
+        if s.rank not in at_fault:
+            continue
+        if s.rank in errors:
+            e = errors[s.rank]
+            first = e.message.strip().splitlines()[0] if e.message.strip() else ""
+            key = f"raised {e.type_name}: {first}".rstrip(": ")
+        elif s.state == "dead":
+            key = s.detail.split(" ", 2)[2] if s.detail.startswith(f"rank {s.rank} ") else s.detail
+        else:
+            where = locations.get(s.rank)
+            key = f"was still running, {s.state}" + (f" at {where}" if where else "")
+        groups.setdefault(key, []).append(s.rank)
+    return "; ".join(f"{_ranks(r)} {shorten(what, 400)}" for what, r in groups.items())
+
+
+@dataclass
+class Observed:
+    """What the supervisor saw of one failed call, rank by rank."""
+
+    fn: str
+    world_size: int
+    backend: str
+    timeout_s: float
+    returned: set[int]
+    errors: dict[int, RankError]
+    dead: dict[int, int | None]
+    #: main-thread stacks of the ranks still running when the call was given up.
+    stacks: dict[int, str]
+    #: the call passed its deadline with no rank having failed first.
+    timed_out: bool
+
+
+def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str]) -> WorldError:
+    """The :class:`WorldError` for a failed call: who is at fault, a hang or a failure, every rank's story."""
+    states: list[RankState] = []
+    for r in range(seen.world_size):
+        if r in seen.errors:
+            kind = "raised in a collective" if raised_in_collective(seen.errors[r].traceback) else "raised"
+            states.append(RankState(r, kind, seen.errors[r].headline()))
+        elif r in seen.dead:
+            states.append(RankState(r, "dead", f"rank {r} {describe_exit(seen.dead[r])}"))
+        elif r in seen.returned:
+            states.append(RankState(r, "returned"))
+        elif r in seen.stacks:
+            where = "in a collective" if in_collective(seen.stacks[r]) else "outside any collective"
+            states.append(RankState(r, where))
+    at_fault = suspects(states)
+    locations = {r: location(seen.stacks[r]) for r in at_fault if r in seen.stacks}
+    stuck = [s.rank for s in states if s.state == "outside any collective"]
+    # The process group's timeout fired on the ranks waiting for a rank stuck in its own code: a hang.
+    pg_timeout_hang = bool(stuck) and all(
+        s.state in ("raised in a collective", "outside any collective", "in a collective", "returned")
+        for s in states) and any(s.state == "raised in a collective" for s in states)
+    hung = seen.timed_out or pg_timeout_hang
+    waiting = [s.rank for s in states if s.state in ("in a collective", "raised in a collective")
+               and s.rank not in at_fault]
+    if hung:
+        how = (f"passed its {seen.timeout_s:g}s deadline" if seen.timed_out
+               else "timed out in a collective waiting for a stuck rank")
+        stuck_at = "; ".join(f"rank {r} at {locations[r]}" for r in at_fault if locations.get(r))
+        cause = (f"hung: {how}; suspect {_ranks(at_fault)}" + (f" ({stuck_at})" if stuck_at else "")
+                 + (f"; {_ranks(waiting)} waiting in a collective" if waiting else ""))
+    else:
+        cause = f"failed on rank(s) {', '.join(map(str, at_fault))}: " \
+                f"{_grouped_details(states, at_fault, seen.errors, locations)}"
+    sections: list[tuple[str, str]] = [
+        ("ranks", "\n".join(f"rank {s.rank}: {s.state}" + (" <- suspect" if s.rank in at_fault else "")
+                            for s in states))]
+    for r in range(seen.world_size):
+        # Victims' tracebacks repeat what the headline says: keep the suspects' in full, fold the rest.
+        if r in seen.errors and (r in at_fault or not hung):
+            sections.append((f"rank {r} traceback", seen.errors[r].traceback or seen.errors[r].headline()))
+        elif r in seen.errors:
+            sections.append((f"rank {r} (victim)", seen.errors[r].headline()))
+        if r in seen.dead:
+            sections.append((f"rank {r} {describe_exit(seen.dead[r])}",
+                             crashes.get(r) or "(no Python stack recorded)"))
+        if r in seen.stacks and (r in at_fault or not hung):
+            label = "suspect" if r in at_fault else "victim"
+            sections.append((f"rank {r} stack when given up ({label})", seen.stacks[r]))
+        elif r in seen.stacks:
+            sections.append((f"rank {r} (victim)", f"waiting in a collective at {location(seen.stacks[r])}"))
+    cls = WorldTimeout if hung else RankFailure
+    return cls(fn=seen.fn, world_size=seen.world_size, backend=seen.backend, cause=cause, at_fault=at_fault,
+               waiting=waiting, locations=locations, errors=dict(seen.errors),
+               states={s.rank: s.state for s in states}, sections=sections, outputs=outputs)
