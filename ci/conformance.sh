@@ -36,5 +36,5 @@ fi
 if installed deepspeed; then
     run deepspeed --moe-ep-matrix --moe-ep-adapter=deepspeed
 fi
-python -m pytest_moe_ep.report index "$out" "$@" || status=1
+python -m conformance.report index "$out" "$@" || status=1
 exit $status

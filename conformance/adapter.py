@@ -8,57 +8,78 @@ example adapter):
 ``capabilities``
     A :class:`Capabilities` (or a mapping with its fields): which cells apply.
 ``build(spec, mesh, seed) -> (model, optimizer | None)``
-    The framework's own MoE model at the mesh's EP degree.  ``mesh`` has dims ``dp_replicate``,
-    ``ep``, ``dp_shard``; ``mesh=None`` asks for the unsharded ep=1 model built on this rank alone
+    The framework's own MoE model at ``spec.layout`` (a :class:`~conformance.layout.ParallelLayout`:
+    degrees and EP-group order; ``mesh`` is its DeviceMesh with dims ``dp_replicate``, ``ep``,
+    ``dp_shard``, ``etp``).  ``mesh=None`` asks for the unsharded ep=1 model built on this rank alone
     (the suite's ground truth).  Global expert weights depend only on ``seed``; when
-    ``spec.optimizer_steps > 0`` the adapter has run that many steps of the framework's optimizer
-    with gradients from :func:`conformance.synthetic_grad`.
+    ``spec.optimizer_steps > 0`` the adapter has run that many steps of the framework's optimizer at
+    learning rate ``spec.lr`` with gradients from :func:`conformance.synthetic_grad` (see
+    :func:`run_steps`).
 ``save(model, optimizer, path)`` / ``load(model, optimizer, path)``
     The framework's real checkpoint path.
 ``expert_tensors(model, optimizer)`` / ``other_tensors(model, optimizer)``
     Yield ``(layer, global_expert_id, name, tensor)`` for this rank's experts (weights and their
     optimizer moments) and for everything else (``global_expert_id=None``).  A DTensor is compared
     through its local shard; a plain tensor must be the whole per-expert (or whole) tensor.
-``check_saved(model, path)`` (optional)
-    The framework's refusal of a lossy checkpoint.
-``save_legacy(model, optimizer, path)`` (optional)
+
+Optional members (a check that needs one is ``n/a`` without it, with the reason):
+
+``step(model, optimizer, seed, step)``
+    One more optimizer step with :func:`conformance.synthetic_grad` gradients for step index ``step``:
+    the resume check compares the step after a load with the ground truth's.
+``scalars(model, optimizer) -> dict``
+    Optimizer scalars by name (step counts, each param group's lr, betas, weight decay, eps; a
+    scheduler's state), the same names at every layout.
+``forward(model, batch) -> tensor``
+    The framework's forward on :func:`conformance.synthetic.synthetic_batch` (tokens through the
+    router): checks the model the framework will really run.
+``read_checkpoint(path) -> dict``
+    A non-DCP checkpoint's content as key -> tensor or value in global form (DCP is read directly).
+``ep_dependent_keys``
+    Regexes of checkpoint keys that legitimately differ with the EP degree (listed in the report).
+``check_saved(model, path)`` / ``refusal_errors``
+    The framework's refusal of a lossy checkpoint: a guard called before the load, and the exception
+    types its load raises as a refusal.  A legacy cell passes only on one of these.
+``save_legacy(model, optimizer, path)``
     The framework's old, lossy save, for the legacy-refusal cell.
-``preload`` (optional)
+``preload``
     Module names the rank fork server imports once (the framework itself), so no cell pays for
     importing it.
+
+Helpers a framework's own adapter may use: :data:`ADAM_MOMENTS`, :func:`world_device`,
+:func:`run_steps`, :func:`installed_version`, :func:`local_region`.
 """
 
 from __future__ import annotations
 
 import importlib
 import pickle
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from conformance.layout import EP_ORDERS, ParallelLayout
+
 __all__ = [
-    "BUILTIN_ADAPTERS",
+    "ADAM_MOMENTS",
     "REQUIRED_MEMBERS",
     "AdapterError",
     "Capabilities",
     "Spec",
     "capabilities_of",
+    "installed_version",
     "load_adapter",
     "missing_members",
+    "run_steps",
     "world_device",
 ]
 
 REQUIRED_MEMBERS = ("name", "version", "capabilities", "build", "save", "load", "expert_tensors",
                     "other_tensors")
-OPTIONAL_MEMBERS = ("check_saved", "save_legacy", "preload")
-BUILTIN_ADAPTERS = {
-    "reference": "conformance.adapters.reference:ReferenceAdapter",
-    "legacy": "conformance.adapters.legacy:LegacyAdapter",
-    "nemo_automodel": "conformance.adapters.nemo_automodel:NemoAutomodelAdapter",
-    "torchtitan": "conformance.adapters.torchtitan:TorchtitanAdapter",
-    "torchtitan-local": "conformance.adapters.torchtitan:TorchtitanLocalAdapter",
-    "deepspeed": "conformance.adapters.deepspeed:DeepSpeedAdapter",
-}
+OPTIONAL_MEMBERS = ("step", "scalars", "forward", "read_checkpoint", "ep_dependent_keys", "check_saved",
+                    "refusal_errors", "save_legacy", "preload")
+#: the optimizer state every Adam-family optimizer keeps per parameter.
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class AdapterError(Exception):
@@ -79,8 +100,12 @@ class Spec:
     shared_expert: bool = True
     dtype: str = "float32"
     optimizer_steps: int = 0
-    #: compose FSDP2 over the mesh's ``dp_shard`` dim after the EP split (cells "fsdp").
+    #: the optimizer's learning rate (the load side builds with another, so an lr not restored shows).
+    lr: float = 1e-2
+    #: compose FSDP2 over the mesh's ``dp_shard`` dim (and ``dp_replicate``: HSDP) after the EP split.
     fsdp: bool = False
+    #: the rank layout to build at (``None``: the unsharded ground truth).
+    layout: ParallelLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -95,9 +120,15 @@ class Capabilities:
     format: str
     #: a checkpoint saved in one layer kind loads into the other (packed <-> unpacked).
     cross_kind: bool = False
+    #: which EP-group orders the framework forms (see :mod:`conformance.layout`).
+    ep_orders: tuple[str, ...] = ("strided",)
+    #: HSDP: FSDP2 over ``dp_replicate`` x ``dp_shard``.
+    hsdp: bool = False
+    #: expert tensor parallelism: each expert's weights split over ``etp`` ranks.
+    etp: bool = False
 
 
-_CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities) if f.name != "cross_kind")
+_CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities) if f.default is MISSING)
 
 
 def capabilities_of(adapter: Any) -> Capabilities:
@@ -112,8 +143,13 @@ def capabilities_of(adapter: Any) -> Capabilities:
     bad = [k for k in kinds if k not in ("packed", "unpacked")]
     if bad or not kinds:
         raise AdapterError(f"adapter capabilities.kinds must list 'packed' and/or 'unpacked', got {kinds!r}")
+    orders = tuple(get("ep_orders", ("strided",)))
+    bad = [o for o in orders if o not in EP_ORDERS]
+    if bad or not orders:
+        raise AdapterError(f"adapter capabilities.ep_orders must list {' and/or '.join(EP_ORDERS)}, got {orders!r}")
     return Capabilities(kinds, bool(get("optimizer")), bool(get("fsdp")), bool(get("uneven")),
-                        int(get("max_ep")), str(get("format")), bool(get("cross_kind", False)))
+                        int(get("max_ep")), str(get("format")), bool(get("cross_kind", False)), orders,
+                        bool(get("hsdp", False)), bool(get("etp", False)))
 
 
 def missing_members(adapter: Any) -> list[str]:
@@ -130,10 +166,12 @@ def missing_members(adapter: Any) -> list[str]:
 
 def load_adapter(spec: str) -> Any:
     """The adapter named by a built-in name or ``module:attr`` (a class is instantiated)."""
-    target = BUILTIN_ADAPTERS.get(spec, spec)
+    from conformance.adapters import checkpoint_builtins
+
+    builtins = checkpoint_builtins()
+    target = builtins.get(spec, spec)
     if ":" not in target:
-        raise AdapterError(f"unknown adapter {spec!r}: give a built-in name ({', '.join(BUILTIN_ADAPTERS)}) "
-                           "or module:attr")
+        raise AdapterError(f"unknown adapter {spec!r}: give a built-in name ({', '.join(builtins)}) or module:attr")
     module_name, attr = target.split(":", 1)
     try:
         module = importlib.import_module(module_name)
@@ -174,3 +212,23 @@ def world_device(mesh: Any) -> Any:
     else:
         kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def run_steps(step: Callable[[int], None], first: int, count: int) -> None:
+    """``count`` optimizer steps with indices ``first, first + 1, ...``: the one loop every adapter's build and
+    the resume check share, so step indices (and with them :func:`conformance.synthetic_grad`) agree."""
+    for index in range(first, first + count):
+        step(index)
+
+
+def installed_version(module: str) -> str:
+    """The installed version of the distribution that provides ``module`` ("" when unknown)."""
+    from importlib import metadata
+
+    top = module.split(":")[0].split(".")[0]
+    for dist in metadata.packages_distributions().get(top, []):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""

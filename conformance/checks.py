@@ -100,7 +100,7 @@ _TRUTHS: dict[tuple[Any, ...], dict[Key, Any]] = {}
 
 def _truth(adapter: Any, spec: Spec, rank: int) -> dict[Key, Any]:
     """The ep=1, unsharded build with seed A, on this rank alone (no communication)."""
-    spec = Spec(**{**spec.__dict__, "fsdp": False})
+    spec = Spec(**{**spec.__dict__, "fsdp": False, "layout": None})
     key = (type(adapter).__module__, type(adapter).__qualname__, str(adapter.version), spec)
     if key not in _TRUTHS:
         model, optimizer = adapter.build(spec, None, SEED_A)
@@ -210,15 +210,6 @@ def _coverage(rank: int, got: dict[Key, Any], truth: dict[Key, Any], verdict: Ra
 
 
 # -- the cell -------------------------------------------------------------------------------------
-def _mesh(ep: int) -> Any:
-    import torch.distributed as dist
-
-    from pytest_moe_ep.world.meshes import device_mesh
-
-    world = dist.get_world_size()
-    return device_mesh((1, ep, world // ep), ("dp_replicate", "ep", "dp_shard"))
-
-
 def run_cell(adapter: Any, cell: Cell, base: Spec, path: str) -> RankVerdict:
     """The whole experiment of ``cell`` on this rank; its verdict goes back to the controller."""
     import torch.distributed as dist
@@ -226,10 +217,10 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, path: str) -> RankVerdict:
     rank = dist.get_rank()
     verdict = RankVerdict(rank)
     optim = cell.state == "model+optim"
-    save_spec, load_spec = cell.spec(base, cell.save_kind), cell.spec(base, cell.load_kind)
+    save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
 
     t0 = time.perf_counter()
-    model, optimizer = adapter.build(save_spec, _mesh(cell.save_ep), SEED_A)
+    model, optimizer = adapter.build(save_spec, cell.save.build_mesh(), SEED_A)
     t1 = time.perf_counter()
     (adapter.save_legacy if cell.legacy else adapter.save)(model, optimizer if optim else None, path)
     verdict.timings["save"] = time.perf_counter() - t1
@@ -240,7 +231,7 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, path: str) -> RankVerdict:
         verdict.problems += metadata_problems(path, cell.num_experts)
 
     truth = _truth(adapter, load_spec, rank)
-    model, optimizer = adapter.build(load_spec, _mesh(cell.load_ep), SEED_B)
+    model, optimizer = adapter.build(load_spec, cell.load.build_mesh(), SEED_B)
     optimizer = optimizer if optim else None
     before = canonical(adapter, model, optimizer, rank, verdict)
     same = {k for k, (t, region) in before.items() if _equal(t, _expected(truth, k, region))}

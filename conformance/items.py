@@ -1,54 +1,56 @@
 """One pytest Item per matrix cell, run through the world engine (controller side).
 
-Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4``, so ``-k``,
+Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4c``, so ``-k``,
 ``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
 runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
-matrix runs on.  Each cell attaches its report record (see :mod:`pytest_moe_ep.report`).
+matrix runs on.  Each cell attaches its report record (see :mod:`conformance.report`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from conformance.adapter import Spec
+from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.matrix import Cell
-from pytest_moe_ep.distributed import DISTRIBUTED_ATTR, ENGINE, SETTINGS, run_on_world
-from pytest_moe_ep.report import RECORD
+from conformance.report import RECORD
+from pytest_moe_ep.distributed import call_on_world, engine_of
+from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
+from pytest_moe_ep.world.engine import WorldError
 from pytest_moe_ep.world.protocol import FunctionRef
 
-MATRIX = "moe-ep-matrix"
 RUN_CELL = FunctionRef("conformance.checks", "run_cell")
-CHECK_FUNCTIONS = FunctionRef("conformance.functions_suite", "check_functions")
+CHECK_FUNCTIONS = FunctionRef("conformance.functions.rank", "check_functions")
 
 
 class CellFailed(Exception):
     """A cell's checks found differences; the message is the whole diagnosis."""
 
 
-def _version_of(module: str) -> str:
-    """The installed version of the distribution that provides ``module`` ("" when unknown)."""
-    from importlib import metadata
+class CellError(Exception):
+    """A cell could not run to its checks: the engine's structured failure, shown as the cell's story."""
 
-    top = module.split(":")[0].split(".")[0]
-    for dist in metadata.packages_distributions().get(top, []):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return ""
+    def __init__(self, error: WorldError) -> None:
+        super().__init__(error.cause)
+        self.error = error
 
 
 def _torch_version() -> str:
     import torch
 
     return str(torch.__version__)  # a str subclass that execnet (xdist) cannot send
+
+
+class MatrixCollector(pytest.Collector):
+    """The parent of every cell: node ids start with ``moe-ep-matrix::``."""
+
+    def collect(self) -> list[Any]:
+        return []
 
 
 class MatrixItem(pytest.Item):
@@ -63,7 +65,7 @@ class MatrixItem(pytest.Item):
     def _finish(self, status: str, detail: str, started: float) -> None:
         self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3),
                            torch=_torch_version())
-        self.user_properties.append((RECORD, self.record))
+        self.user_properties.append((RECORD, json.dumps(self.record)))
 
     def runtest(self) -> None:
         started = time.perf_counter()
@@ -75,13 +77,11 @@ class MatrixItem(pytest.Item):
         except pytest.skip.Exception as exc:
             self._finish("n/a", str(exc.msg), started)
             raise
+        except WorldError as exc:  # the cause alone: the node id already names the call
+            self._finish("error", exc.cause, started)
+            raise CellError(exc) from None
         except BaseException as exc:
-            message = (getattr(exc, "msg", None) or str(exc) or type(exc).__name__).splitlines()[0]
-            # "conformance.checks:run_cell on a 4-rank gloo world failed on ..." -> "failed on ..."
-            prefix = f"{RUN_CELL} on a " if message.startswith(str(RUN_CELL)) else f"{CHECK_FUNCTIONS} on a "
-            if message.startswith(prefix) and " world " in message:
-                message = message.split(" world ", 1)[1]
-            self._finish("error", message, started)
+            self._finish("error", f"{type(exc).__name__}: {exc}".splitlines()[0], started)
             raise
         self._finish(status, detail, started)
         if status == "fail":
@@ -93,6 +93,8 @@ class MatrixItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, CellFailed):
             return str(excinfo.value)
+        if isinstance(excinfo.value, CellError):
+            return excinfo.value.error.report()
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
@@ -100,7 +102,10 @@ class MatrixItem(pytest.Item):
 
     @property
     def world_size(self) -> int:
-        return self.config.stash[SETTINGS].world_size
+        from conformance.session import MatrixSession
+
+        session: MatrixSession = self.config.pluginmanager.get_plugin(MatrixSession.NAME)
+        return session.world_size
 
     @property
     def backend(self) -> str:
@@ -110,23 +115,15 @@ class MatrixItem(pytest.Item):
 class CheckpointCellItem(MatrixItem):
     def __init__(self, *, cell: Cell, adapter: Any, base: Spec, **kwargs: Any) -> None:
         record = {"suite": "checkpoint", "adapter": adapter.name, "adapter_version": str(adapter.version),
-                  "kind": cell.kind, "state": cell.state, "fsdp": cell.fsdp, "save_ep": cell.save_ep,
-                  "load_ep": cell.load_ep, "num_experts": cell.num_experts, "legacy": cell.legacy}
+                  **cell.record()}
         super().__init__(record=record, na=cell.na, **kwargs)
         self.cell, self.adapter, self.base = cell, adapter, base
-        # -k cannot contain ">", so "ep2->ep4" is also selectable as "save_ep2 and load_ep4".
-        self.extra_keyword_matches.update({f"save_ep{cell.save_ep}", f"load_ep{cell.load_ep}",
-                                           f"E{cell.num_experts}"})
+        self.extra_keyword_matches.update(cell.keywords())
 
     def check(self) -> tuple[str, str]:
-        engine = self.config.stash[ENGINE]
-        with contextlib.ExitStack() as stack:
-            if hasattr(engine, "shared_dir"):
-                path = str(engine.shared_dir(self.nodeid))
-            else:
-                path = stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-ep-cell-"))
-            result = run_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, path), {},
-                                  world_size=self.world_size, backend=self.backend)
+        path = str(engine_of(self.config).shared_dir(self.nodeid))
+        result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, path), {},
+                               world_size=self.world_size, backend=self.backend)
         verdicts: list[RankVerdict] = result.values
         self.record["timings"] = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4)
                                   for k in ("build", "save", "load")}
@@ -135,22 +132,22 @@ class CheckpointCellItem(MatrixItem):
 
 class FunctionsCellItem(MatrixItem):
     def __init__(self, *, cell: Any, module: str, na: str = "", **kwargs: Any) -> None:
-        record = {"suite": "functions", "adapter": module, "adapter_version": _version_of(module), "function": "*",
-                  "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
+        record = {"suite": "functions", "adapter": module, "adapter_version": installed_version(module),
+                  "function": "*", "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
         super().__init__(record=record, na=na, **kwargs)
         self.cell, self.module = cell, module
 
     def check(self) -> tuple[str, str]:
-        from conformance.functions_suite import merge_rank_records
+        from conformance.functions.merge import merge_rank_records
 
-        result = run_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {}, world_size=self.cell.world_size,
+        result = call_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {}, world_size=self.cell.world_size,
                               backend=self.backend)
         records = merge_rank_records(result.values)
         for r in records:  # one record per function; the item's own record summarises them
-            self.user_properties.append((RECORD, {"id": f"{self.nodeid}::{r['function']}",
-                                                  "adapter": self.module,
-                                                  "adapter_version": self.record["adapter_version"],
-                                                  "duration_s": 0.0, "torch": _torch_version(), **r}))
+            self.user_properties.append((RECORD, json.dumps({
+                "id": f"{self.nodeid}::{r['function']}", "adapter": self.module,
+                "adapter_version": self.record["adapter_version"], "duration_s": 0.0, "torch": _torch_version(),
+                **r})))
         self.record["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
         failed = [r for r in records if r["status"] != "pass"]
         if not failed:
@@ -166,14 +163,15 @@ class FunctionsCellItem(MatrixItem):
         if status in ("n/a", "error"):
             self.record["function"] = "*"
             self.record["torch"] = _torch_version()
-            self.user_properties.append((RECORD, self.record))
+            self.user_properties.append((RECORD, json.dumps(self.record)))
 
 
 def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
     """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen."""
     # The first line is the diagnosis (the report's failure list and index show only it); the cell's
     # context closes it, since the node id already names the cell.
-    context = f"(E={cell.num_experts}, saved at ep={cell.save_ep}, loaded at ep={cell.load_ep}; adapter {adapter})"
+    context = (f"(E={cell.num_experts}, saved at {cell.save.describe()}, loaded at {cell.load.describe()}; "
+               f"adapter {adapter})")
     if cell.legacy:
         refused = {v.rank: v.refused for v in verdicts if v.refused}
         if len(refused) == len(verdicts):
@@ -209,13 +207,13 @@ def _mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
     return lines
 
 
-def collect_items(parent: pytest.Collector, *, adapter: Any, cells: list[Cell], base: Spec,
-                  functions: tuple[str, str, list[Any]] | None) -> Iterator[MatrixItem]:
-    """Checkpoint cells for ``adapter``, then functions cells for ``(module, why n/a, cells)``."""
+def collect_items(parent: pytest.Collector, *, adapter: Any, cells: list[Cell], functions: Any,
+                  functions_cells: list[Any]) -> Iterator[MatrixItem]:
+    """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it is n/a)."""
     if adapter is not None:
         for cell in cells:
-            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, cell=cell, adapter=adapter, base=base)
+            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, cell=cell, adapter=adapter, base=Spec())
     if functions is not None:
-        module, na, fcells = functions
-        for fcell in fcells:
-            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, cell=fcell, module=module, na=na)
+        for fcell in functions_cells:
+            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, cell=fcell, module=functions.module,
+                                                na=functions.na)

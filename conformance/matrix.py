@@ -1,24 +1,43 @@
-"""Which checkpoint cells exist for an adapter, and why a cell is ``n/a``.
+"""Which checkpoint cells exist for an adapter, in which tier, and why a cell is ``n/a``.
 
-A cell is one save/load experiment: save at ``save_ep``, load at ``load_ep``, for a layer kind
-(packed, unpacked, or one kind saved and the other loaded), a state (the model alone, or the model
-with its optimizer), with or without FSDP2 over ``dp_shard``, at ``num_experts`` experts.  The
-default matrix adds uneven cells (E=6, so ep=4 leaves a rank without experts) and legacy cells (a
-checkpoint saved the old, lossy way must be refused).  A cell the adapter's capabilities rule out
-stays in the matrix as ``n/a`` with the reason -- nothing is silently dropped.
+A cell is one save/load experiment: save at one rank layout, load at another (each a
+:class:`~conformance.layout.ParallelLayout`: EP degree, EP-group order, HSDP, expert tensor
+parallelism), for a layer kind (packed, unpacked, or one kind saved and the other loaded), a state
+(the model alone, or with its optimizer), with or without FSDP2, at ``num_experts`` experts.  Legacy
+cells save the old, lossy way, and pass only when the framework refuses the checkpoint.
+
+Tiers (``--moe-ep-matrix=TIER``):
+
+- ``full``: the whole cross product of those dimensions (release reports);
+- ``default``: a deterministic covering subset -- every pair of dimension values occurs together in
+  at least one cell, and every (save_ep, load_ep) pair occurs for each layer kind;
+- ``1,2,4`` (EP degrees): every pair of the plain layouts at those degrees (both EP-group orders),
+  across every kind, state, FSDP mode and expert count -- the matrix as adapters' own tests pin it.
+
+A cell the adapter's capabilities rule out stays in the matrix as ``n/a`` with the reason -- nothing
+is silently dropped.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from conformance.adapter import Capabilities, Spec
+from conformance.layout import ParallelLayout
 
 KINDS = ("packed", "unpacked")
+#: (saved as, loaded as) for every layer-kind combination a cell can test.
+KIND_PAIRS = (("packed", "packed"), ("unpacked", "unpacked"), ("packed", "unpacked"), ("unpacked", "packed"))
 STATES = ("model", "model+optim")
-EVEN_EXPERTS = 4
-UNEVEN_EXPERTS = 6
+#: the expert count node ids leave unnamed (the matrix's first even count).
+PLAIN_EXPERTS = 4
 OPTIMIZER_STEPS = 2
+TIERS = ("default", "full")
+
+
+class MatrixError(ValueError):
+    """A matrix that cannot be made (bad tier, EP degrees that do not fit the world)."""
 
 
 @dataclass(frozen=True)
@@ -27,8 +46,8 @@ class Cell:
     load_kind: str
     state: str
     fsdp: bool
-    save_ep: int
-    load_ep: int
+    save: ParallelLayout
+    load: ParallelLayout
     num_experts: int
     legacy: bool = False
     #: why the cell does not apply to this adapter; empty when it runs.
@@ -39,23 +58,61 @@ class Cell:
         return self.save_kind if self.save_kind == self.load_kind else f"{self.save_kind}->{self.load_kind}"
 
     @property
+    def save_ep(self) -> int:
+        return self.save.ep
+
+    @property
+    def load_ep(self) -> int:
+        return self.load.ep
+
+    @property
     def node_name(self) -> str:
-        """The readable part of the node id, e.g. ``checkpoint::unpacked::model+optim::fsdp::ep2->ep4``."""
-        pair = f"ep{self.save_ep}->ep{self.load_ep}"
+        """The readable part of the node id, e.g. ``checkpoint::unpacked::model+optim::fsdp::ep2->ep4c``."""
+        pair = f"{self.save.fragment}->{self.load.fragment}"
+        experts = [] if self.num_experts == PLAIN_EXPERTS else [f"E{self.num_experts}"]
         if self.legacy:
-            return f"checkpoint::legacy::{self.kind}::{pair}"
-        parts = ["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only"]
-        if self.num_experts != EVEN_EXPERTS:
-            parts.append(f"E{self.num_experts}")
-        return "::".join([*parts, pair])
+            return "::".join(["checkpoint", "legacy", self.kind, *experts, pair])
+        return "::".join(["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only", *experts, pair])
 
-    def spec(self, base: Spec, kind: str) -> Spec:
+    def keywords(self) -> set[str]:
+        """``-k`` keywords (``-k`` cannot contain ``>``): each side's degrees, prefixed and plain."""
+        words = {f"save_ep{self.save.ep}", f"load_ep{self.load.ep}", f"E{self.num_experts}",
+                 f"kind_{self.kind}" if self.save_kind == self.load_kind else
+                 f"cross_{self.save_kind}_to_{self.load_kind}"}
+        for side, layout in (("save", self.save), ("load", self.load)):
+            words |= layout.keywords() | {f"{side}_{w}" for w in layout.keywords()}
+        return words
+
+    def spec(self, base: Spec, side: str) -> Spec:
+        """The model a side builds: the side's kind and layout, steps only with the optimizer."""
         steps = OPTIMIZER_STEPS if self.state == "model+optim" else 0
-        return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps, fsdp=self.fsdp)
+        kind, layout = (self.save_kind, self.save) if side == "save" else (self.load_kind, self.load)
+        return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps, fsdp=self.fsdp,
+                       layout=layout)
+
+    def record(self) -> dict[str, object]:
+        """The cell's fields in the report."""
+        return {"kind": self.kind, "state": self.state, "fsdp": self.fsdp, "save_ep": self.save.ep,
+                "load_ep": self.load.ep, "save_layout": self.save.fragment, "load_layout": self.load.fragment,
+                "num_experts": self.num_experts, "legacy": self.legacy}
 
 
-def _why_not(cell: Cell, caps: Capabilities) -> str:
-    for kind in {cell.save_kind, cell.load_kind}:
+# -- applicability ---------------------------------------------------------------------------------
+def _layout_na(layout: ParallelLayout, caps: Capabilities) -> str:
+    if layout.ep > caps.max_ep:
+        return f"adapter supports ep up to {caps.max_ep}"
+    if layout.ep > 1 and layout.ep_order not in caps.ep_orders:
+        return f"adapter forms {' or '.join(caps.ep_orders)} EP groups, not {layout.ep_order}"
+    if layout.etp > 1 and not caps.etp:
+        return "adapter does not support expert tensor parallelism (etp > 1)"
+    if layout.hsdp and not caps.hsdp:
+        return "adapter does not support HSDP (dp_replicate > 1)"
+    return ""
+
+
+def why_not(cell: Cell, caps: Capabilities) -> str:
+    """Why ``cell`` does not apply to an adapter with ``caps`` ("" when it does)."""
+    for kind in dict.fromkeys((cell.save_kind, cell.load_kind)):
         if kind not in caps.kinds:
             return f"adapter supports layer kinds {', '.join(caps.kinds)}, not {kind}"
     if cell.save_kind != cell.load_kind and not caps.cross_kind:
@@ -64,54 +121,111 @@ def _why_not(cell: Cell, caps: Capabilities) -> str:
         return "adapter does not support optimizer state"
     if cell.fsdp and not caps.fsdp:
         return "adapter does not support FSDP2"
-    if max(cell.save_ep, cell.load_ep) > caps.max_ep:
-        return f"adapter supports ep up to {caps.max_ep}"
-    if not caps.uneven and any(cell.num_experts % ep for ep in (cell.save_ep, cell.load_ep)):
+    for layout in (cell.save, cell.load):
+        found = _layout_na(layout, caps)
+        if found:
+            return found
+    if not caps.uneven and any(cell.num_experts % ep for ep in (cell.save.ep, cell.load.ep)):
         return f"adapter does not support E % ep != 0 (E={cell.num_experts})"
     return ""
 
 
-def _with_reason(cell: Cell, caps: Capabilities, extra: str = "") -> Cell:
-    return replace(cell, na=extra or _why_not(cell, caps))
+def _valid(cell: Cell) -> bool:
+    """Combinations that are not experiments at all (rather than unsupported ones) are never cells."""
+    if cell.legacy:  # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP experiment
+        return cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp
+    return cell.fsdp or not (cell.save.hsdp or cell.load.hsdp)  # HSDP is FSDP2 over replicate x shard
 
 
-def checkpoint_cells(caps: Capabilities, eps: list[int], *, has_legacy: bool = True) -> list[Cell]:
-    """The default matrix for an adapter with ``caps`` over the EP degrees ``eps``."""
-    pairs = [(s, t) for s in eps for t in eps]
-    cells: list[Cell] = []
-    for kind in KINDS:
-        for state in STATES:
-            for fsdp in (False, True):
-                cells += [_with_reason(Cell(kind, kind, state, fsdp, s, t, EVEN_EXPERTS), caps) for s, t in pairs]
-    for save_kind, load_kind in (("packed", "unpacked"), ("unpacked", "packed")):
-        cells += [_with_reason(Cell(save_kind, load_kind, "model+optim", False, s, t, EVEN_EXPERTS), caps)
-                  for s, t in pairs]
-    uneven = [(s, t) for s, t in pairs if UNEVEN_EXPERTS % s or UNEVEN_EXPERTS % t]
-    for kind in KINDS:
-        cells += [_with_reason(Cell(kind, kind, "model+optim", False, s, t, UNEVEN_EXPERTS), caps)
-                  for s, t in uneven]
-    multi = [ep for ep in eps if ep > 1]
-    if multi:
-        save_ep = multi[0]
-        for kind in KINDS:
-            for load_ep in eps:
-                cell = Cell(kind, kind, "model+optim" if caps.optimizer else "model", False, save_ep, load_ep,
-                            EVEN_EXPERTS, legacy=True)
-                extra = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"
-                cells.append(_with_reason(cell, caps, extra))
+# -- the cells -------------------------------------------------------------------------------------
+def layouts(world_size: int, eps: list[int] | None = None) -> list[ParallelLayout]:
+    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2.
+
+    With ``eps`` given, only the plain layouts (no HSDP, no etp) at those degrees.
+    """
+    found: list[ParallelLayout] = []
+    degrees = eps or [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
+    for ep in degrees:
+        found.append(ParallelLayout.for_world(world_size, ep))
+        if 1 < ep < world_size:  # at ep=1 or ep=world the two orders are the same ranks
+            found.append(ParallelLayout.for_world(world_size, ep, ep_order="consecutive"))
+    if eps is None and world_size % 4 == 0:
+        found.append(ParallelLayout.for_world(world_size, 2, dp_replicate=2))
+        found.append(ParallelLayout.for_world(world_size, 2, etp=2))
+    return found
+
+
+def full_product(world_size: int, num_experts: tuple[int, ...], eps: list[int] | None = None,
+                 states: tuple[str, ...] = STATES) -> list[Cell]:
+    """Every valid cell (applicable or not), in a fixed order."""
+    found = layouts(world_size, eps)
+    cells = []
+    for (save_kind, load_kind), state, fsdp, experts, save, load, legacy in itertools.product(
+            KIND_PAIRS, states, (False, True), num_experts, found, found, (False, True)):
+        if legacy and state != states[-1]:
+            continue  # one legacy cell per layout pair and kind: with the richest state
+        cell = Cell(save_kind, load_kind, state, fsdp, save, load, experts, legacy)
+        if _valid(cell):
+            cells.append(cell)
     return cells
 
 
-def parse_eps(text: str | None, world_size: int) -> list[int]:
-    """``--moe-ep-matrix`` value to EP degrees; the default is every divisor of the world size."""
-    if text in (None, "", "default"):
-        return [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
+def _pairs(cell: Cell) -> set[tuple[object, ...]]:
+    """What a cell covers: each pair of dimension values, and (kind, save_ep, load_ep)."""
+    values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("state", cell.state),
+              ("fsdp", cell.fsdp), ("E", cell.num_experts), ("legacy", cell.legacy)]
+    found: set[tuple[object, ...]] = {(a, b) for a, b in itertools.combinations(values, 2)}
+    found.add(("ep pair", cell.kind, cell.save.ep, cell.load.ep))
+    return found
+
+
+def covering(cells: list[Cell]) -> list[Cell]:
+    """A deterministic greedy subset of ``cells`` covering every pair that any of them covers."""
+    covers = [_pairs(c) for c in cells]
+    wanted = set().union(*covers) if covers else set()
+    chosen: list[int] = []
+    while wanted:
+        best = max(range(len(cells)), key=lambda i: (len(covers[i] & wanted), -i))
+        chosen.append(best)
+        wanted -= covers[best]
+    return [cells[i] for i in sorted(chosen)]
+
+
+def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None]:
+    """``--moe-ep-matrix``'s value: ``("default"|"full", None)`` or ``("eps", [1, 2, 4])``."""
+    if text in (None, "", "default", "full"):
+        return (text or "default"), None
     try:
         eps = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError as exc:
-        raise ValueError(f"--moe-ep-matrix takes comma-separated EP degrees such as 1,2,4, got {text!r}") from exc
-    bad = [ep for ep in eps if ep < 1 or world_size % ep]
+        raise MatrixError(f"--moe-ep-matrix takes default, full or comma-separated EP degrees such as 1,2,4; "
+                          f"got {text!r}") from exc
+    divisors = [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
+    bad = [ep for ep in eps if ep not in divisors]
     if bad or not eps:
-        raise ValueError(f"EP degrees {bad or eps} do not divide the world size {world_size}; "
-                         f"choose from {[ep for ep in range(1, world_size + 1) if world_size % ep == 0]}")
-    return eps
+        raise MatrixError(f"EP degrees {bad or eps} do not divide the world size {world_size}; choose from {divisors}")
+    return "eps", eps
+
+
+def checkpoint_cells(caps: Capabilities, tier: str | None, world_size: int, num_experts: tuple[int, ...], *,
+                     has_legacy: bool = True) -> list[Cell]:
+    """The cells of ``tier`` for an adapter with ``caps``, each with its n/a reason (if any)."""
+    name, eps = parse_tier(tier, world_size)
+    everything = full_product(world_size, num_experts, eps)
+    legacy_na = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"
+    marked = [replace(c, na=(legacy_na if c.legacy and legacy_na else "") or why_not(c, caps)) for c in everything]
+    if name != "default":
+        return marked
+    applicable = [c for c in marked if not c.na]
+    chosen = set(covering(applicable))
+    first_of_reason: dict[str, Cell] = {}
+    for c in marked:  # what the adapter cannot do stays visible: one cell per reason
+        if c.na:
+            first_of_reason.setdefault(c.na, c)
+    chosen |= set(first_of_reason.values())
+    return [c for c in marked if c in chosen]
+
+
+def full_size(world_size: int, num_experts: tuple[int, ...]) -> int:
+    """How many cells the full tier has at this world size and these expert counts."""
+    return len(full_product(world_size, num_experts))

@@ -4,12 +4,13 @@ Each matrix cell attaches one record to its test report (``user_properties`` und
 :data:`RECORD`), so the records travel with pytest's own reports -- across pytest-xdist workers too
 -- and the process that sees every report (the only process, or xdist's controller) writes::
 
-    DIR/moe-ep-conformance.json   schema_version, adapter, torch, backend, world_size, created,
-                                  summary (counts per status), cells (one record per cell)
-    DIR/moe-ep-conformance.md     one save_ep x load_ep table per (kind, state, fsdp, E), then one
-                                  line per failure with its diagnosis, then the environment
+    DIR/moe-ep-conformance.json   schema_version, adapter, torch, backend (the one used), world_size,
+                                  tier and coverage, created, summary (counts per status), cells
+    DIR/moe-ep-conformance.md     one save-layout x load-layout table per (kind, state, fsdp, E), then
+                                  one line per failure with its diagnosis, then the environment
 
-``python -m pytest_moe_ep.report OLD.json NEW.json`` prints the cells whose status changed.
+``python -m conformance.report OLD.json NEW.json`` prints the cells whose status changed (exit 0:
+none changed, 1: some did, 2: a file is missing or not a report).
 """
 
 from __future__ import annotations
@@ -21,28 +22,44 @@ import platform
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RECORD = "moe_ep_record"
 JSON_NAME = "moe-ep-conformance.json"
 MD_NAME = "moe-ep-conformance.md"
 STATUSES = ("pass", "fail", "error", "n/a")
 MARKS = {"pass": "pass", "fail": "**FAIL**", "error": "**ERROR**", "n/a": "n/a"}
+LEGEND = "A blank table cell is a (save, load) layout pair this run did not include (tier or -k)."
 
 
-def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int) -> dict[str, Any]:
+def plural(count: int, word: str) -> str:
+    """``1 error``, ``2 errors``."""
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def counts_line(summary: dict[str, int]) -> str:
+    return (f"{summary['pass']} passed, {summary['fail']} failed, {plural(summary['error'], 'error')}, "
+            f"{summary['n/a']} n/a")
+
+
+def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int, tier: str | None = None,
+                 full_cells: int | None = None) -> dict[str, Any]:
     """The JSON document for ``records``; adapter and torch come from the records themselves."""
     first = records[0] if records else {}
     counts = Counter(r["status"] for r in records)
+    checkpoint = sum(1 for r in records if r.get("suite") == "checkpoint")
     return {
         "schema_version": SCHEMA_VERSION,
         "adapter": {"name": first.get("adapter", ""), "version": first.get("adapter_version", "")},
         "torch": first.get("torch", ""),
         "backend": backend,
         "world_size": world_size,
+        "tier": tier or "",
+        "coverage": {"cells": checkpoint, "full_tier_cells": full_cells},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "summary": {s: counts.get(s, 0) for s in STATUSES},
@@ -54,8 +71,16 @@ def _group_key(r: dict[str, Any]) -> tuple[Any, ...]:
     return (r.get("kind", ""), r.get("state", ""), "fsdp" if r.get("fsdp") else "ep-only", r.get("num_experts", 0))
 
 
+def _layout(r: dict[str, Any], side: str) -> str:
+    return str(r.get(f"{side}_layout") or f"ep{r.get(f'{side}_ep')}")
+
+
+def _layout_order(name: str) -> tuple[int, str]:
+    return (int("".join(ch for ch in name.split(".")[0] if ch.isdigit()) or 0), name)
+
+
 def checkpoint_tables(records: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
-    """``(title, table)`` per (kind, state, fsdp, E): rows save_ep, columns load_ep."""
+    """``(title, table)`` per (kind, state, fsdp, E): rows the save layout, columns the load layout."""
     from tabulate import tabulate
 
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
@@ -67,17 +92,19 @@ def checkpoint_tables(records: Iterable[dict[str, Any]]) -> list[tuple[str, str]
     out = []
     for key in sorted(groups, key=repr):
         cells = groups[key]
-        saves = sorted({r["save_ep"] for r in cells})
-        loads = sorted({r["load_ep"] for r in cells})
-        at = {(r["save_ep"], r["load_ep"]): MARKS[r["status"]] for r in cells}
-        rows = [[f"save ep={s}", *(at.get((s, t), "") for t in loads)] for s in saves]
+        saves = sorted({_layout(r, "save") for r in cells}, key=_layout_order)
+        loads = sorted({_layout(r, "load") for r in cells}, key=_layout_order)
+        at = {(_layout(r, "save"), _layout(r, "load")): MARKS[r["status"]] for r in cells}
+        rows = [[f"save {s}", *(at.get((s, t), "") for t in loads)] for s in saves]
         kind, state, fsdp, experts = key
         title = f"{kind} · {state} · {fsdp} · E={experts}"
-        out.append((title, tabulate(rows, headers=["", *(f"load ep={t}" for t in loads)], tablefmt="github")))
+        out.append((title, tabulate(rows, headers=["", *(f"load {t}" for t in loads)], tablefmt="github")))
     if legacy:
-        rows = [[r["kind"], f"ep={r['save_ep']}", f"ep={r['load_ep']}", MARKS[r["status"]]] for r in legacy]
-        out.append(("legacy checkpoint refused", tabulate(rows, headers=["kind", "saved at", "loaded at", "result"],
-                                                          tablefmt="github")))
+        legacy.sort(key=lambda r: (r["kind"], _layout_order(_layout(r, "save")), _layout_order(_layout(r, "load"))))
+        rows = [[r["kind"], r.get("num_experts", ""), _layout(r, "save"), _layout(r, "load"), MARKS[r["status"]]]
+                for r in legacy]
+        headers = ["kind", "E", "saved at", "loaded at", "result"]
+        out.append(("legacy checkpoint refused", tabulate(rows, headers=headers, tablefmt="github")))
     return out
 
 
@@ -96,9 +123,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     a = report["adapter"]
     s = report["summary"]
     lines = [f"# MoE expert-parallel checkpoint conformance: {a['name']} {a['version']}".rstrip(), "",
-             f"{s['pass']} passed, {s['fail']} failed, {s['error']} errors, {s['n/a']} n/a "
-             f"({report['created']})", ""]
-    for title, table in checkpoint_tables(report["cells"]):
+             f"{counts_line(s)} ({report['created']})", ""]
+    coverage = report.get("coverage") or {}
+    if report.get("tier"):
+        of = f" of the full tier's {coverage['full_tier_cells']}" if coverage.get("full_tier_cells") else ""
+        lines += [f"Tier `{report['tier']}`: {coverage.get('cells', 0)} checkpoint cells{of}.", ""]
+    tables = checkpoint_tables(report["cells"])
+    if tables:
+        lines += [LEGEND, ""]
+    for title, table in tables:
         lines += [f"### {title}", "", table, ""]
     table = functions_table(report["cells"])
     if table:
@@ -107,6 +140,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     if failures:
         lines += ["## Failures", ""]
         lines += [f"- `{r['id']}`: {r['detail'].splitlines()[0] if r['detail'] else r['status']}" for r in failures]
+    refusals = [r for r in report["cells"] if r.get("legacy") and r["status"] == "pass"]
+    if refusals:
+        lines += ["", "## Legacy checkpoints refused", ""]
+        lines += [f"- `{r['id']}`: {r['detail'].splitlines()[0]}" for r in refusals]
         lines.append("")
     na = Counter(r["detail"] for r in report["cells"] if r["status"] == "n/a")
     if na:
@@ -125,32 +162,58 @@ def compact_matrix(records: list[dict[str, Any]]) -> str:
         parts.append(f"expert-slice functions\n{table}")
     counts = Counter(r["status"] for r in records)
     parts.append(", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES))
+    if parts[:-1]:
+        parts.insert(0, LEGEND)
     return "\n\n".join(parts)
 
 
 def write_report(directory: str | os.PathLike[str], records: list[dict[str, Any]], *, backend: str,
-                 world_size: int) -> tuple[Path, Path]:
+                 world_size: int, tier: str | None = None, full_cells: int | None = None) -> tuple[Path, Path]:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    report = build_report(records, backend=backend, world_size=world_size)
+    report = build_report(records, backend=backend, world_size=world_size, tier=tier, full_cells=full_cells)
     json_path, md_path = out / JSON_NAME, out / MD_NAME
     json_path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
     md_path.write_text(render_markdown(report))
     return json_path, md_path
 
 
-def diff_reports(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """One line per cell whose status changed, appeared or disappeared."""
+@dataclass(frozen=True)
+class ReportDiff:
+    """Cells whose status changed, and cells present in only one report (deselected with ``-k``, say)."""
+
+    changed: list[str]
+    only_old: list[str]
+    only_new: list[str]
+    unchanged: int
+
+    def lines(self) -> list[str]:
+        out = list(self.changed)
+        if self.only_old:
+            out += [f"only in the old report ({len(self.only_old)}):", *(f"  {c}" for c in self.only_old)]
+        if self.only_new:
+            out += [f"only in the new report ({len(self.only_new)}):", *(f"  {c}" for c in self.only_new)]
+        out.append(f"{len(self.changed)} changed, {self.unchanged} unchanged, {len(self.only_old)} only in the old "
+                   f"report, {len(self.only_new)} only in the new report")
+        return out
+
+
+def compare_reports(old: dict[str, Any], new: dict[str, Any]) -> ReportDiff:
     before = {c["id"]: c for c in old.get("cells", [])}
     after = {c["id"]: c for c in new.get("cells", [])}
-    lines = []
-    for cell_id in sorted(before.keys() | after.keys()):
-        was = before.get(cell_id, {}).get("status", "absent")
-        now = after.get(cell_id, {}).get("status", "absent")
+    changed = []
+    for cell_id in sorted(before.keys() & after.keys()):
+        was, now = before[cell_id]["status"], after[cell_id]["status"]
         if was != now:
-            detail = after.get(cell_id, {}).get("detail", "")
-            lines.append(f"{cell_id}: {was} -> {now}" + (f"  ({detail.splitlines()[0]})" if detail else ""))
-    return lines
+            detail = after[cell_id].get("detail", "")
+            changed.append(f"{cell_id}: {was} -> {now}" + (f"  ({detail.splitlines()[0]})" if detail else ""))
+    return ReportDiff(changed, sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys()),
+                      len(before.keys() & after.keys()) - len(changed))
+
+
+def diff_reports(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per cell whose status changed (cells in one report only are :func:`compare_reports`')."""
+    return compare_reports(old, new).changed
 
 
 INDEX_START, INDEX_END = "<!-- framework status: generated by ci/conformance.sh -->", "<!-- /framework status -->"
@@ -194,32 +257,51 @@ def write_index(root: Path, readme: Path | None = None) -> str:
     return text
 
 
+class UsageProblem(Exception):
+    """A report file that cannot be read: exit status 2 with one line, never a traceback."""
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageProblem(f"{path}: cannot read it: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise UsageProblem(f"{path}: not a JSON report: {exc}") from exc
+    if not isinstance(doc, dict) or "cells" not in doc:
+        raise UsageProblem(f"{path}: not a moe-ep conformance report (no 'cells')")
+    if doc.get("schema_version") not in (1, SCHEMA_VERSION):
+        raise UsageProblem(f"{path}: schema_version {doc.get('schema_version')!r}, this tool reads 1 and "
+                           f"{SCHEMA_VERSION}")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``OLD NEW``: exit 0 when no cell changed status, 1 when some did, 2 on bad input."""
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["index"]:
-        parser = argparse.ArgumentParser(prog="python -m pytest_moe_ep.report index",
-                                         description="Write ROOT/index.md over the reports in ROOT's subfolders.")
-        parser.add_argument("root", type=Path)
-        parser.add_argument("--readme", type=Path, help="also replace the README's framework-status block")
-        found = parser.parse_args(argv[1:])
-        print(write_index(found.root, found.readme))
-        return 0
-    parser = argparse.ArgumentParser(prog="python -m pytest_moe_ep.report",
-                                     description="Print the cells whose status changed between two reports "
-                                     "(or: python -m pytest_moe_ep.report index ROOT [--readme README.md]).")
-    parser.add_argument("old", type=Path)
-    parser.add_argument("new", type=Path)
-    args = parser.parse_args(argv)
-    old, new = (json.loads(p.read_text()) for p in (args.old, args.new))
-    for doc, path in ((old, args.old), (new, args.new)):
-        if doc.get("schema_version") != SCHEMA_VERSION:
-            print(f"{path}: schema_version {doc.get('schema_version')!r}, this tool reads {SCHEMA_VERSION}",
-                  file=sys.stderr)
-            return 2
-    lines = diff_reports(old, new)
-    print("\n".join(lines) if lines else "no cell changed status")
-    return 1 if lines else 0
+    try:
+        if argv[:1] == ["index"]:
+            parser = argparse.ArgumentParser(prog="python -m conformance.report index",
+                                             description="Write ROOT/index.md over the reports in ROOT's subfolders.")
+            parser.add_argument("root", type=Path)
+            parser.add_argument("--readme", type=Path, help="also replace the README's framework-status block")
+            found = parser.parse_args(argv[1:])
+            print(write_index(found.root, found.readme))
+            return 0
+        parser = argparse.ArgumentParser(prog="python -m conformance.report",
+                                         description="Print the cells whose status changed between two reports "
+                                         "(or: python -m conformance.report index ROOT [--readme README.md]). "
+                                         "Exit 0: none changed; 1: some changed; 2: bad input.")
+        parser.add_argument("old", type=Path)
+        parser.add_argument("new", type=Path)
+        args = parser.parse_args(argv)
+        result = compare_reports(_read(args.old), _read(args.new))
+    except UsageProblem as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(result.lines()))
+    return 1 if result.changed else 0
 
 
 if __name__ == "__main__":

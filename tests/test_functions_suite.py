@@ -23,19 +23,10 @@ import torch
 import torch.distributed as dist
 
 from conformance.adapters import balanced_functions
-from conformance.functions_suite import (
-    FUNCTIONS,
-    NUM_EXPERTS,
-    REFERENCE,
-    TEXT_LIMIT,
-    FunctionsCell,
-    TensorValue,
-    check_functions,
-    functions_cells,
-    merge_rank_records,
-    same,
-)
-from pytest_moe_ep.world import Supervisor
+from conformance.functions.cells import FUNCTIONS, NUM_EXPERTS, REFERENCE, FunctionsCell, functions_cells
+from conformance.functions.merge import merge_rank_records
+from conformance.functions.rank import TEXT_LIMIT, TensorValue, check_functions, same
+from pytest_moe_ep.world.engine import Engine
 from reference_impl.layout import expert_counts
 
 CELLS = functions_cells()
@@ -52,7 +43,7 @@ def cell_named(node_name: str) -> FunctionsCell:
     return next(c for c in CELLS if c.node_name == node_name)
 
 
-def run_cell(engine: Supervisor, module: str, cell: FunctionsCell) -> dict[str, dict[str, Any]]:
+def run_cell(engine: Engine, module: str, cell: FunctionsCell) -> dict[str, dict[str, Any]]:
     """The merged records of one cell, by function, after checking their form."""
     per_rank = engine.run(check_functions, module, cell, world_size=cell.world_size, backend="gloo")
     assert len(per_rank) == cell.world_size
@@ -90,7 +81,7 @@ def test_cells_are_unique_readable_and_fit_this_machine() -> None:
 
 def test_the_grid_is_cheap_to_import() -> None:
     """Collection builds items from the grid; that must not import torch."""
-    code = ("import sys; from conformance.functions_suite import functions_cells; functions_cells(); "
+    code = ("import sys; from conformance.functions.cells import functions_cells; functions_cells(); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -126,7 +117,7 @@ def test_same_compares_meaning_not_form() -> None:
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.node_name)
-def test_the_reference_agrees_with_itself(moe_ep_engine: Supervisor, cell: FunctionsCell) -> None:
+def test_the_reference_agrees_with_itself(moe_ep_engine: Engine, cell: FunctionsCell) -> None:
     records = run_cell(moe_ep_engine, REFERENCE, cell)
     assert all(r["status"] == "pass" for r in records.values()), [r["detail"] for r in records.values()]
 
@@ -143,7 +134,7 @@ def test_the_two_splits_differ_where_expected() -> None:
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.node_name)
-def test_the_balanced_split_fails_exactly_where_the_splits_differ(moe_ep_engine: Supervisor,
+def test_the_balanced_split_fails_exactly_where_the_splits_differ(moe_ep_engine: Engine,
                                                                   cell: FunctionsCell) -> None:
     records = run_cell(moe_ep_engine, BALANCED, cell)
     differ = splits_differ(cell.k)
@@ -165,7 +156,7 @@ def test_the_balanced_split_fails_exactly_where_the_splits_differ(moe_ep_engine:
             assert f"rank {d['rank']} E={d['E']} k={cell.k} mesh={cell.mesh}" in r["detail"]
 
 
-def test_a_copy_and_a_silent_return_are_disagreements(moe_ep_engine: Supervisor) -> None:
+def test_a_copy_and_a_silent_return_are_disagreements(moe_ep_engine: Engine) -> None:
     cell = cell_named("functions::ep::k3")
     records = run_cell(moe_ep_engine, WRONG, cell)
     failing = {name for name, r in records.items() if r["status"] == "fail"}
@@ -194,7 +185,7 @@ def test_a_missing_function_is_one_clear_failure_on_each_rank() -> None:
     assert all(r["status"] == "pass" for r in records.values()), [r["detail"] for r in records.values()]
 
 
-def test_a_module_that_cannot_be_loaded_fails_every_function(moe_ep_engine: Supervisor) -> None:
+def test_a_module_that_cannot_be_loaded_fails_every_function(moe_ep_engine: Engine) -> None:
     records = run_cell(moe_ep_engine, "no_such_module_for_the_functions_suite", cell_named("functions::ep::k1"))
     for r in records.values():
         assert r["status"] == "fail" and "missing: cannot load 'no_such_module_for_the_functions_suite'" in r["detail"]

@@ -24,7 +24,7 @@ class ReferenceAdapter:
     name = "reference"
     version = "0.1.0"
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp")
+                                format="dcp", ep_orders=("strided", "consecutive"))
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
