@@ -112,7 +112,8 @@ def test_pytest_timeout_value_goes_to_the_supervisor(pytester: pytest.Pytester) 
     assert time.monotonic() - t0 < 120
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines([
-        "*hung: passed its 4s deadline; suspect rank 1 (rank 1 at *test_rank_one_hangs); rank 0 waiting in a collective",
+        "*hung: passed its 4s deadline; suspect rank 1 (rank 1 at *test_rank_one_hangs); rank 0 waiting in a "
+        "collective",
         "*rank 1 stack when given up (suspect)*",
         "*in test_rank_one_hangs",
     ])
