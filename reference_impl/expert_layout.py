@@ -28,42 +28,16 @@ nothing is copied, and a load into it writes straight into the model and the opt
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from reference_impl.moe import MoEMLP
+from reference_impl.moe import WRAPPER_PARTS, MoEMLP, moe_layers
+from reference_impl.regions import local_region
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_layout", "moe_layers"]
-
-#: module-name parts that wrappers insert and get_model_state_dict leaves out of parameter names.
-_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-
-
-def _walk(module: nn.Module, parts: tuple[str, ...], seen: set[int]) -> Iterator[tuple[str, MoEMLP]]:
-    if id(module) in seen:
-        return
-    seen.add(id(module))
-    if isinstance(module, MoEMLP):
-        yield ".".join(parts), module
-        return
-    is_ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-    for child_name, child in module.named_children():
-        skip = child_name in _WRAPPER_PARTS or (is_ddp and child_name == "module")
-        yield from _walk(child, parts if skip else (*parts, child_name), seen)
-
-
-def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEMLP]]:
-    """Each :class:`MoEMLP` in ``model`` with the name its state-dict entries start with.
-
-    The name is ``""`` when ``model`` is itself the MoEMLP, else e.g. ``"layers.0.moe"`` (entries
-    are ``"layers.0.moe.router.weight"``).  Activation-checkpoint, torch.compile and DDP wrapper
-    names are left out, as get_model_state_dict leaves them out.
-    """
-    yield from _walk(model, (), set())
-
 
 def expert_layout(model: nn.Module) -> ExpertLayout | None:
     """The layout of ``model``'s expert-parallel layers; ``None`` when no layer splits its experts."""
@@ -111,7 +85,7 @@ class ExpertLayout:
                 for i, expert in enumerate(moe.experts):
                     g = moe.local_expert_start + i
                     for pname, _ in expert.named_parameters():
-                        pname = ".".join(p for p in pname.split(".") if p not in _WRAPPER_PARTS)
+                        pname = ".".join(p for p in pname.split(".") if p not in WRAPPER_PARTS)
                         self._to_global[f"{pre}experts.{i}.{pname}"] = f"{pre}experts.{g}.{pname}"
             else:
                 for weight in moe.packed_weights():
@@ -140,29 +114,30 @@ class ExpertLayout:
     def _globalize(self, key: str, moe: MoEMLP, value: torch.Tensor) -> torch.Tensor:
         """``value`` (this rank's rows) as a DTensor over all ``num_experts`` rows; no copy."""
         from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         global_shape = (moe.num_experts, *value.shape[1:])
+        local, region = local_region(value)
         if isinstance(value, DTensor):  # FSDP2 already shards the rank's rows over dp_shard
             if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
                 raise ValueError(f"{key!r} is a DTensor placed {tuple(value.placements)} on "
                                  f"{value.device_mesh}; only FSDP2's Shard(0) on one mesh dim is supported")
-            _, (row, *_) = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
-                                                                 value.placements)
-            local, mesh, placements = value.to_local(), self._nested_mesh(moe, value.device_mesh), (
-                Shard(0), Shard(0))
+            row, mesh, placements = region[0].start, self._nested_mesh(moe, value.device_mesh), (Shard(0), Shard(0))
         else:
-            row, local, mesh, placements = 0, value, moe.ep_mesh, (Shard(0),)
-        # DCP places the data by the DTensor's computed local shape and offset, never the local
-        # tensor's, so they must be what this rank holds or the checkpoint silently mixes rows up.
-        shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
-        if tuple(shape) != tuple(local.shape) or (local.shape[0] and offset[0] != moe.local_expert_start + row):
-            raise ValueError(f"{key!r}: this rank holds rows {moe.local_expert_start + row}.. of shape "
-                             f"{tuple(local.shape)}, but DTensor {placements} on {mesh} places shape "
-                             f"{tuple(shape)} at row {offset[0]}")
+            row, mesh, placements = 0, moe.ep_mesh, (Shard(0),)
         with torch.no_grad():
             wrapped = DTensor.from_local(local, mesh, placements, run_check=False,
                                          shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
+        # DCP places the data by the DTensor's computed local shape and offset, never the local
+        # tensor's, so they must be what this rank holds or the checkpoint silently mixes rows up.
+        first = moe.local_expert_start + row
+        try:
+            _, placed = local_region(wrapped)
+        except ValueError as exc:
+            raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, "
+                             f"but {exc}") from None
+        if local.shape[0] and placed is not None and placed[0].start != first:
+            raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, but DTensor "
+                             f"{placements} on {mesh} places them at row {placed[0].start}")
         self._made[id(wrapped)] = (wrapped, value)
         return wrapped
 

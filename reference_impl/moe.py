@@ -36,8 +36,8 @@ from reference_impl.layout import expert_range
 
 __all__ = [
     "PACKED_WEIGHTS",
+    "WRAPPER_PARTS",
     "ExpertMLP",
-    "GlobalRegion",
     "MoEBlock",
     "MoEConfig",
     "MoEMLP",
@@ -45,8 +45,9 @@ __all__ = [
     "apply_expert_parallel",
     "apply_fsdp",
     "build_model",
-    "global_regions",
-    "set_deterministic_grads",
+    "moe_layers",
+    "named_modules",
+    "named_parameters",
     "stable_seed",
 ]
 
@@ -297,6 +298,47 @@ def build_model(config: MoEConfig, num_layers: int = 2, seed: int = 0) -> MoEMod
     return MoEModel(config, num_layers, seed)
 
 
+#: module-name parts that wrappers insert (activation checkpointing, torch.compile, FSDP1) and
+#: get_model_state_dict leaves out of parameter names; DDP's ``module`` is left out too (see _walk).
+WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def _walk(module: nn.Module, parts: tuple[str, ...], seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield ".".join(parts), module
+    is_ddp = isinstance(module, nn.parallel.DistributedDataParallel)
+    for child_name, child in module.named_children():
+        skip = child_name in WRAPPER_PARTS or (is_ddp and child_name == "module")
+        yield from _walk(child, parts if skip else (*parts, child_name), seen)
+
+
+def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module of ``model`` once, named as its state-dict entries are (wrapper names left out)."""
+    yield from _walk(model, (), set())
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` under the names get_model_state_dict gives (wrapper names left out)."""
+    seen: set[int] = set()
+    for prefix, module in named_modules(model):
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield f"{prefix}.{name}" if prefix else name, p
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEMLP]]:
+    """Each :class:`MoEMLP` in ``model`` with the name its state-dict entries start with.
+
+    The name is ``""`` when ``model`` is itself the MoEMLP, else e.g. ``"layers.0.moe"`` (entries
+    are ``"layers.0.moe.router.weight"``).  Activation-checkpoint, torch.compile and DDP wrapper
+    names are left out, as get_model_state_dict leaves them out.
+    """
+    return ((name, m) for name, m in named_modules(model) if isinstance(m, MoEMLP))
+
+
 def _moe_modules(model: nn.Module) -> Iterator[MoEMLP]:
     return (m for m in model.modules() if isinstance(m, MoEMLP))
 
@@ -349,81 +391,3 @@ def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
             fully_shard(moe, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
-
-
-@dataclass(frozen=True)
-class GlobalRegion:
-    """Where one parameter of a (split, sharded) model sits in the ep=1 model.
-
-    ``name`` and ``global_shape`` are the parameter's name and shape at ep=1 without FSDP, and
-    ``region`` the slices of that tensor this rank's ``local`` holds.  Tests compare any rank's
-    weights, gradients and optimizer moments with an ep=1 model through it, with no communication.
-    """
-
-    name: str
-    global_shape: tuple[int, ...]
-    region: tuple[slice, ...]
-    param: nn.Parameter
-
-    @property
-    def local(self) -> torch.Tensor:
-        """The rank's own data of ``param`` (FSDP's shard without padding, or the tensor itself)."""
-        return _local(self.param)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
-    """Every parameter of ``model`` with its ep=1 name, ep=1 shape and the region this rank holds."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from reference_impl.expert_layout import moe_layers
-
-    owners: dict[int, tuple[str, MoEMLP]] = {}
-    for name, moe in moe_layers(model):
-        for p in moe.parameters():
-            owners[id(p)] = (name, moe)
-    for fqn, p in model.named_parameters():
-        parts = [part for part in fqn.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod")]
-        local = _local(p)
-        shape = list(p.shape)
-        offset = [0] * p.dim()
-        if isinstance(p, DTensor):
-            _, found = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            offset = list(found)
-        layer = owners.get(id(p))
-        if layer is not None and layer[1].ep_world_size > 1:
-            name, moe = layer
-            depth = len(name.split(".")) if name else 0
-            rest = parts[depth:]
-            if rest[0] == "experts":  # unpacked: experts.{i}.{linear}.weight -> global expert id
-                rest[1] = str(moe.local_expert_start + int(rest[1]))
-                parts = parts[:depth] + rest
-            elif rest[0] in PACKED_WEIGHTS:
-                shape[0] = moe.num_experts
-                offset[0] += moe.local_expert_start
-        region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
-        yield GlobalRegion(".".join(parts), tuple(shape), region, p)
-
-
-def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
-    """Set every gradient to a pure function of ``(seed, step, ep=1 name)``, sliced to this rank.
-
-    A model at any ep, with or without FSDP, then takes the same optimizer step as an ep=1 model,
-    and every expert's moments differ from every other's.
-    """
-    from torch.distributed.tensor import DTensor
-
-    for piece in global_regions(model):
-        full = _normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name, "grad")
-        grad = full[piece.region].clone()
-        p = piece.param
-        if isinstance(p, DTensor):
-            grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
-        p.grad = grad

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from reference_impl.layout import expert_counts, expert_range
+from reference_impl.regions import RegionError, local_region
 
 __all__ = [
     "create_dtensor_from_local",
@@ -132,7 +132,7 @@ def _get_expert_mesh_dim_index(dtensor: DTensor) -> int | None:
 def _local_expert_rows(dtensor: DTensor, n_experts: int, what: str) -> tuple[int, int]:
     """``(start, end)`` of the global expert rows this rank's local tensor holds.
 
-    Asks DTensor itself (``compute_local_shape_and_global_offset``) so that nested ``Shard(0)``
+    Asks DTensor itself (through :func:`reference_impl.regions.local_region`) so that nested ``Shard(0)``
     placements are resolved exactly as DTensor and DCP resolve them, then checks the local tensor
     really has that many rows: a DTensor built by ``from_local(..., shape=...)`` from another split
     describes rows its ranks do not hold, and trusting it would save experts under wrong ids.
@@ -150,12 +150,23 @@ def _local_expert_rows(dtensor: DTensor, n_experts: int, what: str) -> tuple[int
                 "axis need not hold a contiguous range of experts; use the DTensor before FSDP wrapped it "
                 "or its full_tensor()"
             )
-    local_rows = dtensor.to_local().shape[0]
     if not mesh._is_current_rank_part_of_mesh():
         raise ValueError(f"{what}: this rank is not part of the DTensor's device mesh {mesh}")
-    local_shape, offset = compute_local_shape_and_global_offset(dtensor.shape, mesh, placements)
-    rows = local_shape[0]
-    start = min(offset[0], n_experts) if rows else n_experts
+    try:
+        _, region = local_region(dtensor)
+    except RegionError as exc:
+        if exc.local_shape[0] == exc.placed_shape[0]:
+            raise ValueError(f"{what}: {exc}") from None
+        rows, at = exc.placed_shape[0], min(exc.offset[0], n_experts) if exc.placed_shape[0] else n_experts
+        raise ValueError(
+            f"{what}: the local tensor holds {exc.local_shape[0]} expert rows but its placements "
+            f"{tuple(placements)} give this rank {rows} (rows {at}:{at + rows} of {n_experts}). Was it built with "
+            "DTensor.from_local(..., shape=...) from a split other than torch.chunk's? "
+            "See reference_impl.layout.expert_range"
+        ) from None
+    assert region is not None
+    rows = region[0].stop - region[0].start
+    start = min(region[0].start, n_experts) if rows else n_experts
     expert_dims = [i for i, p in enumerate(placements) if _is_expert_shard(p)]
     if len(expert_dims) == 1 and rows:
         (dim,) = expert_dims
@@ -165,13 +176,6 @@ def _local_expert_rows(dtensor: DTensor, n_experts: int, what: str) -> tuple[int
                 f"DTensor places rows {start}:{start + rows} of {n_experts} on this rank but the layout rule "
                 f"says {rule[0]}:{rule[1]}; this torch version changed Shard(0), update reference_impl.layout"
             )
-    if local_rows != rows:
-        raise ValueError(
-            f"{what}: the local tensor holds {local_rows} expert rows but its placements {tuple(placements)} "
-            f"give this rank {rows} (rows {start}:{start + rows} of {n_experts}). Was it built with "
-            "DTensor.from_local(..., shape=...) from a split other than torch.chunk's? "
-            "See reference_impl.layout.expert_range"
-        )
     return start, start + rows
 
 

@@ -27,9 +27,8 @@ from reference_impl.moe import (
     apply_expert_parallel,
     apply_fsdp,
     build_model,
-    global_regions,
-    set_deterministic_grads,
 )
+from reference_impl.regions import global_regions, set_deterministic_grads
 
 WORLD = 4
 LAYERS = 2

@@ -35,9 +35,8 @@ from reference_impl.moe import (
     apply_expert_parallel,
     apply_fsdp,
     build_model,
-    global_regions,
-    set_deterministic_grads,
 )
+from reference_impl.regions import global_regions, set_deterministic_grads
 
 WORLD = 4
 
@@ -301,3 +300,53 @@ def test_moe_layers_under_ddp() -> None:
 def test_layout_object_is_reusable_for_one_round() -> None:
     with pytest.raises(ValueError, match="to_global"):
         ExpertLayout([]).to_local({"model": {}, "optimizer": {"state": {}, "param_groups": [{"params": []}]}})
+
+
+# ---------------------------------------------------------------- one definition, no circle
+
+
+def test_reference_impl_has_no_import_circle_and_one_wrapper_list() -> None:
+    """Every import between reference_impl modules, function-level ones included, points one way."""
+    import ast
+
+    import reference_impl
+
+    root = Path(reference_impl.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {node.module.rsplit(".", 1)[-1] for node in ast.walk(tree)
+                            if isinstance(node, ast.ImportFrom) and node.module
+                            and node.module.startswith("reference_impl.")}
+        graph[path.stem] |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                             and node.module == "reference_impl" for alias in node.names}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(n == target or (n not in seen and reaches(n, target, seen | {n})) for n in graph.get(start, ()))
+
+    circles = [m for m in graph if reaches(m, m, set())]
+    assert not circles, f"import circle through {circles}: {graph}"
+    defining = [p.stem for p in root.glob("*.py") if '"_checkpoint_wrapped_module"' in p.read_text()]
+    assert defining == ["moe"], f"the wrapper-name list is written in {defining}"
+
+
+@pytest.mark.moe_ep_world(WORLD)
+def test_local_region_is_dtensors_own_placement() -> None:
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    from reference_impl.regions import RegionError, local_region
+
+    plain = torch.arange(6.0)
+    assert local_region(plain) == (plain, None)
+    full = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5)
+    mesh = device_mesh((2, 2), ("ep", "etp"))
+    t = distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+    local, region = local_region(t)
+    assert local.data_ptr() == t.to_local().data_ptr()
+    assert region is not None and torch.equal(full[region], local), f"rank {dist.get_rank()}: {region}"
+    with pytest.raises(ValueError, match="partial sums"):
+        local_region(DTensor.from_local(torch.zeros(6, 5), mesh, [Partial(), Shard(0)]))
+    wrong = DTensor.from_local(torch.zeros(2, 5), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
+    with pytest.raises(RegionError) as info:
+        local_region(wrong)
+    assert info.value.local_shape == (2, 5) and info.value.placed_shape[0] == 3, str(info.value)

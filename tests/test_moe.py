@@ -21,9 +21,9 @@ from reference_impl.moe import (
     apply_expert_parallel,
     apply_fsdp,
     build_model,
-    global_regions,
     stable_seed,
 )
+from reference_impl.regions import global_regions
 
 WORLD = 4
 

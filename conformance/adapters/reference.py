@@ -55,7 +55,7 @@ class ReferenceAdapter:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from reference_impl.moe import global_regions
+        from reference_impl.regions import global_regions
 
         layers = _layer_index(model)
         for piece in global_regions(model):
@@ -97,7 +97,7 @@ class ReferenceAdapter:
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
-        from reference_impl.expert_layout import moe_layers
+        from reference_impl.moe import moe_layers
 
         state = optimizer.state if optimizer is not None else {}
         for layer, (_, moe) in enumerate(moe_layers(model)):
@@ -118,7 +118,7 @@ class ReferenceAdapter:
                         yield from _rows(layer, moe.local_expert_start, name, tensor)
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
-        from reference_impl.expert_layout import moe_layers
+        from reference_impl.moe import moe_layers, named_parameters
 
         expert_params = set()
         for _, moe in moe_layers(model):
@@ -126,10 +126,9 @@ class ReferenceAdapter:
                                               else (getattr(moe, w) for w in moe.packed_weights()))}
         layers = _layer_index(model)
         state = optimizer.state if optimizer is not None else {}
-        for fqn, p in model.named_parameters():
+        for name, p in named_parameters(model):
             if id(p) in expert_params:
                 continue
-            name = ".".join(part for part in fqn.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
             layer = _identify(name, layers)[0]
             yield layer, None, name, p
             for moment in MOMENTS:
@@ -139,22 +138,16 @@ class ReferenceAdapter:
 
 def _rows(layer: int, start: int, name: str, tensor: Any) -> Iterator[tuple[int, int, str, Any]]:
     """One packed tensor as per-expert rows: plain rows, or the rows of this rank's FSDP shard."""
-    from torch.distributed.tensor import DTensor
+    from reference_impl.regions import local_region
 
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local = tensor.to_local()
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        first = offset[0]
-    else:
-        local, first = tensor, 0
+    local, region = local_region(tensor)
+    first = region[0].start if region is not None else 0
     for i in range(local.shape[0]):
         yield layer, start + first + i, name, local[i]
 
 
 def _layer_index(model: Any) -> dict[str, int]:
-    from reference_impl.expert_layout import moe_layers
+    from reference_impl.moe import moe_layers
 
     return {prefix: i for i, (prefix, _) in enumerate(moe_layers(model))}
 

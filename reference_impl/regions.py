@@ -1,0 +1,128 @@
+"""Where a rank's tensors sit in the global ones, and the ep=1 oracle built on it.
+
+:func:`local_region` is the one place that turns a DTensor into "this rank's data and the region
+of the global tensor it is" (DTensor's own ``compute_local_shape_and_global_offset``); the
+implementation (:mod:`reference_impl.expert_layout`, :mod:`reference_impl.state_dict_utils`), the
+conformance checks and the adapters all ask it.
+
+:func:`global_regions` and :func:`set_deterministic_grads` are not part of the implementation:
+they are an independent oracle that says where each parameter of a split, sharded model sits in
+the ep=1 model, so tests (and the reference adapter's synthetic gradients) compare any rank with
+an ep=1 model built on that rank alone, with no communication.  They rely only on the model's own
+bookkeeping (``local_expert_start``) and DTensor's placement logic, never on ExpertLayout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reference_impl.moe import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
+
+__all__ = ["GlobalRegion", "RegionError", "global_regions", "local_region", "set_deterministic_grads"]
+
+
+class RegionError(ValueError):
+    """A DTensor whose local tensor is not the shard its placements give this rank.
+
+    ``local_shape`` is what the rank holds; ``placed_shape`` and ``offset`` are where DTensor (and
+    so DCP) would put it.
+    """
+
+    def __init__(self, local_shape: tuple[int, ...], placed_shape: tuple[int, ...], offset: tuple[int, ...],
+                 placements: tuple[object, ...], mesh: object) -> None:
+        super().__init__(f"the DTensor's local tensor has shape {local_shape}, but its placements {placements} on "
+                         f"{mesh} give this rank shape {placed_shape} at offset {offset}; DCP would place the "
+                         f"data wrongly")
+        self.local_shape, self.placed_shape, self.offset = local_shape, placed_shape, offset
+        self.placements, self.mesh = placements, mesh
+
+
+def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """``(local data, region of the global tensor it is)``; a plain tensor is whole (region ``None``).
+
+    The region comes from the DTensor's placements, so FSDP2's uneven and empty shards, nested
+    ``Shard`` placements and ``Replicate`` dims all resolve as DCP resolves them.  Raises
+    ValueError for ``Partial`` (its local values are summands, not a region of anything) and :class:`RegionError` for a
+    local tensor whose shape is not the one its placements give this rank (a DTensor made by
+    ``from_local(..., shape=...)`` from another split), which DCP would silently misplace.
+    """
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        return t, None
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise ValueError(f"a DTensor placed {tuple(t.placements)} holds partial sums, not a region of its "
+                         f"global tensor; redistribute it to Replicate() first")
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise RegionError(tuple(local.shape), tuple(shape), tuple(offset), tuple(t.placements), t.device_mesh)
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@dataclass(frozen=True)
+class GlobalRegion:
+    """Where one parameter of a (split, sharded) model sits in the ep=1 model.
+
+    ``name`` and ``global_shape`` are the parameter's name and shape at ep=1 without FSDP, and
+    ``region`` the slices of that tensor this rank's ``local`` holds.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    region: tuple[slice, ...]
+    param: nn.Parameter
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The rank's own data of ``param`` (FSDP's shard without padding, or the tensor itself)."""
+        return local_region(self.param)[0]
+
+
+def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
+    """Every parameter of ``model`` with its ep=1 name, ep=1 shape and the region this rank holds."""
+    owners: dict[int, MoEMLP] = {}
+    for _, moe in moe_layers(model):
+        for p in moe.parameters():
+            owners[id(p)] = moe
+    prefixes = {id(moe): name for name, moe in moe_layers(model)}
+    for fqn, p in named_parameters(model):
+        local, found = local_region(p)
+        shape = list(p.shape)
+        region = list(found) if found is not None else [slice(0, n) for n in local.shape]
+        moe = owners.get(id(p))
+        if moe is not None and moe.ep_world_size > 1:
+            prefix = prefixes[id(moe)]
+            head = f"{prefix}." if prefix else ""
+            rest = fqn[len(head):].split(".")
+            if rest[0] == "experts":  # unpacked: experts.{i}.{linear}.weight -> global expert id
+                rest[1] = str(moe.local_expert_start + int(rest[1]))
+                fqn = head + ".".join(rest)
+            elif rest[0] in PACKED_WEIGHTS:
+                shape[0] = moe.num_experts
+                start = moe.local_expert_start + region[0].start
+                region[0] = slice(start, start + local.shape[0])
+        yield GlobalRegion(fqn, tuple(shape), tuple(region), p)
+
+
+def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
+    """Set every gradient to a pure function of ``(seed, step, ep=1 name)``, sliced to this rank.
+
+    A model at any ep, with or without FSDP, then takes the same optimizer step as an ep=1 model,
+    and every expert's moments differ from every other's.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for piece in global_regions(model):
+        full = _normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name, "grad")
+        grad = full[piece.region].clone()
+        p = piece.param
+        if isinstance(p, DTensor):
+            grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+        p.grad = grad
