@@ -69,6 +69,7 @@ __all__ = [
     "capabilities_of",
     "installed_version",
     "load_adapter",
+    "local_region",
     "missing_members",
     "run_steps",
     "world_device",
@@ -212,6 +213,16 @@ def world_device(mesh: Any) -> Any:
     else:
         kind = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def local_region(tensor: Any) -> tuple[Any, tuple[slice, ...] | None]:
+    """``(local data, its region of the global tensor)`` of a DTensor; a plain tensor is whole (``None``).
+
+    The reference's one rule for it (:func:`reference_impl.regions.local_region`), for adapters to share.
+    """
+    from reference_impl.regions import local_region as reference_local_region
+
+    return reference_local_region(tensor)
 
 
 def run_steps(step: Callable[[int], None], first: int, count: int) -> None:

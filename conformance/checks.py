@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.adapter import Spec, capabilities_of
+from conformance.adapter import Spec, capabilities_of, local_region
 from conformance.matrix import Cell
 
 SEED_A = 1234
@@ -66,19 +66,6 @@ class RankVerdict:
 
 
 # -- canonical views -----------------------------------------------------------------------------
-def _local_and_region(t: Any) -> tuple[Any, tuple[slice, ...] | None]:
-    """A DTensor's local shard and the region of the global tensor it is; a plain tensor is whole."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t, None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local = t.to_local()
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return local, tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
-
-
 def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict | None = None
               ) -> dict[Key, tuple[Any, tuple[slice, ...] | None]]:
     """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields."""
@@ -88,7 +75,7 @@ def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: Rank
             key = (layer, expert, str(name))
             if key in out and verdict is not None:
                 verdict.problems.append(f"rank {rank}: the adapter yielded {key} twice")
-            local, region = _local_and_region(tensor)
+            local, region = local_region(tensor)
             out[key] = (local.detach().cpu().clone(), region)
     return out
 

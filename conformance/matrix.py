@@ -11,8 +11,10 @@ Tiers (``--moe-ep-matrix=TIER``):
 - ``full``: the whole cross product of those dimensions (release reports);
 - ``default``: a deterministic covering subset -- every pair of dimension values occurs together in
   at least one cell, and every (save_ep, load_ep) pair occurs for each layer kind;
-- ``1,2,4`` (EP degrees): every pair of the plain layouts at those degrees (both EP-group orders),
-  across every kind, state, FSDP mode and expert count -- the matrix as adapters' own tests pin it.
+- ``1,2,4`` (EP degrees): the plain layouts at those degrees, in the adapter's (first) EP-group
+  order: same-kind cells for every state, FSDP mode and EP pair at the first expert count; each kind
+  loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven; and
+  legacy cells -- the shape adapters' own tests pin cell by cell.
 
 A cell the adapter's capabilities rule out stays in the matrix as ``n/a`` with the reason -- nothing
 is silently dropped.
@@ -138,35 +140,47 @@ def _valid(cell: Cell) -> bool:
 
 
 # -- the cells -------------------------------------------------------------------------------------
-def layouts(world_size: int, eps: list[int] | None = None) -> list[ParallelLayout]:
-    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2.
-
-    With ``eps`` given, only the plain layouts (no HSDP, no etp) at those degrees.
-    """
+def layouts(world_size: int) -> list[ParallelLayout]:
+    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2."""
     found: list[ParallelLayout] = []
-    degrees = eps or [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
-    for ep in degrees:
+    for ep in (ep for ep in range(1, world_size + 1) if world_size % ep == 0):
         found.append(ParallelLayout.for_world(world_size, ep))
         if 1 < ep < world_size:  # at ep=1 or ep=world the two orders are the same ranks
             found.append(ParallelLayout.for_world(world_size, ep, ep_order="consecutive"))
-    if eps is None and world_size % 4 == 0:
+    if world_size % 4 == 0:
         found.append(ParallelLayout.for_world(world_size, 2, dp_replicate=2))
         found.append(ParallelLayout.for_world(world_size, 2, etp=2))
     return found
 
 
-def full_product(world_size: int, num_experts: tuple[int, ...], eps: list[int] | None = None,
-                 states: tuple[str, ...] = STATES) -> list[Cell]:
+def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
     """Every valid cell (applicable or not), in a fixed order."""
-    found = layouts(world_size, eps)
+    found = layouts(world_size)
     cells = []
     for (save_kind, load_kind), state, fsdp, experts, save, load, legacy in itertools.product(
-            KIND_PAIRS, states, (False, True), num_experts, found, found, (False, True)):
-        if legacy and state != states[-1]:
+            KIND_PAIRS, STATES, (False, True), num_experts, found, found, (False, True)):
+        if legacy and state != STATES[-1]:
             continue  # one legacy cell per layout pair and kind: with the richest state
         cell = Cell(save_kind, load_kind, state, fsdp, save, load, experts, legacy)
         if _valid(cell):
             cells.append(cell)
+    return cells
+
+
+def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_order: str) -> list[Cell]:
+    """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order."""
+    plain = [ParallelLayout.for_world(world_size, ep, ep_order=ep_order) for ep in eps]
+    pairs = [(s, t) for s in plain for t in plain]
+    first, *others = num_experts
+    cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in KINDS for state in STATES
+             for fsdp in (False, True) for s, t in pairs]
+    cells += [Cell(a, b, "model+optim", False, s, t, first) for a, b in KIND_PAIRS if a != b for s, t in pairs]
+    cells += [Cell(kind, kind, "model+optim", False, s, t, e) for e in others for kind in KINDS for s, t in pairs
+              if e % s.ep or e % t.ep]
+    wide = [layout for layout in plain if layout.ep > 1]
+    if wide:
+        cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True) for kind in KINDS
+                  for t in plain]
     return cells
 
 
@@ -211,7 +225,13 @@ def checkpoint_cells(caps: Capabilities, tier: str | None, world_size: int, num_
                      has_legacy: bool = True) -> list[Cell]:
     """The cells of ``tier`` for an adapter with ``caps``, each with its n/a reason (if any)."""
     name, eps = parse_tier(tier, world_size)
-    everything = full_product(world_size, num_experts, eps)
+    if eps is None:
+        everything = full_product(world_size, num_experts)
+    else:
+        everything = ep_tier(world_size, eps, num_experts, "strided" if "strided" in caps.ep_orders
+                             else caps.ep_orders[0])
+    if not caps.optimizer:  # a legacy cell saves the richest state the adapter has
+        everything = [replace(c, state="model") if c.legacy else c for c in everything]
     legacy_na = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"
     marked = [replace(c, na=(legacy_na if c.legacy and legacy_na else "") or why_not(c, caps)) for c in everything]
     if name != "default":

@@ -13,13 +13,25 @@ EPS = (1, 2, 4)
 PAIRS = [(s, t) for s in EPS for t in EPS]
 UNEVEN = [(s, t) for s, t in PAIRS if 6 % s or 6 % t]
 STATES = ("model", "model+optim")
-ID = "moe-ep-matrix::checkpoint::packed::{state}::{mode}::ep{s}->ep{t}"
-ID_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::ep{s}->ep{t}"
+
+
+def layout(ep: int) -> str:
+    """The node-id fragment of ``--moe-ep-matrix=1,2,4`` at 4 ranks for an adapter whose EP groups are
+    consecutive ranks (every framework adapter): ``ep2c``; ep=1 and ep=4 are the same ranks either way."""
+    return f"ep{ep}c" if 1 < ep < 4 else f"ep{ep}"
+
+
+def pair(s: int, t: int) -> str:
+    return f"{layout(s)}->{layout(t)}"
+
+
+ID = "moe-ep-matrix::checkpoint::packed::{state}::{mode}::{pair}"
+ID_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::{pair}"
 #: every E=4 packed cell id -> (state, fsdp, save_ep, load_ep)
-EVEN = {ID.format(state=state, mode=mode, s=s, t=t): (state, mode == "fsdp", s, t)
+EVEN = {ID.format(state=state, mode=mode, pair=pair(s, t)): (state, mode == "fsdp", s, t)
         for state in STATES for mode in ("ep-only", "fsdp") for s, t in PAIRS}
 #: every E=6 packed cell id -> (save_ep, load_ep)
-E6 = {ID_E6.format(s=s, t=t): (s, t) for s, t in UNEVEN}
+E6 = {ID_E6.format(pair=pair(s, t)): (s, t) for s, t in UNEVEN}
 #: the n/a reasons (and counts) of an adapter with packed layers only and no legacy save.
 PACKED_ONLY_NOT_APPLICABLE = {
     "adapter supports layer kinds packed, not unpacked": 59,

@@ -22,17 +22,18 @@ import json
 from pathlib import Path
 
 import pytest
+from matrix_expectations import pair
 
 if importlib.util.find_spec("deepspeed") is None:  # checked without importing DeepSpeed into this process
     pytest.skip("deepspeed is not installed (ci/install_deepspeed.sh installs deepspeed==0.19.8)",
                 allow_module_level=True)
 
 EPS = (1, 2, 4)
-ID = "moe-ep-matrix::checkpoint::unpacked::{state}::ep-only::ep{s}->ep{t}"
-PASSING = {ID.format(state="model", s=s, t=t) for s in EPS for t in EPS} | {
-    ID.format(state="model+optim", s=ep, t=ep) for ep in EPS}
+ID = "moe-ep-matrix::checkpoint::unpacked::{state}::ep-only::{pair}"
+PASSING = {ID.format(state="model", pair=pair(s, t)) for s in EPS for t in EPS} | {
+    ID.format(state="model+optim", pair=pair(ep, ep)) for ep in EPS}
 #: model+optimizer at another EP degree: load_checkpoint raises (see the module docstring).
-OPTIMIZER_RESHARD = {ID.format(state="model+optim", s=s, t=t): (s, t) for s in EPS for t in EPS if s != t}
+OPTIMIZER_RESHARD = {ID.format(state="model+optim", pair=pair(s, t)): (s, t) for s in EPS for t in EPS if s != t}
 NOT_APPLICABLE = {
     "adapter supports layer kinds unpacked, not packed": 59,
     "adapter does not support FSDP2": 18,
@@ -44,7 +45,7 @@ NOT_APPLICABLE = {
 def test_deepspeed_matrix_as_found(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the adapter sets it too; explicit for the rank fork server
     out = pytester.path / "out"
-    result = pytester.runpytest_subprocess("--moe-ep-matrix", "--moe-ep-adapter=deepspeed", f"--moe-ep-report={out}",
+    result = pytester.runpytest_subprocess("--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed", f"--moe-ep-report={out}",
                                            "-p", "no:cacheprovider", timeout=900)
     doc = json.loads((Path(out) / "moe-ep-conformance.json").read_text())
     cells = {c["id"]: c for c in doc["cells"]}

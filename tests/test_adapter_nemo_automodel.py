@@ -129,7 +129,7 @@ CREATE_DTENSOR_SHAPES = {  # cell -> (local rows of dim 1, placements text, glob
 
 def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_not_zero(
         pytester: pytest.Pytester) -> None:
-    result, doc = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=nemo_automodel")
+    result, doc = run(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=nemo_automodel")
     assert doc["adapter"] == {"name": "nemo_automodel", "version": "0.7.0"}
     cells, statuses, na = by_status(doc)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]

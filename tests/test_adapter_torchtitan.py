@@ -38,7 +38,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (ci/instal
 
 
 def run_matrix(pytester: pytest.Pytester, adapter: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    result, doc = run_report(pytester, "--moe-ep-matrix", f"--moe-ep-adapter={adapter}")
+    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={adapter}")
     assert doc["adapter"] == {"name": adapter, "version": "0.3.0"}
     return result, doc
 

@@ -69,13 +69,12 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 if "deepspeed" not in sys.modules:  # DeepSpeed picks its accelerator at import; see the module docstring
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 LR = 1e-2
 WEIGHT_DECAY = 0.01
 #: the deepspeed.utils.groups tables keyed by expert group name ("ep_size_<ep>").
@@ -215,7 +214,7 @@ def _use_expert_groups(ep: int) -> None:
 class DeepSpeedAdapter:
     name = "deepspeed"
     capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
-                                format="deepspeed")
+                                format="deepspeed", ep_orders=("consecutive",))
     #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR).
     preload = ("deepspeed", "deepspeed.moe.layer")
 
@@ -299,7 +298,7 @@ class DeepSpeedAdapter:
             for name, p in expert.named_parameters():
                 short = _short(name)
                 yield layer, g, short, p
-                for moment in MOMENTS:
+                for moment in ADAM_MOMENTS:
                     if moment in state.get(p, {}):
                         yield layer, g, f"{short}.{moment}", state[p][moment]
 
@@ -307,7 +306,7 @@ class DeepSpeedAdapter:
         state = optimizer.state if optimizer is not None else {}
         for layer, name, p in _dense_params(model):
             yield layer, None, name, p
-            for moment in MOMENTS:
+            for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
 

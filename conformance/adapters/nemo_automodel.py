@@ -66,10 +66,9 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec, world_device
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region, world_device
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 EXPERT_WEIGHTS = ("gate_and_up_projs", "down_projs")
 #: attributes set on the built model: NeMo's MoE mesh (or None) and its dense FSDP mesh (or None).
 _MOE_MESH = "_conformance_moe_mesh"
@@ -81,7 +80,7 @@ class NemoAutomodelAdapter:
     name = "nemo_automodel"
     version = "0.7.0"
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp")
+                                format="dcp", ep_orders=("consecutive",))
     preload = ("nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
                "nemo_automodel.components.checkpoint.checkpointing",
                "nemo_automodel.components.models.qwen3_moe.state_dict_adapter")
@@ -136,7 +135,7 @@ class NemoAutomodelAdapter:
             for weight_name in EXPERT_WEIGHTS:
                 weight = getattr(moe.experts, weight_name)
                 tensors = {weight_name: weight} | {f"{weight_name}.{m}": state[weight][m]
-                                                   for m in MOMENTS if m in state.get(weight, {})}
+                                                   for m in ADAM_MOMENTS if m in state.get(weight, {})}
                 for name, tensor in tensors.items():
                     for expert, row in _rows(tensor):
                         yield layer, expert, name, row
@@ -149,7 +148,7 @@ class NemoAutomodelAdapter:
                 if id(p) in experts:
                     continue
                 yield layer, None, f"mlp.{name}", p
-                for moment in MOMENTS:
+                for moment in ADAM_MOMENTS:
                     if moment in state.get(p, {}):
                         yield layer, None, f"mlp.{name}.{moment}", state[p][moment]
 
@@ -258,14 +257,9 @@ def _checkpointer(model: Any) -> Any:
 # -- gradients and canonical rows ------------------------------------------------------------------
 def _region(tensor: Any) -> tuple[Any, tuple[int, ...]]:
     """A tensor's local data and the global offset of its first element (zeros for a plain tensor)."""
-    from torch.distributed.tensor import DTensor
 
-    if not isinstance(tensor, DTensor):
-        return tensor, (0,) * tensor.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tensor.to_local(), tuple(offset)
+    local, region = local_region(tensor)
+    return local, tuple(r.start for r in region) if region is not None else (0,) * tensor.dim()
 
 
 def _rows(tensor: Any) -> Iterator[tuple[int, Any]]:

@@ -14,10 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec, world_device
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, world_device
 from conformance.synthetic import synthetic_grad
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class ReferenceAdapter:
@@ -107,13 +105,13 @@ class ReferenceAdapter:
                         weight = getattr(expert, linear).weight
                         g = moe.local_expert_start + i
                         yield layer, g, linear, weight
-                        for moment in MOMENTS:
+                        for moment in ADAM_MOMENTS:
                             if moment in state.get(weight, {}):
                                 yield layer, g, f"{linear}.{moment}", state[weight][moment]
                 else:
                     weight = getattr(moe, f"{linear}_w")
                     tensors = {linear: weight} | {f"{linear}.{m}": state[weight][m]
-                                                  for m in MOMENTS if m in state.get(weight, {})}
+                                                  for m in ADAM_MOMENTS if m in state.get(weight, {})}
                     for name, tensor in tensors.items():
                         yield from _rows(layer, moe.local_expert_start, name, tensor)
 
@@ -131,7 +129,7 @@ class ReferenceAdapter:
                 continue
             layer = _identify(name, layers)[0]
             yield layer, None, name, p
-            for moment in MOMENTS:
+            for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
 

@@ -78,10 +78,9 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec, world_device
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region, world_device
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 _EXPERTS = "routed_experts.inner_experts."
 #: attribute set on the built model: (rank on the ep mesh, ep degree) for plain local expert tensors.
@@ -94,7 +93,7 @@ class TorchtitanAdapter:
     name = "torchtitan"
     spmd_backend = "partial_dtensor"
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp")
+                                format="dcp", ep_orders=("consecutive",))
     preload = ("torchtitan.models.qwen3", "torchtitan.components.checkpoint", "torchtitan.components.optimizer")
 
     @property
@@ -175,7 +174,8 @@ class TorchtitanAdapter:
             layer, expert_name = _identify(fqn)
             if expert_name is None:
                 continue
-            tensors = {expert_name: p} | {f"{expert_name}.{m}": state[p][m] for m in MOMENTS if m in state.get(p, {})}
+            moments = {f"{expert_name}.{m}": state[p][m] for m in ADAM_MOMENTS if m in state.get(p, {})}
+            tensors = {expert_name: p} | moments
             for name, tensor in tensors.items():
                 yield from _rows(model, layer, name, tensor)
 
@@ -187,7 +187,7 @@ class TorchtitanAdapter:
                 continue
             name = _short(fqn)
             yield layer, None, name, p
-            for moment in MOMENTS:
+            for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
 
@@ -354,11 +354,9 @@ def _local_region(model: Any, tensor: Any, expert: bool) -> tuple[Any, tuple[sli
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local = tensor._local_tensor
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return local, tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
+        local, region = local_region(tensor)
+        assert region is not None
+        return local, region
     if expert:
         num_experts = _num_experts(model)
         first = _plain_rows(model, tensor.shape[0], num_experts)
