@@ -45,8 +45,8 @@ NOT_APPLICABLE = {
 def test_deepspeed_matrix_as_found(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the adapter sets it too; explicit for the rank fork server
     out = pytester.path / "out"
-    result = pytester.runpytest_subprocess("--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed", f"--moe-ep-report={out}",
-                                           "-p", "no:cacheprovider", timeout=900)
+    result = pytester.runpytest_subprocess("--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed",
+                                           f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
     doc = json.loads((Path(out) / "moe-ep-conformance.json").read_text())
     cells = {c["id"]: c for c in doc["cells"]}
     assert doc["adapter"] == {"name": "deepspeed", "version": "0.19.8"}
