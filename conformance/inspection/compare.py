@@ -25,6 +25,9 @@ from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
 
 DEFAULT_MEMORY_BYTES = 1 << 30
+#: an optimizer param group's parameter-name list: DCP stores one rank's copy of this non-tensor, and
+#: at ep > 1 each rank lists only its own experts, so it is compared as a subset of the other's list.
+RANK_LOCAL_NAMES = re.compile(r"(?:^|\.)param_groups\.\d+\.params$")
 Digest = tuple[str, tuple[int, ...], bytes]
 
 
@@ -241,7 +244,12 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
         a, b, info = g_whole[key], w_whole[key], g_info[key]
         experts = (info.expert,) if info.expert is not None else ()
         if not (isinstance(a, tuple) and len(a) == 3 and isinstance(a[2], bytes)):
-            if not _same_value(a, b):
+            if RANK_LOCAL_NAMES.search(key) and isinstance(a, list) and isinstance(b, list):
+                extra = [n for n in a if n not in set(b)]
+                if extra:
+                    out.append(Finding("value_differs", key, f"lists {len(extra)} parameter name(s) the "
+                                       f"{names[1]}'s group does not, first {_short(extra[:3])}", info.layer))
+            elif not _same_value(a, b):
                 out.append(Finding("value_differs", key, f"is {_short(a)}, the {names[1]}'s is {_short(b)}",
                                    info.layer, experts))
             continue

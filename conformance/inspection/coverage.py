@@ -115,8 +115,17 @@ def _rows(entry: Entry) -> tuple[list[int], list[int], list[int]]:
 
 
 # -- the inspection -------------------------------------------------------------------------------
+def _local_counts(num_experts: int) -> dict[int, int]:
+    """What one EP rank holds under the layout rule (``ceil(E / ep)``), by count: the smallest ep giving it."""
+    out: dict[int, int] = {}
+    for ep in range(num_experts, 1, -1):
+        out[-(-num_experts // ep)] = ep
+    return out
+
+
 def _ep_hint(num_experts: int, held: int) -> str:
-    return f" ({num_experts} experts / ep={num_experts // held})" if held and num_experts % held == 0 else ""
+    ep = _local_counts(num_experts).get(held)
+    return f" (what one of ep={ep} ranks holds)" if ep else ""
 
 
 def inspect_index(index: CheckpointIndex, num_experts: int | None = None,
@@ -172,7 +181,7 @@ def inspect_index(index: CheckpointIndex, num_experts: int | None = None,
         ids = set(held)
         missing, unknown = sorted(every - ids), sorted(ids - every)
         groups.append(ExpertGroup(info.layer, family, "per_expert", info.stat, len(ids), tuple(sorted(ids))))
-        if missing and ids == set(range(len(ids))):
+        if missing and ids == set(range(len(ids))) and len(ids) in _local_counts(num_experts):
             findings.append(Finding("local_numbering", family, f"per-expert keys are numbered 0..{len(ids) - 1} "
                                     f"only: {len(ids)} of {num_experts} experts{_ep_hint(num_experts, len(ids))}, "
                                     "one EP rank's local names; the other experts are not in the checkpoint",
@@ -199,9 +208,9 @@ def inspect_index(index: CheckpointIndex, num_experts: int | None = None,
         if rows < num_experts:
             findings.append(Finding("local_extent", entry.key, f"its expert axis has {rows} rows, expected "
                                     f"{num_experts} (the global extent): {rows} is a local count"
-                                    f"{_ep_hint(num_experts, rows)}, so these experts have no row and rows "
-                                    f"0..{rows - 1} hold one EP rank's experts", info.layer,
-                                    tuple(range(rows, num_experts))))
+                                    f"{_ep_hint(num_experts, rows)}, so these experts have no row"
+                                    + (f" and rows 0..{rows - 1} hold one EP rank's experts" if rows else ""),
+                                    info.layer, tuple(range(rows, num_experts))))
         elif rows > num_experts:
             findings.append(Finding("extent_mismatch", entry.key, f"its expert axis has {rows} rows, but the "
                                     f"model has {num_experts} experts", info.layer, tuple(range(num_experts, rows))))

@@ -144,11 +144,11 @@ def classify_keys(keys: Iterable[str], patterns: Sequence[KeyPattern] = DEFAULT_
         r = recipes.get(template)
         if r is None:
             r = recipes[template] = _recipe(key, patterns)
-        if r.role == "dense" and not r.optimizer:
-            out[key] = KeyInfo(key, "dense", param=key)
-            continue
-        nums = findall(key)
+        nums = findall(key) if r.layer_pos is not None or r.role == "expert" else ()
         layer = int(nums[r.layer_pos]) if r.layer_pos is not None else r.layer_fixed
+        if r.role == "dense" and not r.optimizer:
+            out[key] = KeyInfo(key, "dense", layer=layer, param=key)
+            continue
         param, stat = key, None
         if r.optimizer:
             param, _, stat = key.partition(".state.")[2].rpartition(".")

@@ -79,7 +79,7 @@ def read_dcp(path: str | os.PathLike[str]) -> CheckpointIndex:
         raise CheckpointError(str(meta_path), f"cannot be read ({type(exc).__name__}: {exc})", expected) from None
     except (EOFError, pickle.UnpicklingError, AttributeError, ImportError, IndexError, TypeError, ValueError,
             KeyError, MemoryError, UnicodeDecodeError, struct.error) as exc:
-        what = "truncated" if isinstance(exc, EOFError) else "corrupt"
+        what = "truncated" if isinstance(exc, EOFError) or "truncated" in str(exc) else "corrupt"
         raise CheckpointError(str(meta_path), f"is {what} ({type(exc).__name__}: {exc})", expected) from None
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointError(str(meta_path), f"holds a {type(metadata).__name__}, not a DCP Metadata", expected)
@@ -106,6 +106,7 @@ class _DcpReader:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = self.metadata
@@ -132,9 +133,12 @@ class _DcpReader:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dcp.load(state, storage_reader=Reader(self.path), planner=planner, no_dist=True)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            failures = getattr(exc, "failures", None) or {}
+            first = next(iter(failures.values()), exc)
+            cause = first[0] if isinstance(first, tuple) else first  # DCP wraps (exception, stack)
             raise CheckpointError(self.path, f"reading {len(keys)} key(s) from {keys[0]!r} failed "
-                                  f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
+                                  f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})",
                                   "data files that match .metadata") from None
         for key, raw in planner.raw.items():
             state[key] = _decode(raw)
