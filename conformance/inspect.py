@@ -1,0 +1,139 @@
+"""``python -m conformance.inspect DIR`` (console script ``moe-ep-inspect``): check a checkpoint on disk.
+
+Does the checkpoint hold every expert of every MoE layer exactly once under its global id?  From
+the metadata alone (DCP ``.metadata``, or a Hugging Face safetensors index and headers), with no
+process group; ``--compare OTHER --values`` also reads every value, one batch at a time.
+
+Exit status: 0 clean, 1 problems found, 2 usage error or unreadable input (one line on stderr).
+Nothing is ever written to the checkpoint directories.  The checks are :mod:`conformance.inspection`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from conformance.inspection import (
+    DEFAULT_MEMORY_BYTES,
+    DEFAULT_PATTERNS,
+    CheckpointError,
+    Finding,
+    Inspection,
+    compare_indexes,
+    expert_ranges,
+    inspect_index,
+    pattern,
+    read_checkpoint,
+)
+
+__all__ = ["main"]
+PROG = "moe-ep-inspect"
+SCHEMA_VERSION = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Check that a MoE checkpoint holds every expert of every layer once, under its "
+        "global id (DCP or Hugging Face safetensors; metadata only unless --values).",
+        epilog="exit status: 0 clean, 1 problems found, 2 usage error or unreadable checkpoint")
+    p.add_argument("path", metavar="DIR", help="checkpoint directory (DCP .metadata, or *.safetensors + index)")
+    p.add_argument("--experts", type=int, metavar="E", help="number of experts per layer, when the checkpoint has "
+                   "no recognised router to read it from")
+    p.add_argument("--expert-key", action="append", default=[], metavar="REGEX",
+                   help="regex of expert-holding keys, tried before the built-in ones; a named group "
+                   "(?P<expert>\\d+) marks per-expert keys, else the key is packed with the expert axis first")
+    p.add_argument("--compare", metavar="OTHER_DIR", help="also check that OTHER_DIR (say, the same model saved "
+                   "at ep=1) holds the same keys, global shapes and dtypes")
+    p.add_argument("--values", action="store_true", help="with --compare: compare every value too, streamed")
+    p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_BYTES >> 20, metavar="MB",
+                   help="with --values: read at most this much per batch (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("-v", "--verbose", action="store_true", help="also list every expert-holding key family")
+    return p
+
+
+def _summary(result: Inspection) -> list[str]:
+    c = result.counts
+    layers = f"{len(result.moe_layers)} MoE layer(s)" + (f" ({expert_ranges(result.moe_layers)})"
+                                                          if result.moe_layers else "")
+    experts = (f"{result.num_experts} experts (from {result.num_experts_source})" if result.num_experts
+               else "number of experts unknown")
+    packed = sum(g.kind == "packed" and g.stat is None for g in result.groups)
+    families = sum(g.kind == "per_expert" and g.stat is None for g in result.groups)
+    stats = sorted({g.stat for g in result.groups if g.stat})
+    return [f"{result.path}: {result.format} checkpoint, {c.get('keys', 0)} keys ({c.get('tensors', 0)} tensors, "
+            f"{c.get('non_tensors', 0)} other entries); {layers}; {experts}",
+            f"expert keys: {c.get('expert_keys', 0)} ({packed} packed weights, {families} per-expert weight families"
+            f"{'; optimizer state ' + ', '.join(stats) if stats else '; no optimizer state'})"]
+
+
+def _lines(findings: Sequence[Finding]) -> list[str]:
+    width = max((len(f.problem) for f in findings), default=0)
+    return [f"  {f.problem:<{width}}  {f}" for f in findings]
+
+
+def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
+    patterns = (*(pattern(r) for r in args.expert_key), *DEFAULT_PATTERNS)
+    index = read_checkpoint(args.path)
+    result = inspect_index(index, num_experts=args.experts, patterns=patterns)
+    text = _summary(result)
+    if args.verbose:
+        text += [f"  layer {g.layer}: {g.key}{' [' + g.stat + ']' if g.stat else ''} ({g.kind}, extent "
+                 f"{g.extent}): experts {expert_ranges(g.experts) or 'none'}" for g in result.groups]
+    if result.findings:
+        text.append(f"{len(result.findings)} problem(s):")
+        text += _lines(result.findings)
+    else:
+        text.append("OK: every expert of every MoE layer is stored once under its global id"
+                    + (", with optimizer state for every expert" if any(g.stat for g in result.groups) else ""))
+    report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "inspection": result.as_dict(), "compare": None}
+    problems = len(result.findings)
+    if args.compare:
+        other = read_checkpoint(args.compare)
+        found = compare_indexes(index, other, values=args.values, patterns=patterns,
+                                memory_bytes=max(1, args.memory_mb) << 20,
+                                names=("checkpoint", f"checkpoint {args.compare}"))
+        what = "keys, global shapes, dtypes" + (" and every value" if args.values else "")
+        text.append(f"compared with {args.compare} ({what}): " + (f"{len(found)} difference(s):" if found
+                                                                  else "the same"))
+        text += _lines(found)
+        report["compare"] = {"other": args.compare, "values": args.values, "findings": [f.as_dict() for f in found]}
+        problems += len(found)
+    report["problems"] = problems
+    return (1 if problems else 0), report, text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.values and not args.compare:
+        parser.error("--values needs --compare OTHER_DIR")
+    if args.experts is not None and args.experts < 1:
+        parser.error(f"--experts must be a positive number of experts, got {args.experts}")
+    try:
+        code, report, text = _run(args)
+    except (CheckpointError, ValueError) as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # never a traceback; MOE_EP_INSPECT_DEBUG=1 shows it
+        if os.environ.get("MOE_EP_INSPECT_DEBUG"):
+            raise
+        print(f"{PROG}: error: {type(exc).__name__}: {' '.join(str(exc).split())[:500]} "
+              "(set MOE_EP_INSPECT_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2
+    if args.json:
+        report["exit_code"] = code
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print("\n".join(text))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""Do two checkpoints hold the same logical content?  The EP-invariance check.
+
+:func:`compare_indexes` compares a checkpoint (``got``, say saved at ep=4) with another of the same
+model (``want``, the ep=1 truth): keys, global shapes and dtypes from the metadata; with
+``values=True`` every value too.  Values are streamed: each checkpoint is read in batches of at
+most ``memory_bytes`` (one key alone when it is larger), and only a 128-bit BLAKE2b digest of each
+tensor and of each row of each expert axis is kept.  Digests make the diagnosis cheap -- "key K
+holds the other checkpoint's key K2", "rows 2..3 of K's expert axis are experts 0..1" -- because
+every tensor and row of ``want`` can be looked up without holding it.  Only a tensor that matches
+nothing is read again, from both sides, for its max abs difference; peak memory is about
+``max(memory_bytes, 2 x the largest such tensor)``.  Equal digests are taken as bitwise equality.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
+from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges
+
+__all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
+
+DEFAULT_MEMORY_BYTES = 1 << 30
+#: an optimizer param group's parameter-name list: DCP stores one rank's copy of this non-tensor, and
+#: at ep > 1 each rank lists only its own experts, so it is compared as a subset of the other's list.
+RANK_LOCAL_NAMES = re.compile(r"(?:^|\.)param_groups\.\d+\.params$")
+Digest = tuple[str, tuple[int, ...], bytes]
+
+
+def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool = False,
+                    patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS, ignore: Sequence[str] = (),
+                    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                    names: tuple[str, str] = ("checkpoint", "other checkpoint")) -> list[Finding]:
+    """Findings where ``got`` does not hold what ``want`` holds; empty when they are the same.
+
+    ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).
+    ``names``: what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
+    """
+    skip = [re.compile(r) for r in ignore]
+    g_keys = [k for k in got.entries if not any(r.search(k) for r in skip)]
+    w_keys = [k for k in want.entries if not any(r.search(k) for r in skip)]
+    g_info, w_info = classify_keys(g_keys, patterns), classify_keys(w_keys, patterns)
+    missing = sorted(set(w_keys) - set(g_keys))
+    unexpected = sorted(set(g_keys) - set(w_keys))
+    findings: list[Finding] = []
+    common = [k for k in g_keys if k in want.entries]
+    readable: list[str] = []
+    for key in common:
+        a, b, info = got.entries[key], want.entries[key], g_info[key]
+        experts = (info.expert,) if info.expert is not None else ()
+        if a.is_tensor != b.is_tensor:
+            findings.append(Finding("entry_kind_differs", key, f"a {_kind(a)} here, a {_kind(b)} in the {names[1]}",
+                                    info.layer, experts))
+            continue
+        if a.dtype != b.dtype:
+            findings.append(Finding("dtype_differs", key, f"dtype {a.dtype}, the {names[1]}'s is {b.dtype}",
+                                    info.layer, experts))
+            continue
+        if a.shape != b.shape:
+            findings.append(_shape_finding(key, a, b, info, names))
+            if not (a.shape and b.shape and a.shape[1:] == b.shape[1:] and info.kind == "packed"):
+                continue
+        readable.append(key)
+    holds: dict[str, str] = {}
+    if values:
+        findings += _compare_values(got, want, readable, unexpected, w_keys, g_info, w_info, memory_bytes,
+                                    names, holds)
+    findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names, holds) + findings
+    return findings
+
+
+def _kind(entry: Entry) -> str:
+    return f"tensor {entry.shape} {entry.dtype}" if entry.is_tensor else "non-tensor entry"
+
+
+def _shape_finding(key: str, a: Entry, b: Entry, info: KeyInfo, names: tuple[str, str]) -> Finding:
+    message = f"global shape {a.shape}, the {names[1]}'s is {b.shape}"
+    experts: tuple[int, ...] = (info.expert,) if info.expert is not None else ()
+    if info.kind == "packed" and a.shape and b.shape and a.shape[0] < b.shape[0]:
+        message += f": its expert axis has {a.shape[0]} rows, not all {b.shape[0]} experts"
+        experts = tuple(range(a.shape[0], b.shape[0]))
+    return Finding("shape_differs", key, message, info.layer, experts)
+
+
+def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointIndex, want: CheckpointIndex,
+                  g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo], names: tuple[str, str],
+                  holds: Mapping[str, str]) -> list[Finding]:
+    """Absent keys grouped in expert terms: one finding per family, or per layer when all its experts went."""
+    out: list[Finding] = []
+    by_layer_all: dict[int, set[str]] = defaultdict(set)
+    for key, info in w_info.items():
+        if info.role == "expert" and info.layer is not None:
+            by_layer_all[info.layer].add(key)
+    gone: dict[tuple[str, int | None], list[int]] = defaultdict(list)
+    whole_layers = {layer for layer, keys in by_layer_all.items() if keys and keys <= set(missing)}
+    for layer in sorted(whole_layers):
+        keys = sorted(by_layer_all[layer])
+        rows = max((want.entries[k].shape[0] for k in keys if w_info[k].kind == "packed" and want.entries[k].shape),
+                   default=0)
+        ids = {w_info[k].expert for k in keys if w_info[k].expert is not None} | set(range(rows))
+        out.append(Finding("key_missing", w_info[keys[0]].family, f"all {len(keys)} expert keys of layer {layer} "
+                           f"are absent from the {names[0]} (layer {layer}'s experts)", layer,
+                           tuple(sorted(i for i in ids if i is not None))))
+    for key in missing:
+        info = w_info[key]
+        if info.role == "expert" and info.layer in whole_layers:
+            continue
+        if info.role == "expert" and info.kind == "per_expert":
+            gone[(info.family, info.layer)].append(info.expert if info.expert is not None else -1)
+            continue
+        entry = want.entries[key]
+        rows = tuple(range(entry.shape[0])) if info.kind == "packed" and entry.shape else ()
+        what = f" (layer {info.layer}'s experts)" if info.role == "expert" else ""
+        out.append(Finding("key_missing", key, f"absent from the {names[0]}{what}", info.layer, rows))
+    for (family, layer), ids in sorted(gone.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        out.append(Finding("key_missing", family, f"absent from the {names[0]} for {len(ids)} expert(s)",
+                           layer, tuple(sorted(ids))))
+    for key in unexpected:
+        info = g_info[key]
+        extra = f"; it holds the {names[1]}'s {holds[key]!r}" if key in holds else ""
+        out.append(Finding("key_unexpected", key, f"not in the {names[1]}{extra}", info.layer,
+                           (info.expert,) if info.expert is not None else (), holds.get(key)))
+    return out
+
+
+# -- values ---------------------------------------------------------------------------------------
+_SIZES: dict[str, int] = {}
+
+
+def _element_size(dtype: str | None) -> int:
+    if dtype not in _SIZES:
+        import torch
+
+        t = getattr(torch, dtype or "", None)
+        _SIZES[dtype or ""] = torch.empty((), dtype=t).element_size() if isinstance(t, torch.dtype) else 8
+    return _SIZES[dtype or ""]
+
+
+def _batches(index: CheckpointIndex, keys: Sequence[str], memory_bytes: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        entry = index.entries[key]
+        n = entry.nbytes_hint * (_element_size(entry.dtype) if entry.is_tensor else 1)
+        if batch and size + n > memory_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch
+
+
+def _bytes_of(t: Any) -> Any:
+    import torch
+
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy() if t.numel() else b""
+
+
+def _digest(t: Any) -> Digest:
+    return (str(t.dtype), tuple(t.shape), hashlib.blake2b(memoryview(_bytes_of(t)), digest_size=16).digest())
+
+
+def _row_digests(t: Any) -> list[Digest]:
+    if t.dim() == 0:
+        return []
+    flat = t.detach().to("cpu").contiguous()
+    return [_digest(flat[r]) for r in range(flat.shape[0])]
+
+
+def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, KeyInfo], memory_bytes: int
+                  ) -> tuple[dict[str, Any], dict[str, list[Digest]]]:
+    """Each key's digest (or non-tensor value) and the digests of each packed key's rows."""
+    import torch
+
+    if index.reader is None:
+        raise ValueError(f"{index.path}: this index has no reader; values cannot be compared")
+    whole: dict[str, Any] = {}
+    rows: dict[str, list[Digest]] = {}
+    for batch in _batches(index, keys, memory_bytes):
+        for key, value in index.reader(batch).items():
+            if isinstance(value, torch.Tensor):
+                whole[key] = _digest(value)
+                if infos[key].kind == "packed":
+                    rows[key] = _row_digests(value)
+            else:
+                whole[key] = value
+    return whole, rows
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
+            torch.equal(a, b))
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _pick(candidates: list[tuple[str, int | None]], key: str, info: KeyInfo, w_info: dict[str, KeyInfo]
+          ) -> tuple[str, int | None]:
+    """The likeliest source among equal-valued candidates: the same key, family, then layer."""
+    def rank(c: tuple[str, int | None]) -> tuple[int, int, int]:
+        other = w_info.get(c[0])
+        return (c[0] != key, other is None or other.family != info.family, other is None or other.layer != info.layer)
+    return min(candidates, key=rank)
+
+
+def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[str], unexpected: list[str],
+                    w_keys: list[str], g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo], memory_bytes: int,
+                    names: tuple[str, str], holds: dict[str, str]) -> list[Finding]:
+    g_whole, g_rows = _fingerprints(got, [*readable, *unexpected], g_info, memory_bytes)
+    w_whole, w_rows = _fingerprints(want, w_keys, w_info, memory_bytes)
+    by_whole: dict[Any, list[tuple[str, int | None]]] = defaultdict(list)
+    by_row: dict[Digest, list[tuple[str, int | None]]] = defaultdict(list)
+    for key, d in w_whole.items():
+        if isinstance(d, tuple) and len(d) == 3 and isinstance(d[2], bytes):
+            by_whole[d].append((key, None))
+            if w_info[key].kind == "per_expert":
+                by_row[d].append((key, None))
+    for key, ds in w_rows.items():
+        for r, d in enumerate(ds):
+            by_row[d].append((key, r))
+    out: list[Finding] = []
+    unexplained: list[tuple[str, list[int] | None]] = []
+    for key in unexpected:
+        d = g_whole.get(key)
+        if isinstance(d, tuple) and d in by_whole:
+            holds[key] = _pick(by_whole[d], key, g_info[key], w_info)[0]
+    for key in readable:
+        a, b, info = g_whole[key], w_whole[key], g_info[key]
+        experts = (info.expert,) if info.expert is not None else ()
+        if not (isinstance(a, tuple) and len(a) == 3 and isinstance(a[2], bytes)):
+            if RANK_LOCAL_NAMES.search(key) and isinstance(a, list) and isinstance(b, list):
+                extra = [n for n in a if n not in set(b)]
+                if extra:
+                    out.append(Finding("value_differs", key, f"lists {len(extra)} parameter name(s) the "
+                                       f"{names[1]}'s group does not, first {_short(extra[:3])}", info.layer))
+            elif not _same_value(a, b):
+                out.append(Finding("value_differs", key, f"is {_short(a)}, the {names[1]}'s is {_short(b)}",
+                                   info.layer, experts))
+            continue
+        if a == b:
+            continue
+        if key in g_rows:
+            found, bad = _row_findings(key, g_rows[key], w_rows.get(key, []), by_row, info, w_info, names)
+            out += found
+            if bad:
+                unexplained.append((key, bad))
+            continue
+        if a in by_whole:
+            source, _ = _pick(by_whole[a], key, info, w_info)
+            other = w_info[source]
+            if other.family == info.family and other.expert is not None and info.expert is not None:
+                text = f"holds expert {other.expert}'s values instead of expert {info.expert}'s (the {names[1]}'s " \
+                       f"{source!r})"
+            else:
+                text = f"holds the {names[1]}'s {source!r}" + (
+                    f" (layer {other.layer}, expert {other.expert})" if other.expert is not None else "")
+            out.append(Finding("holds_other_key", key, text, info.layer, experts, source))
+        elif a in by_row:
+            source, r = _pick(by_row[a], key, info, w_info)
+            out.append(Finding("holds_other_key", key, f"holds row {r} (expert {r}) of the {names[1]}'s {source!r}",
+                               info.layer, experts, source))
+        else:
+            unexplained.append((key, None))
+    out += _diff_findings(got, want, unexplained, g_info, names)
+    return out
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """``[(row, source_row)]`` -> ``[(first row, last row, first source, last source)]`` of steps by one."""
+    runs: list[list[int]] = []
+    for r, s in sorted(pairs):
+        if runs and r == runs[-1][1] + 1 and s == runs[-1][3] + 1:
+            runs[-1][1], runs[-1][3] = r, s
+        else:
+            runs.append([r, r, s, s])
+    return [tuple(x) for x in runs]  # type: ignore[misc]
+
+
+def _span(a: int, b: int) -> str:
+    return str(a) if a == b else f"{a}..{b}"
+
+
+def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest], by_row: Mapping[Digest, list[Any]],
+                  info: KeyInfo, w_info: dict[str, KeyInfo], names: tuple[str, str]
+                  ) -> tuple[list[Finding], list[int]]:
+    """Which experts the wrong rows of ``key``'s expert axis hold, one finding per source key."""
+    moved: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    bad: list[int] = []
+    for r, d in enumerate(rows):
+        if r < len(truth_rows) and truth_rows[r] == d:
+            continue
+        if d in by_row:
+            source, s = _pick(by_row[d], key, info, w_info)
+            moved[source].append((r, s if s is not None else (w_info[source].expert or 0)))
+        else:
+            bad.append(r)
+    out = []
+    for source, pairs in sorted(moved.items()):
+        runs = _runs(pairs)
+        parts = [f"rows {_span(a, b)} are experts {_span(c, d)}" for a, b, c, d in runs[:4]]
+        more = f" and {len(runs) - 4} more runs" if len(runs) > 4 else ""
+        whose = "" if source == key else f" of the {names[1]}'s {source!r}"
+        out.append(Finding("rows_are_other_experts", key, f"its expert axis holds other experts' values: "
+                           f"{', '.join(parts)}{more}{whose}", info.layer, tuple(r for r, _ in pairs), source))
+    return out, bad
+
+
+def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple[str, list[int] | None]],
+                   g_info: dict[str, KeyInfo], names: tuple[str, str]) -> list[Finding]:
+    """Tensors that match nothing: read both once more, one key at a time, for the max abs diff."""
+    out = []
+    for key, rows in keys:
+        a = got.reader([key])[key] if got.reader else None
+        b = want.reader([key])[key] if want.reader else None
+        info = g_info[key]
+        if rows is not None:
+            a, b = a[rows], b[[r for r in rows if r < b.shape[0]]] if b.dim() else b
+        diff = "n/a"
+        if a is not None and b is not None and a.shape == b.shape and a.numel():
+            diff = f"{(a.double() - b.double()).abs().max().item():.3g}"
+        where = f"rows {expert_ranges(rows)} of its expert axis " if rows is not None else ""
+        experts = tuple(rows) if rows is not None else ((info.expert,) if info.expert is not None else ())
+        out.append(Finding("values_differ", key, f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
+                           f"match no tensor or row of it", info.layer, experts))
+    return out

@@ -1,0 +1,289 @@
+"""Read a checkpoint's index from its metadata alone, and its values one batch of keys at a time.
+
+* DCP: ``.metadata`` through ``FileSystemReader.read_metadata()`` (a pickle, as DCP itself reads
+  it: inspect only checkpoints you would load).  Values are read with ``dcp.load(no_dist=True)``
+  into single-key dicts, so no process group is used even inside a running world; non-tensor
+  entries are decoded with ``torch.load(weights_only=True)``, never DCP's unrestricted unpickling.
+* Hugging Face safetensors: ``model.safetensors.index.json`` and each file's header, parsed here
+  (8-byte little-endian length + JSON) rather than with the ``safetensors`` package: it is twenty
+  lines, needs no extra dependency, and lets every malformed header be a :class:`CheckpointError`
+  naming the file and the byte it failed at.
+
+Nothing here writes to the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding
+
+__all__ = ["index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
+
+WHAT = "a DCP checkpoint directory (with .metadata) or a Hugging Face safetensors directory"
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
+    """The index of the checkpoint at ``path``, whichever supported format it is."""
+    p = Path(path)
+    if p.is_file() and p.name == ".metadata":
+        p = p.parent
+    if p.is_file() and (p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")):
+        return read_safetensors(p)
+    if not p.exists():
+        raise CheckpointError(str(p), "does not exist", WHAT)
+    if not p.is_dir():
+        raise CheckpointError(str(p), "is a file, not a checkpoint directory", WHAT)
+    if (p / ".metadata").exists() or (p / ".metadata").is_symlink():
+        return read_dcp(p)
+    if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
+        return read_safetensors(p)
+    raise CheckpointError(str(p), "holds neither a .metadata file nor *.safetensors files", WHAT)
+
+
+# -- DCP ------------------------------------------------------------------------------------------
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_dcp(path: str | os.PathLike[str]) -> CheckpointIndex:
+    """Every key of a DCP checkpoint from ``.metadata``: global shape, dtype and chunks, or bytes."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    p = Path(path)
+    meta_path = p / ".metadata"
+    if not p.is_dir():
+        raise CheckpointError(str(p), "is not a directory" if p.exists() else "does not exist", WHAT)
+    expected = "a pickled torch.distributed.checkpoint Metadata, as dcp.save writes it"
+    try:
+        metadata = FileSystemReader(str(p)).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(str(meta_path), "does not exist", expected) from None
+    except (OSError, PermissionError) as exc:
+        raise CheckpointError(str(meta_path), f"cannot be read ({type(exc).__name__}: {exc})", expected) from None
+    except (EOFError, pickle.UnpicklingError, AttributeError, ImportError, IndexError, TypeError, ValueError,
+            KeyError, MemoryError, UnicodeDecodeError, struct.error) as exc:
+        what = "truncated" if isinstance(exc, EOFError) or "truncated" in str(exc) else "corrupt"
+        raise CheckpointError(str(meta_path), f"is {what} ({type(exc).__name__}: {exc})", expected) from None
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(str(meta_path), f"holds a {type(metadata).__name__}, not a DCP Metadata", expected)
+    entries: dict[str, Entry] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            entries[key] = Entry(key, tuple(md.size), _dtype_name(md.properties.dtype),
+                                 tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+        elif isinstance(md, BytesStorageMetadata):
+            entries[key] = Entry(key, None)
+        else:
+            raise CheckpointError(str(meta_path), f"key {key!r} has metadata of type {type(md).__name__}",
+                                  "TensorStorageMetadata or BytesStorageMetadata for every key")
+    return CheckpointIndex(str(p), "dcp", entries, reader=_DcpReader(str(p), metadata))
+
+
+class _DcpReader:
+    """Reads keys of one DCP checkpoint with no process group; the metadata is read once."""
+
+    def __init__(self, path: str, metadata: Any) -> None:
+        self.path, self.metadata = path, metadata
+
+    def __call__(self, keys: Sequence[str]) -> dict[str, Any]:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = self.metadata
+
+        class Reader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                return metadata
+
+        class RawBytes(DefaultLoadPlanner):
+            def __init__(self) -> None:
+                super().__init__()
+                self.raw: dict[str, bytes] = {}
+
+            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+                self.raw[read_item.dest_index.fqn] = value.read()
+
+        state: dict[str, Any] = {}
+        for key in keys:
+            md = metadata.state_dict_metadata[key]
+            state[key] = (torch.empty(md.size, dtype=md.properties.dtype)
+                          if isinstance(md, TensorStorageMetadata) else None)
+        planner = RawBytes()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(state, storage_reader=Reader(self.path), planner=planner, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            failures = getattr(exc, "failures", None) or {}
+            first = next(iter(failures.values()), exc)
+            cause = first[0] if isinstance(first, tuple) else first  # DCP wraps (exception, stack)
+            raise CheckpointError(self.path, f"reading {len(keys)} key(s) from {keys[0]!r} failed "
+                                  f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})",
+                                  "data files that match .metadata") from None
+        for key, raw in planner.raw.items():
+            state[key] = _decode(raw)
+        return state
+
+
+class Opaque(bytes):
+    """A non-tensor entry ``torch.load(weights_only=True)`` refuses: compared by its bytes."""
+
+
+def _decode(raw: bytes) -> Any:
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception:
+        return Opaque(raw)
+
+
+# -- safetensors ----------------------------------------------------------------------------------
+def _header(file: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a .safetensors file and the offset its data starts at."""
+    expected = "a .safetensors file: an 8-byte little-endian header length, then that many bytes of JSON"
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(str(file), f"is truncated: {len(head)} bytes, no header length", expected)
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(str(file), f"is truncated or corrupt: header length {n}, file size {size}",
+                                      expected)
+            text = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(str(file), f"cannot be read ({type(exc).__name__}: {exc})", expected) from None
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(str(file), f"has a corrupt JSON header ({exc})", expected) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(str(file), f"has a header of type {type(header).__name__}", expected)
+    return header, 8 + n
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
+    """Every key of a Hugging Face checkpoint from its index and its files' headers."""
+    p = Path(path)
+    directory = p if p.is_dir() else p.parent
+    problems: list[Finding] = []
+    listed: dict[str, str] = {}
+    indexes = sorted(directory.glob("*.safetensors.index.json")) if p.is_dir() else (
+        [p] if p.name.endswith(".index.json") else [])
+    for index_file in indexes:
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+        except OSError as exc:
+            raise CheckpointError(str(index_file), f"cannot be read ({type(exc).__name__}: {exc})",
+                                  "a readable JSON index") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(str(index_file), f"is corrupt ({type(exc).__name__}: {exc})",
+                                  'JSON with a "weight_map" object of key -> file name') from None
+        listed.update({str(k): str(v) for k, v in weight_map.items()})
+    if listed:
+        files = sorted({directory / name for name in listed.values()})
+    elif p.is_file():
+        files = [p]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(str(p), "holds no *.safetensors files", WHAT)
+    entries: dict[str, Entry] = {}
+    where: dict[str, tuple[Path, int, int, int]] = {}
+    for file in files:
+        if not file.exists():
+            keys = sorted(k for k, v in listed.items() if directory / v == file)
+            raise CheckpointError(str(file), f"does not exist, but the index lists {len(keys)} key(s) in it "
+                                  f"(first {keys[0]!r})", "every file the index names")
+        header, start = _header(file)
+        size = file.stat().st_size
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            except (TypeError, KeyError, ValueError) as exc:
+                raise CheckpointError(str(file), f"header entry {key!r} is malformed ({exc!r})",
+                                      'each entry {"dtype", "shape", "data_offsets": [begin, end]}') from None
+            if key in entries:
+                problems.append(Finding("index_mismatch", key, f"stored twice: in {where[key][0].name} and "
+                                        f"{file.name}"))
+            if start + end > size:
+                problems.append(Finding("index_mismatch", key, f"its data ends at byte {start + end} of "
+                                        f"{file.name}, which has {size}: the file is truncated"))
+            if listed and listed.get(key) != file.name:
+                problems.append(Finding("index_mismatch", key, f"in {file.name}, but the index says "
+                                        f"{listed.get(key)!r}"))
+            entries[key] = Entry(key, shape, SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
+                                 ((tuple(0 for _ in shape), shape),))
+            where[key] = (file, start, begin, end)
+    for key in sorted(set(listed) - set(entries)):
+        problems.append(Finding("index_mismatch", key, f"listed by the index in {listed[key]}, but that "
+                                "file's header does not have it"))
+    return CheckpointIndex(str(p), "safetensors", entries, tuple(problems), reader=_SafetensorsReader(where, entries))
+
+
+class _SafetensorsReader:
+    def __init__(self, where: Mapping[str, tuple[Path, int, int, int]], entries: Mapping[str, Entry]) -> None:
+        self.where, self.entries = where, entries
+
+    def __call__(self, keys: Sequence[str]) -> dict[str, Any]:
+        import torch
+
+        out: dict[str, Any] = {}
+        for key in keys:
+            file, start, begin, end = self.where[key]
+            entry = self.entries[key]
+            try:
+                with file.open("rb") as f:
+                    f.seek(start + begin)
+                    data = bytearray(f.read(end - begin))
+            except OSError as exc:
+                raise CheckpointError(str(file), f"reading {key!r} failed ({exc})", "a readable file") from None
+            dtype = getattr(torch, entry.dtype or "", None)
+            if not isinstance(dtype, torch.dtype) or len(data) != end - begin:
+                raise CheckpointError(str(file), f"{key!r}: dtype {entry.dtype} or {len(data)} data bytes",
+                                      f"a torch dtype and {end - begin} bytes")
+            out[key] = torch.frombuffer(data, dtype=dtype).reshape(entry.shape) if data else torch.empty(
+                entry.shape or (), dtype=dtype)
+        return out
+
+
+# -- in memory ------------------------------------------------------------------------------------
+def index_state_dict(state: Mapping[str, Any], path: str = "<state dict>", format: str = "state_dict"
+                     ) -> CheckpointIndex:
+    """An index of a flat ``key -> global tensor | value`` dict (an adapter's ``read_checkpoint``)."""
+    import torch
+
+    entries = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)
+            entries[key] = Entry(key, shape, _dtype_name(value.dtype), ((tuple(0 for _ in shape), shape),))
+        else:
+            entries[key] = Entry(key, None)
+    return CheckpointIndex(path, format, entries, reader=lambda keys: {k: state[k] for k in keys})
