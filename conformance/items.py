@@ -19,12 +19,14 @@ from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.matrix import Cell
 from conformance.report import RECORD
-from pytest_moe_ep.distributed import call_on_world, engine_of
+from conformance.saves import save_key
+from conformance.summary import summarize
+from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
 from pytest_moe_ep.world.engine import WorldError
 from pytest_moe_ep.world.protocol import FunctionRef
 
-RUN_CELL = FunctionRef("conformance.checks", "run_cell")
+RUN_CELL = FunctionRef("conformance.checks.cell", "run_cell")
 CHECK_FUNCTIONS = FunctionRef("conformance.functions.rank", "check_functions")
 
 
@@ -101,11 +103,15 @@ class MatrixItem(pytest.Item):
         return self.path, None, self.nodeid
 
     @property
-    def world_size(self) -> int:
+    def matrix(self) -> Any:
+        """The :class:`~conformance.session.MatrixSession` that made this item."""
         from conformance.session import MatrixSession
 
-        session: MatrixSession = self.config.pluginmanager.get_plugin(MatrixSession.NAME)
-        return session.world_size
+        return self.config.pluginmanager.get_plugin(MatrixSession.NAME)
+
+    @property
+    def world_size(self) -> int:
+        return self.matrix.world_size
 
     @property
     def backend(self) -> str:
@@ -121,12 +127,20 @@ class CheckpointCellItem(MatrixItem):
         self.extra_keyword_matches.update(cell.keywords())
 
     def check(self) -> tuple[str, str]:
-        path = str(engine_of(self.config).shared_dir(self.nodeid))
-        result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, path), {},
-                               world_size=self.world_size, backend=self.backend)
+        saves = self.matrix.saves
+        plan = saves.plan(self.cell)
+        ok = False
+        try:
+            result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, plan), {},
+                                   world_size=self.world_size, backend=self.backend)
+            ok = True
+        finally:
+            saves.finished(self.cell, plan, result.values[0].findings if ok else None)
         verdicts: list[RankVerdict] = result.values
-        self.record["timings"] = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4)
-                                  for k in ("build", "save", "load")}
+        phases = [k for k in ("build", "save", "inspect", "load") if any(k in v.timings for v in verdicts)]
+        self.record["timings"] = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
+        self.record["shared_save"] = not plan.save
+        self.record["skipped_checks"] = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))
         return summarize(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
 
 
@@ -166,52 +180,11 @@ class FunctionsCellItem(MatrixItem):
             self.user_properties.append((RECORD, json.dumps(self.record)))
 
 
-def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
-    """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen."""
-    # The first line is the diagnosis (the report's failure list and index show only it); the cell's
-    # context closes it, since the node id already names the cell.
-    context = (f"(E={cell.num_experts}, saved at {cell.save.describe()}, loaded at {cell.load.describe()}; "
-               f"adapter {adapter})")
-    if cell.legacy:
-        refused = {v.rank: v.refused for v in verdicts if v.refused}
-        if len(refused) == len(verdicts):
-            return "pass", f"refused on every rank: {next(iter(refused.values()))}"
-        silent = [v.rank for v in verdicts if not v.refused]
-        lines = [f"a checkpoint saved the legacy way was loaded without refusal on rank(s) "
-                 f"{', '.join(map(str, silent))} {context}", *_mismatch_lines(verdicts)]
-        return "fail", "\n".join(lines)
-    problems = sorted({p for v in verdicts for p in v.problems})
-    count = sum(v.mismatch_count for v in verdicts)
-    if not problems and not count:
-        compared = sum(v.compared for v in verdicts)
-        return "pass", f"{compared} tensors on {len(verdicts)} ranks equal the ep=1 ground truth bit for bit"
-    lines = _mismatch_lines(verdicts) + [f"- {p}" for p in problems[:6]]
-    if len(problems) > 6:
-        lines.append(f"- ... and {len(problems) - 6} more problems")
-    lines[0] = f"{lines[0].removeprefix('- ')} {context}"
-    return "fail", "\n".join(lines)
-
-
-def _mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
-    found = [m for v in sorted(verdicts, key=lambda v: v.rank) for m in v.mismatches]
-    if not found:
-        return []
-    count = sum(v.mismatch_count for v in verdicts)
-    first = found[0]
-    lines = [f"first difference: {first.where()}: {first.problem}"]
-    ranks = sorted({v.rank for v in verdicts if v.mismatch_count})
-    others = [m for m in found[1:] if m.rank != first.rank][:3]
-    lines += [f"  also {m.where()}: {m.problem}" for m in others]
-    if count > 1:
-        lines.append(f"{count - 1} other difference(s), on rank(s) {', '.join(map(str, ranks))}")
-    return lines
-
-
 def collect_items(parent: pytest.Collector, *, adapter: Any, cells: list[Cell], functions: Any,
                   functions_cells: list[Any]) -> Iterator[MatrixItem]:
     """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it is n/a)."""
     if adapter is not None:
-        for cell in cells:
+        for cell in sorted(cells, key=save_key):  # the loads of one save run one after another
             yield CheckpointCellItem.from_parent(parent, name=cell.node_name, cell=cell, adapter=adapter, base=Spec())
     if functions is not None:
         for fcell in functions_cells:

@@ -121,6 +121,7 @@ class MatrixSession:
     report_dir: Path | None
     num_experts: tuple[int, ...]
     records: list[dict[str, Any]] = field(default_factory=list)
+    saves: Any = None
 
     NAME = "moe-ep-matrix-session"
 
@@ -158,7 +159,8 @@ class MatrixSession:
             except MatrixError as exc:
                 raise _usage(str(exc)) from exc
         engine = config.stash[ENGINE]
-        modules = ["conformance.checks", "reference_impl.checkpoint", "conformance.functions.rank"]
+        modules = ["conformance.checks", "conformance.inspection", "reference_impl.checkpoint",
+                   "conformance.functions.rank"]
         if self.adapter is not None:
             modules += [type(self.adapter).__module__, *getattr(self.adapter, "preload", ())]
         engine.add_preload(modules)
@@ -166,9 +168,20 @@ class MatrixSession:
         fcells = functions_cells() if self.functions is not None else []
         cell_items = list(collect_items(collector, adapter=self.adapter, cells=cells, functions=self.functions,
                                         functions_cells=fcells))
+        if self.adapter is not None:
+            from conformance.saves import Saves
+
+            self.saves = Saves(engine, self.adapter)
         # Report the cells as collected, so "collected N items" and -k's counts include them.
         config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, cell_items))
         items.extend(cell_items)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """The final selection (after ``-k``): how many cells read each checkpoint."""
+        from conformance.items import CheckpointCellItem
+
+        if self.saves is not None:
+            self.saves.count_readers([i.cell for i in session.items if isinstance(i, CheckpointCellItem)])
 
     # -- records and the report -------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

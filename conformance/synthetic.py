@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["synthetic_grad", "synthetic_tensor", "synthetic_weight"]
+__all__ = ["synthetic_batch", "synthetic_grad", "synthetic_tensor", "synthetic_weight"]
 
 
 def _seed(*parts: object) -> int:
@@ -45,3 +45,8 @@ def synthetic_weight(seed: int, layer: int | None, global_expert_id: int | None,
                      shape: Sequence[int], dtype: Any = None, scale: float = 0.02) -> Any:
     """Initial weights keyed like :func:`synthetic_grad`, for adapters whose framework init is not."""
     return synthetic_tensor(shape, "weight", seed, layer, global_expert_id, name, scale=scale, dtype=dtype)
+
+
+def synthetic_batch(dim: int, seed: int, tokens: int = 16, dtype: Any = None) -> Any:
+    """A ``[tokens, dim]`` batch of hidden states for a forward check; the same on every rank."""
+    return synthetic_tensor((tokens, dim), "batch", seed, dtype=dtype)

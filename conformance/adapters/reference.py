@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, world_device
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, run_steps, world_device
 from conformance.synthetic import synthetic_grad
 
 
@@ -40,12 +40,38 @@ class ReferenceAdapter:
                 apply_fsdp(model, mesh)
         if spec.optimizer_steps <= 0:
             return model, None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        for step in range(spec.optimizer_steps):
-            self._set_grads(model, seed, step)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
         return model, optimizer
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        """One AdamW step on :func:`conformance.synthetic_grad` gradients for step index ``step``."""
+        self._set_grads(model, seed, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        """Each param group's hyperparameters and the step counts of every parameter's state."""
+        found: dict[str, Any] = {}
+        for i, group in enumerate(optimizer.param_groups):
+            for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+                if name in group:
+                    value = group[name]
+                    found[f"param_groups.{i}.{name}"] = list(value) if isinstance(value, tuple) else value
+        steps = {float(state["step"]) for state in optimizer.state.values() if "step" in state}
+        found["step"] = sorted(steps)
+        return found
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        """The model's forward on ``batch``, without autograd; FSDP2's parameters resharded after it."""
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        with torch.no_grad():
+            out = model(batch.to(next(model.parameters()).device))
+        if isinstance(model, FSDPModule):
+            model.reshard()
+        return out
 
     @staticmethod
     def _set_grads(model: Any, seed: int, step: int) -> None:

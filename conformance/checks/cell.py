@@ -1,0 +1,164 @@
+"""One checkpoint cell on one rank: save (or reuse a save), load, and run every check.
+
+:func:`run_cell` runs on each rank of the world (the controller's :mod:`conformance.items` asks the
+engine).  In order:
+
+1. the truth checkpoint: the ep=1 save of the save side's model, written once per spec and shared;
+2. the save side at its layout with seed A -- unless an earlier cell already wrote this checkpoint
+   (one save feeds every load of it); the cell that writes it also inspects it (``checkpoint``);
+3. the load side at its layout with seed B, one more optimizer step and another learning rate, and
+   a check that it differs from the truth -- otherwise a load that does nothing would pass;
+4. the load; a legacy cell passes only on a real refusal (``check_saved`` or a declared
+   ``refusal_errors``), and a load that raises elsewhere names the checkpoint's problems in expert
+   terms before the framework's own message;
+5. ``values``, ``missing`` (per replica group), ``scalars``, ``forward`` and ``resume``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from conformance.adapter import Spec
+from conformance.checks import artifact, completeness, resume
+from conformance.checks.truth import SEED_A, SEED_B, ground_truth
+from conformance.checks.values import canonical, compare, equal, expected
+from conformance.checks.verdict import RankVerdict
+from conformance.layout import ParallelLayout
+from conformance.matrix import Cell
+
+#: the load side's learning rate is this times the save's, so an lr the load does not restore shows.
+LOAD_LR_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """What the controller decided for this cell's files."""
+
+    #: the checkpoint this cell loads, and whether this cell writes it (the first of its readers).
+    path: str
+    save: bool = True
+    #: the ep=1 truth checkpoint of the save side's model (None: no checkpoint check), and whether to write it.
+    truth_path: str | None = None
+    save_truth: bool = False
+    #: the checkpoint check's findings, from the cell that wrote a shared save.
+    findings: tuple[str, ...] = ()
+
+
+class LoadFailed(Exception):
+    """The framework's load raised; the message leads with what is wrong with the checkpoint, in expert terms."""
+
+
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
+
+
+def _save_truth(adapter: Any, spec: Spec, optim: bool, path: str) -> None:
+    import torch.distributed as dist
+
+    layout = ParallelLayout.for_world(dist.get_world_size(), 1)
+    model, optimizer = adapter.build(replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A)
+    adapter.save(model, optimizer if optim else None, path)
+    dist.barrier()
+
+
+def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVerdict) -> tuple[str, ...]:
+    """Write the cell's checkpoint and inspect it on rank 0; every rank gets the findings."""
+    import torch.distributed as dist
+
+    optim = cell.state == "model+optim"
+    t0 = time.perf_counter()
+    model, optimizer = adapter.build(spec, cell.save.build_mesh(), SEED_A)
+    t1 = time.perf_counter()
+    (adapter.save_legacy if cell.legacy else adapter.save)(model, optimizer if optim else None, plan.path)
+    verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
+    del model, optimizer
+    dist.barrier()
+    found: list[Any] = [()]
+    if dist.get_rank() == 0 and plan.truth_path and not cell.legacy:
+        t2 = time.perf_counter()
+        found[0] = tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts))
+        verdict.timings["inspect"] = time.perf_counter() - t2
+    dist.broadcast_object_list(found, src=0)
+    return tuple(found[0])
+
+
+def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan) -> RankVerdict:
+    """The whole experiment of ``cell`` on this rank; its verdict goes back to the controller."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    verdict = RankVerdict(rank, shared_save=not plan.save)
+    optim = cell.state == "model+optim"
+    save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
+    if plan.save_truth and plan.truth_path:
+        _save_truth(adapter, save_spec, optim, plan.truth_path)
+    findings = _save(adapter, cell, save_spec, plan, verdict) if plan.save else plan.findings
+    verdict.findings = findings
+    if rank == 0:
+        for finding in findings:
+            verdict.problem("checkpoint", f"checkpoint: {finding}")
+    if not plan.truth_path and not cell.legacy:
+        verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
+
+    truth = ground_truth(adapter, load_spec, rank)
+    side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + 1 if optim else 0,
+                     lr=load_spec.lr * LOAD_LR_FACTOR)
+    model, optimizer = adapter.build(side_b, cell.load.build_mesh(), SEED_B)
+    optimizer = optimizer if optim else None
+    before = canonical(adapter, model, optimizer, rank, verdict)
+    same = {k for k, (t, region) in before.items() if equal(t, expected(truth.state, k, region))}
+    experts_unchanged = sorted((k for k in same if k[1] is not None), key=repr)
+    if before and (experts_unchanged or len(same) == len(before)):
+        verdict.problem("setup", f"rank {rank}: the build with seed {SEED_B} already equals the ground truth (seed "
+                        f"{SEED_A}) for {len(experts_unchanged) or len(before)} tensor(s), e.g. "
+                        f"{(experts_unchanged or list(before))[0]}: a load that does nothing would pass; build() "
+                        "must derive every expert's values from its seed")
+
+    t3 = time.perf_counter()
+    if not _load(adapter, cell, model, optimizer, plan.path, findings, verdict):
+        return verdict
+    verdict.timings["load"] = time.perf_counter() - t3
+    got = canonical(adapter, model, optimizer, rank, verdict)
+    compare(rank, got, truth.state, before, verdict)
+    if cell.legacy:  # refusal already failed; the values above show the damage, collectives may not pair
+        return verdict
+    completeness.check_replicas(rank, set(got), set(truth.state), cell.load, cell.fsdp, verdict)
+    resume.check_scalars(adapter, model, optimizer, truth, rank, verdict)
+    resume.check_next_step(adapter, model, optimizer, load_spec, truth, before, rank, verdict)
+    resume.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
+    return verdict
+
+
+def _load(adapter: Any, cell: Cell, model: Any, optimizer: Any, path: str, findings: tuple[str, ...],
+          verdict: RankVerdict) -> bool:
+    """The framework's load; ``False`` when the cell is decided (a legacy refusal, or its absence)."""
+    refusals = tuple(getattr(adapter, "refusal_errors", ()) or ())
+    check_saved = getattr(adapter, "check_saved", None)
+    if cell.legacy and callable(check_saved):
+        try:
+            check_saved(model, path)
+        except Exception as exc:  # the framework's own guard refused before loading: that is the point
+            verdict.refused = f"refused by check_saved: {_one_line(exc)}"
+            return False
+    try:
+        adapter.load(model, optimizer, path)
+    except Exception as exc:
+        if cell.legacy:
+            if refusals and isinstance(exc, refusals):
+                verdict.refused = f"refused by the load: {_one_line(exc)}"
+            else:
+                declared = ", ".join(t.__name__ for t in refusals) or "none declared"
+                verdict.not_refused = (f"not refused: the load failed with {_one_line(exc)} (the adapter's refusal "
+                                       f"errors: {declared})")
+            return False
+        if findings:
+            raise LoadFailed(f"the checkpoint does not hold every expert under its global id: {findings[0]}"
+                             + (f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else "")
+                             + f"; the load raised {_one_line(exc)}") from exc
+        raise
+    if cell.legacy:
+        verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"
+    return True

@@ -1,0 +1,86 @@
+"""Resumed training equals uninterrupted training: scalars, the forward, and one more step.
+
+The load side was built with seed B, one more optimizer step than the save and another learning
+rate, so a load that leaves the step count, the lr or any moment alone changes what comes next:
+
+- ``scalars``: the adapter's optimizer scalars (step counts, each group's lr, betas, weight decay,
+  eps, a scheduler's state) equal the truth's;
+- ``forward``: the framework's own forward on the suite's batch equals the truth's output (within
+  :data:`~conformance.checks.truth.FORWARD_RTOL`: EP sums the experts' parts in another order);
+- ``resume``: one more step with the next step index's synthetic gradients gives every tensor of
+  the truth after the same step, bit for bit.
+
+Each needs an optional adapter member (``scalars``, ``forward``, ``step``); without it the check is
+skipped with the reason, which the report shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.checks.truth import FORWARD_ATOL, FORWARD_RTOL, SEED_A, Truth, batch_for
+from conformance.checks.values import Held, canonical, compare
+from conformance.checks.verdict import Mismatch, RankVerdict
+
+
+def _scalar_lines(got: dict[str, Any], want: dict[str, Any], when: str) -> list[str]:
+    lines = []
+    for name in sorted(set(got) | set(want)):
+        if name not in got:
+            lines.append(f"optimizer scalar {name!r} is missing {when} (expected {want[name]!r})")
+        elif name not in want:
+            lines.append(f"optimizer scalar {name!r} = {got[name]!r} {when} is not in the ground truth")
+        elif got[name] != want[name]:
+            lines.append(f"optimizer scalar {name!r} = {got[name]!r} {when}, expected {want[name]!r}")
+    return lines
+
+
+def check_scalars(adapter: Any, model: Any, optimizer: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+    scalars = getattr(adapter, "scalars", None)
+    if optimizer is None or truth.scalars is None or not callable(scalars):
+        if optimizer is not None:
+            verdict.skipped["scalars"] = "the adapter has no scalars(model, optimizer)"
+        return
+    for line in _scalar_lines(scalars(model, optimizer), truth.scalars, "after the load"):
+        verdict.problem("scalars", f"rank {rank}: {line}")
+
+
+def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+    """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
+    import torch
+
+    forward = getattr(adapter, "forward", None)
+    if not callable(forward) or truth.output is None:
+        verdict.skipped["forward"] = "the adapter has no forward(model, batch)"
+        return
+    out = forward(model, batch_for(spec)).detach().cpu()
+    want = truth.output
+    if out.shape != want.shape:
+        verdict.problem("forward", f"rank {rank}: the forward gives shape {tuple(out.shape)}, expected "
+                        f"{tuple(want.shape)}")
+    elif not torch.allclose(out.double(), want.double(), rtol=FORWARD_RTOL, atol=FORWARD_ATOL):
+        diff = (out.double() - want.double()).abs().max().item()
+        verdict.problem("forward", f"rank {rank}: the forward after the load differs from the ground truth's "
+                        f"(max abs diff {diff:.3g}, tolerance rtol={FORWARD_RTOL:g} atol={FORWARD_ATOL:g})")
+
+
+def check_next_step(adapter: Any, model: Any, optimizer: Any, spec: Any, truth: Truth, before: Held, rank: int,
+                    verdict: RankVerdict) -> None:
+    """One more step (a collective under FSDP2), then every tensor against the truth's next state."""
+    step = getattr(adapter, "step", None)
+    if optimizer is None:
+        return
+    if not callable(step) or truth.next_state is None:
+        verdict.skipped["resume"] = "the adapter has no step(model, optimizer, seed, step)"
+        return
+    step(model, optimizer, SEED_A, spec.optimizer_steps)
+    after = canonical(adapter, model, optimizer, rank)
+    resumed = RankVerdict(rank)
+    compare(rank, after, truth.next_state, before, resumed)
+    for m in resumed.mismatches:
+        verdict.add(Mismatch(m.rank, m.layer, m.expert, m.name, f"after one more step: {m.problem}", "resume"))
+    verdict.mismatch_count += resumed.mismatch_count - len(resumed.mismatches)
+    scalars = getattr(adapter, "scalars", None)
+    if callable(scalars) and truth.next_scalars is not None:
+        for line in _scalar_lines(scalars(model, optimizer), truth.next_scalars, "after one more step"):
+            verdict.problem("resume", f"rank {rank}: {line}")

@@ -1,0 +1,81 @@
+"""The ground truth of a cell: the same model at ep=1 with seed A, built on this rank alone.
+
+It is a pure function of the adapter and the spec (adapters must build deterministically), so each
+rank process caches it per ``(adapter, spec)`` and many cells share one.  Besides the tensors it
+holds the optimizer scalars, the forward output on the suite's batch, and the state after one more
+step -- what a resumed run must reproduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from conformance.adapter import Spec
+from conformance.checks.values import canonical
+from conformance.checks.verdict import Key
+from conformance.synthetic import synthetic_batch
+
+SEED_A = 1234
+SEED_B = 5678
+#: the forward check's tolerance: EP sums the experts' parts in another order than ep=1 does.
+FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
+
+
+@dataclass
+class Truth:
+    state: dict[Key, Any]
+    scalars: dict[str, Any] | None = None
+    #: the forward on the suite's batch, after the extra step when there is one (the check runs last).
+    output: Any = None
+    #: after one more optimizer step (``adapter.step``), for the resume check.
+    next_state: dict[Key, Any] | None = None
+    next_scalars: dict[str, Any] | None = None
+
+
+def truth_spec(spec: Spec) -> Spec:
+    """What the truth builds for a side's ``spec``: unsharded, no layout."""
+    return replace(spec, fsdp=False, layout=None)
+
+
+def batch_for(spec: Spec) -> Any:
+    import torch
+
+    return synthetic_batch(spec.dim, SEED_A, dtype=getattr(torch, spec.dtype))
+
+
+_TRUTHS: dict[tuple[Any, ...], Truth] = {}
+
+
+def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
+    """The ep=1 build with seed A, on this rank alone (no communication); cached."""
+    spec = truth_spec(spec)
+    key = (type(adapter).__module__, type(adapter).__qualname__, str(adapter.version), spec)
+    if key not in _TRUTHS:
+        if len(_TRUTHS) >= 32:
+            _TRUTHS.clear()
+        _TRUTHS[key] = _build(adapter, spec, rank)
+    return _TRUTHS[key]
+
+
+def _flat(held: dict[Key, tuple[Any, Any]]) -> dict[Key, Any]:
+    return {k: t for k, (t, _) in held.items()}
+
+
+def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
+    model, optimizer = adapter.build(spec, None, SEED_A)
+    optimizer = optimizer if spec.optimizer_steps else None
+    truth = Truth(_flat(canonical(adapter, model, optimizer, rank)))
+    scalars = getattr(adapter, "scalars", None)
+    if optimizer is not None and callable(scalars):
+        truth.scalars = scalars(model, optimizer)
+    step = getattr(adapter, "step", None)
+    if optimizer is not None and callable(step):
+        step(model, optimizer, SEED_A, spec.optimizer_steps)
+        truth.next_state = _flat(canonical(adapter, model, optimizer, rank))
+        if callable(scalars):
+            truth.next_scalars = scalars(model, optimizer)
+    forward = getattr(adapter, "forward", None)
+    if callable(forward):  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
+        truth.output = forward(model, batch_for(spec)).detach().cpu().clone()
+    return truth

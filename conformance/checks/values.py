@@ -1,0 +1,113 @@
+"""Values: every tensor the adapter yields after the load equals the ep=1 ground truth, bit for bit.
+
+A difference is explained, not just counted, by searching the whole ground truth for what the
+tensor holds instead: another expert's values (the classic bug of local expert names), another
+layer's or another weight's, the two halves of a fused gate/up weight swapped, only one of those
+halves, or its own pre-load (seed B) values -- the load did not write it.  Only when nothing
+matches does it read "values differ".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.adapter import local_region
+from conformance.checks.verdict import Key, Mismatch, RankVerdict
+
+Region = tuple[slice, ...] | None
+Held = dict[Key, tuple[Any, Region]]
+
+
+def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict | None = None) -> Held:
+    """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields."""
+    out: Held = {}
+    for source in (adapter.expert_tensors(model, optimizer), adapter.other_tensors(model, optimizer)):
+        for layer, expert, name, tensor in source:
+            key = (layer, expert, str(name))
+            if key in out and verdict is not None:
+                verdict.problem("setup", f"rank {rank}: the adapter yielded {key} twice")
+            local, region = local_region(tensor)
+            out[key] = (local.detach().cpu().clone(), region)
+    return out
+
+
+def cut(full: Any, region: Region) -> Any:
+    """``full`` cut to ``region`` (``None``: whole); ``None`` when the region does not fit it."""
+    if full is None or region is None or not full.dim():
+        return full
+    if len(region) != full.dim() or any(r.stop > n for r, n in zip(region, full.shape, strict=True)):
+        return None
+    return full[region]
+
+
+def expected(truth: dict[Key, Any], key: Key, region: Region) -> Any:
+    """The truth for ``key``, cut to ``region`` when the tensor compared is a shard."""
+    return cut(truth.get(key), region)
+
+
+def equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _describe(key: Key) -> str:
+    layer, expert, name = key
+    parts = [f"layer {layer}"] if layer is not None else []
+    parts += [f"expert {expert}"] if expert is not None else []
+    return f"{name!r} of {', '.join(parts)}" if parts else repr(name)
+
+
+def _halves(t: Any) -> tuple[Any, Any] | None:
+    if not t.dim() or t.shape[0] % 2:
+        return None
+    h = t.shape[0] // 2
+    return t[:h], t[h:]
+
+
+def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: Held) -> str:
+    """Why ``got`` is not the truth for ``key``: what in the ground truth it holds instead."""
+    layer, expert, name = key
+    if key in before and equal(got, before[key][0]):
+        return "still holds its pre-load (seed B) values: the load did not write it"
+    mine = _halves(got)
+    for other, full in truth.items():
+        if other == key:
+            continue
+        candidate = cut(full, region)
+        if equal(got, candidate):
+            if other[0] == layer and other[2] == name and expert is not None:
+                return f"holds expert {other[1]}'s values instead of expert {expert}'s"
+            return f"holds {_describe(other)} instead"
+    for other, full in truth.items():  # a fused gate/up weight: halves swapped, or only one of them
+        candidate = cut(full, region)
+        if candidate is None:
+            continue
+        theirs = _halves(candidate) if candidate.shape == got.shape else None
+        if mine and theirs and equal(mine[0], theirs[1]) and equal(mine[1], theirs[0]):
+            return f"holds {_describe(other)} with its two halves swapped (gate and up in the wrong order?)"
+        halves = _halves(candidate)
+        for label, half in zip(("first", "second"), halves or (), strict=False):
+            if equal(got, half):
+                return f"holds only the {label} half of {_describe(other)}"
+    want = expected(truth, key, region)
+    if want is None:
+        return f"holds rows {region} the ground truth's {tuple(truth[key].shape)} does not have"
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype}, expected {want.dtype}"
+    diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    return f"values differ and match no ground-truth tensor: max abs diff {diff:.3g}"
+
+
+def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: RankVerdict) -> None:
+    """Every tensor ``got`` holds against the truth; a name the truth lacks is named too."""
+    for key, (tensor, region) in sorted(got.items(), key=lambda kv: repr(kv[0])):
+        layer, expert, name = key
+        verdict.compared += 1
+        if key not in truth:
+            verdict.add(Mismatch(rank, layer, expert, name, "not in the ep=1 ground truth (unexpected name)"))
+            continue
+        if not equal(tensor, expected(truth, key, region)):
+            verdict.add(Mismatch(rank, layer, expert, name, diagnose(key, tensor, region, truth, before)))

@@ -1,0 +1,75 @@
+"""What a rank reports back about one cell: its differences, its problems, its timings.
+
+Everything here crosses the rank's pipe, so it is plain data.  A :class:`Problem` names the check
+that found it (one per promise of the matrix) and, where it can, the rank, layer, expert and tensor
+or checkpoint key; the controller sorts, folds and prints them (:mod:`conformance.items`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the checks, in the order a cell's failure lists them: the promises of the matrix.
+CHECKS = {
+    "checkpoint": "the checkpoint is EP-invariant (same keys, shapes, dtypes and values as the ep=1 save)",
+    "values": "every tensor equals the ep=1 ground truth after the load",
+    "missing": "nothing the ground truth holds goes missing in the load",
+    "scalars": "optimizer scalars (step, lr, betas, ...) come back",
+    "resume": "the next training step equals uninterrupted training",
+    "forward": "the loaded model's forward equals the ground truth's",
+    "refusal": "a lossy legacy checkpoint is refused",
+    "setup": "the experiment itself is sound",
+}
+KEEP = 5  # mismatches kept per rank; the rest are counted
+
+Key = tuple[Any, Any, str]  # (layer, global_expert_id or None, name)
+
+
+@dataclass
+class Mismatch:
+    rank: int
+    layer: Any
+    expert: int | None
+    name: str
+    problem: str
+    check: str = "values"
+
+    def where(self) -> str:
+        what = f"expert {self.expert}, " if self.expert is not None else ""
+        return f"rank {self.rank}, layer {self.layer}, {what}tensor {self.name!r}"
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """One finding that is not a single tensor's values: ``text`` already says where."""
+
+    check: str
+    text: str
+
+
+@dataclass
+class RankVerdict:
+    rank: int
+    compared: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    mismatch_count: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    #: legacy cells: the framework's refusal, or why the load was not one.
+    refused: str | None = None
+    not_refused: str | None = None
+    #: checks that did not apply to this cell, with the reason (e.g. the adapter has no ``step``).
+    skipped: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    #: the save this cell loaded was written by an earlier cell.
+    shared_save: bool = False
+    #: the checkpoint check's findings (from the cell that wrote the checkpoint), for later readers.
+    findings: tuple[str, ...] = ()
+
+    def add(self, mismatch: Mismatch) -> None:
+        self.mismatch_count += 1
+        if len(self.mismatches) < KEEP:
+            self.mismatches.append(mismatch)
+
+    def problem(self, check: str, text: str) -> None:
+        self.problems.append(Problem(check, text))

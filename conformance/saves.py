@@ -1,0 +1,83 @@
+"""One save feeds every load: which cell writes a checkpoint, which cells reuse it, when it is removed.
+
+A checkpoint is a pure function of the adapter and its save side -- layer kind, state, FSDP, layout,
+expert count, legacy or not -- so every cell with the same :func:`save_key` can load the one
+checkpoint the first of them writes.  The controller counts each checkpoint's readers once the
+collection is final (after ``-k``) and removes it after its last reader.  The truth checkpoint (the
+ep=1 save of a spec, what the checkpoint check compares with) is shared the same way, per
+:func:`truth_key`, for the whole session.
+
+A cell whose run failed may not have finished its save, so the next reader writes it again; a
+save's inspection findings travel with it to every later reader.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from conformance.checks import CellPlan
+from conformance.checks.artifact import not_applicable
+from conformance.matrix import Cell
+
+
+def save_key(cell: Cell) -> tuple[Any, ...]:
+    return (cell.save_kind, cell.state, cell.fsdp, cell.save, cell.num_experts, cell.legacy)
+
+
+def truth_key(cell: Cell) -> tuple[Any, ...]:
+    return (cell.save_kind, cell.state, cell.num_experts)
+
+
+@dataclass
+class _Entry:
+    path: str | None = None
+    written: bool = False
+    readers_left: int = 0
+    findings: tuple[str, ...] = ()
+
+
+@dataclass
+class Saves:
+    """The controller's record of shared checkpoints (see the module docstring)."""
+
+    engine: Any
+    adapter: Any
+    saves: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
+    truths: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
+
+    def count_readers(self, cells: list[Cell]) -> None:
+        readers = Counter(save_key(c) for c in cells if not c.na)
+        for key, n in readers.items():
+            self.saves.setdefault(key, _Entry()).readers_left = n
+
+    def plan(self, cell: Cell) -> CellPlan:
+        entry = self.saves.setdefault(save_key(cell), _Entry(readers_left=1))
+        if entry.path is None:
+            entry.path = str(self.engine.shared_dir(cell.node_name))
+        truth_path, save_truth = None, False
+        if not cell.legacy and not not_applicable(self.adapter):
+            truth = self.truths.setdefault(truth_key(cell), _Entry())
+            if truth.path is None:
+                truth.path = str(self.engine.shared_dir(f"truth-{cell.node_name}"))
+            truth_path, save_truth = truth.path, not truth.written
+        return CellPlan(entry.path, save=not entry.written, truth_path=truth_path, save_truth=save_truth,
+                        findings=entry.findings)
+
+    def finished(self, cell: Cell, plan: CellPlan, findings: tuple[str, ...] | None) -> None:
+        """After the cell's world call: ``findings`` is ``None`` when the call failed."""
+        entry = self.saves[save_key(cell)]
+        if plan.truth_path is not None:
+            self.truths[truth_key(cell)].written |= findings is not None
+        if findings is not None and plan.save:
+            entry.written, entry.findings = True, findings
+        entry.readers_left -= 1
+        if entry.readers_left <= 0 and entry.path is not None:
+            self._remove(entry.path)
+            del self.saves[save_key(cell)]
+
+    def _remove(self, path: str) -> None:
+        if getattr(self.engine, "rank", 0) == 0:  # under torchrun the ranks share rank 0's directory
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,75 @@
+"""A cell's outcome in words, from every rank's verdict: the first line is the diagnosis.
+
+The first line is what the report's failure list, the index and the README table show, so it names
+the rank, layer, expert and tensor (or the checkpoint key and experts) and ends with the cell's
+context; the lines after it add the other ranks and the other checks, each prefixed with its check.
+"""
+
+from __future__ import annotations
+
+from conformance.checks import CHECKS, Mismatch, RankVerdict
+from conformance.matrix import Cell
+
+SHOWN_PROBLEMS = 6
+
+
+def _context(cell: Cell, adapter: str) -> str:
+    return (f"(E={cell.num_experts}, saved at {cell.save.describe()}, loaded at {cell.load.describe()}; "
+            f"adapter {adapter})")
+
+
+def mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
+    """The first difference by rank, one from each other rank, and a count of the rest."""
+    found: list[Mismatch] = [m for v in sorted(verdicts, key=lambda v: v.rank) for m in v.mismatches]
+    if not found:
+        return []
+    found.sort(key=lambda m: (m.check != "values", m.rank))
+    count = sum(v.mismatch_count for v in verdicts)
+    first = found[0]
+    lines = [f"first difference: {first.where()}: {first.problem}"]
+    others = [m for m in found[1:] if m.rank != first.rank][:3]
+    lines += [f"  also {m.where()}: {m.problem}" for m in others]
+    if count > 1:
+        ranks = sorted({v.rank for v in verdicts if v.mismatch_count})
+        lines.append(f"{count - 1} other difference(s), on rank(s) {', '.join(map(str, ranks))}")
+    return lines
+
+
+def _problem_lines(verdicts: list[RankVerdict]) -> list[str]:
+    order = list(CHECKS)
+    problems = sorted({p for v in verdicts for p in v.problems},
+                      key=lambda p: (order.index(p.check) if p.check in order else len(order), p.text))
+    lines = [f"[{p.check}] {p.text}" for p in problems[:SHOWN_PROBLEMS]]
+    if len(problems) > SHOWN_PROBLEMS:
+        lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems")
+    return lines
+
+
+def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
+    """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen."""
+    context = _context(cell, adapter)
+    if cell.legacy:
+        refused = {v.rank: v.refused for v in verdicts if v.refused}
+        if len(refused) == len(verdicts):
+            return "pass", f"refused on every rank: {next(iter(refused.values()))}"
+        silent = [v for v in verdicts if not v.refused]
+        ranks = ", ".join(str(v.rank) for v in silent)
+        lines = [f"legacy checkpoint {silent[0].not_refused or 'not refused'} on rank(s) {ranks} {context}",
+                 *mismatch_lines(verdicts)]
+        return "fail", "\n".join(lines)
+    problems = _problem_lines(verdicts)
+    mismatches = mismatch_lines(verdicts)
+    if not problems and not mismatches:
+        compared = sum(v.compared for v in verdicts)
+        skipped = {k: why for v in verdicts for k, why in v.skipped.items()}
+        ran = [c for c in CHECKS if c not in skipped and c not in ("refusal", "setup")
+               and not (cell.state == "model" and c in ("scalars", "resume"))]
+        tail = "".join(f"; {k} check skipped: {why}" for k, why in sorted(skipped.items()))
+        return "pass", (f"{compared} tensors on {len(verdicts)} ranks equal the ep=1 ground truth bit for bit "
+                        f"(checks: {', '.join(ran)}){tail}")
+    # A wrong value leads (it names rank, layer, expert and tensor); else the checks' problems, the
+    # checkpoint's own findings first, and a difference only the next step shows last.
+    values_first = any(m.check == "values" for v in verdicts for m in v.mismatches)
+    lines = mismatches + problems if values_first else problems + mismatches
+    lines[0] = f"{lines[0]} {context}"
+    return "fail", "\n".join(lines)
