@@ -27,7 +27,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pytest_moe_ep.world.meshes import device_mesh
 from reference_impl import checkpoint
-from reference_impl.expert_layout import ExpertLayout, check_saved_experts, expert_key, expert_layout, moe_layers
+from reference_impl.expert_layout import (
+    ExpertLayout,
+    check_saved_experts,
+    expert_key,
+    expert_layout,
+    moe_layers,
+    saved_packed_layers,
+)
 from reference_impl.moe import (
     MoEConfig,
     MoEMLP,
@@ -114,6 +121,25 @@ def test_check_saved_experts_refuses_a_legacy_packed_checkpoint() -> None:
         check_saved_experts(model, saved, where="here")
     check_saved_experts(model, {**saved, "model.up_w": _tensor_md(6, 64, 32),
                                 "model.down_w": _tensor_md(6, 32, 64)}, where="here")
+
+
+def test_check_saved_experts_reads_both_forms_for_both_kinds() -> None:
+    """The canonical per-expert form and the old packed form, into a packed or an unpacked model."""
+    packed, unpacked = build_model(MoEConfig(kind="packed"), 1), build_model(MoEConfig(kind="unpacked"), 1)
+    for model in (packed, unpacked):
+        check_saved_experts(model, _unpacked_md(range(6)), where="x")  # canonical, complete
+        with pytest.raises(ValueError, match=r"holds 4 experts of MoE layer 'layers\.0\.moe', but the model has 6"):
+            check_saved_experts(model, _unpacked_md(range(4)), where="x")
+        legacy_packed = {"model.layers.0.moe.up_w": _tensor_md(3, 64, 32),
+                         "model.layers.0.moe.down_w": _tensor_md(3, 32, 64)}
+        with pytest.raises(ValueError, match="holds 3 experts"):
+            check_saved_experts(model, legacy_packed, where="x")
+    whole_packed = {"model.layers.0.moe.up_w": _tensor_md(6, 64, 32),
+                    "model.layers.0.moe.down_w": _tensor_md(6, 32, 64)}
+    assert saved_packed_layers(packed, whole_packed, where="x") == {"layers.0.moe"}
+    assert saved_packed_layers(packed, _unpacked_md(range(6)), where="x") == set()
+    with pytest.raises(ValueError, match=r"^/ckpt: the checkpoint holds MoE layer 'layers.0.moe' in the packed form"):
+        saved_packed_layers(unpacked, whole_packed, where="/ckpt")
 
 
 def test_check_saved_experts_leaves_a_layer_it_holds_nothing_of_to_the_load() -> None:

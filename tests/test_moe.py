@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance.layout import ParallelLayout
 from pytest_moe_ep.world.meshes import device_mesh
@@ -258,11 +258,15 @@ def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsd
 
     mesh = spec.build_mesh()
     model = apply_expert_parallel(build_model(config, 2, seed=4), mesh)
+    where = f"{kind} {layout} fsdp={fsdp} rank {dist.get_rank()}"
     if fsdp:
         apply_fsdp(model, mesh)
+        router = model.layers[0].moe.router.weight
+        dims = ("dp_replicate", "dp_shard") if spec.hsdp else ("dp_shard",)
+        assert router.device_mesh.mesh_dim_names == dims, f"{where}: FSDP2 mesh {router.device_mesh}"
+        assert router.placements == ((Replicate(), Shard(0)) if spec.hsdp else (Shard(0),)), where
     out = model(x)
     (out * weight).sum().backward()
-    where = f"{kind} {layout} fsdp={fsdp} rank {dist.get_rank()}"
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} output: {m}")
     checked = 0
     for piece in global_regions(model):
