@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from reference_impl.expert_layout import check_saved_experts, expert_layout
+from reference_impl.expert_layout import check_saved_experts, expert_layout, saved_packed_layers
 
 __all__ = ["load", "save", "save_legacy", "state_dict"]
 
@@ -47,7 +47,11 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str]) -> None:
-    """Save ``model`` (and ``optimizer``) so that every expert is stored once under its global id."""
+    """Save ``model`` (and ``optimizer``) so that every expert is stored once under its global id.
+
+    The checkpoint is in the canonical per-expert form (:mod:`reference_impl.expert_layout`), the
+    same for packed and unpacked layers, so it loads into either kind at any (ep, etp, FSDP/HSDP).
+    """
     state = state_dict(model, optimizer)
     layout = expert_layout(model)
     if layout is not None:
@@ -57,7 +61,11 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
 
 def save_legacy(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 path: str | os.PathLike[str]) -> None:
-    """Save the rank-local state dict as is: at ep > 1 the checkpoint keeps one rank's experts."""
+    """Save the rank-local state dict as is: at ep > 1 the checkpoint keeps one rank's experts.
+
+    Packed layers keep their raw ``[rows, ...]`` tensors, unpacked ones their local names, so the
+    checkpoint is lossy in both kinds' ways, and :func:`check_saved_experts` refuses both.
+    """
     dcp.save(state_dict(model, optimizer), checkpoint_id=os.fspath(path))
 
 
@@ -67,16 +75,17 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
 
     Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a
     layer than the model has (a legacy ep > 1 checkpoint).  ``check_saved=False`` skips that guard;
-    only the conformance suite's ``legacy`` negative control uses it, to show the damage.
+    only the conformance suite's ``legacy`` negative control uses it, to show the damage.  Packed
+    layers also load the old packed form (``[E, ...]`` per weight, an ep=1 packed raw save).
     """
     path = os.fspath(path)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if check_saved:  # off only for the conformance suite's negative control, which must show the damage
-        metadata = dcp.FileSystemReader(path).read_metadata()
-        check_saved_experts(model, metadata.state_dict_metadata, where=path)
+        check_saved_experts(model, saved, where=path)
     # get_optimizer_state_dict creates a fresh optimizer's moments (a zero-lr step), so DCP has
     # tensors to load into.
     state = state_dict(model, optimizer)
-    layout = expert_layout(model)
+    layout = expert_layout(model, packed_form=saved_packed_layers(model, saved, where=path))
     if layout is not None:
         state = layout.to_global(state)
     dcp.load(state, checkpoint_id=path)

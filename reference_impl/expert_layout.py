@@ -1,4 +1,4 @@
-"""Expert-parallel experts under their global identity in a DCP state dict.
+"""Experts under their global identity in a DCP state dict, in one form for both layer kinds.
 
 After :func:`reference_impl.moe.apply_expert_parallel` every EP rank names and shapes its experts
 as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank, and a
@@ -7,42 +7,64 @@ torch.distributed.checkpoint (DCP) writes one copy per name and offset, so a che
 state dicts keeps one rank's experts in place of all of them: loading at the same ep silently
 hands every rank that rank's experts, and at another ep the load fails.
 
-:class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in:
+:class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in, into the
+**canonical checkpoint form**, the same for both layer kinds: every expert weight of every layer
+under its global id, ``layers.N.moe.experts.G.{gate,up,down}.weight`` with the expert's full
+shape (``[hidden, dim]``, ``[dim, hidden]``), and its optimizer state under the same name
+(``optimizer.state.layers.N.moe.experts.G.up.weight.exp_avg`` ...):
 
 - an unpacked local expert ``i`` is renamed to its global index ``local_expert_start + i``;
-- a packed weight becomes a DTensor whose global shape covers all ``num_experts`` rows, sharded
-  ``Shard(0)`` over the ep mesh, or ``(Shard(0), Shard(0))`` over ``(ep, dp_shard)`` when FSDP2
-  already shards the rank's rows.  DTensor's uneven rule for nested ``Shard(0)`` is
-  ``torch.chunk`` on each mesh dimension in turn, which is exactly the layout rule
-  (:func:`reference_impl.layout.expert_range`) followed by FSDP2's own ``torch.chunk`` split, so
-  the DTensor describes the rows the rank really holds; :meth:`ExpertLayout.to_global` checks
-  that and refuses a tensor it would misplace.
+- a packed weight ``up_w`` (and each of its moments) is cut into its rows, row ``i`` saved as
+  expert ``local_expert_start + i`` -- a view of the row, or, under expert tensor parallelism, a
+  DTensor over the ``etp`` mesh on the view (:func:`expert_rows`).
 
-The checkpoint then holds every expert once, exactly as an ep=1 run saves it, and DCP reshards
-it to any ep on load.  Every tensor of the translated dict is the original or a view of it, so
+Why per-expert and not packed ``[E, ...]`` for both: a packed row is a view, so the packed kind
+reaches the per-expert form without a copy, while an unpacked layer's experts live in separate
+tensors that no DTensor can present as one ``[E, ...]`` tensor without copying them together (and
+back after a load).  DCP reshards each per-expert tensor exactly (a whole tensor, or the ``etp``
+shards of one), so a checkpoint saved at any (ep, etp, kind, FSDP/HSDP) loads at any other;
+optimizer moments follow their weights.  The checkpoint holds every expert once, as an ep=1
+unpacked run saves it.  Every tensor of the translated dict is the original or a view of it, so
 nothing is copied, and a load into it writes straight into the model and the optimizer.
 
-:func:`check_saved_experts` refuses checkpoints written the old way, before they do harm.
+Packed checkpoints written before this form (``up_w`` ``[E, ...]``, as an ep=1 packed run saved
+its raw state dict) still load into packed layers: ``packed_form`` names such layers, and they
+are presented as before, as a DTensor whose rows cover all experts (``Shard(0)`` over ``ep``,
+nested with the FSDP/HSDP and ``etp`` placements the weight already has).
+
+:func:`check_saved_experts` refuses checkpoints written the old, lossy way, before they do harm.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from reference_impl.moe import WRAPPER_PARTS, MoEMLP, moe_layers
+from reference_impl.moe import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
 from reference_impl.regions import local_region
 
-__all__ = ["ExpertLayout", "check_saved_experts", "expert_layout", "moe_layers"]
+__all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows", "moe_layers",
+           "saved_packed_layers"]
 
-def expert_layout(model: nn.Module) -> ExpertLayout | None:
-    """The layout of ``model``'s expert-parallel layers; ``None`` when no layer splits its experts."""
-    layers = [(name, moe) for name, moe in moe_layers(model) if moe.ep_world_size > 1]
-    return ExpertLayout(layers) if layers else None
+
+def expert_layout(model: nn.Module, packed_form: Collection[str] = ()) -> ExpertLayout | None:
+    """The layout of ``model``'s MoE layers; ``None`` when no layer needs translating.
+
+    Every packed layer and every split unpacked layer is translated to the canonical form; whole
+    unpacked layers already are in it.  ``packed_form`` names packed layers to present in the old
+    packed form instead (see :func:`saved_packed_layers`).
+    """
+    layers = [(name, moe) for name, moe in moe_layers(model) if moe.kind == "packed" or moe.ep_world_size > 1]
+    return ExpertLayout(layers, packed_form) if layers else None
+
+
+def expert_key(layer: str, expert: int, linear: str) -> str:
+    """The canonical name of global expert ``expert``'s ``linear`` weight in MoE layer ``layer``."""
+    return f"{_prefix(layer)}experts.{expert}.{linear}.weight"
 
 
 def _prefix(name: str) -> str:
@@ -62,22 +84,56 @@ def _root_mesh(mesh: Any) -> Any:
     return get_root() if get_root is not None else mesh
 
 
+def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """The rows of a packed weight (or moment) this rank holds, each with its global expert id.
+
+    Each row is what the same expert's unpacked weight is on this rank: a view of the row when the
+    row is whole here (mesh dims that split the expert axis, FSDP's, and replicating dims drop
+    out), else a DTensor on that view over the mesh dims that split the row itself (expert tensor
+    parallelism), ``Shard(d)`` becoming ``Shard(d - 1)``.  Nothing is copied.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local, region = local_region(tensor)
+    first = moe.local_expert_start + (region[0].start if region is not None else 0)
+    rows = [local[i] for i in range(local.shape[0])]
+    if isinstance(tensor, DTensor):
+        mesh, placements = tensor.device_mesh, tensor.placements
+        keep = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1]
+        strided = [p for i, p in enumerate(placements) if i in keep and isinstance(p, _StridedShard)]
+        if strided:
+            raise ValueError(f"MoE layer {moe.name!r}: a packed weight placed {tuple(placements)} has a strided "
+                             f"shard of an inner axis; its rows are not contiguous shards of one expert")
+        if keep:
+            names = mesh.mesh_dim_names
+            sub = mesh if len(keep) == mesh.ndim else mesh[tuple(names[i] for i in keep)]
+            shards = [Shard(placements[i].dim - 1) for i in keep]
+            shape = tuple(tensor.shape[1:])
+            rows = [DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
+                                       stride=_contiguous_stride(shape)) for row in rows]
+    return [(first + i, row) for i, row in enumerate(rows)]
+
+
 class ExpertLayout:
-    """Translates a DCP state dict between one EP rank's experts and all of the layer's.
+    """Translates a DCP state dict between one rank's experts and the canonical per-expert form.
 
     :meth:`to_global` translates the ``"model"`` and ``"optimizer"`` entries of a state dict, and
     the names in every other entry that maps parameter names to values (a record of never-stepped
     parameters, say).  :meth:`to_local` undoes it once a load has filled the result; it needs the
     record :meth:`to_global` kept, so one layout serves one save or one load.
 
-    ``layers`` are the split :class:`MoEMLP` layers with their names, as :func:`moe_layers` gives.
+    ``layers`` are the :class:`MoEMLP` layers to translate with their names, as :func:`moe_layers`
+    gives; ``packed_form`` names packed layers to keep in the old packed ``[E, ...]`` form.
     """
 
-    def __init__(self, layers: list[tuple[str, MoEMLP]]) -> None:
+    def __init__(self, layers: list[tuple[str, MoEMLP]], packed_form: Collection[str] = ()) -> None:
         self.layers = list(layers)
-        #: local FQN -> global FQN of every unpacked expert parameter, and back.
+        #: local FQN -> global FQN of every unpacked expert parameter.
         self._to_global: dict[str, str] = {}
-        #: packed weight FQN -> its layer.
+        #: packed weight FQN -> (its layer, its layer's name, linear): saved per expert.
+        self._split: dict[str, tuple[MoEMLP, str, str]] = {}
+        #: packed weight FQN -> its layer: saved in the old packed form (split layers only).
         self._packed: dict[str, MoEMLP] = {}
         for name, moe in self.layers:
             pre = _prefix(name)
@@ -89,39 +145,50 @@ class ExpertLayout:
                         self._to_global[f"{pre}experts.{i}.{pname}"] = f"{pre}experts.{g}.{pname}"
             else:
                 for weight in moe.packed_weights():
-                    self._packed[f"{pre}{weight}"] = moe
-        self._to_local = {v: k for k, v in self._to_global.items()}
-        self._nested_meshes: dict[int, Any] = {}
+                    if name not in packed_form:
+                        self._split[f"{pre}{weight}"] = (moe, name, weight[:-2])
+                    elif moe.ep_world_size > 1:
+                        self._packed[f"{pre}{weight}"] = moe
+        self._nested_meshes: dict[tuple[str, ...], Any] = {}
         #: what to_global made: id(DTensor) -> (the DTensor, the tensor it wraps).
         self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: what to_global saw, for to_local: the state, and each packed weight's per-expert names.
+        self._seen: dict[str, Any] = {}
+        self._expert_keys: dict[str, list[str]] = {}
         #: this rank's parameter names per optimizer param group, as to_global found them.
         self._local_groups: list[list[str]] | None = None
 
-    # ---------------------------------------------------------------- packed weights as DTensors
-
-    def _nested_mesh(self, moe: MoEMLP, fsdp_mesh: Any) -> Any:
-        """The ``(ep, dp_shard)`` mesh: ep first, because the EP split happened first."""
-        mesh = self._nested_meshes.get(id(fsdp_mesh))
-        if mesh is None:
-            root = _root_mesh(moe.ep_mesh)
-            if _root_mesh(fsdp_mesh) is not root:
-                raise ValueError(f"the FSDP mesh {fsdp_mesh} and the ep mesh {moe.ep_mesh} of MoE layer "
-                                 f"{moe.name!r} do not come from one device mesh")
-            mesh = root[(moe.ep_mesh.mesh_dim_names[0], fsdp_mesh.mesh_dim_names[0])]
-            self._nested_meshes[id(fsdp_mesh)] = mesh
-        return mesh
+    # ---------------------------------------------------------------- the old packed form
 
     def _globalize(self, key: str, moe: MoEMLP, value: torch.Tensor) -> torch.Tensor:
-        """``value`` (this rank's rows) as a DTensor over all ``num_experts`` rows; no copy."""
+        """``value`` (this rank's rows) as a DTensor over all ``num_experts`` rows; no copy.
+
+        The mesh is the ``ep`` dim with the dims ``value`` is already placed on (FSDP/HSDP, etp), in
+        the root mesh's order; ``ep`` must come before any dim that splits rows again, because the
+        EP split happened first and DTensor applies nested ``Shard(0)`` in mesh order.
+        """
         from torch.distributed.tensor import DTensor, Shard
 
         global_shape = (moe.num_experts, *value.shape[1:])
         local, region = local_region(value)
-        if isinstance(value, DTensor):  # FSDP2 already shards the rank's rows over dp_shard
-            if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
-                raise ValueError(f"{key!r} is a DTensor placed {tuple(value.placements)} on "
-                                 f"{value.device_mesh}; only FSDP2's Shard(0) on one mesh dim is supported")
-            row, mesh, placements = region[0].start, self._nested_mesh(moe, value.device_mesh), (Shard(0), Shard(0))
+        ep_name = moe.ep_mesh.mesh_dim_names[0]
+        if isinstance(value, DTensor):
+            root, names = _root_mesh(moe.ep_mesh), value.device_mesh.mesh_dim_names or ()
+            if _root_mesh(value.device_mesh) is not root or not names:
+                raise ValueError(f"{key!r}: its mesh {value.device_mesh} and the ep mesh {moe.ep_mesh} of MoE "
+                                 f"layer {moe.name!r} do not come from one device mesh with named dims")
+            order = root.mesh_dim_names
+            placement_of = {**dict(zip(names, value.placements, strict=True)), ep_name: Shard(0)}
+            early = [n for n in names if order.index(n) < order.index(ep_name)
+                     and isinstance(placement_of[n], Shard) and placement_of[n].dim == 0]
+            if early:
+                raise ValueError(f"{key!r}: mesh dims {early} split the expert rows but come before {ep_name!r} in "
+                                 f"the device mesh {order}; DTensor would nest them first")
+            dims = tuple(sorted({ep_name, *names}, key=order.index))
+            mesh = self._nested_meshes.get(dims)
+            if mesh is None:
+                mesh = self._nested_meshes[dims] = root[dims]
+            row, placements = region[0].start if region else 0, tuple(placement_of[d] for d in dims)
         else:
             row, mesh, placements = 0, moe.ep_mesh, (Shard(0),)
         with torch.no_grad():
@@ -135,9 +202,10 @@ class ExpertLayout:
         except ValueError as exc:
             raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, "
                              f"but {exc}") from None
-        if local.shape[0] and placed is not None and placed[0].start != first:
+        if local.shape[0] and placed is not None and (placed[0].start != first or (
+                region is not None and placed[1:] != region[1:])):
             raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, but DTensor "
-                             f"{placements} on {mesh} places them at row {placed[0].start}")
+                             f"{placements} on {mesh} places them at {placed}")
         self._made[id(wrapped)] = (wrapped, value)
         return wrapped
 
@@ -150,74 +218,99 @@ class ExpertLayout:
     # ---------------------------------------------------------------- the two directions
 
     def to_global(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """``state`` with each rank's experts placed among all of the layer's experts.
+        """``state`` with each rank's experts in the canonical form, among all of the layer's experts.
 
         Returns a new dict and leaves ``state`` as it is.  Each tensor in the result is the one it
         replaces or a view of it, so a load into the result loads them.
 
-        Raises ValueError when the model state lacks the expert weights of a split layer, or the
+        Raises ValueError when the model state lacks the expert weights of a translated layer, or the
         optimizer holds a tensor for a packed weight in a shape other than the weight's: the
         checkpoint could not hold every rank's experts.
         """
         model = state.get("model")
         if not isinstance(model, Mapping):
             raise ValueError("the state has no 'model' entry; ExpertLayout needs the model's expert weights")
-        missing = [k for k in (*self._to_global, *self._packed) if k not in model]
+        missing = [k for k in (*self._to_global, *self._split, *self._packed) if k not in model]
         if missing:
             raise ValueError(f"the model state lacks {len(missing)} expert weight(s) of split MoE layers, "
                              f"first {missing[:3]}; was it taken from another model or filtered?")
         self._made.clear()
+        self._seen = {"state": state}
+        self._expert_keys = {}
         out = dict(state)
-        out["model"] = {self._to_global.get(k, k): self._globalize(k, self._packed[k], v)
-                        if k in self._packed else v for k, v in model.items()}
+        out["model"] = {}
+        for key, value in model.items():
+            if key in self._split:
+                moe, layer, linear = self._split[key]
+                rows = expert_rows(moe, value)
+                self._expert_keys[key] = [expert_key(layer, g, linear) for g, _ in rows]
+                out["model"].update((expert_key(layer, g, linear), row) for g, row in rows)
+            elif key in self._packed:
+                out["model"][key] = self._globalize(key, self._packed[key], value)
+            else:
+                out["model"][self._to_global.get(key, key)] = value
         optimizer = state.get("optimizer")
         if optimizer is not None:
             out["optimizer"] = self._optimizer_to_global(optimizer, model)
         for key, value in state.items():
             if key not in ("model", "optimizer") and isinstance(value, Mapping):
-                out[key] = self._rename(value, self._to_global)
+                out[key] = self._names_to_global(value)
+        return out
+
+    def _names_to_global(self, mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for key, value in mapping.items():
+            for new in self._expert_keys.get(key, [self._to_global.get(key, key)] if key not in self._split else []):
+                out[new] = value
         return out
 
     def _optimizer_to_global(self, optimizer: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
         states: dict[str, Any] = {}
         for key, entry in optimizer.get("state", {}).items():
-            moe = self._packed.get(key)
-            if moe is None:
+            if key not in self._split and key not in self._packed:
                 states[self._to_global.get(key, key)] = dict(entry) if isinstance(entry, Mapping) else entry
                 continue
+            moe = self._split[key][0] if key in self._split else self._packed[key]
             expected = tuple(model[key].shape)
-            new_entry = {}
+            tensors: dict[str, Any] = {}
             for name, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:  # scalars such as `step` stay
                     if tuple(value.shape) != expected:
                         raise ValueError(f"optimizer state {key!r}[{name!r}] has shape {tuple(value.shape)}, "
                                          f"expected {expected} (the packed weight's); it cannot be placed "
                                          f"among all {moe.num_experts} experts")
-                    value = self._globalize(f"{key}.{name}", moe, value)
-                new_entry[name] = value
-            states[key] = new_entry
+                    tensors[name] = value
+            if key in self._packed:
+                states[key] = {n: self._globalize(f"{key}.{n}", moe, v) if n in tensors else v
+                               for n, v in entry.items()}
+                continue
+            rows = {name: expert_rows(moe, value) for name, value in tensors.items()}
+            for i, new in enumerate(self._expert_keys[key]):
+                states[new] = {n: rows[n][i][1] if n in rows else v for n, v in entry.items()}
         groups = optimizer.get("param_groups", [])
         self._local_groups = [list(group["params"]) for group in groups]
         out = dict(optimizer)
         out["state"] = states
-        out["param_groups"] = [{**group, "params": [self._to_global.get(p, p) for p in group["params"]]}
+        out["param_groups"] = [{**group, "params": list(self._names_to_global(dict.fromkeys(group["params"])))}
                                for group in groups]
         return out
-
-    @staticmethod
-    def _rename(mapping: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
-        return {names.get(k, k) if isinstance(k, str) else k: v for k, v in mapping.items()}
 
     def to_local(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Undo :meth:`to_global` on the state dict that a load filled.
 
         Names go back to this rank's, and each view :meth:`to_global` made goes back to the tensor
         it views, which holds what the load wrote.  Each optimizer param group lists this rank's
-        parameters again and keeps the loaded settings (lr, betas, ...).
+        parameters again and keeps the loaded settings (lr, betas, ...).  A packed weight's scalar
+        state (AdamW's ``step``) comes from its first expert's entry; a rank that holds no row of
+        it has no entry to load it from, so it takes the step of its param group's first parameter
+        (AdamW steps a group's parameters together).
         """
+        seen = self._seen.get("state")
+        if seen is None:
+            raise ValueError("to_local needs the record of to_global; call it on the dict to_global returned")
         out = dict(state)
         if isinstance(state.get("model"), Mapping):
-            out["model"] = {self._to_local.get(k, k): self._unwrap(v) for k, v in state["model"].items()}
+            out["model"] = self._names_to_local(state["model"], seen["model"], self._unwrap)
         optimizer = state.get("optimizer")
         if optimizer is not None:
             groups = optimizer.get("param_groups", [])
@@ -227,56 +320,122 @@ class ExpertLayout:
                                  f"on the dict to_global returned")
             out["optimizer"] = {
                 **optimizer,
-                "state": {self._to_local.get(k, k): {n: self._unwrap(v) for n, v in entry.items()}
-                          if isinstance(entry, Mapping) else entry
-                          for k, entry in optimizer.get("state", {}).items()},
+                "state": self._optimizer_state_to_local(optimizer.get("state", {}),
+                                                        (seen.get("optimizer") or {}).get("state", {})),
                 "param_groups": [{**group, "params": list(params)}
                                  for group, params in zip(groups, self._local_groups, strict=True)],
             }
         for key, value in state.items():
             if key not in ("model", "optimizer") and isinstance(value, Mapping):
-                out[key] = self._rename(value, self._to_local)
+                before = seen.get(key)
+                out[key] = self._names_to_local(value, before if isinstance(before, Mapping) else {},
+                                                lambda v: v)
+        return out
+
+    def _names_to_local(self, loaded: Mapping[Any, Any], before: Mapping[Any, Any], back: Any) -> dict[Any, Any]:
+        """``loaded`` under this rank's names, in this rank's order; a packed weight's entry is the one it
+        had before to_global (the load wrote into it through the per-expert views)."""
+        to_local = {v: k for k, v in self._to_global.items()}
+        per_expert = {new for news in self._expert_keys.values() for new in news}
+        found = {to_local.get(k, k): back(v) for k, v in loaded.items() if k not in per_expert}
+        found.update((key, before[key]) for key in self._split if key in before)
+        out = {key: found.pop(key) for key in before if key in found}
+        out.update(found)
+        return out
+
+    def _optimizer_state_to_local(self, loaded: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+        out = self._names_to_local(
+            loaded, before,
+            lambda entry: {n: self._unwrap(v) for n, v in entry.items()} if isinstance(entry, Mapping) else entry)
+        empty = []
+        for key in self._split:
+            if key not in before:
+                continue
+            entry = out[key] = dict(before[key])
+            firsts = [loaded[k] for k in self._expert_keys.get(key, []) if k in loaded]
+            scalars = [n for n, v in entry.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)]
+            if firsts:
+                entry.update((n, firsts[0][n]) for n in scalars if n in firsts[0])
+            elif scalars:
+                empty.append((key, scalars))
+        for key, scalars in empty:
+            group = next((g for g in self._local_groups or [] if key in g), [])
+            donor = next((out[p] for p in group if p in out and p not in self._split), None)
+            for name in scalars:
+                if donor is None or name not in donor:
+                    continue
+                mine, theirs = out[key][name], donor[name]
+                if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and mine.shape == theirs.shape:
+                    with torch.no_grad():
+                        mine.copy_(theirs)
+                else:
+                    out[key][name] = theirs
         return out
 
 
-# ---------------------------------------------------------------- legacy checkpoints
+# ---------------------------------------------------------------- what a checkpoint holds
 
-_UNPACKED_KEY = re.compile(r"^(.*?)experts\.(\d+)\.")
+_EXPERT_KEY = re.compile(r"^(.*?)experts\.(\d+)\.")
+
+
+def _held(model: nn.Module, saved: Mapping[str, Any]) -> Iterator[tuple[str, MoEMLP, str | None, int | None]]:
+    """Each MoE layer with the form its checkpoint entries take ("per-expert", "packed" or None) and
+    how many experts they hold.  Model entries are ``model.<name>``; bare ``<name>`` is read too."""
+    per_expert: dict[str, set[int]] = {}
+    for key in saved:
+        match = _EXPERT_KEY.match(key)
+        if match:
+            per_expert.setdefault(match.group(1), set()).add(int(match.group(2)))
+    for name, moe in moe_layers(model):
+        pre = _prefix(name)
+        form, held = None, None
+        for candidate in (f"model.{pre}", pre):
+            rows = [saved[f"{candidate}{w}"].size[0] for w in PACKED_WEIGHTS
+                    if hasattr(saved.get(f"{candidate}{w}"), "size")]
+            if candidate in per_expert:
+                form, held = "per-expert", len(per_expert[candidate])
+            elif rows:
+                form, held = "packed", min(rows)
+            if form is not None:
+                break
+        yield name, moe, form, held
 
 
 def check_saved_experts(model: nn.Module, saved: Mapping[str, Any], where: str) -> None:
     """Refuse a checkpoint whose MoE layers hold fewer experts than ``model``'s.
 
     ``saved`` is the checkpoint's DCP index, its ``Metadata.state_dict_metadata``; its keys are
-    the flattened names (``"model.layers.0.moe.up_w"``; a bare ``"layers.0.moe.up_w"`` is read
-    too).  A checkpoint saved with ep > 1 before the experts had a global identity holds
-    ``num_experts / ep`` experts of each layer: every EP rank wrote its own under the same names
-    and the checkpoint kept one rank's.  Loading it at the same ep would give every rank that
-    rank's experts, and at another ep it fails on the experts it lacks, so it is refused here with
-    what it holds.  A layer the checkpoint holds no expert of is left to the load.
+    the flattened names (``"model.layers.0.moe.experts.3.up.weight"``, ``"model.layers.0.moe.up_w"``;
+    bare names are read too).  Either form counts, whatever the model's kind.  A checkpoint saved
+    with ep > 1 before the experts had a global identity holds ``num_experts / ep`` experts of each
+    layer: every EP rank wrote its own under the same names and the checkpoint kept one rank's.
+    Loading it at the same ep would give every rank that rank's experts, and at another ep it
+    fails on the experts it lacks, so it is refused here with what it holds.  A layer the
+    checkpoint holds no expert of is left to the load.
     """
-    unpacked: dict[str, set[int]] = {}
-    for key in saved:
-        match = _UNPACKED_KEY.match(key)
-        if match:
-            unpacked.setdefault(match.group(1), set()).add(int(match.group(2)))
-    for name, moe in moe_layers(model):
-        pre = _prefix(name)
-        held: int | None = None
-        for candidate in (f"model.{pre}", pre):
-            if moe.kind == "unpacked":
-                if candidate in unpacked:
-                    held = len(unpacked[candidate])
-            else:
-                rows = [saved[f"{candidate}{w}"].size[0] for w in moe.packed_weights()
-                        if hasattr(saved.get(f"{candidate}{w}"), "size")]
-                if rows:
-                    held = min(rows)
-            if held is not None:
-                break
+    for name, moe, _, held in _held(model, saved):
         if held is not None and held < moe.num_experts:
             raise ValueError(
                 f"{where}: the checkpoint holds {held} experts of MoE layer {name or '<model>'!r}, but the "
                 f"model has {moe.num_experts}. It was probably saved with expert parallelism before experts "
                 f"had a global identity (every EP rank wrote its experts under the same names and the "
                 f"checkpoint kept one rank's), so it cannot restore every expert; refusing to load it")
+
+
+def saved_packed_layers(model: nn.Module, saved: Mapping[str, Any], where: str) -> set[str]:
+    """The packed layers of ``model`` whose checkpoint holds them in the old packed ``[E, ...]`` form.
+
+    Raises ValueError for an unpacked layer saved only in that form: presenting separate expert
+    tensors as one packed tensor needs copies, so that checkpoint loads into packed layers only.
+    """
+    found = set()
+    for name, moe, form, _ in _held(model, saved):
+        if form != "packed":
+            continue
+        if moe.kind == "unpacked":
+            raise ValueError(f"{where}: the checkpoint holds MoE layer {name or '<model>'!r} in the packed form "
+                             f"(one [E, ...] tensor per weight, as a packed model's raw state dict saves it), not "
+                             f"per expert; an unpacked model loads only per-expert checkpoints. Load it into the "
+                             f"packed model, or save it again with reference_impl.checkpoint.save")
+        found.add(name)
+    return found

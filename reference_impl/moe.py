@@ -18,7 +18,9 @@ were the layer's only ones (``experts.0`` is global expert ``start``; a packed w
 place of all of them.  :mod:`reference_impl.expert_layout` is the fix.  Which experts a rank keeps
 comes from :func:`reference_impl.layout.expert_range`, the one layout rule.
 
-:func:`apply_fsdp` composes FSDP2 on top, sharding each rank's experts over ``dp_shard``.
+:func:`apply_expert_parallel` also applies expert tensor parallelism (``etp``): each expert's
+weights sharded over the ``etp`` mesh dim on the hidden axis, the forward still the ep=1 one.
+:func:`apply_fsdp` composes FSDP2 (or HSDP) on top, sharding each rank's experts over ``dp_shard``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from reference_impl.layout import expert_range
 
 __all__ = [
+    "HIDDEN_AXIS",
     "PACKED_WEIGHTS",
     "WRAPPER_PARTS",
     "ExpertMLP",
@@ -112,17 +115,26 @@ class ExpertMLP(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate(x) if self.activation == "swiglu" else None
-        return self.down(_act(self.activation, self.up(x), gate))
+        # Local weights: under expert tensor parallelism they are this rank's shard of the hidden
+        # axis, and the output a partial sum that MoEMLP reduces over etp.
+        gate = F.linear(x, _local(self.gate.weight)) if self.activation == "swiglu" else None
+        return F.linear(_act(self.activation, F.linear(x, _local(self.up.weight)), gate), _local(self.down.weight))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (differentiable: its gradient comes back as a DTensor), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _CopyToEP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the EP group.
+    """Identity forward; backward sums the gradient over the group (EP, or ETP).
 
-    The tokens and routing weights every EP rank shares feed only the rank's own experts, so each
-    rank's gradient for them is a part of the whole; the sum gives every rank the whole, and with
-    it the router and everything upstream get the gradient an ep=1 model gets (Megatron's "copy
-    to the model-parallel region").
+    The tokens and routing weights every EP rank shares feed only the rank's own experts (and
+    every ETP rank's only its part of their hidden axis), so each rank's gradient for them is a
+    part of the whole; the sum gives every rank the whole, and with it the router and everything
+    upstream get the gradient an ep=1 model gets (Megatron's "copy to the model-parallel region").
     """
 
     @staticmethod
@@ -140,10 +152,11 @@ class _CopyToEP(torch.autograd.Function):
 
 
 class _ReduceOverEP(torch.autograd.Function):
-    """Sum the EP ranks' partial outputs; the gradient, the same on every rank, passes through.
+    """Sum the group's partial outputs; the gradient, the same on every rank, passes through.
 
-    Every EP rank sees the same tokens and holds part of the experts, so the layer's output is the
-    sum of the ranks' parts (Megatron's "reduce from the model-parallel region").
+    Every EP rank sees the same tokens and holds part of the experts (every ETP rank part of each
+    expert's hidden axis, so its down projection gives a partial sum), so the layer's output is
+    the sum of the ranks' parts (Megatron's "reduce from the model-parallel region").
     """
 
     @staticmethod
@@ -185,6 +198,9 @@ class MoEMLP(nn.Module):
         self.local_expert_start = 0
         self.num_local_experts = config.num_experts
         self.ep_mesh: Any = None
+        #: expert tensor parallelism: each expert's hidden axis split over ``etp_mesh``.
+        self.etp_world_size = 1
+        self.etp_mesh: Any = None
 
         E, dim, hidden, dtype = config.num_experts, config.dim, config.hidden, config.dtype
         self.router = nn.Linear(dim, E, bias=False, dtype=dtype)
@@ -208,10 +224,13 @@ class MoEMLP(nn.Module):
         return [w for w in PACKED_WEIGHTS if w in self._parameters] if self.kind == "packed" else []
 
     def expert_weight(self, expert: int, linear: str) -> torch.Tensor:
-        """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in either form."""
+        """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in either form.
+
+        Under expert tensor parallelism it is this rank's shard of the hidden axis (a plain tensor).
+        """
         if self.kind == "unpacked":
-            return getattr(self.experts[expert], linear).weight
-        return getattr(self, f"{linear}_w")[expert]
+            return _local(getattr(self.experts[expert], linear).weight)
+        return _local(getattr(self, f"{linear}_w"))[expert]
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
@@ -231,22 +250,25 @@ class MoEMLP(nn.Module):
     def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "unpacked":
             return self.experts[i](x)
-        gate = F.linear(x, self.gate_w[i]) if self.activation == "swiglu" else None
-        return F.linear(_act(self.activation, F.linear(x, self.up_w[i]), gate), self.down_w[i])
+        gate = F.linear(x, _local(self.gate_w)[i]) if self.activation == "swiglu" else None
+        return F.linear(_act(self.activation, F.linear(x, _local(self.up_w)[i]), gate), _local(self.down_w)[i])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         probs = self.router(tokens).float().softmax(dim=-1)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
         top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(tokens.dtype)
-        group = self.ep_mesh.get_group() if self.ep_world_size > 1 else None
-        if group is None:
+        groups = [mesh.get_group() for mesh, size in ((self.etp_mesh, self.etp_world_size),
+                                                      (self.ep_mesh, self.ep_world_size)) if size > 1]
+        if not groups:
             routed_in, routed_w, out = tokens, top_w, torch.zeros_like(tokens)
         else:
-            # One tensor through one collective, so every rank's backward runs the same all-reduces
-            # in the same order; ``out`` starts as zeros tied to it, so a rank with no experts (or
-            # no tokens for them) still joins that all-reduce.
-            routed = _CopyToEP.apply(torch.cat([tokens, top_w], dim=-1), group)
+            # One tensor through one collective per group, so every rank's backward runs the same
+            # all-reduces in the same order; ``out`` starts as zeros tied to it, so a rank with no
+            # experts (or no tokens for them) still joins those all-reduces.
+            routed = torch.cat([tokens, top_w], dim=-1)
+            for group in groups:
+                routed = _CopyToEP.apply(routed, group)
             routed_in, routed_w = routed[:, : tokens.shape[-1]], routed[:, tokens.shape[-1]:]
             out = routed_in * 0
         for i in range(self.num_local_experts):
@@ -254,7 +276,7 @@ class MoEMLP(nn.Module):
             if token.numel():
                 y = self._expert(i, routed_in[token]) * routed_w[token, slot, None]
                 out = out.index_add(0, token, y)
-        if group is not None:
+        for group in groups:
             out = _ReduceOverEP.apply(out, group)
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -343,49 +365,93 @@ def _moe_modules(model: nn.Module) -> Iterator[MoEMLP]:
     return (m for m in model.modules() if isinstance(m, MoEMLP))
 
 
+#: the tensor axis that expert tensor parallelism splits, per expert weight: the hidden axis
+#: (``up``/``gate`` column-parallel, ``down`` row-parallel); packed weights add the expert axis.
+HIDDEN_AXIS = {"gate": 0, "up": 0, "down": 1}
+
+
 def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
     """Keep only this EP rank's experts in every :class:`MoEMLP` of ``model``, in place.
 
     Which experts: :func:`reference_impl.layout.expert_range` over ``device_mesh["ep"]`` (ranks
-    past the last expert hold none).  Unpacked layers keep a ``ModuleList`` of their experts
-    renumbered from 0; packed layers keep their rows as new Parameters (copies, so the full
-    weights can be freed).  Without an ``ep`` dimension, or with ep size 1, nothing changes.
+    past the last expert hold none).  The EP rank is the rank's coordinate on the ``ep`` dim,
+    never its global rank, so EP groups of strided and of consecutive ranks both work.  Unpacked
+    layers keep a ``ModuleList`` of their experts renumbered from 0; packed layers keep their rows
+    as new Parameters (copies, so the full weights can be freed).
+
+    With an ``etp`` dim of size > 1 (expert tensor parallelism) every expert weight also becomes a
+    DTensor Parameter sharded over ``device_mesh["etp"]`` on its hidden axis (:data:`HIDDEN_AXIS`;
+    ``up``/``gate`` column-parallel, ``down`` row-parallel), as DTensor's ``Shard`` splits it; the
+    forward sums the partial outputs over etp.  Without ``ep``/``etp`` dims, or with both of size
+    1, nothing changes.
     """
     names = getattr(device_mesh, "mesh_dim_names", None) or ()
-    if "ep" not in names:
-        return model
-    ep_mesh = device_mesh["ep"]
-    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    if ep == 1:
+    ep_mesh = device_mesh["ep"] if "ep" in names else None
+    etp_mesh = device_mesh["etp"] if "etp" in names else None
+    ep = ep_mesh.size() if ep_mesh is not None else 1
+    etp = etp_mesh.size() if etp_mesh is not None else 1
+    if ep == 1 and etp == 1:
         return model
     for moe in _moe_modules(model):
-        if moe.ep_world_size != 1:
-            raise ValueError(f"MoE layer {moe.name!r} is already split over {moe.ep_world_size} EP ranks")
-        start, end = expert_range(moe.num_experts, ep, ep_rank)
-        if moe.kind == "unpacked":
-            moe.experts = nn.ModuleList(list(moe.experts)[start:end])
-        else:
-            for weight in moe.packed_weights():
-                full = getattr(moe, weight)
-                setattr(moe, weight, nn.Parameter(full.detach()[start:end].clone(),
-                                                  requires_grad=full.requires_grad))
-        moe.ep_world_size, moe.ep_rank, moe.ep_mesh = ep, ep_rank, ep_mesh
-        moe.local_expert_start, moe.num_local_experts = start, end - start
+        if moe.ep_world_size != 1 or moe.etp_world_size != 1:
+            raise ValueError(f"MoE layer {moe.name!r} is already split over {moe.ep_world_size} EP and "
+                             f"{moe.etp_world_size} ETP ranks")
+        if ep > 1:
+            assert ep_mesh is not None
+            ep_rank = ep_mesh.get_local_rank()
+            start, end = expert_range(moe.num_experts, ep, ep_rank)
+            if moe.kind == "unpacked":
+                moe.experts = nn.ModuleList(list(moe.experts)[start:end])
+            else:
+                for weight in moe.packed_weights():
+                    full = getattr(moe, weight)
+                    setattr(moe, weight, nn.Parameter(full.detach()[start:end].clone(),
+                                                      requires_grad=full.requires_grad))
+            moe.ep_world_size, moe.ep_rank, moe.ep_mesh = ep, ep_rank, ep_mesh
+            moe.local_expert_start, moe.num_local_experts = start, end - start
+        if etp > 1:
+            _split_hidden(moe, etp_mesh)
     return model
 
 
+def _split_hidden(moe: MoEMLP, etp_mesh: Any) -> None:
+    """Shard every expert weight of ``moe`` over ``etp_mesh`` on its hidden axis (no communication)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(full: torch.Tensor, axis: int) -> nn.Parameter:
+        # Every rank holds the same full weights, so each takes its own shard (src_data_rank=None).
+        local = distribute_tensor(full.detach(), etp_mesh, [Shard(axis)], src_data_rank=None)
+        return nn.Parameter(local, requires_grad=full.requires_grad)
+
+    if moe.kind == "unpacked":
+        for expert in moe.experts:
+            for linear, axis in HIDDEN_AXIS.items():
+                module = getattr(expert, linear, None)
+                if module is not None:
+                    module.weight = shard(module.weight, axis)
+    else:
+        for weight in moe.packed_weights():
+            setattr(moe, weight, shard(getattr(moe, weight), HIDDEN_AXIS[weight[:-2]] + 1))
+    moe.etp_world_size, moe.etp_mesh = etp_mesh.size(), etp_mesh
+
+
 def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
-    """FSDP2 over ``device_mesh["dp_shard"]``: each :class:`MoEMLP`, then the whole model.
+    """FSDP2 over ``device_mesh["dp_shard"]`` (HSDP with ``dp_replicate`` > 1): each :class:`MoEMLP`, then the model.
 
     Apply it after :func:`apply_expert_parallel`: each rank's experts are then sharded over
-    dp_shard (FSDP2 pads uneven dim-0 shards, ranks may hold zero rows).  Parameters outside the
-    experts are sharded over dp_shard and replicated over ep, which a checkpoint stores once.
+    dp_shard (FSDP2 pads uneven dim-0 shards, ranks may hold zero rows), and expert weights that
+    expert tensor parallelism made DTensors over ``etp`` become 2-D (FSDP x ETP) DTensors.
+    Parameters outside the experts are sharded over dp_shard and replicated over ep and etp, which
+    a checkpoint stores once.  With a ``dp_replicate`` dim of size > 1 the mesh is
+    ``("dp_replicate", "dp_shard")``, which FSDP2 applies as HSDP: replicate x shard.
     """
     from torch.distributed.fsdp import fully_shard
 
-    if "dp_shard" not in (getattr(device_mesh, "mesh_dim_names", None) or ()):
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    if "dp_shard" not in names:
         raise ValueError(f"apply_fsdp needs a mesh with a 'dp_shard' dimension, got {device_mesh}")
-    dp_mesh = device_mesh["dp_shard"]
+    hsdp = "dp_replicate" in names and device_mesh["dp_replicate"].size() > 1
+    dp_mesh = device_mesh[("dp_replicate", "dp_shard")] if hsdp else device_mesh["dp_shard"]
     for moe in list(_moe_modules(model)):
         if moe is not model:
             fully_shard(moe, mesh=dp_mesh)

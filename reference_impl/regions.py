@@ -70,13 +70,16 @@ class GlobalRegion:
     """Where one parameter of a (split, sharded) model sits in the ep=1 model.
 
     ``name`` and ``global_shape`` are the parameter's name and shape at ep=1 without FSDP, and
-    ``region`` the slices of that tensor this rank's ``local`` holds.
+    ``region`` the slices of that tensor this rank's ``local`` holds.  ``experts`` is the layer
+    name (``"layers.0.moe"``) when the parameter is a packed expert weight, whose dim 0 is the
+    expert axis and whose row ``g`` is ``{experts}.experts.{g}.{linear}.weight`` unpacked.
     """
 
     name: str
     global_shape: tuple[int, ...]
     region: tuple[slice, ...]
     param: nn.Parameter
+    experts: str | None = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -95,8 +98,8 @@ def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
         local, found = local_region(p)
         shape = list(p.shape)
         region = list(found) if found is not None else [slice(0, n) for n in local.shape]
-        moe = owners.get(id(p))
-        if moe is not None and moe.ep_world_size > 1:
+        moe, experts = owners.get(id(p)), None
+        if moe is not None:
             prefix = prefixes[id(moe)]
             head = f"{prefix}." if prefix else ""
             rest = fqn[len(head):].split(".")
@@ -104,22 +107,30 @@ def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
                 rest[1] = str(moe.local_expert_start + int(rest[1]))
                 fqn = head + ".".join(rest)
             elif rest[0] in PACKED_WEIGHTS:
+                experts = prefix
                 shape[0] = moe.num_experts
                 start = moe.local_expert_start + region[0].start
                 region[0] = slice(start, start + local.shape[0])
-        yield GlobalRegion(fqn, tuple(shape), tuple(region), p)
+        yield GlobalRegion(fqn, tuple(shape), tuple(region), p, experts)
 
 
 def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
-    """Set every gradient to a pure function of ``(seed, step, ep=1 name)``, sliced to this rank.
+    """Set every gradient to a pure function of ``(seed, step, ep=1 unpacked name)``, sliced to this rank.
 
-    A model at any ep, with or without FSDP, then takes the same optimizer step as an ep=1 model,
-    and every expert's moments differ from every other's.
+    A model at any layout (ep, etp, FSDP/HSDP) and of either kind then takes the same optimizer
+    step as an ep=1 model -- a packed row gets the gradient its unpacked expert gets -- and every
+    expert's moments differ from every other's.
     """
     from torch.distributed.tensor import DTensor
 
     for piece in global_regions(model):
-        full = _normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name, "grad")
+        if piece.experts is not None:  # packed: one draw per expert, under its unpacked name
+            head, linear = f"{piece.experts}." if piece.experts else "", piece.name.rsplit(".", 1)[-1][:-2]
+            full = torch.stack([_normal(piece.global_shape[1:], 1.0, piece.param.dtype, seed, step,
+                                        f"{head}experts.{g}.{linear}.weight", "grad")
+                                for g in range(piece.global_shape[0])])
+        else:
+            full = _normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name, "grad")
         grad = full[piece.region].clone()
         p = piece.param
         if isinstance(p, DTensor):

@@ -11,6 +11,8 @@ E=6, ep=4 leaves rank 3 without experts and FSDP at ep=1 leaves rank 3 without p
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) ->
         optimizer.zero_grad(set_to_none=True)
 
 
+@functools.cache
 def reference(config: MoEConfig) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """The ep=1 run, on this rank alone: parameters and optimizer state by ep=1 name."""
+    """The ep=1 run, on this rank alone: parameters and optimizer state by ep=1 name (cached: read only)."""
     model = build_model(config, LAYERS, SAVE_SEED)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **SAVED_HP)
     train(model, optimizer)
@@ -109,18 +112,22 @@ def assert_matches_reference(model: nn.Module, optimizer: torch.optim.Optimizer 
     return checked
 
 
-def roundtrip(path: Path, config: MoEConfig, fsdp: bool, save_ep: int, load_eps: tuple[int, ...]) -> None:
-    """Train and save at ``save_ep``, then load at each of ``load_eps`` and compare with ep=1."""
+def roundtrip(path: Path, config: MoEConfig, fsdp: bool, save_ep: int, load_eps: tuple[int, ...],
+              load_kind: str | None = None) -> None:
+    """Train and save at ``save_ep``, then load at each of ``load_eps`` (into ``load_kind`` layers) and
+    compare with ep=1 (whose weights and gradients are the same in both kinds)."""
     model, optimizer = build(config, save_ep, fsdp, SAVE_SEED, SAVED_HP)
     train(model, optimizer)
-    case = f"{config.kind}/{config.activation}/E={config.num_experts}/fsdp={fsdp} saved at ep={save_ep}"
+    load_config = replace(config, kind=load_kind or config.kind)
+    case = (f"{config.kind}/{config.activation}/E={config.num_experts}/fsdp={fsdp} saved at ep={save_ep}"
+            f"{f' into {load_config.kind}' if load_config.kind != config.kind else ''}")
     # The saving run itself must equal the ep=1 run, or a load failure would blame the checkpoint.
     assert_matches_reference(model, optimizer, config, f"{case} (before saving)")
     checkpoint.save(model, optimizer, path)
     for load_ep in load_eps:
-        model, optimizer = build(config, load_ep, fsdp, LOAD_SEED, OTHER_HP)
+        model, optimizer = build(load_config, load_ep, fsdp, LOAD_SEED, OTHER_HP)
         checkpoint.load(model, optimizer, path)
-        assert_matches_reference(model, optimizer, config, f"{case}, loaded at ep={load_ep}")
+        assert_matches_reference(model, optimizer, load_config, f"{case}, loaded at ep={load_ep}")
 
 
 @pytest.mark.moe_ep_world(WORLD)
@@ -132,6 +139,17 @@ def test_roundtrip_every_ep_pair(kind: str, activation: str, fsdp: bool, save_ep
                                  moe_ep_shared_dir: Path) -> None:
     config = MoEConfig(num_experts=6, kind=kind, activation=activation)  # type: ignore[arg-type]
     roundtrip(moe_ep_shared_dir / "ckpt", config, fsdp, save_ep, EPS)
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize("save_ep", EPS)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+@pytest.mark.parametrize(("save_kind", "load_kind"), [("packed", "unpacked"), ("unpacked", "packed")])
+def test_cross_kind_every_ep_pair(save_kind: str, load_kind: str, fsdp: bool, save_ep: int,
+                                  moe_ep_shared_dir: Path) -> None:
+    """One checkpoint form for both kinds: saved packed, it loads unpacked (and back) at every ep, moments too."""
+    config = MoEConfig(num_experts=6, kind=save_kind)  # type: ignore[arg-type]
+    roundtrip(moe_ep_shared_dir / "ckpt", config, fsdp, save_ep, EPS, load_kind=load_kind)
 
 
 @pytest.mark.moe_ep_world(WORLD)

@@ -24,11 +24,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pytest_moe_ep.world.meshes import device_mesh
 from reference_impl import checkpoint
-from reference_impl.expert_layout import ExpertLayout, check_saved_experts, expert_layout, moe_layers
+from reference_impl.expert_layout import (
+    ExpertLayout,
+    check_saved_experts,
+    expert_key,
+    expert_layout,
+    moe_layers,
+    saved_packed_layers,
+)
 from reference_impl.moe import (
     MoEConfig,
     MoEMLP,
@@ -36,7 +42,7 @@ from reference_impl.moe import (
     apply_fsdp,
     build_model,
 )
-from reference_impl.regions import global_regions, set_deterministic_grads
+from reference_impl.regions import global_regions, local_region, set_deterministic_grads
 
 WORLD = 4
 
@@ -70,9 +76,10 @@ def test_moe_layers_leave_out_checkpoint_and_compile_wrappers() -> None:
                                                      if isinstance(m, MoEMLP)]
 
 
-def test_no_layout_without_a_split() -> None:
-    assert expert_layout(build_model(MoEConfig(), 2)) is None
+def test_no_layout_where_names_are_already_canonical() -> None:
+    assert expert_layout(build_model(MoEConfig(), 2)) is None  # whole unpacked layers
     assert expert_layout(torch.nn.Linear(2, 2)) is None
+    assert expert_layout(build_model(MoEConfig(kind="packed"), 2)) is not None  # packed rows become experts
 
 
 # ---------------------------------------------------------------- check_saved_experts
@@ -116,6 +123,25 @@ def test_check_saved_experts_refuses_a_legacy_packed_checkpoint() -> None:
                                 "model.down_w": _tensor_md(6, 32, 64)}, where="here")
 
 
+def test_check_saved_experts_reads_both_forms_for_both_kinds() -> None:
+    """The canonical per-expert form and the old packed form, into a packed or an unpacked model."""
+    packed, unpacked = build_model(MoEConfig(kind="packed"), 1), build_model(MoEConfig(kind="unpacked"), 1)
+    for model in (packed, unpacked):
+        check_saved_experts(model, _unpacked_md(range(6)), where="x")  # canonical, complete
+        with pytest.raises(ValueError, match=r"holds 4 experts of MoE layer 'layers\.0\.moe', but the model has 6"):
+            check_saved_experts(model, _unpacked_md(range(4)), where="x")
+        legacy_packed = {"model.layers.0.moe.up_w": _tensor_md(3, 64, 32),
+                         "model.layers.0.moe.down_w": _tensor_md(3, 32, 64)}
+        with pytest.raises(ValueError, match="holds 3 experts"):
+            check_saved_experts(model, legacy_packed, where="x")
+    whole_packed = {"model.layers.0.moe.up_w": _tensor_md(6, 64, 32),
+                    "model.layers.0.moe.down_w": _tensor_md(6, 32, 64)}
+    assert saved_packed_layers(packed, whole_packed, where="x") == {"layers.0.moe"}
+    assert saved_packed_layers(packed, _unpacked_md(range(6)), where="x") == set()
+    with pytest.raises(ValueError, match=r"^/ckpt: the checkpoint holds MoE layer 'layers.0.moe' in the packed form"):
+        saved_packed_layers(unpacked, whole_packed, where="/ckpt")
+
+
 def test_check_saved_experts_leaves_a_layer_it_holds_nothing_of_to_the_load() -> None:
     model = build_model(MoEConfig(kind="packed"), 2)
     check_saved_experts(model, {"model.layers.0.moe.router.weight": _tensor_md(6, 32)}, where="x")
@@ -144,72 +170,93 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _shared(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """``view`` lies in ``base``'s memory (a row of it, or all of it)."""
+    return _local(view).untyped_storage().data_ptr() == _local(base).untyped_storage().data_ptr()
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = _local(a), _local(b)
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() == b.data_ptr()
 
 
+def _held_experts(model: Any) -> dict[str, set[int]]:
+    """Global expert ids this rank holds (a row or a shard of), per layer, by the ep=1 oracle."""
+    held: dict[str, set[int]] = {}
+    for piece in global_regions(model):
+        layer, _, rest = piece.name.partition(".moe.")
+        if rest.startswith("experts."):
+            held.setdefault(f"{layer}.moe", set()).add(int(rest.split(".")[1]))
+        elif rest.endswith("_w"):
+            held.setdefault(f"{layer}.moe", set()).update(range(piece.region[0].start, piece.region[0].stop))
+    return held
+
+
 @pytest.mark.moe_ep_world(WORLD)
-@pytest.mark.parametrize(("num_experts", "ep"), [(6, 2), (6, 4), (3, 2), (2, 2)])
+@pytest.mark.parametrize(("num_experts", "ep"), [(6, 1), (6, 2), (6, 4), (3, 2), (2, 2)])
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
 @pytest.mark.parametrize("kind", ["unpacked", "packed"])
-def test_to_global_renames_and_wraps_without_copying(kind: str, fsdp: bool, num_experts: int, ep: int) -> None:
+def test_to_global_gives_both_kinds_per_expert_names_without_copying(kind: str, fsdp: bool, num_experts: int,
+                                                                     ep: int) -> None:
     config = MoEConfig(num_experts=num_experts, kind=kind)  # type: ignore[arg-type]
     model, optimizer = _trained(config, ep, fsdp)
+    layout = expert_layout(model)
+    rank = dist.get_rank()
+    where = f"{kind} E={num_experts} ep={ep} fsdp={fsdp} rank {rank}"
+    if kind == "unpacked" and ep == 1:
+        assert layout is None, f"{where}: a whole unpacked model is already in the canonical form"
+        return
+    assert layout is not None, where
     state = checkpoint.state_dict(model, optimizer)
     state["never_stepped"] = {name: False for name in state["model"]}
     before = {k: dict(v) for k, v in state.items() if k != "optimizer"}
     before_optim = {k: dict(v) for k, v in state["optimizer"]["state"].items()}
-    layout = expert_layout(model)
-    assert layout is not None
     out = layout.to_global(state)
-    rank, moe = dist.get_rank(), model.layers[0].moe
-    start, n = moe.local_expert_start, moe.num_local_experts
-    where = f"{kind} E={num_experts} ep={ep} fsdp={fsdp} rank {rank}"
 
     # The input is left as it is.
     assert {k: dict(v) for k, v in state.items() if k != "optimizer"} == before, where
     assert all(state["optimizer"]["state"][k] == v for k, v in before_optim.items()), where
 
-    # Names: each local expert under its global id; every other name unchanged.
-    local_names, global_names = set(state["model"]), set(out["model"])
-    if kind == "unpacked":
-        for i in range(n):
-            assert f"layers.0.moe.experts.{i}.up.weight" in local_names, where
-            assert f"layers.0.moe.experts.{start + i}.up.weight" in global_names, where
-        assert len(global_names) == len(local_names), where
-        assert set(out["never_stepped"]) == global_names, where
-        assert set(out["optimizer"]["state"]) <= global_names, where
-        assert set(out["optimizer"]["param_groups"][0]["params"]) == global_names, where
-    else:
-        assert global_names == local_names, where
+    # Names: exactly the experts this rank holds, under their global ids, in both kinds; the rest unchanged.
+    held = _held_experts(model)
+    linears = ("gate", "up", "down")
+    expected_experts = {expert_key(layer, g, linear) for layer, ids in held.items() for g in ids
+                        for linear in linears}
+    others = {k for k in state["model"] if ".experts." not in k and not k.endswith("_w")}
+    assert set(out["model"]) == expected_experts | others, (
+        f"{where}: differs in {sorted(set(out['model']) ^ (expected_experts | others))}")
+    assert set(out["never_stepped"]) == set(out["model"]), where
+    assert set(out["optimizer"]["state"]) == set(out["model"]), where
+    assert set(out["optimizer"]["param_groups"][0]["params"]) == set(out["model"]), where
 
-    # Tensors: the same objects, or views of the same memory; packed ones global DTensors.
-    regions = {p.name: p.region for p in global_regions(model)}
-    for key, value in state["model"].items():
-        new_key = layout._to_global.get(key, key)
-        got = out["model"][new_key]
-        if key.endswith("_w"):
-            assert isinstance(got, DTensor) and got.shape[0] == num_experts, f"{where}: {key} {got.shape}"
-            assert _same_storage(got, value), f"{where}: {key} was copied"
-            shape, offset = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
-            region = regions[key]
-            assert tuple(shape) == tuple(_local(value).shape), f"{where}: {key} DTensor says {shape}"
-            if shape[0]:
-                assert offset[0] == region[0].start, f"{where}: {key} at row {offset[0]}, holds {region[0]}"
-            expected = (Shard(0), Shard(0)) if fsdp else (Shard(0),)
-            assert tuple(got.placements) == expected, f"{where}: {key} placed {got.placements}"
-            opt = out["optimizer"]["state"][key]
-            for moment in ("exp_avg", "exp_avg_sq"):
-                assert isinstance(opt[moment], DTensor) and opt[moment].shape == got.shape, where
-                assert _same_storage(opt[moment], state["optimizer"]["state"][key][moment]), where
-            assert opt["step"] is state["optimizer"]["state"][key]["step"], where
+    # Tensors: every per-expert tensor views its parameter's (or moment's) memory, holding that expert.
+    params = dict(model.named_parameters())
+    optim_by_name = {name: optimizer.state[p] for name, p in params.items()}
+    ref_model, ref_optimizer = _trained(config, 1, False)  # ep=1 on this rank alone
+    ref_params = dict(ref_model.named_parameters())
+    for key, got in out["model"].items():
+        if key in others:
+            assert got is state["model"][key], f"{where}: {key} was replaced"
+            continue
+        layer, _, rest = key.partition(".moe.")
+        g, linear = int(rest.split(".")[1]), rest.split(".")[2]
+        if kind == "unpacked":
+            start = model.get_submodule(f"{layer}.moe").local_expert_start
+            source, ref_name, row = f"{layer}.moe.experts.{g - start}.{linear}.weight", key, ()
         else:
-            assert got is value, f"{where}: {key} was replaced"
-            for name, t in state["optimizer"]["state"].get(key, {}).items():
-                assert out["optimizer"]["state"][new_key][name] is t, f"{where}: {key}.{name} was replaced"
+            source, ref_name, row = f"{layer}.moe.{linear}_w", f"{layer}.moe.{linear}_w", (g,)
+        entry = out["optimizer"]["state"][key]
+        ref, ref_entry = ref_params[ref_name].detach()[row], ref_optimizer.state[ref_params[ref_name]]
+        for name, tensor, expected, original in [
+                ("weight", got, ref, params[source]),
+                *((m, entry[m], ref_entry[m][row], optim_by_name[source][m]) for m in ("exp_avg", "exp_avg_sq"))]:
+            assert _shared(tensor, original), f"{where}: {key} {name} was copied"
+            local, region = local_region(tensor)
+            assert torch.equal(local, expected[region] if region else expected), (
+                f"{where}: {key} {name} holds another expert's values")
+        assert entry["step"] is optim_by_name[source]["step"], f"{where}: {key} step was replaced"
 
-    # to_local undoes it exactly: the very same tensor objects and this rank's names.
+    # to_local undoes it exactly: the very same tensor objects, this rank's names, in this rank's order.
     back = layout.to_local(out)
     assert list(back["model"]) == list(state["model"]), where
     assert all(back["model"][k] is v for k, v in state["model"].items()), where
@@ -249,7 +296,8 @@ def test_to_global_refuses_what_it_cannot_place(kind: str) -> None:
 def test_a_load_into_to_global_writes_in_place(kind: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
     """dcp.load alone restores weights, moments and steps; only the param-group settings need set_*.
 
-    Saved at ep=2, loaded at ep=4 (rank 3 holds no experts).
+    Saved at ep=2, loaded at ep=4 (rank 3 holds no experts).  A packed weight with no rows on the
+    rank has no per-expert entry to load its step from: to_local gives it its param group's step.
     """
     config = MoEConfig(kind=kind)  # type: ignore[arg-type]
     saved_model, saved_optimizer = _trained(config, 2, fsdp)
@@ -273,7 +321,8 @@ def test_a_load_into_to_global_writes_in_place(kind: str, fsdp: bool, moe_ep_sha
         assert torch.equal(piece.local, ref[piece.name].detach()[piece.region]), f"{where}: weight not loaded"
         moments, ref_moments = optimizer.state[piece.param], ref_optimizer.state[ref[piece.name]]
         assert torch.equal(_local(moments["exp_avg"]), ref_moments["exp_avg"][piece.region]), where
-        assert float(moments["step"]) == 2.0, f"{where}: step {float(moments['step'])}"
+        if piece.local.numel():
+            assert float(moments["step"]) == 2.0, f"{where}: step {float(moments['step'])}"
     assert optimizer.param_groups[0]["lr"] == 0.5  # DCP put the saved lr into the dict, not the optimizer
 
     local = layout.to_local(state)
@@ -285,6 +334,8 @@ def test_a_load_into_to_global_writes_in_place(kind: str, fsdp: bool, moe_ep_sha
     for piece in global_regions(model):  # and set_* left every loaded value as it was
         assert torch.equal(_local(optimizer.state[piece.param]["exp_avg_sq"]),
                            ref_optimizer.state[ref[piece.name]]["exp_avg_sq"][piece.region]), piece.name
+        step = float(optimizer.state[piece.param]["step"])
+        assert step == 2.0, f"{kind} fsdp={fsdp} rank {rank}: {piece.name} step {step} after to_local"
 
 
 @pytest.mark.moe_ep_world(WORLD)

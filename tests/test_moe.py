@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from conformance.layout import ParallelLayout
 from pytest_moe_ep.world.meshes import device_mesh
 from reference_impl.layout import expert_range
 from reference_impl.moe import (
+    HIDDEN_AXIS,
     MoEConfig,
     MoEMLP,
     apply_expert_parallel,
@@ -23,7 +26,7 @@ from reference_impl.moe import (
     build_model,
     stable_seed,
 )
-from reference_impl.regions import global_regions
+from reference_impl.regions import global_regions, local_region
 
 WORLD = 4
 
@@ -195,3 +198,85 @@ def test_fsdp2_shards_packed_rows_with_torch_chunk(num_experts: int, ep: int, ro
     piece = next(p for p in global_regions(model) if p.name == "layers.0.moe.up_w")
     ref = build_model(config, 1).layers[0].moe.up_w
     assert torch.equal(local, ref[piece.region]), f"rank {dist.get_rank()}: rows {piece.region[0]}"
+
+
+# ---------------------------------------------------------------- every ParallelLayout on 4 ranks
+
+#: the rank layouts of the matrix on 4 ranks: EP groups strided and consecutive, HSDP, expert TP.
+LAYOUTS = {
+    "ep1": ParallelLayout.for_world(WORLD, 1),
+    "ep2": ParallelLayout.for_world(WORLD, 2),
+    "ep2c": ParallelLayout.for_world(WORLD, 2, ep_order="consecutive"),
+    "ep4": ParallelLayout.for_world(WORLD, 4),
+    "ep2.hsdp2": ParallelLayout.for_world(WORLD, 2, dp_replicate=2),
+    "ep1.hsdp2": ParallelLayout.for_world(WORLD, 1, dp_replicate=2),
+    "ep1.etp2": ParallelLayout.for_world(WORLD, 1, etp=2),
+    "ep2.etp2": ParallelLayout.for_world(WORLD, 2, etp=2),
+    "ep2c.etp2": ParallelLayout.for_world(WORLD, 2, etp=2, ep_order="consecutive"),
+}
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", ["unpacked", "packed"])
+def test_every_layout_keeps_its_experts_and_hidden_shard(kind: str, layout: str) -> None:
+    """The EP rank is the ``ep`` coordinate (not the global rank); etp splits each expert's hidden axis."""
+    spec = LAYOUTS[layout]
+    rank = dist.get_rank()
+    coords = spec.coordinates(rank)
+    config = MoEConfig(num_experts=6, kind=kind, hidden=10)  # type: ignore[arg-type]  # 10 % 4 != 0
+    full = build_model(config, 1, seed=7).layers[0].moe
+    moe = apply_expert_parallel(build_model(config, 1, seed=7), spec.build_mesh()).layers[0].moe
+    start, end = expert_range(6, spec.ep, coords["ep"])
+    where = f"{kind} {layout} rank {rank} coords {coords}"
+    assert (moe.ep_rank, moe.local_expert_start, moe.num_local_experts) == (coords["ep"], start, end - start), where
+    assert moe.etp_world_size == spec.etp, where
+    for j in range(end - start):
+        for linear, axis in HIDDEN_AXIS.items():
+            ref = full.expert_weight(start + j, linear)
+            lo, hi = expert_range(ref.shape[axis], spec.etp, coords["etp"])  # DTensor's Shard rule
+            expected = ref.narrow(axis, lo, hi - lo)
+            assert torch.equal(moe.expert_weight(j, linear), expected), f"{where}: expert {start + j} {linear}"
+    if spec.etp > 1:
+        weight = moe.experts[0].up.weight if kind == "unpacked" else moe.up_w
+        assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("etp",), where
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", ["unpacked", "packed"])
+def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsdp: bool) -> None:
+    spec = LAYOUTS[layout]
+    config = MoEConfig(num_experts=6, kind=kind, top_k=2)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(3, 8, 32, generator=gen), torch.randn(3, 8, 32, generator=gen)
+    ref = build_model(config, 2, seed=4)
+    ref_out = ref(x)
+    (ref_out * weight).sum().backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+
+    mesh = spec.build_mesh()
+    model = apply_expert_parallel(build_model(config, 2, seed=4), mesh)
+    where = f"{kind} {layout} fsdp={fsdp} rank {dist.get_rank()}"
+    if fsdp:
+        apply_fsdp(model, mesh)
+        router = model.layers[0].moe.router.weight
+        dims = ("dp_replicate", "dp_shard") if spec.hsdp else ("dp_shard",)
+        assert router.device_mesh.mesh_dim_names == dims, f"{where}: FSDP2 mesh {router.device_mesh}"
+        assert router.placements == ((Replicate(), Shard(0)) if spec.hsdp else (Shard(0),)), where
+    out = model(x)
+    (out * weight).sum().backward()
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} output: {m}")
+    checked = 0
+    for piece in global_regions(model):
+        grad = piece.param.grad
+        if grad is None:
+            assert ref_grads[piece.name] is None or not ref_grads[piece.name][piece.region].any(), (
+                f"{where}: {piece.name} got no gradient")
+            continue
+        got, _ = local_region(grad)
+        torch.testing.assert_close(got, ref_grads[piece.name][piece.region], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=piece.name: f"{where}: gradient of {n}: {m}")
+        checked += 1
+    assert checked, where

@@ -6,10 +6,14 @@ saves at ep > 1 must fail, and every ep=1 save (where local and global names agr
 project's tests assert exactly that, proving the matrix can fail.  Its load is the reference load
 without the ``check_saved_experts`` guard, so the damage shows as wrong values or a failed load
 rather than a refusal.
+
+It does not declare ``cross_kind``: its saves keep each kind's raw form (a packed layer's
+``[rows, ...]`` tensors), which only the same kind can load, even at ep=1.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from conformance.adapters.reference import ReferenceAdapter
@@ -17,6 +21,7 @@ from conformance.adapters.reference import ReferenceAdapter
 
 class LegacyAdapter(ReferenceAdapter):
     name = "legacy"
+    capabilities = replace(ReferenceAdapter.capabilities, cross_kind=False)
 
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from reference_impl.checkpoint import save_legacy

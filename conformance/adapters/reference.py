@@ -5,8 +5,15 @@ with ``apply_fsdp`` in FSDP cells, stepped with AdamW on :func:`conformance.synt
 gradients, and checkpointed through :mod:`reference_impl.checkpoint` (ExpertLayout + DCP).  Every
 applicable cell of the matrix passes; the ``legacy`` adapter shows what happens without the layout.
 
+It builds on any :class:`conformance.layout.ParallelLayout` mesh: EP groups strided or consecutive
+(the EP rank is the ``ep`` coordinate), HSDP (``dp_replicate`` > 1 with FSDP) and expert tensor
+parallelism (``etp`` > 1: each expert weight a DTensor sharded on its hidden axis).  Both layer
+kinds save one per-expert checkpoint form, so it declares ``cross_kind``.
+
 Canonical names are the same for both layer kinds (``up``, ``gate``, ``down`` and their Adam
 moments ``up.exp_avg`` ...), so a packed row and the unpacked expert it equals compare equal.
+Expert tensors are yielded as the checkpoint holds them: a whole per-expert tensor, or a DTensor
+(FSDP shard, etp shard) that the harness compares through its local shard and region.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from conformance.synthetic import synthetic_grad
 class ReferenceAdapter:
     name = "reference"
     version = "0.1.0"
+    #: cross_kind: both kinds save the one per-expert checkpoint form (reference_impl.expert_layout).
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp", ep_orders=("strided", "consecutive"))
+                                format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"), hsdp=True,
+                                etp=True)
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
@@ -84,7 +93,7 @@ class ReferenceAdapter:
         layers = _layer_index(model)
         for piece in global_regions(model):
             layer, expert, name = _identify(piece.name, layers)
-            if expert is None and name in ("gate_w", "up_w", "down_w"):  # packed: one block per expert
+            if piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets
                 full = torch.stack([synthetic_grad(seed, step, layer, g, name[:-2], piece.global_shape[1:])
                                     for g in range(piece.global_shape[0])])
             else:
@@ -121,6 +130,9 @@ class ReferenceAdapter:
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+        """Each expert's weight and moments as the checkpoint holds them: whole tensors, or DTensors whose
+        local shard and region the harness compares (FSDP's shards, expert tensor parallelism's shards)."""
+        from reference_impl.expert_layout import expert_rows
         from reference_impl.moe import moe_layers
 
         state = optimizer.state if optimizer is not None else {}
@@ -139,7 +151,8 @@ class ReferenceAdapter:
                     tensors = {linear: weight} | {f"{linear}.{m}": state[weight][m]
                                                   for m in ADAM_MOMENTS if m in state.get(weight, {})}
                     for name, tensor in tensors.items():
-                        yield from _rows(layer, moe.local_expert_start, name, tensor)
+                        for g, row in expert_rows(moe, tensor):
+                            yield layer, g, name, row
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         from reference_impl.moe import moe_layers, named_parameters
@@ -158,16 +171,6 @@ class ReferenceAdapter:
             for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
-
-
-def _rows(layer: int, start: int, name: str, tensor: Any) -> Iterator[tuple[int, int, str, Any]]:
-    """One packed tensor as per-expert rows: plain rows, or the rows of this rank's FSDP shard."""
-    from reference_impl.regions import local_region
-
-    local, region = local_region(tensor)
-    first = region[0].start if region is not None else 0
-    for i in range(local.shape[0]):
-        yield layer, start + first + i, name, local[i]
 
 
 def _layer_index(model: Any) -> dict[str, int]:

@@ -1,0 +1,116 @@
+"""Save at one parallel layout, load at another: every expert comes back bit for bit, weights and AdamW moments.
+
+The layouts are :class:`conformance.layout.ParallelLayout`'s: EP groups of strided and of
+consecutive ranks, HSDP (``dp_replicate=2``), expert tensor parallelism (``etp=2``), FSDP2 or not,
+and both layer kinds, which save one checkpoint form.  Each test saves once and loads at every
+layout of its world, alternating the layer kind and FSDP, and compares each rank with the ep=1 run
+it makes itself (:func:`test_checkpoint.assert_matches_reference`), never with another rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_checkpoint import (
+    LAYERS,
+    LOAD_SEED,
+    OTHER_HP,
+    SAVE_SEED,
+    SAVED_HP,
+    assert_matches_reference,
+    train,
+)
+from torch import nn
+
+from conformance.layout import ParallelLayout
+from reference_impl import checkpoint
+from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, build_model
+
+#: every layout of a 4-rank world the matrix uses.
+LAYOUTS_4 = {
+    "ep1": ParallelLayout.for_world(4, 1),
+    "ep2": ParallelLayout.for_world(4, 2),
+    "ep2c": ParallelLayout.for_world(4, 2, ep_order="consecutive"),
+    "ep4": ParallelLayout.for_world(4, 4),
+    "ep2.hsdp2": ParallelLayout.for_world(4, 2, dp_replicate=2),
+    "ep1.hsdp2": ParallelLayout.for_world(4, 1, dp_replicate=2),
+    "ep1.etp2": ParallelLayout.for_world(4, 1, etp=2),
+    "ep2.etp2": ParallelLayout.for_world(4, 2, etp=2),
+    "ep2c.etp2": ParallelLayout.for_world(4, 2, etp=2, ep_order="consecutive"),
+}
+#: a few of an 8-rank world: ep up to 8, HSDP with expert TP, consecutive groups of 4.
+LAYOUTS_8 = {
+    "ep8": ParallelLayout.for_world(8, 8),
+    "ep2.etp2.hsdp2": ParallelLayout.for_world(8, 2, etp=2, dp_replicate=2),
+    "ep4c.etp2": ParallelLayout.for_world(8, 4, etp=2, ep_order="consecutive"),
+    "ep2c": ParallelLayout.for_world(8, 2, ep_order="consecutive"),
+}
+
+
+def build_at(config: MoEConfig, layout: ParallelLayout, fsdp: bool, seed: int, hp: dict[str, Any]
+             ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = build_model(config, LAYERS, seed)
+    mesh = layout.build_mesh()
+    apply_expert_parallel(model, mesh)
+    if fsdp:
+        apply_fsdp(model, mesh)
+    return model, torch.optim.AdamW(model.parameters(), foreach=False, **hp)
+
+
+def roundtrip(path: Path, layouts: dict[str, ParallelLayout], save: str, kind: str, fsdp: bool,
+              num_experts: int) -> int:
+    """Save at ``layouts[save]``, load at every layout (kind and FSDP alternating); how many loads."""
+    config = MoEConfig(num_experts=num_experts, kind=kind, hidden=24)  # type: ignore[arg-type]
+    other = "packed" if kind == "unpacked" else "unpacked"
+    model, optimizer = build_at(config, layouts[save], fsdp, SAVE_SEED, SAVED_HP)
+    train(model, optimizer)
+    case = f"{kind}/E={num_experts}/fsdp={fsdp} saved at {save}"
+    assert_matches_reference(model, optimizer, config, f"{case} (before saving)")
+    checkpoint.save(model, optimizer, path)
+    for i, (name, layout) in enumerate(layouts.items()):
+        load_config = replace(config, kind=kind if i % 2 == 0 else other)
+        load_fsdp = fsdp if i % 3 else not fsdp
+        model, optimizer = build_at(load_config, layout, load_fsdp, LOAD_SEED, OTHER_HP)
+        checkpoint.load(model, optimizer, path)
+        assert_matches_reference(model, optimizer, load_config,
+                                 f"{case}, loaded at {name} into {load_config.kind} fsdp={load_fsdp}")
+    return len(layouts)
+
+
+@pytest.mark.moe_ep_world(4)
+@pytest.mark.parametrize("save", list(LAYOUTS_4))
+@pytest.mark.parametrize("kind", ["unpacked", "packed"])
+def test_every_layout_pair_on_4_ranks(kind: str, save: str, moe_ep_shared_dir: Path) -> None:
+    fsdp = list(LAYOUTS_4).index(save) % 2 == 1
+    assert roundtrip(moe_ep_shared_dir / "ckpt", LAYOUTS_4, save, kind, fsdp, num_experts=6) == len(LAYOUTS_4)
+
+
+@pytest.mark.moe_ep_world(8)
+@pytest.mark.parametrize("save", ["ep2.etp2.hsdp2", "ep8"])
+def test_layouts_on_8_ranks(save: str, moe_ep_shared_dir: Path) -> None:
+    """ep up to 8 (E=6 leaves two ranks without experts), HSDP with expert TP, consecutive EP groups."""
+    roundtrip(moe_ep_shared_dir / "ckpt", LAYOUTS_8, save, "packed", save == "ep2.etp2.hsdp2", num_experts=6)
+
+
+@pytest.mark.moe_ep_world(4)
+def test_both_kinds_save_the_same_checkpoint_form(moe_ep_shared_dir: Path) -> None:
+    """The canonical form: a packed save at ep2.etp2 and an unpacked save at ep4c (FSDP) index the same tensors."""
+    indexes = []
+    for kind, layout, fsdp in (("packed", "ep2.etp2", False), ("unpacked", "ep2c", True)):
+        config = MoEConfig(num_experts=6, kind=kind)  # type: ignore[arg-type]
+        model, optimizer = build_at(config, LAYOUTS_4[layout], fsdp, SAVE_SEED, SAVED_HP)
+        train(model, optimizer)
+        path = moe_ep_shared_dir / f"ckpt-{kind}"
+        checkpoint.save(model, optimizer, path)
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        indexes.append({k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")})
+    packed, unpacked = indexes
+    assert packed == unpacked, f"keys only in one: {sorted(set(packed) ^ set(unpacked))[:6]}"
+    assert packed["model.layers.1.moe.experts.5.down.weight"] == (32, 64)
+    assert packed["optimizer.state.layers.1.moe.experts.5.up.weight.exp_avg"] == (64, 32)
+    assert not [k for k in packed if k.endswith("_w") or "_w." in k], "a packed [E, ...] tensor was saved"
