@@ -132,6 +132,13 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan) -> RankVerdic
     return verdict
 
 
+def load_errors() -> tuple[type[BaseException], ...]:
+    """What a failed load raises: any Exception, and DCP's CheckpointException (a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def _load(adapter: Any, cell: Cell, model: Any, optimizer: Any, path: str, findings: tuple[str, ...],
           verdict: RankVerdict) -> bool:
     """The framework's load; ``False`` when the cell is decided (a legacy refusal, or its absence)."""
@@ -140,12 +147,12 @@ def _load(adapter: Any, cell: Cell, model: Any, optimizer: Any, path: str, findi
     if cell.legacy and callable(check_saved):
         try:
             check_saved(model, path)
-        except Exception as exc:  # the framework's own guard refused before loading: that is the point
+        except load_errors() as exc:  # the framework's own guard refused before loading: that is the point
             verdict.refused = f"refused by check_saved: {_one_line(exc)}"
             return False
     try:
         adapter.load(model, optimizer, path)
-    except Exception as exc:
+    except load_errors() as exc:
         if cell.legacy:
             if refusals and isinstance(exc, refusals):
                 verdict.refused = f"refused by the load: {_one_line(exc)}"

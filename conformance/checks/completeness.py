@@ -51,7 +51,7 @@ def check_replicas(rank: int, held: set[Key], truth: set[Key], layout: ParallelL
     for group in layout.replica_groups(fsdp):
         union: set[Key] = set().union(*(by_rank[r] for r in group))
         lines += _missing_lines(truth - union, group)
+    if len(lines) > SHOWN:
+        lines[SHOWN - 1] += f" (and {len(lines) - SHOWN} more missing tensor families)"
     for line in lines[:SHOWN]:
         verdict.problem("missing", line)
-    if len(lines) > SHOWN:
-        verdict.problem("missing", f"... and {len(lines) - SHOWN} more missing tensor families")

@@ -1,0 +1,205 @@
+"""Seeded-bug adapters: the reference adapter with one real bug class planted each.
+
+They are the negative controls of the matrix's checks: each must be caught by the check named in
+its docstring (``tests/test_detection.py`` asserts which cells fail and how they read), while the
+reference itself passes every cell.  The bugs come from framework bug trackers:
+
+- :class:`StepNotRestored` -- the load leaves Adam's step count as it was (``scalars``, ``resume``);
+- :class:`MomentsDropped` -- the load leaves experts without optimizer state (``missing``);
+- :class:`PermutedExperts` -- save and load map the same wrong global ids, so the values round-trip
+  and only the checkpoint itself shows it (``checkpoint``);
+- :class:`GlobalRankAsEpRank` -- the EP split takes ``global_rank % ep`` as its EP rank, which is
+  right for consecutive EP groups and wrong for strided ones (``missing``, per replica group);
+- :class:`LegacyNeverRefused` -- a legacy guard that never refuses and a load that re-raises DCP's
+  error as ``RuntimeError`` (``refusal``);
+- :class:`LayerDropped` -- the save leaves out layer 1's experts; the load then fails, and the cell
+  still names the layer and experts (``checkpoint``).
+
+The checkpoint bugs are planted where a framework would have them: between the state dict and DCP
+(:func:`_dcp_with`), not in the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from conformance.adapter import Capabilities
+from conformance.adapters.reference import ReferenceAdapter
+
+_EXPERT_KEY = re.compile(r"(experts\.)(\d+)(\.)")
+
+
+def _rename(obj: Any, name: Callable[[str], str]) -> Any:
+    """``obj`` with every string key (and string in a list) renamed; tensors stay the same objects."""
+    if isinstance(obj, dict):
+        return {name(k) if isinstance(k, str) else k: _rename(v, name) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [name(x) if isinstance(x, str) else _rename(x, name) for x in obj]
+    return obj
+
+
+def _copy_back(into: dict[Any, Any], loaded: dict[Any, Any], name: Callable[[str], str]) -> None:
+    """Put what a load wrote into the renamed dict back under the original names."""
+    for key, value in into.items():
+        other = loaded.get(name(key) if isinstance(key, str) else key)
+        if isinstance(value, dict) and isinstance(other, dict):
+            _copy_back(value, other, name)
+        elif other is not None and not isinstance(value, list):
+            into[key] = other
+
+
+@contextlib.contextmanager
+def _dcp_with(save_name: Callable[[str], str] = lambda k: k, load_name: Callable[[str], str] | None = None,
+              drop: Callable[[str], bool] = lambda k: False) -> Iterator[None]:
+    """reference_impl.checkpoint's DCP calls with keys renamed (or dropped) on the way to the files."""
+    import reference_impl.checkpoint as ck
+
+    real = ck.dcp
+    load_name = load_name or save_name
+
+    class _Shim:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def save(state: dict[str, Any], **kwargs: Any) -> Any:
+            renamed = _rename(state, save_name)
+            for part in (renamed.get("model", {}), renamed.get("optimizer", {}).get("state", {})):
+                for key in [k for k in part if drop(k)]:
+                    del part[key]
+            return real.save(renamed, **kwargs)
+
+        @staticmethod
+        def load(state: dict[str, Any], **kwargs: Any) -> Any:
+            renamed = _rename(state, load_name)
+            result = real.load(renamed, **kwargs)
+            _copy_back(state, renamed, load_name)
+            return result
+
+    ck.dcp = _Shim()
+    try:
+        yield
+    finally:
+        ck.dcp = real
+
+
+class StepNotRestored(ReferenceAdapter):
+    """The load restores weights and moments but leaves each parameter's Adam ``step`` as it was."""
+
+    name = "seeded-step-not-restored"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        kept = {p: s["step"].clone() for p, s in optimizer.state.items()} if optimizer is not None else {}
+        super().load(model, optimizer, path)
+        for p, step in kept.items():
+            optimizer.state[p]["step"] = step
+
+
+class MomentsDropped(ReferenceAdapter):
+    """The load leaves every expert parameter without optimizer state (as if its moments were never saved)."""
+
+    name = "seeded-moments-dropped"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.moe import moe_layers
+
+        super().load(model, optimizer, path)
+        if optimizer is None:
+            return
+        for _, moe in moe_layers(model):
+            experts = moe.experts.parameters() if moe.kind == "unpacked" else (getattr(moe, w)
+                                                                                for w in moe.packed_weights())
+            for p in experts:
+                optimizer.state.pop(p, None)
+
+
+def _reversed_experts(num_experts: int) -> Callable[[str], str]:
+    return lambda key: _EXPERT_KEY.sub(lambda m: f"{m[1]}{num_experts - 1 - int(m[2])}{m[3]}", key)
+
+
+class PermutedExperts(ReferenceAdapter):
+    """Save and load both file global expert ``g`` under ``E - 1 - g``: values round-trip, the checkpoint is wrong."""
+
+    name = "seeded-permuted-experts"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(_reversed_experts(_num_experts(model))):
+            super().save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(_reversed_experts(_num_experts(model))):
+            super().load(model, optimizer, path)
+
+
+class LayerDropped(ReferenceAdapter):
+    """The save leaves layer 1's experts (weights and moments) out of the checkpoint."""
+
+    name = "seeded-layer-dropped"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(drop=lambda key: key.startswith("layers.1.moe.experts.")):
+            super().save(model, optimizer, path)
+
+
+def _num_experts(model: Any) -> int:
+    from reference_impl.moe import moe_layers
+
+    return next(moe for _, moe in moe_layers(model)).num_experts
+
+
+class _GlobalRankEpMesh:
+    """The ep mesh, except that its "local rank" is the global rank modulo its size (the bug)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self._mesh = mesh
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._mesh, attr)
+
+    def get_local_rank(self, *args: Any, **kwargs: Any) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() % self._mesh.size()
+
+
+class _MeshWithBuggyEp:
+    def __init__(self, mesh: Any) -> None:
+        self._mesh = mesh
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._mesh, attr)
+
+    def __getitem__(self, dims: Any) -> Any:
+        found = self._mesh[dims]
+        return _GlobalRankEpMesh(found) if dims == "ep" else found
+
+
+class GlobalRankAsEpRank(ReferenceAdapter):
+    """The EP split takes ``global_rank % ep`` for the EP rank (unpacked layers, EP only)."""
+
+    name = "seeded-global-rank-as-ep-rank"
+    capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=True, max_ep=64,
+                                format="dcp", ep_orders=("strided", "consecutive"))
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
+        return super().build(spec, None if mesh is None else _MeshWithBuggyEp(mesh), seed)
+
+
+class LegacyNeverRefused(ReferenceAdapter):
+    """A legacy guard that never refuses, and a load that re-raises whatever DCP raised as RuntimeError."""
+
+    name = "seeded-legacy-never-refused"
+    check_saved = None  # type: ignore[assignment]
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.checkpoint import load
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            load(model, optimizer, path, check_saved=False)
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+            raise RuntimeError(f"load failed: {exc}") from exc

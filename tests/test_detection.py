@@ -1,0 +1,99 @@
+"""Every check's negative control: a seeded-bug adapter (``tests/seeded_bugs.py``) the default tier catches.
+
+Each test runs ``pytest --moe-ep-matrix`` (the default, covering tier) on one seeded bug in a
+pytester subprocess and asserts which cells fail and that each failing cell's first line names the
+check, the rank and the layer/expert (or the checkpoint key and experts).  The reference adapter
+passes the same tier (``test_matrix.py``), so every failure here is the planted bug's.  About 20 s
+per bug on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SEEDED = (Path(__file__).parent / "seeded_bugs.py").read_text()
+
+
+def run_default_tier(pytester: pytest.Pytester, adapter: str) -> dict[str, dict[str, Any]]:
+    pytester.makepyfile(seeded_bugs=SEEDED)
+    out = pytester.path / "out"
+    result = pytester.runpytest_subprocess("--moe-ep-matrix", f"--moe-ep-adapter=seeded_bugs:{adapter}",
+                                           f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
+    doc = json.loads((out / "moe-ep-conformance.json").read_text())
+    assert doc["tier"] == "default"
+    cells = {c["id"].removeprefix("moe-ep-matrix::checkpoint::"): c for c in doc["cells"]}
+    assert result.ret == (pytest.ExitCode.TESTS_FAILED if any(c["status"] in ("fail", "error")
+                                                                for c in cells.values()) else 0)
+    return cells
+
+
+def failing(cells: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Failing cell -> the first line of its diagnosis."""
+    return {i: c["detail"].splitlines()[0] for i, c in cells.items() if c["status"] in ("fail", "error")}
+
+
+def ran(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {i: c for i, c in cells.items() if c["status"] != "n/a"}
+
+
+def test_an_unrestored_optimizer_step_is_caught_in_every_model_optim_cell(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "StepNotRestored")
+    optim = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]}
+    assert optim and set(failing(cells)) == optim
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"\[scalars\] rank \d: optimizer scalar 'step' = \[3\.0\] after the load, expected \[2\.0\]",
+                        first), (cell_id, first)
+
+
+def test_experts_left_without_optimizer_state_are_named_per_replica(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "MomentsDropped")
+    optim = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]}
+    assert optim and set(failing(cells)) == optim
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"\[missing\] after the load the ranks \[[\d, ]+\] \(one replica\) hold no "
+                        r"'(gate|up|down)\.exp_avg(_sq)?' of layer \d, experts? [\d.]+", first), (cell_id, first)
+
+
+def test_a_permutation_that_round_trips_is_caught_by_the_checkpoint_itself(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "PermutedExperts")
+    checked = {i for i, c in ran(cells).items() if not c["legacy"]}
+    assert checked and set(failing(cells)) == checked  # every value came back right: only the files are wrong
+    for cell_id, first in failing(cells).items():
+        assert first.startswith("[checkpoint] checkpoint: layer "), (cell_id, first)
+        assert "ep=1 checkpoint" in first and "expert" in first, (cell_id, first)
+        assert "first difference" not in cells[cell_id]["detail"], cells[cell_id]["detail"]
+
+
+def test_the_global_rank_as_ep_rank_is_caught_where_ep_groups_are_strided(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "GlobalRankAsEpRank")
+    # At 4 ranks, ep=2: strided EP groups are ranks {0, 2} and {1, 3}, where rank % 2 is not the EP rank;
+    # in consecutive groups ({0, 1}, {2, 3}) and at ep=1 or ep=4 it is, and the bug is invisible.
+    strided = {i for i, c in ran(cells).items() if c["load_layout"] == "ep2" and not c["legacy"]}
+    assert strided and set(failing(cells)) == strided
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"\[missing\] after the load the ranks \[0, 2\] \(one replica\) hold no '\w+(\.\w+)?' of "
+                        r"layer \d, experts \d\.\.\d", first), (cell_id, first)
+
+
+def test_a_legacy_load_that_fails_without_a_declared_refusal_is_not_a_refusal(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "LegacyNeverRefused")
+    legacy = {i for i, c in ran(cells).items() if c["legacy"]}
+    assert legacy and set(failing(cells)) == legacy
+    for cell_id, first in failing(cells).items():
+        assert first.startswith("legacy checkpoint not refused: the load "), (cell_id, first)
+    assert any("failed with RuntimeError: load failed" in f for f in failing(cells).values())
+
+
+def test_a_load_that_raises_still_names_the_layer_and_experts(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "LayerDropped")
+    checked = {i for i, c in ran(cells).items() if not c["legacy"]}
+    assert checked and set(failing(cells)) == checked
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["status"] == "error", cells[cell_id]
+        assert "raised LoadFailed: the checkpoint does not hold every expert under its global id: layer 1, " \
+               in first, (cell_id, first)
