@@ -6,8 +6,10 @@ reference itself passes every cell.  The bugs come from framework bug trackers:
 
 - :class:`StepNotRestored` -- the load leaves Adam's step count as it was (``scalars``, ``resume``);
 - :class:`MomentsDropped` -- the load leaves experts without optimizer state (``missing``);
-- :class:`PermutedExperts` -- save and load map the same wrong global ids, so the values round-trip
-  and only the checkpoint itself shows it (``checkpoint``);
+- :class:`PermutedExperts` -- save and load name experts as if EP placed them round-robin
+  (``local * ep + ep_rank``) while they sit in contiguous ranges: at the same EP degree the values
+  round-trip and only the checkpoint itself shows it (``checkpoint``); across EP degrees the
+  values go wrong too (``values``);
 - :class:`GlobalRankAsEpRank` -- the EP split takes ``global_rank % ep`` as its EP rank, which is
   right for consecutive EP groups and wrong for strided ones (``missing``, per replica group);
 - :class:`LegacyNeverRefused` -- a legacy guard that never refuses and a load that re-raises DCP's
@@ -41,13 +43,15 @@ def _rename(obj: Any, name: Callable[[str], str]) -> Any:
     return obj
 
 
-def _copy_back(into: dict[Any, Any], loaded: dict[Any, Any], name: Callable[[str], str]) -> None:
-    """Put what a load wrote into the renamed dict back under the original names."""
-    for key, value in into.items():
-        other = loaded.get(name(key) if isinstance(key, str) else key)
-        if isinstance(value, dict) and isinstance(other, dict):
+def _copy_back(into: Any, loaded: Any, name: Callable[[str], str]) -> None:
+    """Put what a load wrote into the renamed dict (param-group settings included) back under the original names."""
+    pairs = (((k, loaded.get(name(k) if isinstance(k, str) else k)) for k in list(into)) if isinstance(into, dict)
+             else zip(range(len(into)), loaded, strict=False))
+    for key, other in pairs:
+        value = into[key]
+        if isinstance(value, (dict, list)) and isinstance(other, type(value)):
             _copy_back(value, other, name)
-        elif other is not None and not isinstance(value, list):
+        elif other is not None and not isinstance(value, str):  # names (a group's "params") stay ours
             into[key] = other
 
 
@@ -116,21 +120,36 @@ class MomentsDropped(ReferenceAdapter):
                 optimizer.state.pop(p, None)
 
 
-def _reversed_experts(num_experts: int) -> Callable[[str], str]:
-    return lambda key: _EXPERT_KEY.sub(lambda m: f"{m[1]}{num_experts - 1 - int(m[2])}{m[3]}", key)
+def _round_robin_names(model: Any) -> Callable[[str], str]:
+    """Global id ``g`` (contiguous placement) renamed ``(g - start) * ep + ep_rank``: the bug's ids."""
+    from reference_impl.layout import expert_owner, expert_range
+    from reference_impl.moe import moe_layers
+
+    moe = next(moe for _, moe in moe_layers(model))
+    num_experts, ep = moe.num_experts, moe.ep_world_size
+
+    def rename(match: re.Match[str]) -> str:
+        g = int(match[2])
+        owner = expert_owner(g, num_experts, ep)
+        return f"{match[1]}{(g - expert_range(num_experts, ep, owner)[0]) * ep + owner}{match[3]}"
+
+    return lambda key: _EXPERT_KEY.sub(rename, key)
 
 
 class PermutedExperts(ReferenceAdapter):
-    """Save and load both file global expert ``g`` under ``E - 1 - g``: values round-trip, the checkpoint is wrong."""
+    """Experts filed under round-robin ids (see the module docstring); even E % ep only."""
 
     name = "seeded-permuted-experts"
+    capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=False, max_ep=64,
+                                format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"), hsdp=True,
+                                etp=True)
 
     def save(self, model: Any, optimizer: Any, path: str) -> None:
-        with _dcp_with(_reversed_experts(_num_experts(model))):
+        with _dcp_with(_round_robin_names(model)):
             super().save(model, optimizer, path)
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        with _dcp_with(_reversed_experts(_num_experts(model))):
+        with _dcp_with(_round_robin_names(model)):
             super().load(model, optimizer, path)
 
 
@@ -195,9 +214,9 @@ class LegacyNeverRefused(ReferenceAdapter):
     check_saved = None  # type: ignore[assignment]
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        from reference_impl.checkpoint import load
-
         from torch.distributed.checkpoint.api import CheckpointException
+
+        from reference_impl.checkpoint import load
 
         try:
             load(model, optimizer, path, check_saved=False)

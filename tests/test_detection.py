@@ -61,12 +61,17 @@ def test_experts_left_without_optimizer_state_are_named_per_replica(pytester: py
 
 def test_a_permutation_that_round_trips_is_caught_by_the_checkpoint_itself(pytester: pytest.Pytester) -> None:
     cells = run_default_tier(pytester, "PermutedExperts")
-    checked = {i for i, c in ran(cells).items() if not c["legacy"]}
-    assert checked and set(failing(cells)) == checked  # every value came back right: only the files are wrong
+    # Round-robin ids equal contiguous ones at ep=1 and at ep=E=4: only a side at ep=2 is wrong.
+    wrong = {i for i, c in ran(cells).items() if 2 in (c["save_ep"], c["load_ep"]) and not c["legacy"]}
+    assert wrong and set(failing(cells)) == wrong
+    same_ep = {i for i in wrong if cells[i]["save_ep"] == cells[i]["load_ep"] == 2}
+    assert same_ep, "the default tier has no cell that saves and loads at ep=2"
+    for cell_id in same_ep:  # every value came back right: only the files are wrong
+        detail = cells[cell_id]["detail"]
+        assert detail.startswith("[checkpoint] checkpoint: layer ") and "ep=1 checkpoint" in detail, detail
+        assert "first difference" not in detail, detail
     for cell_id, first in failing(cells).items():
-        assert first.startswith("[checkpoint] checkpoint: layer "), (cell_id, first)
-        assert "ep=1 checkpoint" in first and "expert" in first, (cell_id, first)
-        assert "first difference" not in cells[cell_id]["detail"], cells[cell_id]["detail"]
+        assert re.search(r"layer \d.*expert", first), (cell_id, first)
 
 
 def test_the_global_rank_as_ep_rank_is_caught_where_ep_groups_are_strided(pytester: pytest.Pytester) -> None:
