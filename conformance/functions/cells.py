@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from conformance.layout import MESH_DIMS, ParallelLayout
+
 __all__ = ["FUNCTIONS", "NUM_EXPERTS", "REFERENCE", "FunctionsCell", "functions_cells", "load_functions",
            "missing_functions", "parse_placements"]
 
@@ -50,6 +52,8 @@ class FunctionsCell:
     names: tuple[str, ...]
     placements: str
     k: int
+    #: the global ranks in mesh order (nested lists); ``None``: row-major, as init_device_mesh places them.
+    ranks: Any = None
 
     @property
     def world_size(self) -> int:
@@ -73,6 +77,16 @@ def functions_cells() -> list[FunctionsCell]:
         FunctionsCell("tp+Shard(2)", (4,), ("tp",), "(Shard(2),)", 4),
         FunctionsCell("ep+Replicate", (3,), ("ep",), "(Replicate(),)", 3),
     ]
+    # The matrix's own meshes (conformance.layout): EP inside (dp_replicate, ep, dp_shard, etp), its
+    # groups strided and consecutive, and an expert-tensor-parallel dim sharding the hidden axis.
+    for order in ("strided", "consecutive"):
+        layout = ParallelLayout.for_world(4, 2, ep_order=order)
+        cells.append(FunctionsCell(f"layout:{layout.fragment}", layout.shape, MESH_DIMS,
+                                   "(Replicate(), Shard(0), Replicate(), Replicate())", 2,
+                                   layout.rank_grid() if order != "strided" else None))
+    etp = ParallelLayout.for_world(4, 2, etp=2)
+    cells.append(FunctionsCell(f"layout:{etp.fragment}", etp.shape, MESH_DIMS,
+                               "(Replicate(), Shard(0), Replicate(), Shard(1))", 2))
     return cells
 
 

@@ -370,7 +370,7 @@ def check_functions(module: str, cell: FunctionsCell, num_experts: Sequence[int]
                                             "inputs": short(case.inputs, 2 * TEXT_LIMIT),
                                             "expected": expected.text, "got": got.text})
 
-    mesh = device_mesh(cell.shape, cell.names)
+    mesh = device_mesh(cell.shape, cell.names, cell.ranks)
     placements = parse_placements(cell.placements)
     if len(placements) != len(cell.shape):
         raise ValueError(f"{cell}: {len(placements)} placements for a {len(cell.shape)}-dim mesh")
