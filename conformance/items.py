@@ -137,7 +137,8 @@ class CheckpointCellItem(MatrixItem):
         finally:
             saves.finished(self.cell, plan, result.values[0].findings if ok else None)
         verdicts: list[RankVerdict] = result.values
-        phases = [k for k in ("build", "save", "inspect", "load") if any(k in v.timings for v in verdicts)]
+        phases = [k for k in ("build", "save", "inspect", "load", "adapter", "total")
+                  if any(k in v.timings for v in verdicts)]
         self.record["timings"] = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
         self.record["shared_save"] = not plan.save
         self.record["skipped_checks"] = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))

@@ -32,6 +32,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                    default="4")
     ini_and_option(parser, "experts", "expert counts E of the matrix's cells, comma-separated (default 4,6: one "
                    "even and one uneven count)", default="4,6")
+    parser.addini("moe_ep_share_saves", "one save feeds every cell that loads it (default true; false makes each "
+                  "cell write its own, the benchmark's baseline)", type="bool", default=True)
     group.addoption("--moe-ep-functions", dest="moe_ep_functions", default=None, metavar="MODULE",
                     help="check a module exposing the nine expert-slice functions against the reference "
                     "(a built-in name such as nemo_automodel, or a dotted module path)")

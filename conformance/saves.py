@@ -27,6 +27,10 @@ def save_key(cell: Cell) -> tuple[Any, ...]:
     return (cell.save_kind, cell.state, cell.fsdp, cell.save, cell.num_experts, cell.legacy)
 
 
+def _key(cell: Cell, share: bool) -> tuple[Any, ...]:
+    return save_key(cell) if share else (cell,)
+
+
 def truth_key(cell: Cell) -> tuple[Any, ...]:
     return (cell.save_kind, cell.state, cell.num_experts)
 
@@ -45,16 +49,18 @@ class Saves:
 
     engine: Any
     adapter: Any
+    #: ``False``: every cell writes its own checkpoint (the benchmark's baseline for what sharing saves).
+    share: bool = True
     saves: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
     truths: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
 
     def count_readers(self, cells: list[Cell]) -> None:
-        readers = Counter(save_key(c) for c in cells if not c.na)
+        readers = Counter(_key(c, self.share) for c in cells if not c.na)
         for key, n in readers.items():
             self.saves.setdefault(key, _Entry()).readers_left = n
 
     def plan(self, cell: Cell) -> CellPlan:
-        entry = self.saves.setdefault(save_key(cell), _Entry(readers_left=1))
+        entry = self.saves.setdefault(_key(cell, self.share), _Entry(readers_left=1))
         if entry.path is None:
             entry.path = str(self.engine.shared_dir(cell.node_name))
         truth_path, save_truth = None, False
@@ -68,7 +74,7 @@ class Saves:
 
     def finished(self, cell: Cell, plan: CellPlan, findings: tuple[str, ...] | None) -> None:
         """After the cell's world call: ``findings`` is ``None`` when the call failed."""
-        entry = self.saves[save_key(cell)]
+        entry = self.saves[_key(cell, self.share)]
         if plan.truth_path is not None:
             self.truths[truth_key(cell)].written |= findings is not None
         if findings is not None and plan.save:
@@ -76,7 +82,7 @@ class Saves:
         entry.readers_left -= 1
         if entry.readers_left <= 0 and entry.path is not None:
             self._remove(entry.path)
-            del self.saves[save_key(cell)]
+            del self.saves[_key(cell, self.share)]
 
     def _remove(self, path: str) -> None:
         if getattr(self.engine, "rank", 0) == 0:  # under torchrun the ranks share rank 0's directory

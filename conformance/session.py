@@ -171,7 +171,7 @@ class MatrixSession:
         if self.adapter is not None:
             from conformance.saves import Saves
 
-            self.saves = Saves(engine, self.adapter)
+            self.saves = Saves(engine, self.adapter, share=bool(config.getini("moe_ep_share_saves")))
         # Report the cells as collected, so "collected N items" and -k's counts include them.
         config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, cell_items))
         items.extend(cell_items)

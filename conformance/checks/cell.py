@@ -46,6 +46,29 @@ class CellPlan:
     findings: tuple[str, ...] = ()
 
 
+class _Timed:
+    """The adapter, with the time spent in its members added up (``timings["adapter"]``), so the report can
+    tell the framework's own work from the harness's."""
+
+    MEMBERS = frozenset({"build", "save", "save_legacy", "load", "check_saved", "step", "scalars", "forward"})
+
+    def __init__(self, adapter: Any, timings: dict[str, float]) -> None:
+        self.__wrapped__, self._timings = adapter, timings
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.__wrapped__, name)
+        if name not in self.MEMBERS or not callable(found):
+            return found
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return found(*args, **kwargs)
+            finally:
+                self._timings["adapter"] = self._timings.get("adapter", 0.0) + time.perf_counter() - t0
+        return timed
+
+
 class LoadFailed(Exception):
     """The framework's load raised; the message leads with what is wrong with the checkpoint, in expert terms."""
 
@@ -89,8 +112,16 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan) -> RankVerdic
     """The whole experiment of ``cell`` on this rank; its verdict goes back to the controller."""
     import torch.distributed as dist
 
+    started = time.perf_counter()
     rank = dist.get_rank()
     verdict = RankVerdict(rank, shared_save=not plan.save)
+    try:
+        return _run(_Timed(adapter, verdict.timings), cell, base, plan, rank, verdict)
+    finally:
+        verdict.timings["total"] = time.perf_counter() - started
+
+
+def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdict: RankVerdict) -> RankVerdict:
     optim = cell.state == "model+optim"
     save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
     if plan.save_truth and plan.truth_path:

@@ -50,7 +50,8 @@ _TRUTHS: dict[tuple[Any, ...], Truth] = {}
 def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
     """The ep=1 build with seed A, on this rank alone (no communication); cached."""
     spec = truth_spec(spec)
-    key = (type(adapter).__module__, type(adapter).__qualname__, str(adapter.version), spec)
+    kind = type(getattr(adapter, "__wrapped__", adapter))
+    key = (kind.__module__, kind.__qualname__, str(adapter.version), spec)
     if key not in _TRUTHS:
         if len(_TRUTHS) >= 32:
             _TRUTHS.clear()
