@@ -173,11 +173,14 @@ class ExpertLayout:
         local, region = local_region(value)
         ep_name = moe.ep_mesh.mesh_dim_names[0]
         if isinstance(value, DTensor):
-            root, names = _root_mesh(moe.ep_mesh), value.device_mesh.mesh_dim_names or ()
-            if _root_mesh(value.device_mesh) is not root or not names:
+            # Torch may hand out one cached submesh for equal rank groups of different root meshes, so
+            # "the same device mesh" is checked by dim names and ranks, not by object identity.
+            root, names = _root_mesh(moe.ep_mesh), tuple(value.device_mesh.mesh_dim_names or ())
+            order = root.mesh_dim_names or ()
+            if (not names or any(n not in order for n in names)
+                    or root[names].mesh.tolist() != value.device_mesh.mesh.tolist()):
                 raise ValueError(f"{key!r}: its mesh {value.device_mesh} and the ep mesh {moe.ep_mesh} of MoE "
                                  f"layer {moe.name!r} do not come from one device mesh with named dims")
-            order = root.mesh_dim_names
             placement_of = {**dict(zip(names, value.placements, strict=True)), ep_name: Shard(0)}
             early = [n for n in names if order.index(n) < order.index(ep_name)
                      and isinstance(placement_of[n], Shard) and placement_of[n].dim == 0]

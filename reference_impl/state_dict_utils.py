@@ -43,6 +43,9 @@ __all__ = [
 
 #: mesh dim names create_dtensor_from_local understands, and the placement each one means.
 EXPERT_MESH_DIMS = ("ep", "ep_shard", "ep_replicate")
+#: the dims of a full parallel-layout mesh (conformance.layout.ParallelLayout): data-parallel dims
+#: replicate a rank's experts, ``etp`` splits each expert's hidden axis.
+LAYOUT_MESH_DIMS = ("dp_replicate", "ep", "dp_shard", "etp")
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -288,7 +291,8 @@ def _gather_local_shapes(
 
 
 def create_dtensor_from_local(
-    local_tensor: torch.Tensor, device_mesh: DeviceMesh | None, rank: int | None = None
+    local_tensor: torch.Tensor, device_mesh: DeviceMesh | None, rank: int | None = None, *,
+    etp_dim: int | None = None,
 ) -> torch.Tensor:
     """Wrap this rank's experts as a DTensor with the right global shape; None mesh returns them as is.
 
@@ -299,6 +303,11 @@ def create_dtensor_from_local(
 
     Mesh dims: ``ep`` shards experts (``Shard(0)``); ``ep_shard`` (``Shard(1)``) and ``ep_replicate``
     (``Replicate()``) are used only when one of them has size > 1, else the ep submesh alone is used.
+    A parallel-layout mesh (:data:`LAYOUT_MESH_DIMS`, EP groups strided or consecutive) is read the
+    same way: ``dp_replicate`` and ``dp_shard`` replicate the rank's experts, and ``etp`` (expert
+    tensor parallelism) shards axis ``etp_dim`` of them, the hidden axis, which only the caller
+    knows (``[E, hidden, dim]`` -> 1, ``[E, dim, hidden]`` -> 2); the DTensor uses ``ep`` and the
+    dims of size > 1.
     The tensor moves to the mesh's device type (``rank`` picks the CUDA device, else the current one);
     when it is already there nothing is copied.
     """
@@ -311,16 +320,28 @@ def create_dtensor_from_local(
     names = device_mesh.mesh_dim_names
     if names is None:
         raise ValueError(f"create_dtensor_from_local needs a mesh with dim names among {EXPERT_MESH_DIMS}")
-    unknown = [n for n in names if n not in EXPERT_MESH_DIMS]
+    unknown = [n for n in names if n not in EXPERT_MESH_DIMS + LAYOUT_MESH_DIMS]
     if unknown:
         raise ValueError(
             f"create_dtensor_from_local got mesh dim {', '.join(map(repr, unknown))} (mesh dims {names}); "
-            f"allowed names are {EXPERT_MESH_DIMS}"
+            f"allowed names are {EXPERT_MESH_DIMS} or {LAYOUT_MESH_DIMS}"
         )
-    inner = any(device_mesh.size(names.index(n)) > 1 for n in ("ep_shard", "ep_replicate") if n in names)
-    mesh = device_mesh if inner or "ep" not in names else get_submesh(device_mesh, ("ep",))
+    placement_of: dict[str, Placement] = {"ep": Shard(0), "ep_shard": Shard(1), "ep_replicate": Replicate(),
+                                          "dp_replicate": Replicate(), "dp_shard": Replicate()}
+    size = {n: device_mesh.size(i) for i, n in enumerate(names)}
+    if size.get("etp", 1) > 1:
+        if isinstance(etp_dim, bool) or not isinstance(etp_dim, int) or not 1 <= etp_dim < local_tensor.ndim:
+            raise ValueError(f"the mesh's etp dim (size {size['etp']}) splits each expert's hidden axis; pass "
+                             f"etp_dim, that axis of local_tensor (shape {tuple(local_tensor.shape)}): an int in "
+                             f"[1, {local_tensor.ndim}), got {etp_dim!r}")
+        placement_of["etp"] = Shard(etp_dim)
+    if any(n in ("dp_replicate", "dp_shard", "etp") for n in names):
+        kept = tuple(n for n in names if n == "ep" or size[n] > 1)
+    else:
+        inner = any(size[n] > 1 for n in ("ep_shard", "ep_replicate") if n in names)
+        kept = names if inner or "ep" not in names else ("ep",)
+    mesh = device_mesh if kept == names else get_submesh(device_mesh, kept)
     mesh_names = mesh.mesh_dim_names or ()
-    placement_of = {"ep": Shard(0), "ep_shard": Shard(1), "ep_replicate": Replicate()}
     placements = [placement_of[n] for n in mesh_names]
     if "ep_shard" in mesh_names and local_tensor.ndim < 2:
         raise ValueError(f"ep_shard shards dim 1, but local_tensor has shape {tuple(local_tensor.shape)}")
@@ -336,14 +357,15 @@ def create_dtensor_from_local(
     local_shape = tuple(local_tensor.shape)
     for dim, name in enumerate(mesh_names):
         shapes, ranks = _gather_local_shapes(local_shape, mesh, dim)
-        if name == "ep_replicate":
+        placement = placement_of[name]
+        if not isinstance(placement, Shard):
             if len(set(shapes)) > 1:
                 raise ValueError(
-                    f"local shapes over the ep_replicate group (global ranks {ranks}) are {shapes}: "
-                    "ep_replicate replicates, so they must all be equal"
+                    f"local shapes over the {name} group (global ranks {ranks}) are {shapes}: "
+                    f"{name} replicates, so they must all be equal"
                 )
             continue
-        axis = placement_of[name].dim
+        axis = placement.dim
         counts = [s[axis] for s in shapes]
         if any(s[:axis] + s[axis + 1 :] != local_shape[:axis] + local_shape[axis + 1 :] for s in shapes):
             raise ValueError(

@@ -2,7 +2,7 @@
 
 Every test runs on each rank of one persistent 4-rank gloo world.  The expected values never come
 from another rank: each rank builds and trains an ep=1 model itself (weights and gradients are pure
-functions of global names), and :func:`reference_impl.moe.global_regions` says which part of that
+functions of global names), and :func:`reference_impl.regions.global_regions` says which part of that
 model a rank's (split, FSDP-sharded) parameter is.
 
 Meshes on 4 ranks are ``(ep, dp_shard)``: ep=1 -> (1, 4), ep=2 -> (2, 2), ep=4 -> (4, 1).  With

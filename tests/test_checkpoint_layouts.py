@@ -114,3 +114,20 @@ def test_both_kinds_save_the_same_checkpoint_form(moe_ep_shared_dir: Path) -> No
     assert packed["model.layers.1.moe.experts.5.down.weight"] == (32, 64)
     assert packed["optimizer.state.layers.1.moe.experts.5.up.weight.exp_avg"] == (64, 32)
     assert not [k for k in packed if k.endswith("_w") or "_w." in k], "a packed [E, ...] tensor was saved"
+
+
+@pytest.mark.moe_ep_world(4)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+def test_old_packed_form_still_loads_into_packed_layers_at_every_layout(fsdp: bool, moe_ep_shared_dir: Path) -> None:
+    """An ep=1 packed run's raw save (``up_w`` ``[E, ...]``, the form before per-expert keys) loads at any layout."""
+    config = MoEConfig(num_experts=6, kind="packed", hidden=24)
+    model, optimizer = build_at(config, LAYOUTS_4["ep1"], fsdp, SAVE_SEED, SAVED_HP)
+    train(model, optimizer)
+    path = moe_ep_shared_dir / "old-packed"
+    checkpoint.save_legacy(model, optimizer, path)  # at ep=1 the raw state dict is whole: the old packed form
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert tuple(metadata["model.layers.0.moe.up_w"].size) == (6, 24, 32)
+    for name, layout in LAYOUTS_4.items():
+        model, optimizer = build_at(config, layout, fsdp, LOAD_SEED, OTHER_HP)
+        checkpoint.load(model, optimizer, path)
+        assert_matches_reference(model, optimizer, config, f"old packed form (fsdp={fsdp}) loaded at {name}")
