@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
-from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges
+from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
 
@@ -40,6 +40,12 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
     ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).
     ``names``: what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
     """
+    with paused_gc():
+        return _compare(got, want, values, patterns, ignore, memory_bytes, names)
+
+
+def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns: Sequence[KeyPattern],
+             ignore: Sequence[str], memory_bytes: int, names: tuple[str, str]) -> list[Finding]:
     skip = [re.compile(r) for r in ignore]
     g_keys = [k for k in got.entries if not any(r.search(k) for r in skip)]
     w_keys = [k for k in want.entries if not any(r.search(k) for r in skip)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
-from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges
+from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 
 __all__ = ["ExpertGroup", "Inspection", "inspect_index"]
 
@@ -77,17 +77,33 @@ def _overlaps(chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool
     return False
 
 
+_CHUNK_VERDICTS: dict[tuple[Any, Any], tuple[int, int, bool]] = {}
+
+
+def _chunk_verdict(shape: tuple[int, ...], chunks: Any) -> tuple[int, int, bool]:
+    """``(elements, elements the chunks hold, overlap)``, cached: most keys share a few layouts."""
+    verdict = _CHUNK_VERDICTS.get((shape, chunks))
+    if verdict is None:
+        if len(_CHUNK_VERDICTS) > 100_000:
+            _CHUNK_VERDICTS.clear()
+        total = math.prod(shape)
+        volume = sum(math.prod(s) for _, s in chunks)
+        verdict = _CHUNK_VERDICTS[(shape, chunks)] = (total, volume, volume >= total and _overlaps(chunks))
+    return verdict
+
+
 def _chunk_findings(entry: Entry, info: KeyInfo) -> list[Finding]:
     if not entry.shape or _whole(entry):
         return []
-    total = math.prod(entry.shape)
-    volume = sum(math.prod(s) for _, s in entry.chunks)
+    total, volume, overlap = _chunk_verdict(entry.shape, entry.chunks)
+    if volume == total and not overlap:
+        return []
     out = []
-    if volume < total or (volume > total and not _overlaps(entry.chunks)):
+    if volume < total or (volume > total and not overlap):
         out.append(Finding("chunk_hole", entry.key, f"its {len(entry.chunks)} chunk(s) cover {volume} of "
                            f"{total} elements of shape {entry.shape}", info.layer,
                            (info.expert,) if info.expert is not None else ()))
-    if volume >= total and _overlaps(entry.chunks):
+    if overlap:
         out.append(Finding("chunk_overlap", entry.key, f"its {len(entry.chunks)} chunks overlap (they hold "
                            f"{volume} elements for {total})", info.layer,
                            (info.expert,) if info.expert is not None else ()))
@@ -131,6 +147,11 @@ def _ep_hint(num_experts: int, held: int) -> str:
 def inspect_index(index: CheckpointIndex, num_experts: int | None = None,
                   patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> Inspection:
     """Every layer's experts present once, with global extent; optimizer state for every expert."""
+    with paused_gc():
+        return _inspect(index, num_experts, patterns)
+
+
+def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence[KeyPattern]) -> Inspection:
     entries = index.entries
     infos = classify_keys(entries, patterns)
     findings: list[Finding] = list(index.problems)
