@@ -229,12 +229,22 @@ def test_chunk_holes_and_duplicates(tmp_path: Path) -> None:
 
 
 # -- bad input, CLI -------------------------------------------------------------------------------
-def cli(*args: str) -> tuple[int, str, str]:
+def cli(*args: str, cwd: Path | None = None) -> tuple[int, str, str]:
     """The real command line, in a subprocess: exit status, stdout, stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "conformance.inspect", *args], capture_output=True, text=True,
-                         env=env, timeout=120)
+                         env=env, timeout=120, cwd=cwd)
     return run.returncode, run.stdout, run.stderr
+
+
+def test_metadata_inspection_imports_no_torch(truths: dict[str, Any]) -> None:
+    """Reading and inspecting metadata runs no code from the file and needs no torch (fast start)."""
+    code = ("import sys; from conformance.inspection import read_checkpoint, inspect_index; "
+            f"r = inspect_index(read_checkpoint({str(truths['unpacked'][0])!r})); "
+            "assert r.clean and r.num_experts == 6, r; assert 'torch' not in sys.modules; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.stdout.strip() == "ok", run.stderr
 
 
 def test_cli_exit_codes_json_and_no_writes(truths: dict[str, Any], tmp_path: Path) -> None:
@@ -254,8 +264,13 @@ def test_cli_exit_codes_json_and_no_writes(truths: dict[str, Any], tmp_path: Pat
     assert main([str(good), "--experts", "6"]) == 0  # in process too: the console script's entry point
 
 
+class _RunsCode:
+    def __reduce__(self) -> Any:
+        return (os.system, ("touch ran-code",))
+
+
 @pytest.mark.parametrize("case", ["missing", "empty_dir", "a_file", "truncated", "garbage", "metadata_is_dir",
-                                  "missing_data_file", "bad_regex"])
+                                  "missing_data_file", "bad_regex", "runs_code"])
 def test_bad_input_is_one_line_and_exit_2(case: str, truths: dict[str, Any], tmp_path: Path) -> None:
     target, extra, expect = tmp_path / "ckpt", [], ""
     if case == "empty_dir":
@@ -281,11 +296,16 @@ def test_bad_input_is_one_line_and_exit_2(case: str, truths: dict[str, Any], tmp
             for data in target.glob("*.distcp"):
                 data.unlink()
             extra, expect = ["--compare", str(truths["unpacked"][0]), "--values"], "failed"
+    elif case == "runs_code":  # a .metadata that would run a command under pickle.load
+        target.mkdir()
+        (target / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+        expect = "refers to posix.system, which DCP metadata never does"
     elif case == "bad_regex":
         target, extra, expect = truths["packed"][0], ["--expert-key", "experts.(?P<expert"], "not a valid regular"
     else:
         expect = "does not exist"
-    code, out, err = cli(str(target), *extra)
+    code, out, err = cli(str(target), *extra, cwd=tmp_path)
+    assert not (tmp_path / "ran-code").exists(), "the .metadata ran a command"
     assert code == 2 and out == "", (code, out, err)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and expect in err, err
     if case not in ("bad_regex", "missing_data_file"):

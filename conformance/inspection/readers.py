@@ -93,13 +93,19 @@ class _MetadataUnpickler(pickle.Unpickler):
             if name not in _RECORDS:
                 _RECORDS[name] = type(name, (_Record,), {})
             return _RECORDS[name]
-        if (module, name) == ("torch.serialization", "_get_layout") or module == "pathlib":
+        if (module, name) == ("torch.serialization", "_get_layout"):
             return str
+        if module == "pathlib":  # StorageMeta.checkpoint_id: a path pickled as its parts
+            return _path
         if module == "builtins" and name in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[name]
         if module == "collections" and name == "OrderedDict":
             return dict
         raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata never does")
+
+
+def _path(*parts: str) -> str:
+    return os.path.join(*parts) if parts else ""
 
 
 def _constant(name: str) -> Any:
