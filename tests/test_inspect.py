@@ -162,6 +162,18 @@ def test_permuted_experts_are_named(truths: dict[str, Any], tmp_path: Path) -> N
     assert [f.problem for f in found] == ["rows_are_other_experts"], [str(f) for f in found]
     assert found[0].key == "model.layers.1.moe.up_w" and found[0].experts == (0, 1, 2, 3)
     assert "rows 0..1 are experts 2..3, rows 2..3 are experts 0..1" in found[0].message
+    assert compare_indexes(got, read_dcp(truths["packed"][0]), values=True, ignore=[r"\.up_w$"]) == []
+
+    def nudge(state: dict[str, Any]) -> None:  # values that match nothing: the max abs diff, where
+        state["model.layers.0.moe.down_w"] = state["model.layers.0.moe.down_w"].clone()
+        state["model.layers.0.moe.down_w"][4] += 0.25
+        state["model.norm.weight"] = state["model.norm.weight"] * 2
+
+    found = compare_indexes(read_dcp(edited(truths, "packed", tmp_path / "nudge", nudge)),
+                            read_dcp(truths["packed"][0]), values=True)
+    assert [(f.problem, f.key, f.experts) for f in found] == [
+        ("values_differ", "model.layers.0.moe.down_w", (4,)), ("values_differ", "model.norm.weight", ())], found
+    assert "row 4 of its expert axis differ from the other checkpoint's (max abs diff 0.25)" in found[0].message
 
     def swap(state: dict[str, Any]) -> None:
         a, b = "model.layers.0.moe.experts.0.gate.weight", "model.layers.0.moe.experts.1.gate.weight"

@@ -340,7 +340,8 @@ def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple
         diff = "n/a"
         if a is not None and b is not None and a.shape == b.shape and a.numel():
             diff = f"{(a.double() - b.double()).abs().max().item():.3g}"
-        where = f"rows {expert_ranges(rows)} of its expert axis " if rows is not None else ""
+        where = (f"row{'s' if len(rows) > 1 else ''} {expert_ranges(rows)} of its expert axis "
+                 if rows is not None else "")
         experts = tuple(rows) if rows is not None else ((info.expert,) if info.expert is not None else ())
         out.append(Finding("values_differ", key, f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
                            f"match no tensor or row of it", info.layer, experts))
