@@ -73,7 +73,7 @@ def _summary(result: Inspection) -> list[str]:
 
 def _where(f: Finding) -> str:
     layer = f"layer {f.layer}" if f.layer is not None else "-"
-    experts = f"experts {expert_ranges(f.experts)}" if f.experts else "-"
+    experts = f"expert{'s' if len(f.experts) > 1 else ''} {expert_ranges(f.experts)}" if f.experts else "-"
     return f"{layer:<9} {experts:<16} {f.key}"
 
 
@@ -145,9 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         report["exit_code"] = code
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print("\n".join(text))
+    try:
+        print(json.dumps(report, indent=2, default=str) if args.json else "\n".join(text))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `moe-ep-inspect DIR | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
 
 
