@@ -381,6 +381,9 @@ def test_safetensors_index_with_a_missing_expert(tmp_path: Path) -> None:
 def test_key_patterns_of_each_framework() -> None:
     keys = {
         "layers.3.moe.experts.w1": ("packed", 3, None),  # torchtitan
+        "layers.3.moe.routed_experts.inner_experts.w2_EDF": ("packed", 3, None),  # torchtitan, recent
+        "layers.3.moe.deepspeed_moe.experts.deepspeed_experts.7.up.weight": ("per_expert", 3, 7),  # DeepSpeed
+        "model.layers.3.moe.shared_experts.w1.weight": (None, 3, None),  # torchtitan's shared expert
         "model.layers.3.mlp.experts.gate_and_up_projs": ("packed", 3, None),  # NeMo Automodel
         "model.layers.3.mlp.experts.gate_up_proj": ("packed", 3, None),  # DeepSpeed AutoEP, HF
         "decoder.layers.3.mlp.experts.experts.linear_fc1.weight": ("packed", 3, None),  # Megatron dist
@@ -397,6 +400,10 @@ def test_key_patterns_of_each_framework() -> None:
     opt = infos["optim.state.model.layers.3.mlp.experts.7.gate_proj.weight.exp_avg"]
     assert (opt.param, opt.stat) == ("model.layers.3.mlp.experts.7.gate_proj.weight", "exp_avg")
     assert infos["decoder.layers.3.mlp.experts.linear_fc1.weight7"].family.endswith("linear_fc1.weight*")
+    routers = classify_keys(["layers.0.moe.router.gate.weight", "layers.0.moe.deepspeed_moe.gate.wg.weight",
+                             "model.layers.0.mlp.gate.weight", "layers.0.moe.router.weight",
+                             "layers.0.moe.shared.gate.weight", "model.layers.0.mlp.gate_proj.weight"])
+    assert [i.role for i in routers.values()] == ["router"] * 4 + ["dense"] * 2
     mine = classify_keys(["blk.2.ffn_up_exps", "blk.2.ffn.e5.w"],
                          (pattern(r"ffn_up_exps$"), pattern(r"\.e(?P<expert>\d+)\.")))
     assert [(i.kind, i.expert) for i in mine.values()] == [("packed", None), ("per_expert", 5)]

@@ -6,6 +6,7 @@ Metadata only: :func:`inspect_index` looks at keys, global shapes and chunks, ne
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 
-__all__ = ["ExpertGroup", "Inspection", "inspect_index"]
+__all__ = ["ExpertGroup", "Inspection", "inspect_checkpoint", "inspect_index"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,14 @@ def _local_counts(num_experts: int) -> dict[int, int]:
 def _ep_hint(num_experts: int, held: int) -> str:
     ep = _local_counts(num_experts).get(held)
     return f" (what one of ep={ep} ranks holds)" if ep else ""
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], num_experts: int | None = None,
+                       patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> Inspection:
+    """``inspect_index(read_checkpoint(path), ...)``: the one call the matrix's metadata check makes."""
+    from conformance.inspection.readers import read_checkpoint
+
+    return inspect_index(read_checkpoint(path), num_experts, patterns)
 
 
 def inspect_index(index: CheckpointIndex, num_experts: int | None = None,

@@ -5,16 +5,19 @@ A key is classified by documented regular expressions, never by the substring "e
 * **per-expert** keys carry the global expert id in the name -- a pattern with a named group
   ``expert``: ``layers.0.moe.experts.3.up.weight`` (reference unpacked), ``model.layers.0.mlp.
   experts.3.gate_proj.weight`` (Hugging Face), ``mlp.experts.local_experts.3.linear_fc1.weight``
-  (Megatron SequentialMLP), ``mlp.experts.linear_fc1.weight3`` (Megatron TEGroupedMLP);
+  (Megatron SequentialMLP), ``deepspeed_moe.experts.deepspeed_experts.3.weight`` (DeepSpeed),
+  ``mlp.experts.linear_fc1.weight3`` (Megatron TEGroupedMLP);
 * **packed** keys hold all of a layer's experts with the expert axis first -- a pattern without
   that group: the reference's ``layers.N.moe.up_w``/``gate_w``/``down_w``, torchtitan's
-  ``moe.experts.w1/w2/w3``, NeMo Automodel's ``experts.gate_and_up_projs``/``down_projs``,
-  DeepSpeed AutoEP's and Hugging Face's ``experts.gate_up_proj``/``down_proj``, Megatron's
-  distributed ``experts.experts.linear_fc1.weight``, and any parameter directly in an ``experts``
-  module;
+  ``moe.experts.w1/w2/w3`` (``moe.routed_experts.inner_experts.w1_EFD`` in recent versions),
+  NeMo Automodel's ``experts.gate_and_up_projs``/``down_projs``, DeepSpeed AutoEP's and Hugging
+  Face's ``experts.gate_up_proj``/``down_proj``, Megatron's
+  distributed ``experts.experts.linear_fc1.weight``, and any parameter directly in a module
+  named ``experts`` or ``..._experts``;
 * **optimizer state** ``optimizer.state.<param>.<stat>`` (also ``optim.``, ``optimizers.``) is
   classified as its parameter ``<param>`` is, and mapped back to it;
-* a **router** (``moe.router.weight``, ``mlp.gate.weight``, ``moe.router.gate.weight``, ...)
+* a **router** (``moe.router.weight``, ``mlp.gate.weight``, ``moe.router.gate.weight``,
+  ``deepspeed_moe.gate.wg.weight``, ...)
   marks an MoE layer and its rows give the number of experts;
 * ``shared_expert(s)`` are dense FFNs, never an expert axis.
 
@@ -57,17 +60,18 @@ def pattern(regex: str, source: str = "user") -> KeyPattern:
 
 
 DEFAULT_PATTERNS: tuple[KeyPattern, ...] = (
-    pattern(r"(?:^|\.)(?:local_)?experts\.(?P<expert>\d+)\.", "reference unpacked, Hugging Face, Megatron"),
+    pattern(r"(?:^|\.)\w*experts\.(?P<expert>\d+)(?:\.|$)",
+            "reference unpacked, Hugging Face, Megatron local_experts, DeepSpeed deepspeed_experts"),
     pattern(r"(?:^|\.)experts\.linear_fc[12]\.(?:weight|bias)(?P<expert>\d+)$", "Megatron TEGroupedMLP"),
     pattern(r"(?:^|\.)moe\.(?:gate|up|down)_w$", "reference packed"),
-    pattern(r"(?:^|\.)experts\.w[123]$", "torchtitan"),
+    pattern(r"(?:^|\.)(?:inner_)?experts\.w[123](?:_[A-Z]{3})?$", "torchtitan (experts.w1, inner_experts.w1_EFD)"),
     pattern(r"(?:^|\.)experts\.(?:gate_and_up_projs|down_projs)$", "NeMo Automodel"),
     pattern(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)(?:_bias)?$", "DeepSpeed AutoEP, Hugging Face"),
     pattern(r"(?:^|\.)experts\.experts\.linear_fc[12]\.(?:weight|bias)$", "Megatron distributed"),
-    pattern(r"(?:^|\.)experts\.[A-Za-z_]\w*$", "a parameter of an 'experts' module"),
+    pattern(r"(?:^|\.)\w*experts\.[A-Za-z_]\w*$", "a parameter of an '...experts' module"),
 )
 SHARED = re.compile(r"(?:^|\.)shared_?experts?(?:\.|$)", re.IGNORECASE)
-ROUTER = re.compile(r"(?:^|\.)(?:moe|mlp|block_sparse_moe|feed_forward)\.(?:router(?:\.gate)?|gate)\.weight$")
+ROUTER = re.compile(r"(?:^|\.)(?:\w*moe|mlp|feed_forward)\.(?:router(?:\.gate)?|gate(?:\.wg)?)\.weight$")
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(?P<layer>\d+)(?:\.|$)")
 OPTIMIZER = re.compile(r"^(?:optimizer|optim|optimizers)(?:\.\d+)?\.state\.(?P<param>.+)\.(?P<stat>[A-Za-z_]\w*)$")
 
