@@ -415,5 +415,10 @@ def test_in_memory_index_and_no_expert_keys() -> None:
     state = {"layers.0.moe.router.weight": torch.zeros(4, 2), "layers.0.moe.up_w": torch.zeros(2, 3, 2)}
     found = problems(inspect_index(index_state_dict(state)).findings)
     assert [(f.experts) for f in found["local_extent"]] == [(2, 3)]
+    state = {"model.layers.0.moe.router.weight": torch.zeros(2, 2), "model.layers.0.moe.up_w": torch.zeros(2, 3, 2),
+             "optimizer.state.layers.0.moe.experts.1.up.weight.exp_avg": torch.zeros(3, 2)}
+    found = problems(inspect_index(index_state_dict(state)).findings)
+    assert set(found) == {"optimizer_orphan", "missing_experts"}, found  # moments under per-expert names
+    assert found["optimizer_orphan"][0].experts == (1,)
     found = problems(inspect_index(index_state_dict({"w": torch.zeros(2)})).findings)
     assert set(found) == {"no_expert_keys"}, "a checkpoint nothing was checked in must not read clean"
