@@ -71,9 +71,25 @@ def _summary(result: Inspection) -> list[str]:
             f"{'; optimizer state ' + ', '.join(stats) if stats else '; no optimizer state'})"]
 
 
+def _where(f: Finding) -> str:
+    layer = f"layer {f.layer}" if f.layer is not None else "-"
+    experts = f"expert{'s' if len(f.experts) > 1 else ''} {expert_ranges(f.experts)}" if f.experts else "-"
+    return f"{layer:<9} {experts:<16} {f.key}"
+
+
 def _lines(findings: Sequence[Finding]) -> list[str]:
-    width = max((len(f.problem) for f in findings), default=0)
-    return [f"  {f.problem:<{width}}  {f}" for f in findings]
+    """One line per problem (layer, experts, key), under the explanation the problems share."""
+    groups: dict[tuple[str, str], list[Finding]] = {}
+    for f in sorted(findings, key=lambda f: (f.layer is None, f.layer or 0, f.key)):
+        groups.setdefault((f.problem, f.message), []).append(f)
+    out: list[str] = []
+    for (problem, message), group in sorted(groups.items(), key=lambda kv: list(findings).index(kv[1][0])):
+        if len(group) == 1:
+            out.append(f"  {problem}: {_where(group[0])}: {message}")
+            continue
+        out.append(f"  {problem}: {message}")
+        out += [f"    {_where(f)}" for f in group]
+    return out
 
 
 def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
@@ -96,10 +112,10 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
         other = read_checkpoint(args.compare)
         found = compare_indexes(index, other, values=args.values, patterns=patterns,
                                 memory_bytes=max(1, args.memory_mb) << 20,
-                                names=("checkpoint", f"checkpoint {args.compare}"))
+                                names=("checkpoint", "other checkpoint"))
         what = "keys, global shapes, dtypes" + (" and every value" if args.values else "")
-        text.append(f"compared with {args.compare} ({what}): " + (f"{len(found)} difference(s):" if found
-                                                                  else "the same"))
+        text.append(f"compared with the other checkpoint {args.compare} ({what}): "
+                    + (f"{len(found)} difference(s):" if found else "the same"))
         text += _lines(found)
         report["compare"] = {"other": args.compare, "values": args.values, "findings": [f.as_dict() for f in found]}
         problems += len(found)
@@ -129,9 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         report["exit_code"] = code
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print("\n".join(text))
+    try:
+        print(json.dumps(report, indent=2, default=str) if args.json else "\n".join(text))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `moe-ep-inspect DIR | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
 
 

@@ -162,6 +162,18 @@ def test_permuted_experts_are_named(truths: dict[str, Any], tmp_path: Path) -> N
     assert [f.problem for f in found] == ["rows_are_other_experts"], [str(f) for f in found]
     assert found[0].key == "model.layers.1.moe.up_w" and found[0].experts == (0, 1, 2, 3)
     assert "rows 0..1 are experts 2..3, rows 2..3 are experts 0..1" in found[0].message
+    assert compare_indexes(got, read_dcp(truths["packed"][0]), values=True, ignore=[r"\.up_w$"]) == []
+
+    def nudge(state: dict[str, Any]) -> None:  # values that match nothing: the max abs diff, where
+        state["model.layers.0.moe.down_w"] = state["model.layers.0.moe.down_w"].clone()
+        state["model.layers.0.moe.down_w"][4] += 0.25
+        state["model.norm.weight"] = state["model.norm.weight"] * 2
+
+    found = compare_indexes(read_dcp(edited(truths, "packed", tmp_path / "nudge", nudge)),
+                            read_dcp(truths["packed"][0]), values=True)
+    assert [(f.problem, f.key, f.experts) for f in found] == [
+        ("values_differ", "model.layers.0.moe.down_w", (4,)), ("values_differ", "model.norm.weight", ())], found
+    assert "row 4 of its expert axis differ from the other checkpoint's (max abs diff 0.25)" in found[0].message
 
     def swap(state: dict[str, Any]) -> None:
         a, b = "model.layers.0.moe.experts.0.gate.weight", "model.layers.0.moe.experts.1.gate.weight"
@@ -229,12 +241,22 @@ def test_chunk_holes_and_duplicates(tmp_path: Path) -> None:
 
 
 # -- bad input, CLI -------------------------------------------------------------------------------
-def cli(*args: str) -> tuple[int, str, str]:
+def cli(*args: str, cwd: Path | None = None) -> tuple[int, str, str]:
     """The real command line, in a subprocess: exit status, stdout, stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "conformance.inspect", *args], capture_output=True, text=True,
-                         env=env, timeout=120)
+                         env=env, timeout=120, cwd=cwd)
     return run.returncode, run.stdout, run.stderr
+
+
+def test_metadata_inspection_imports_no_torch(truths: dict[str, Any]) -> None:
+    """Reading and inspecting metadata runs no code from the file and needs no torch (fast start)."""
+    code = ("import sys; from conformance.inspection import read_checkpoint, inspect_index; "
+            f"r = inspect_index(read_checkpoint({str(truths['unpacked'][0])!r})); "
+            "assert r.clean and r.num_experts == 6, r; assert 'torch' not in sys.modules; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.stdout.strip() == "ok", run.stderr
 
 
 def test_cli_exit_codes_json_and_no_writes(truths: dict[str, Any], tmp_path: Path) -> None:
@@ -254,8 +276,13 @@ def test_cli_exit_codes_json_and_no_writes(truths: dict[str, Any], tmp_path: Pat
     assert main([str(good), "--experts", "6"]) == 0  # in process too: the console script's entry point
 
 
+class _RunsCode:
+    def __reduce__(self) -> Any:
+        return (os.system, ("touch ran-code",))
+
+
 @pytest.mark.parametrize("case", ["missing", "empty_dir", "a_file", "truncated", "garbage", "metadata_is_dir",
-                                  "missing_data_file", "bad_regex"])
+                                  "missing_data_file", "bad_regex", "runs_code"])
 def test_bad_input_is_one_line_and_exit_2(case: str, truths: dict[str, Any], tmp_path: Path) -> None:
     target, extra, expect = tmp_path / "ckpt", [], ""
     if case == "empty_dir":
@@ -281,11 +308,16 @@ def test_bad_input_is_one_line_and_exit_2(case: str, truths: dict[str, Any], tmp
             for data in target.glob("*.distcp"):
                 data.unlink()
             extra, expect = ["--compare", str(truths["unpacked"][0]), "--values"], "failed"
+    elif case == "runs_code":  # a .metadata that would run a command under pickle.load
+        target.mkdir()
+        (target / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+        expect = "refers to posix.system, which DCP metadata never does"
     elif case == "bad_regex":
         target, extra, expect = truths["packed"][0], ["--expert-key", "experts.(?P<expert"], "not a valid regular"
     else:
         expect = "does not exist"
-    code, out, err = cli(str(target), *extra)
+    code, out, err = cli(str(target), *extra, cwd=tmp_path)
+    assert not (tmp_path / "ran-code").exists(), "the .metadata ran a command"
     assert code == 2 and out == "", (code, out, err)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and expect in err, err
     if case not in ("bad_regex", "missing_data_file"):
@@ -349,6 +381,9 @@ def test_safetensors_index_with_a_missing_expert(tmp_path: Path) -> None:
 def test_key_patterns_of_each_framework() -> None:
     keys = {
         "layers.3.moe.experts.w1": ("packed", 3, None),  # torchtitan
+        "layers.3.moe.routed_experts.inner_experts.w2_EDF": ("packed", 3, None),  # torchtitan, recent
+        "layers.3.moe.deepspeed_moe.experts.deepspeed_experts.7.up.weight": ("per_expert", 3, 7),  # DeepSpeed
+        "model.layers.3.moe.shared_experts.w1.weight": (None, 3, None),  # torchtitan's shared expert
         "model.layers.3.mlp.experts.gate_and_up_projs": ("packed", 3, None),  # NeMo Automodel
         "model.layers.3.mlp.experts.gate_up_proj": ("packed", 3, None),  # DeepSpeed AutoEP, HF
         "decoder.layers.3.mlp.experts.experts.linear_fc1.weight": ("packed", 3, None),  # Megatron dist
@@ -365,6 +400,10 @@ def test_key_patterns_of_each_framework() -> None:
     opt = infos["optim.state.model.layers.3.mlp.experts.7.gate_proj.weight.exp_avg"]
     assert (opt.param, opt.stat) == ("model.layers.3.mlp.experts.7.gate_proj.weight", "exp_avg")
     assert infos["decoder.layers.3.mlp.experts.linear_fc1.weight7"].family.endswith("linear_fc1.weight*")
+    routers = classify_keys(["layers.0.moe.router.gate.weight", "layers.0.moe.deepspeed_moe.gate.wg.weight",
+                             "model.layers.0.mlp.gate.weight", "layers.0.moe.router.weight",
+                             "layers.0.moe.shared.gate.weight", "model.layers.0.mlp.gate_proj.weight"])
+    assert [i.role for i in routers.values()] == ["router"] * 4 + ["dense"] * 2
     mine = classify_keys(["blk.2.ffn_up_exps", "blk.2.ffn.e5.w"],
                          (pattern(r"ffn_up_exps$"), pattern(r"\.e(?P<expert>\d+)\.")))
     assert [(i.kind, i.expert) for i in mine.values()] == [("packed", None), ("per_expert", 5)]
@@ -376,5 +415,10 @@ def test_in_memory_index_and_no_expert_keys() -> None:
     state = {"layers.0.moe.router.weight": torch.zeros(4, 2), "layers.0.moe.up_w": torch.zeros(2, 3, 2)}
     found = problems(inspect_index(index_state_dict(state)).findings)
     assert [(f.experts) for f in found["local_extent"]] == [(2, 3)]
+    state = {"model.layers.0.moe.router.weight": torch.zeros(2, 2), "model.layers.0.moe.up_w": torch.zeros(2, 3, 2),
+             "optimizer.state.layers.0.moe.experts.1.up.weight.exp_avg": torch.zeros(3, 2)}
+    found = problems(inspect_index(index_state_dict(state)).findings)
+    assert set(found) == {"optimizer_orphan", "missing_experts"}, found  # moments under per-expert names
+    assert found["optimizer_orphan"][0].experts == (1,)
     found = problems(inspect_index(index_state_dict({"w": torch.zeros(2)})).findings)
     assert set(found) == {"no_expert_keys"}, "a checkpoint nothing was checked in must not read clean"

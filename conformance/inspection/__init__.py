@@ -5,6 +5,7 @@ process group, no argparse; torch is imported only when a DCP checkpoint is read
 
     index = read_checkpoint(path)                  # or read_dcp / read_safetensors / index_state_dict
     result = inspect_index(index, num_experts=None)  # metadata only -> Inspection(.findings)
+    result = inspect_checkpoint(path, num_experts)   # the two in one call
     problems = compare_indexes(got, want, values=True, names=("ep=2 checkpoint", "ep=1 checkpoint"))
 
 Every problem is a :class:`Finding` (``problem`` code from ``PROBLEMS``, ``key``, ``layer``,
@@ -13,7 +14,7 @@ Every problem is a :class:`Finding` (``problem`` code from ``PROBLEMS``, ``key``
 """
 
 from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, compare_indexes
-from conformance.inspection.coverage import ExpertGroup, Inspection, inspect_index
+from conformance.inspection.coverage import ExpertGroup, Inspection, inspect_checkpoint, inspect_index
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys, pattern
 from conformance.inspection.model import PROBLEMS, CheckpointError, CheckpointIndex, Entry, Finding, expert_ranges
 from conformance.inspection.readers import index_state_dict, read_checkpoint, read_dcp, read_safetensors
@@ -34,6 +35,7 @@ __all__ = [
     "compare_indexes",
     "expert_ranges",
     "index_state_dict",
+    "inspect_checkpoint",
     "inspect_index",
     "pattern",
     "read_checkpoint",

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
-from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges
+from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
 
@@ -40,6 +40,12 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
     ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).
     ``names``: what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
     """
+    with paused_gc():
+        return _compare(got, want, values, patterns, ignore, memory_bytes, names)
+
+
+def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns: Sequence[KeyPattern],
+             ignore: Sequence[str], memory_bytes: int, names: tuple[str, str]) -> list[Finding]:
     skip = [re.compile(r) for r in ignore]
     g_keys = [k for k in got.entries if not any(r.search(k) for r in skip)]
     w_keys = [k for k in want.entries if not any(r.search(k) for r in skip)]
@@ -334,7 +340,8 @@ def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple
         diff = "n/a"
         if a is not None and b is not None and a.shape == b.shape and a.numel():
             diff = f"{(a.double() - b.double()).abs().max().item():.3g}"
-        where = f"rows {expert_ranges(rows)} of its expert axis " if rows is not None else ""
+        where = (f"row{'s' if len(rows) > 1 else ''} {expert_ranges(rows)} of its expert axis "
+                 if rows is not None else "")
         experts = tuple(rows) if rows is not None else ((info.expert,) if info.expert is not None else ())
         out.append(Finding("values_differ", key, f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
                            f"match no tensor or row of it", info.layer, experts))

@@ -6,15 +6,16 @@ Metadata only: :func:`inspect_index` looks at keys, global shapes and chunks, ne
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
-from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges
+from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 
-__all__ = ["ExpertGroup", "Inspection", "inspect_index"]
+__all__ = ["ExpertGroup", "Inspection", "inspect_checkpoint", "inspect_index"]
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,33 @@ def _overlaps(chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool
     return False
 
 
+_CHUNK_VERDICTS: dict[tuple[Any, Any], tuple[int, int, bool]] = {}
+
+
+def _chunk_verdict(shape: tuple[int, ...], chunks: Any) -> tuple[int, int, bool]:
+    """``(elements, elements the chunks hold, overlap)``, cached: most keys share a few layouts."""
+    verdict = _CHUNK_VERDICTS.get((shape, chunks))
+    if verdict is None:
+        if len(_CHUNK_VERDICTS) > 100_000:
+            _CHUNK_VERDICTS.clear()
+        total = math.prod(shape)
+        volume = sum(math.prod(s) for _, s in chunks)
+        verdict = _CHUNK_VERDICTS[(shape, chunks)] = (total, volume, volume >= total and _overlaps(chunks))
+    return verdict
+
+
 def _chunk_findings(entry: Entry, info: KeyInfo) -> list[Finding]:
     if not entry.shape or _whole(entry):
         return []
-    total = math.prod(entry.shape)
-    volume = sum(math.prod(s) for _, s in entry.chunks)
+    total, volume, overlap = _chunk_verdict(entry.shape, entry.chunks)
+    if volume == total and not overlap:
+        return []
     out = []
-    if volume < total or (volume > total and not _overlaps(entry.chunks)):
+    if volume < total or (volume > total and not overlap):
         out.append(Finding("chunk_hole", entry.key, f"its {len(entry.chunks)} chunk(s) cover {volume} of "
                            f"{total} elements of shape {entry.shape}", info.layer,
                            (info.expert,) if info.expert is not None else ()))
-    if volume >= total and _overlaps(entry.chunks):
+    if overlap:
         out.append(Finding("chunk_overlap", entry.key, f"its {len(entry.chunks)} chunks overlap (they hold "
                            f"{volume} elements for {total})", info.layer,
                            (info.expert,) if info.expert is not None else ()))
@@ -128,9 +145,22 @@ def _ep_hint(num_experts: int, held: int) -> str:
     return f" (what one of ep={ep} ranks holds)" if ep else ""
 
 
+def inspect_checkpoint(path: str | os.PathLike[str], num_experts: int | None = None,
+                       patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> Inspection:
+    """``inspect_index(read_checkpoint(path), ...)``: the one call the matrix's metadata check makes."""
+    from conformance.inspection.readers import read_checkpoint
+
+    return inspect_index(read_checkpoint(path), num_experts, patterns)
+
+
 def inspect_index(index: CheckpointIndex, num_experts: int | None = None,
                   patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> Inspection:
     """Every layer's experts present once, with global extent; optimizer state for every expert."""
+    with paused_gc():
+        return _inspect(index, num_experts, patterns)
+
+
+def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence[KeyPattern]) -> Inspection:
     entries = index.entries
     infos = classify_keys(entries, patterns)
     findings: list[Finding] = list(index.problems)

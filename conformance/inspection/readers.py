@@ -1,9 +1,11 @@
 """Read a checkpoint's index from its metadata alone, and its values one batch of keys at a time.
 
-* DCP: ``.metadata`` through ``FileSystemReader.read_metadata()`` (a pickle, as DCP itself reads
-  it: inspect only checkpoints you would load).  Values are read with ``dcp.load(no_dist=True)``
-  into single-key dicts, so no process group is used even inside a running world; non-tensor
-  entries are decoded with ``torch.load(weights_only=True)``, never DCP's unrestricted unpickling.
+* DCP: ``.metadata`` through a restricted unpickler that knows DCP's metadata classes and refuses
+  any other global (see :class:`_MetadataUnpickler`: no code runs and no torch import, where
+  ``FileSystemReader.read_metadata()`` is a plain ``pickle.load``).  Values are read with
+  ``dcp.load(no_dist=True)`` into single-key dicts, so no process group is used even inside a
+  running world; non-tensor entries are decoded with ``torch.load(weights_only=True)``, never with
+  DCP's unrestricted unpickling.
 * Hugging Face safetensors: ``model.safetensors.index.json`` and each file's header, parsed here
   (8-byte little-endian length + JSON) rather than with the ``safetensors`` package: it is twenty
   lines, needs no extra dependency, and lets every malformed header be a :class:`CheckpointError`
@@ -17,13 +19,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import struct
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding
+from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding, paused_gc
 
 __all__ = ["index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
 
@@ -55,52 +58,120 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
 
 
 # -- DCP ------------------------------------------------------------------------------------------
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+class _Record:
+    """Stands for a DCP metadata class while unpickling: its fields land in ``__dict__``."""
+
+
+class _Properties:
+    """Stands for TensorProperties, which pickles as a tuple (dtype, layout, ..)."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+_RECORDS: dict[str, type] = {}
+_SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict, "int": int,
+                  "float": float, "str": str, "bytes": bytes, "bool": bool, "complex": complex}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads a ``.metadata`` pickle allowing only what DCP writes there, as plain stand-ins.
+
+    Why not ``FileSystemReader.read_metadata()``: that is ``pickle.load``, which runs whatever a
+    file names.  Here a DCP class becomes a plain record, ``torch.Size`` a tuple, a dtype its name;
+    any other global is refused, so inspecting a checkpoint cannot run code and needs no torch.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch":
+            return tuple if name == "Size" else _constant(name)
+        if module.startswith("torch.distributed.checkpoint"):
+            if name == "TensorProperties":
+                return _Properties
+            if name == "_MEM_FORMAT_ENCODING":
+                return int
+            if name not in _RECORDS:
+                _RECORDS[name] = type(name, (_Record,), {})
+            return _RECORDS[name]
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return str
+        if module == "pathlib":  # StorageMeta.checkpoint_id: a path pickled as its parts
+            return _path
+        if module == "builtins" and name in _SAFE_BUILTINS:
+            return _SAFE_BUILTINS[name]
+        if module == "collections" and name == "OrderedDict":
+            return dict
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata never does")
+
+
+def _path(*parts: str) -> str:
+    return os.path.join(*parts) if parts else ""
+
+
+def _constant(name: str) -> Any:
+    if not name.isidentifier():
+        raise pickle.UnpicklingError(f"it refers to torch.{name!r}")
+    return name  # torch.float32 -> "float32"
+
+
+def _dtype_of(props: Any) -> str:
+    state = getattr(props, "state", None)
+    if isinstance(state, tuple) and state and isinstance(state[0], str):
+        return state[0]
+    if isinstance(state, dict) and isinstance(state.get("dtype"), str):
+        return state["dtype"]
+    dtype = getattr(props, "dtype", None)
+    if isinstance(dtype, str):
+        return dtype
+    raise TypeError(f"tensor properties {state!r} name no dtype")
 
 
 def read_dcp(path: str | os.PathLike[str]) -> CheckpointIndex:
     """Every key of a DCP checkpoint from ``.metadata``: global shape, dtype and chunks, or bytes."""
-    import pickle
+    with paused_gc():
+        return _read_dcp(Path(path))
 
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-    p = Path(path)
+def _read_dcp(p: Path) -> CheckpointIndex:
     meta_path = p / ".metadata"
     if not p.is_dir():
         raise CheckpointError(str(p), "is not a directory" if p.exists() else "does not exist", WHAT)
     expected = "a pickled torch.distributed.checkpoint Metadata, as dcp.save writes it"
     try:
-        metadata = FileSystemReader(str(p)).read_metadata()
+        with meta_path.open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(str(meta_path), "does not exist", expected) from None
-    except (OSError, PermissionError) as exc:
+    except OSError as exc:
         raise CheckpointError(str(meta_path), f"cannot be read ({type(exc).__name__}: {exc})", expected) from None
-    except (EOFError, pickle.UnpicklingError, AttributeError, ImportError, IndexError, TypeError, ValueError,
-            KeyError, MemoryError, UnicodeDecodeError, struct.error) as exc:
+    except Exception as exc:  # whatever a corrupt pickle raises
         what = "truncated" if isinstance(exc, EOFError) or "truncated" in str(exc) else "corrupt"
         raise CheckpointError(str(meta_path), f"is {what} ({type(exc).__name__}: {exc})", expected) from None
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+    sdm = getattr(metadata, "state_dict_metadata", None)
+    if type(metadata).__name__ != "Metadata" or not isinstance(sdm, dict):
         raise CheckpointError(str(meta_path), f"holds a {type(metadata).__name__}, not a DCP Metadata", expected)
     entries: dict[str, Entry] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            entries[key] = Entry(key, tuple(md.size), _dtype_name(md.properties.dtype),
-                                 tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
-        elif isinstance(md, BytesStorageMetadata):
-            entries[key] = Entry(key, None)
-        else:
-            raise CheckpointError(str(meta_path), f"key {key!r} has metadata of type {type(md).__name__}",
-                                  "TensorStorageMetadata or BytesStorageMetadata for every key")
-    return CheckpointIndex(str(p), "dcp", entries, reader=_DcpReader(str(p), metadata))
+    try:
+        for key, md in sdm.items():
+            kind = type(md).__name__
+            if kind == "TensorStorageMetadata":
+                entries[key] = Entry(key, tuple(md.size), _dtype_of(md.properties),
+                                     tuple([(c.offsets, c.sizes) for c in md.chunks]))
+            elif kind == "BytesStorageMetadata":
+                entries[key] = Entry(key, None)
+            else:
+                raise TypeError(f"key {key!r} has metadata of type {kind}")
+    except (TypeError, AttributeError) as exc:
+        raise CheckpointError(str(meta_path), f"is not DCP metadata as expected ({exc})",
+                              "TensorStorageMetadata or BytesStorageMetadata for every key") from None
+    return CheckpointIndex(str(p), "dcp", entries, reader=_DcpReader(str(p)))
 
 
 class _DcpReader:
     """Reads keys of one DCP checkpoint with no process group; the metadata is read once."""
 
-    def __init__(self, path: str, metadata: Any) -> None:
-        self.path, self.metadata = path, metadata
+    def __init__(self, path: str) -> None:
+        self.path, self.metadata = path, None
 
     def __call__(self, keys: Sequence[str]) -> dict[str, Any]:
         import torch
@@ -109,6 +180,8 @@ class _DcpReader:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        if self.metadata is None:  # read once, with DCP's own reader, only when values are wanted
+            self.metadata = FileSystemReader(self.path).read_metadata()
         metadata = self.metadata
 
         class Reader(FileSystemReader):
@@ -283,7 +356,8 @@ def index_state_dict(state: Mapping[str, Any], path: str = "<state dict>", forma
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             shape = tuple(value.shape)
-            entries[key] = Entry(key, shape, _dtype_name(value.dtype), ((tuple(0 for _ in shape), shape),))
+            entries[key] = Entry(key, shape, str(value.dtype).removeprefix("torch."),
+                                 ((tuple(0 for _ in shape), shape),))
         else:
             entries[key] = Entry(key, None)
     return CheckpointIndex(path, format, entries, reader=lambda keys: {k: state[k] for k in keys})
