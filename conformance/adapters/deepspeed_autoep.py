@@ -356,6 +356,22 @@ class DeepSpeedAutoEPZero2Adapter(DeepSpeedAutoEPAdapter):
     zero_stage = 2
 
 
+class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
+    """AutoEP under ZeRO-1 loaded the way a user who skips the conversion does: ``load_checkpoint`` at
+    every EP degree.  DeepSpeed 0.19.8 neither refuses nor converts: at another degree the module's
+    expert weights come back right (from the per-global-expert files) while the experts' fp32 masters
+    and Adam moments come from ZeRO partitions of the saved layout -- other values, silently, and the
+    next step writes the wrong masters into the model.  The matrix's negative control on this path."""
+
+    name = "deepspeed-autoep-noconvert"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
+                                          load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+
+
 # -- helpers of the canonical views ----------------------------------------------------------------
 def _views(name: str, p: Any, optimizer: Any, engine: bool) -> Iterator[tuple[str, Any]]:
     """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments."""
@@ -445,8 +461,8 @@ def _convert_locked(path: str) -> None:
         shutil.rmtree(output, ignore_errors=True)  # an interrupted conversion's leftovers
         args = SimpleNamespace(input_folder=os.path.join(path, tag), output_folder=output, num_extract_workers=1,
                                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            ds_to_universal.main(args)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            ds_to_universal.main(args)  # its progress lines and bars; a failure still raises
 
 
 @contextlib.contextmanager
