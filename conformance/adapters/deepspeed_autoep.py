@@ -156,6 +156,27 @@ def _dense_name(name: str) -> str:
     return name.replace("mlp.gate.", "mlp.router.gate.")
 
 
+def _lr(spec: Spec) -> float:
+    return float(getattr(spec, "lr", LR))  # ``Spec.lr`` comes with the layout issue; 1e-2 until then
+
+
+def _ep_order(spec: Spec) -> str:
+    """The EP order a ``Spec.layout`` asks for (DeepSpeed's default, consecutive, without one).
+
+    The expert-tensor-parallel degree must be 1: AutoEP's ETP is its AutoTP folding, not driven here.
+    DeepSpeed's ZeRO partitions over every data-parallel rank, so ``dp_replicate`` and ``dp_shard``
+    are one data-parallel group to it."""
+    layout = getattr(spec, "layout", None)
+    if layout is None:
+        return "consecutive"
+    if getattr(layout, "etp", 1) != 1:
+        raise ValueError(f"deepspeed-autoep drives AutoEP without expert tensor parallelism; got etp={layout.etp}")
+    order = getattr(layout, "ep_order", "consecutive")
+    if order not in ("strided", "consecutive"):
+        raise ValueError(f"ep_order must be 'strided' or 'consecutive', got {order!r}")
+    return order
+
+
 def _autoep_section(ep: int) -> dict[str, Any]:
     return {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": False}
 
@@ -210,7 +231,7 @@ def _truth(spec: Spec, seed: int) -> tuple[Any, Any]:
     auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
     if spec.optimizer_steps <= 0:
         return model, None
-    optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=LR,
+    optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=_lr(spec),
                                   weight_decay=WEIGHT_DECAY)
     for step in range(spec.optimizer_steps):
         for p, grad in _gradients(model, seed, step):
@@ -257,13 +278,18 @@ class DeepSpeedAutoEPAdapter:
         if mesh is None:
             return _truth(spec, seed)
         ep = mesh["ep"].size()
-        use_expert_groups(ep)
+        strided = _ep_order(spec) == "strided"
+        use_expert_groups(ep, variant="strided" if strided else "")
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": self.zero_stage},
             "expert_parallel": _autoep_section(ep),
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+            # DeepSpeed's own names for the two EP orders: its default puts ``ep`` consecutive ranks in an
+            # EP group; "data before expert parallel" strides them (ranks r, r + world/ep, ...).
+            "use_data_before_expert_parallelism": strided,
+            "optimizer": {"type": "AdamW",
+                          "params": {"lr": _lr(spec), "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
             # the default clip to 1.0 sums a norm over every rank's experts: rounding depends on the EP degree.
             "gradient_clipping": 0.0,
             "steps_per_print": 1 << 30,
