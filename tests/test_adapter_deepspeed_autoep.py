@@ -15,19 +15,18 @@ in a pytester subprocess; the outcome is asserted *as found*, cell by cell (all 
   gives experts the fp32 masters and Adam moments of the saved layout ("holds expert 1's values
   instead of expert 2's"), and the matrix says so.
 
-The full matrix of each class (18 cells run, 88 n/a) is ``ci/conformance.sh``'s.  This module takes
-about 70 s on 2 busy cores (three sessions; most of it is each session's fork server importing torch,
-DeepSpeed and Transformers once).
+The full matrix of each class (18 cells run, 88 n/a) is ``ci/conformance.sh``'s.  This module took 46 s on
+2 cores at load average 10 (150 s at load 20): three sessions, most of each its fork server importing torch,
+DeepSpeed and Transformers once; the cells themselves take 0.3-1 s each.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import pytest
-from matrix_expectations import BIT_FOR_BIT, by_status, run_report
+from matrix_expectations import BIT_FOR_BIT, TORCH_EXTENSIONS_DIR, by_status, run_report
 
 if importlib.util.find_spec("deepspeed") is None:  # checked without importing DeepSpeed into this process
     pytest.skip("deepspeed is not installed (ci/install_deepspeed.sh installs deepspeed==0.19.8)",
@@ -39,17 +38,10 @@ NO_STEP_CONVERSION = "raised RuntimeError: ds_to_universal failed: RuntimeError:
                      "for model.layers.0.mlp.experts.w1, EP rank 0."
 
 
-#: where torch builds C++ extensions for this user -- DeepSpeed's CPU shared-memory comm op, compiled once by
-#: ci/install_deepspeed.sh.  Read before pytester points HOME at a temporary directory: the subprocess would
-#: otherwise compile the op again in every session (about a minute on 2 cores).
-TORCH_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
-
-
 @pytest.fixture(autouse=True)
 def _deepspeed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the adapter sets it too; explicit for the rank fork server
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)  # see matrix_expectations
 
 
 def run_cells(pytester: pytest.Pytester, cls: str, selection: str) -> tuple[dict[str, Any], dict[str, set[str]],

@@ -7,7 +7,7 @@ What it drives (DeepSpeed 0.19.8; all of it DeepSpeed's own code):
   ``use_residual=True``: an always-on ``mlp`` mixed in by a learned ``coefficient``).  The expert is a
   small SwiGLU (or GELU) MLP that ``Experts`` deep-copies into its ``nn.ModuleList`` of local
   experts: the "unpacked" layer kind.  Native MoE has no packed kind (DeepSpeed's fused-weight
-  layers belong to AutoEP, which this adapter does not drive);
+  layers belong to AutoEP, which the ``deepspeed-autoep`` adapters drive: ``deepspeed_autoep.py``);
 * ``deepspeed.initialize`` (ZeRO stage 0, fp32) wraps it in a ``DeepSpeedEngine``, which creates the
   expert-parallel and expert-data-parallel groups from ``ep_size`` (consecutive ranks form an EP
   group; the harness mesh is used for its ``ep`` size only) and, in model+optimizer cells, its
