@@ -57,6 +57,7 @@ def phases(path: str) -> dict[str, float]:
 
     from conformance.adapter import Spec
     from conformance.adapters import deepspeed_autoep as autoep
+    from conformance.adapters._deepspeed_universal import convert_once
     from conformance.checks import SEED_A, SEED_B, _mesh, canonical
     from conformance.matrix import OPTIMIZER_STEPS
 
@@ -77,7 +78,7 @@ def phases(path: str) -> dict[str, float]:
     for step in range(OPTIMIZER_STEPS):
         clock(f"step {step}", adapter.step, model, optimizer, SEED_A, step)
     clock("save_checkpoint", adapter.save, model, optimizer, path)
-    clock("ds_to_universal (rank 0)", autoep._convert_once, path)
+    clock("ds_to_universal (rank 0)", convert_once, path)
     model, optimizer = adapter.build(spec, _mesh(4), SEED_B)
     clock("load_checkpoint, universal", adapter.load, model, optimizer, path)
     clock("read tensors (accessors)", lambda: canonical(adapter, model, optimizer, dist.get_rank()))

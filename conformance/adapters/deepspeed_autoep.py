@@ -18,15 +18,14 @@ This is the path DeepSpeed documents for a user who changes the expert-parallel 
   ``torch_adam: true`` over the engine's own MoE param groups; a step is ``engine.backward`` of a
   loss whose gradient is exactly the :func:`conformance.synthetic_grad` of every parameter (so ZeRO's
   gradient hooks, reduction and partitioning run), then ``engine.step()``;
-* ``engine.save_checkpoint``.  The load at the same EP degree is ``engine.load_checkpoint``.  At
-  another degree the saved checkpoint is first converted with
-  ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0 alone, once per
-  saved checkpoint: the result (``<tag>_universal`` and ``latest_universal`` inside the saved
-  directory) is kept for every later load -- and loaded with ``"checkpoint": {"load_universal":
-  true}``.  DeepSpeed reads that flag only inside ``load_checkpoint`` (``runtime/engine.py``:
-  ``load_checkpoint``, ``_load_checkpoint``, ``_load_zero_checkpoint``), so it is set on the engine's
-  config for that call, which is what a fresh job configured with it does.  ``format`` is
-  ``"deepspeed"``: the DCP metadata check is n/a, every value check runs.
+* ``engine.save_checkpoint``.  The load at the same EP degree (read from the checkpoint's own
+  ``ds_config``) is ``engine.load_checkpoint``.  At another degree the saved checkpoint is first
+  converted with ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0
+  alone, once per saved checkpoint: the result stays inside the saved directory for every later
+  load -- and loaded with ``"checkpoint": {"load_universal": true}`` (``_deepspeed_universal``).
+  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value check runs.
+* ``Spec.layout`` (when the harness has it): ``ep_order="strided"`` is DeepSpeed's
+  ``use_data_before_expert_parallelism``; ``etp`` must be 1.
 
 Expert weights and moments are read through DeepSpeed's own accessors, ``safe_get_full_fp32_param``
 and ``safe_get_full_optimizer_state`` (the fp32 master and the Adam moments, gathered over the
@@ -56,20 +55,32 @@ Workarounds, none of which changes what is checked:
   sees them (``_deepspeed_common.use_expert_groups``).
 * ``ds_to_universal`` runs with one extract and one merge worker (no process pool: rank processes
   may not fork workers), under a file lock so concurrent loads of one checkpoint convert it once.
+
+What the matrix finds (0.19.8, ZeRO-1 and ZeRO-2 alike): every model+optimizer cell passes bit for bit
+at every EP pair -- module weights, fp32 masters, Adam moments and step counts -- through the native
+load at equal EP and the universal checkpoint otherwise; a step after such a load also matches the
+truth's next step, and a checkpoint re-saved after a universal load reloads right (probed).
+Model-only cells pass at equal EP and error at any other: ``ds_to_universal`` refuses a checkpoint
+saved before the first optimizer step ("Missing AutoEP exp_avg fragments for
+model.layers.0.mlp.experts.w1"; it has an fp32 fallback for a missing master, none for a missing
+moment) -- loud.  Without the conversion (:class:`DeepSpeedAutoEPNoConversionAdapter`) model-only
+cells pass everywhere, but model+optimizer cells at another EP are silently wrong.  After a universal
+load the expert param group keeps the saved group's name (``ep_size_2`` in an ep=4 engine:
+``load_hp_checkpoint_state_from_checkpoint_dir`` copies every saved group key but ``params``); no cell
+found it to matter.  ``E % ep != 0`` is refused by AutoEP (``uneven=False``); there is no legacy save,
+no unpacked kind (AutoEP's experts are packed) and no FSDP2 (ZeRO shards instead).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import shutil
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 from conformance.adapter import Capabilities, Spec
 from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
+from conformance.adapters._deepspeed_universal import convert_once, load_universal, saved_ep
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -328,14 +339,14 @@ class DeepSpeedAutoEPAdapter:
         model.save_checkpoint(path)
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        saved_ep = _saved_ep(path)
+        saved = saved_ep(path)
         ep = _moe_layers(model)[0].ep_size
-        universal = saved_ep != ep
-        story = f"saved at ep={saved_ep}, loading at ep={ep}{' through a universal checkpoint' if universal else ''}"
+        universal = saved != ep
+        story = f"saved at ep={saved}, loading at ep={ep}{' through a universal checkpoint' if universal else ''}"
         try:
             if universal:
-                _convert_once(path)
-            with _load_universal(model, universal):
+                convert_once(path)
+            with load_universal(model, universal):
                 loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
                                                   load_lr_scheduler_states=False)
         except Exception as exc:  # DeepSpeed's own error, prefixed with the EP degrees it happened between
@@ -435,69 +446,3 @@ def _steps(optimizer: Any) -> dict[str, Any]:
         if "step" in state:
             out[kind] = state["step"]
     return out
-
-
-# -- checkpoint helpers ----------------------------------------------------------------------------
-def _tag(path: str) -> str:
-    with open(os.path.join(path, "latest")) as fd:
-        return fd.read().strip()
-
-
-def _saved_ep(path: str) -> int:
-    """The AutoEP degree the checkpoint was saved at, from its own model-states file."""
-    import torch
-
-    tag_dir = os.path.join(path, _tag(path))
-    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
-    return int(state["ds_config"]["expert_parallel"]["autoep_size"])
-
-
-def _convert_once(path: str) -> None:
-    """``ds_to_universal`` of the checkpoint in ``path``, by global rank 0, once for all later loads.
-
-    The result stays beside the saved tag (``<tag>_universal`` and ``latest_universal``, which
-    DeepSpeed writes last, so its presence means a complete conversion).  Rank 0 converts under a
-    file lock; its outcome is broadcast, so a failed conversion fails every rank instead of leaving
-    the others waiting at a barrier.
-    """
-    import torch.distributed as dist
-
-    outcome: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            _convert_locked(path)
-        except Exception as exc:  # every rank must learn of it; see the docstring
-            outcome[0] = f"ds_to_universal failed: {type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise RuntimeError(outcome[0])
-
-
-def _convert_locked(path: str) -> None:
-    from types import SimpleNamespace
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    with open(os.path.join(path, ".universal.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(path, "latest_universal")):
-            return
-        tag = _tag(path)
-        output = os.path.join(path, f"{tag}_universal")
-        shutil.rmtree(output, ignore_errors=True)  # an interrupted conversion's leftovers
-        args = SimpleNamespace(input_folder=os.path.join(path, tag), output_folder=output, num_extract_workers=1,
-                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            ds_to_universal.main(args)  # its progress lines and bars; a failure still raises
-
-
-@contextlib.contextmanager
-def _load_universal(engine: Any, universal: bool) -> Iterator[None]:
-    """``checkpoint.load_universal`` for one ``load_checkpoint`` call (see the module docstring)."""
-    config = engine._config
-    before = config.load_universal_checkpoint
-    config.load_universal_checkpoint = universal
-    try:
-        yield
-    finally:
-        config.load_universal_checkpoint = before
