@@ -24,6 +24,8 @@ This is the path DeepSpeed documents for a user who changes the expert-parallel 
   alone, once per saved checkpoint: the result stays inside the saved directory for every later
   load -- and loaded with ``"checkpoint": {"load_universal": true}`` (``_deepspeed_universal``).
   ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value check runs.
+* CPU/gloo only (``DS_ACCELERATOR=cpu``, set by ``_deepspeed_common``): a mesh on another device is
+  refused with the reason;
 * ``Spec.layout`` (when the harness has it): ``ep_order="strided"`` is DeepSpeed's
   ``use_data_before_expert_parallelism``; ``etp`` must be 1.
 
@@ -288,6 +290,9 @@ class DeepSpeedAutoEPAdapter:
                              f"dtype={spec.dtype!r}, activation={spec.activation!r}")
         if mesh is None:
             return _truth(spec, seed)
+        if mesh.device_type != "cpu":
+            raise ValueError(f"deepspeed-autoep runs DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) on a gloo "
+                             f"world; this world's mesh is on {mesh.device_type!r} (run with --moe-ep-backend=gloo)")
         ep = mesh["ep"].size()
         strided = _ep_order(spec) == "strided"
         use_expert_groups(ep, variant="strided" if strided else "")
