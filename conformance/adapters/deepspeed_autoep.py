@@ -14,10 +14,12 @@ This is the path DeepSpeed documents for a user who changes the expert-parallel 
   EP groups (``ep`` consecutive ranks form one) and replace each block by an ``AutoEPMoELayer`` whose
   ``experts.w1/w2/w3`` are ``[E_local, ...]`` slices of the global experts (the "packed" kind).  AutoEP
   places experts contiguously: EP rank ``r`` holds ``autoep_experts_for_rank(descriptor, r)``;
-* ZeRO stage 1 (``deepspeed-autoep``) or 2 (``deepspeed-autoep-zero2``), fp32, AdamW with
-  ``torch_adam: true`` over the engine's own MoE param groups; a step is ``engine.backward`` of a
-  loss whose gradient is exactly the :func:`conformance.synthetic_grad` of every parameter (so ZeRO's
-  gradient hooks, reduction and partitioning run), then ``engine.step()``;
+* ZeRO stage 1 (``deepspeed-autoep``; ``deepspeed-autoep-noconvert`` loads it without the
+  conversion below) or 2 (``deepspeed-autoep-zero2``), fp32, AdamW with ``torch_adam: true`` over the
+  engine's own MoE param groups; a step is ``engine.backward`` of a loss whose gradient is exactly
+  the :func:`conformance.synthetic_grad` of every parameter (expert gradients times ep, which ZeRO's
+  expert averaging divides out: :meth:`DeepSpeedAutoEPAdapter.step`), so ZeRO's gradient hooks,
+  reduction and partitioning run, then ``engine.step()``;
 * ``engine.save_checkpoint``.  The load at the same EP degree (read from the checkpoint's own
   ``ds_config``) is ``engine.load_checkpoint``.  At another degree the saved checkpoint is first
   converted with ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0
