@@ -346,8 +346,13 @@ class DeepSpeedAutoEPAdapter:
         model.save_checkpoint(path)
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        saved = saved_ep(path)
         ep = _moe_layers(model)[0].ep_size
+        try:
+            saved = saved_ep(path)
+        except (OSError, KeyError) as exc:
+            raise RuntimeError(f"{path} holds no DeepSpeed AutoEP checkpoint to load at ep={ep}: expected 'latest' "
+                               f"naming a tag whose mp_rank_00_model_states.pt records expert_parallel.autoep_size "
+                               f"({type(exc).__name__}: {exc})") from exc
         universal = saved != ep
         story = f"saved at ep={saved}, loading at ep={ep}{' through a universal checkpoint' if universal else ''}"
         try:
