@@ -4,6 +4,7 @@ matrix in a pytester subprocess, and grouping a report's cells by status."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,11 @@ PACKED_ONLY_NOT_APPLICABLE = {
     "adapter has no save_legacy (its old, lossy save)": 6,
 }
 BIT_FOR_BIT = "equal the ep=1 ground truth bit for bit"
+#: where torch builds C++ extensions for this user (DeepSpeed's CPU shared-memory comm op, compiled once by
+#: ci/install_deepspeed.sh), read at import, before pytester points HOME at a temporary directory: a pytester
+#: subprocess must get it as TORCH_EXTENSIONS_DIR, or it compiles the op again (about a minute on 2 cores).
+TORCH_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
 
 
 def run_report(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:

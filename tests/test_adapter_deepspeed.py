@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import pytest
-from matrix_expectations import pair
+from matrix_expectations import TORCH_EXTENSIONS_DIR, pair
 
 if importlib.util.find_spec("deepspeed") is None:  # checked without importing DeepSpeed into this process
     pytest.skip("deepspeed is not installed (ci/install_deepspeed.sh installs deepspeed==0.19.8)",
@@ -44,6 +44,7 @@ NOT_APPLICABLE = {
 
 def test_deepspeed_matrix_as_found(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the adapter sets it too; explicit for the rank fork server
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)  # the compiled shm op; see matrix_expectations
     out = pytester.path / "out"
     result = pytester.runpytest_subprocess("--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed",
                                            f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)

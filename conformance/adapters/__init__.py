@@ -29,6 +29,9 @@ BUILTINS: dict[str, Builtin] = {
     "torchtitan": Builtin("conformance.adapters.torchtitan:TorchtitanAdapter"),
     "torchtitan-local": Builtin("conformance.adapters.torchtitan:TorchtitanLocalAdapter"),
     "deepspeed": Builtin("conformance.adapters.deepspeed:DeepSpeedAdapter"),
+    "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter"),
+    "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter"),
+    "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter"),
 }
 
 

@@ -7,7 +7,7 @@ What it drives (DeepSpeed 0.19.8; all of it DeepSpeed's own code):
   ``use_residual=True``: an always-on ``mlp`` mixed in by a learned ``coefficient``).  The expert is a
   small SwiGLU (or GELU) MLP that ``Experts`` deep-copies into its ``nn.ModuleList`` of local
   experts: the "unpacked" layer kind.  Native MoE has no packed kind (DeepSpeed's fused-weight
-  layers belong to AutoEP, which this adapter does not drive);
+  layers belong to AutoEP, which the ``deepspeed-autoep`` adapters drive: ``deepspeed_autoep.py``);
 * ``deepspeed.initialize`` (ZeRO stage 0, fp32) wraps it in a ``DeepSpeedEngine``, which creates the
   expert-parallel and expert-data-parallel groups from ``ep_size`` (consecutive ranks form an EP
   group; the harness mesh is used for its ``ep`` size only) and, in model+optimizer cells, its
@@ -36,8 +36,9 @@ Settings and workarounds, none of which changes what is checked:
 * ``gradient_clipping: 0``: DeepSpeed clips to a global norm of 1.0 by default, a norm summed over
   every rank's experts whose rounding depends on the EP degree -- it would test the clip, not the
   checkpoint.
-* ``DS_ACCELERATOR=cpu`` is set (unless set already) when this module is imported, which the rank
-  fork server does before it imports ``deepspeed`` (``preload``): DeepSpeed picks its accelerator at
+* ``DS_ACCELERATOR=cpu`` is set (unless set already) when this module is imported (by
+  ``_deepspeed_common``, shared with the ``deepspeed-autoep`` adapters), which the rank fork server
+  does before it imports ``deepspeed`` (``preload``): DeepSpeed picks its accelerator at
   import, and the CPU accelerator speaks gloo, the world's backend.  ``deepspeed.initialize`` then
   joins the world's default process group (``init_distributed`` wraps an initialised
   ``torch.distributed``).  CPU/gloo only: on an NCCL world the CUDA accelerator would step with
@@ -47,7 +48,7 @@ Settings and workarounds, none of which changes what is checked:
   (``groups._get_max_expert_size_name``).  A rank process here runs many cells at several EP
   degrees, so before each engine is built the adapter leaves only that cell's ``ep_size_<ep>`` groups
   visible -- what a fresh DeepSpeed job at that degree sees -- and keeps the others (created once per
-  process, in the same order on every rank) aside for reuse.
+  process, in the same order on every rank) aside for reuse (``_deepspeed_common.use_expert_groups``).
 * The CPU accelerator JIT-compiles a shared-memory communication op at the first
   ``deepspeed.initialize`` of a machine (minutes); ``ci/install_deepspeed.sh`` compiles it at install.
 
@@ -64,31 +65,17 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapters._deepspeed_common import deepspeed as _deepspeed
+from conformance.adapters._deepspeed_common import installed_version, use_expert_groups
 from conformance.synthetic import synthetic_grad, synthetic_weight
-
-if "deepspeed" not in sys.modules:  # DeepSpeed picks its accelerator at import; see the module docstring
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 LR = 1e-2
 WEIGHT_DECAY = 0.01
-#: the deepspeed.utils.groups tables keyed by expert group name ("ep_size_<ep>").
-_GROUP_TABLES = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
-#: every expert group this rank process created, by table: reused by later cells at the same ep.
-_CREATED_GROUPS: dict[str, dict[str, Any]] = {table: {} for table in _GROUP_TABLES}
-
-
-def _deepspeed() -> Any:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    return deepspeed
 
 
 @cache
@@ -198,19 +185,6 @@ def _set_grads(model: Any, seed: int, step: int) -> None:
         p.grad = synthetic_grad(seed, step, layer, None, name, p.shape, dtype=p.dtype).to(p.device)
 
 
-def _use_expert_groups(ep: int) -> None:
-    """Leave only ``ep_size_<ep>``'s expert groups visible to DeepSpeed (see the module docstring)."""
-    from deepspeed.utils import groups
-
-    name = f"ep_size_{ep}"
-    for table in _GROUP_TABLES:
-        live = getattr(groups, table)
-        _CREATED_GROUPS[table].update(live)
-        live.clear()
-        if name in _CREATED_GROUPS[table]:
-            live[name] = _CREATED_GROUPS[table][name]
-
-
 class DeepSpeedAdapter:
     name = "deepspeed"
     capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
@@ -221,12 +195,7 @@ class DeepSpeedAdapter:
     @property
     def version(self) -> str:
         """The installed DeepSpeed's version (read without importing it); pinned to 0.19.8 in CI."""
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("deepspeed")
-        except PackageNotFoundError:
-            return "not installed"
+        return installed_version()
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
@@ -254,7 +223,7 @@ class DeepSpeedAdapter:
                 optimizer.zero_grad(set_to_none=True)
             return model, optimizer
 
-        _use_expert_groups(ep)
+        use_expert_groups(ep)
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,

@@ -1,0 +1,459 @@
+"""The ``deepspeed-autoep`` adapters: DeepSpeed AutoEP under ZeRO-1/2 and its universal checkpoint.
+
+This is the path DeepSpeed documents for a user who changes the expert-parallel degree (DeepSpeed
+0.19.8; all of it DeepSpeed's own code):
+
+* the model is Mixtral-shaped, as Hugging Face Transformers >= 5 lays it out and as DeepSpeed's own
+  AutoEP tests mock it: ``model.config`` with ``model_type="mixtral"``, ``num_local_experts`` and
+  ``num_experts_per_tok``; ``model.layers.<l>`` holds an ``input_layernorm`` and an ``mlp`` with a
+  ``gate`` Linear (the router) and ``experts`` with fused ``gate_up_proj [E, 2F, H]`` and
+  ``down_proj [E, H, F]``.  Every expert is filled with :func:`conformance.synthetic_weight` by its
+  *global* id before DeepSpeed sees the model, so every EP degree starts from the same global model;
+* ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "autoep_size": ep,
+  "preset_model": "mixtral", "use_grouped_mm": false}`` lets AutoEP find the MoE blocks, create the
+  EP groups (``ep`` consecutive ranks form one) and replace each block by an ``AutoEPMoELayer`` whose
+  ``experts.w1/w2/w3`` are ``[E_local, ...]`` slices of the global experts (the "packed" kind).  AutoEP
+  places experts contiguously: EP rank ``r`` holds ``autoep_experts_for_rank(descriptor, r)``;
+* ZeRO stage 1 (``deepspeed-autoep``; ``deepspeed-autoep-noconvert`` loads it without the
+  conversion below) or 2 (``deepspeed-autoep-zero2``), fp32, AdamW with ``torch_adam: true`` over the
+  engine's own MoE param groups; a step is ``engine.backward`` of a loss whose gradient is exactly
+  the :func:`conformance.synthetic_grad` of every parameter (expert gradients times ep, which ZeRO's
+  expert averaging divides out: :meth:`DeepSpeedAutoEPAdapter.step`), so ZeRO's gradient hooks,
+  reduction and partitioning run, then ``engine.step()``;
+* ``engine.save_checkpoint``.  The load at the same EP degree (read from the checkpoint's own
+  ``ds_config``) is ``engine.load_checkpoint``.  At another degree the saved checkpoint is first
+  converted with ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0
+  alone, once per saved checkpoint: the result stays inside the saved directory for every later
+  load -- and loaded with ``"checkpoint": {"load_universal": true}`` (``_deepspeed_universal``).
+  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value check runs.
+* CPU/gloo only (``DS_ACCELERATOR=cpu``, set by ``_deepspeed_common``): a mesh on another device is
+  refused with the reason;
+* ``Spec.layout`` (when the harness has it): ``ep_order="strided"`` is DeepSpeed's
+  ``use_data_before_expert_parallelism``; ``etp`` must be 1.
+
+Expert weights and moments are read through DeepSpeed's own accessors, ``safe_get_full_fp32_param``
+and ``safe_get_full_optimizer_state`` (the fp32 master and the Adam moments, gathered over the
+expert-data-parallel group), and the module's own parameter; each expert is yielded under its global
+id.  Names: ``w1``/``w2``/``w3`` (the module parameter), ``.master`` (the fp32 master), ``.exp_avg``,
+``.exp_avg_sq``; dense parameters alike by layer; the optimizer step count of the dense and the
+expert param group as ``optimizer.step[dense|expert]``.
+
+The ground truth (``build(spec, None, seed)``) is the same model converted by AutoEP at ep=1 on this
+rank alone, without an engine (``AutoEP.replace_moe_layers`` needs no process group; the engine binds
+groups later), stepped by ``torch.optim.AdamW`` over ``configure_moe_param_groups`` -- the groups
+and the optimizer the engine makes.  ZeRO-1/2's step is that optimizer over flat fp32 partitions,
+elementwise the same; identical synthetic gradients on every rank make the data-parallel average
+exact.
+
+Workarounds, none of which changes what is checked:
+
+* Re-link of optimizer-state fragments (``runtime/zero/stage_1_and_2.py``:
+  ``DeepSpeedZeroOptimizer._optimizer_step`` calls ``_lazy_init_hp_params_optimizer_state()`` after
+  the *first* param group's step and marks every group linked, before AutoEP's expert group has any
+  state, so ``safe_get_full_optimizer_state`` on an expert raises "exp_avg not found in optimizer
+  state fragment").  Before reading moments the adapter sets ``_hp_optimizer_states_linked = False``
+  and calls ``_lazy_init_hp_params_optimizer_state()`` again: :func:`_relink_optimizer_states`.
+* ``gradient_clipping: 0``: the default clip to a global norm of 1.0 sums over every rank's experts,
+  whose rounding depends on the EP degree -- it would test the clip, not the checkpoint.
+* Persistent world: before each engine only that cell's expert groups stay visible, as a fresh job
+  sees them (``_deepspeed_common.use_expert_groups``).
+* ``ds_to_universal`` runs with one extract and one merge worker (no process pool: rank processes
+  may not fork workers), under a file lock so concurrent loads of one checkpoint convert it once.
+
+What the matrix finds (0.19.8, ZeRO-1 and ZeRO-2 alike): every model+optimizer cell passes bit for bit
+at every EP pair -- module weights, fp32 masters, Adam moments and step counts -- through the native
+load at equal EP and the universal checkpoint otherwise; a step after such a load also matches the
+truth's next step, and a checkpoint re-saved after a universal load reloads right (probed).
+Model-only cells pass at equal EP and error at any other: ``ds_to_universal`` refuses a checkpoint
+saved before the first optimizer step ("Missing AutoEP exp_avg fragments for
+model.layers.0.mlp.experts.w1"; it has an fp32 fallback for a missing master, none for a missing
+moment) -- loud.  Without the conversion (:class:`DeepSpeedAutoEPNoConversionAdapter`) model-only
+cells pass everywhere, but model+optimizer cells at another EP are silently wrong.  After a universal
+load the expert param group keeps the saved group's name (``ep_size_2`` in an ep=4 engine:
+``load_hp_checkpoint_state_from_checkpoint_dir`` copies every saved group key but ``params``); no cell
+found it to matter.  ``E % ep != 0`` is refused by AutoEP (``uneven=False``); there is no legacy save,
+no unpacked kind (AutoEP's experts are packed) and no FSDP2 (ZeRO shards instead).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
+from conformance.adapters._deepspeed_universal import convert_once, load_universal, saved_ep
+from conformance.synthetic import synthetic_grad, synthetic_weight
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+LR = 1e-2
+WEIGHT_DECAY = 0.01
+#: the kinds of optimizer param group, named the same at every EP degree (DeepSpeed names the
+#: expert group ``ep_size_<ep>``).
+GROUP_KINDS = ("dense", "expert")
+
+
+@cache
+def _classes() -> type:
+    """The Mixtral-shaped model: plain torch modules with the structure AutoEP's mixtral preset finds."""
+    import torch
+    from torch import nn
+
+    class MixtralExperts(nn.Module):
+        """Transformers >= 5 storage: gate and up fused on one 3-D parameter."""
+
+        def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * hidden, dim))
+            self.down_proj = nn.Parameter(torch.zeros(num_experts, dim, hidden))
+            self.act_fn = nn.SiLU()  # AutoEP checks it against the preset's SwiGLU
+
+    class MixtralSparseMoeBlock(nn.Module):
+        def __init__(self, spec: Spec) -> None:
+            super().__init__()
+            self.gate = nn.Linear(spec.dim, spec.num_experts, bias=False)
+            self.experts = MixtralExperts(spec.num_experts, spec.dim, spec.hidden)
+
+    class MixtralDecoderLayer(nn.Module):
+        def __init__(self, spec: Spec) -> None:
+            super().__init__()
+            self.input_layernorm = nn.LayerNorm(spec.dim)
+            self.mlp = MixtralSparseMoeBlock(spec)
+
+    class MixtralModel(nn.Module):
+        def __init__(self, spec: Spec) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(MixtralDecoderLayer(spec) for _ in range(spec.num_layers))
+
+    class MixtralConfig:
+        model_type = "mixtral"
+
+        def __init__(self, spec: Spec) -> None:
+            self.num_local_experts = spec.num_experts
+            self.num_experts_per_tok = min(spec.top_k, spec.num_experts)
+            self.hidden_size = spec.dim
+            self.intermediate_size = spec.hidden
+
+    class MixtralForCausalLM(nn.Module):
+        def __init__(self, spec: Spec) -> None:
+            super().__init__()
+            self.config = MixtralConfig(spec)
+            self.model = MixtralModel(spec)
+
+    return MixtralForCausalLM
+
+
+def _source_model(spec: Spec, seed: int) -> Any:
+    """The global Mixtral-shaped model, every value a function of the seed and global identities."""
+    import torch
+
+    model = _classes()(spec)
+    with torch.no_grad():
+        for layer, block in enumerate(model.model.layers):
+            experts = block.mlp.experts
+            for g in range(spec.num_experts):
+                shape = (spec.hidden, spec.dim)
+                experts.gate_up_proj[g].copy_(torch.cat([synthetic_weight(seed, layer, g, "w1", shape),
+                                                         synthetic_weight(seed, layer, g, "w3", shape)]))
+                experts.down_proj[g].copy_(synthetic_weight(seed, layer, g, "w2", (spec.dim, spec.hidden)))
+            for name, p in block.named_parameters():
+                if not name.startswith("mlp.experts."):
+                    p.copy_(synthetic_weight(seed, layer, None, _dense_name(name), p.shape))
+    return model
+
+
+def _dense_name(name: str) -> str:
+    """A dense parameter's canonical name within its layer: the AutoEP model's (the router is
+    ``mlp.router.gate`` after the replacement, ``mlp.gate`` before)."""
+    return name.replace("mlp.gate.", "mlp.router.gate.")
+
+
+def _lr(spec: Spec) -> float:
+    return float(getattr(spec, "lr", LR))  # ``Spec.lr`` comes with the layout issue; 1e-2 until then
+
+
+def _ep_order(spec: Spec) -> str:
+    """The EP order a ``Spec.layout`` asks for (DeepSpeed's default, consecutive, without one).
+
+    The expert-tensor-parallel degree must be 1: AutoEP's ETP is its AutoTP folding, not driven here.
+    DeepSpeed's ZeRO partitions over every data-parallel rank, so ``dp_replicate`` and ``dp_shard``
+    are one data-parallel group to it."""
+    layout = getattr(spec, "layout", None)
+    if layout is None:
+        return "consecutive"
+    if getattr(layout, "etp", 1) != 1:
+        raise ValueError(f"deepspeed-autoep drives AutoEP without expert tensor parallelism; got etp={layout.etp}")
+    order = getattr(layout, "ep_order", "consecutive")
+    if order not in ("strided", "consecutive"):
+        raise ValueError(f"ep_order must be 'strided' or 'consecutive', got {order!r}")
+    return order
+
+
+def _autoep_section(ep: int) -> dict[str, Any]:
+    return {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": False}
+
+
+def _module(model: Any) -> Any:
+    return getattr(model, "module", model)  # a DeepSpeedEngine, or the plain model (ground truth)
+
+
+def _moe_layers(model: Any) -> list[Any]:
+    return [block.mlp for block in _module(model).model.layers]
+
+
+def _expert_ids(moe: Any) -> list[int]:
+    """The global ids of ``moe``'s local experts, in local order: AutoEP's own placement."""
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
+    return list(autoep_experts_for_rank(moe.expert_placement_descriptor, moe.ep_rank))
+
+
+def _dense_params(model: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(layer, name within the layer, parameter)`` for every non-expert parameter."""
+    for layer, block in enumerate(_module(model).model.layers):
+        for name, p in block.named_parameters():
+            if not name.startswith("mlp.experts."):
+                yield layer, name, p
+
+
+def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Iterator[tuple[Any, Any]]:
+    """``(parameter, its synthetic gradient)`` for every parameter, experts by global id, expert
+    gradients times ``expert_scale`` (see :meth:`DeepSpeedAutoEPAdapter.step`)."""
+    import torch
+
+    for layer, moe in enumerate(_moe_layers(model)):
+        ids = _expert_ids(moe)
+        for name in EXPERT_WEIGHTS:
+            p = getattr(moe.experts, name)
+            grads = torch.stack([synthetic_grad(seed, step, layer, g, name, p.shape[1:]) for g in ids])
+            yield p, grads * expert_scale if expert_scale != 1 else grads
+    for layer, name, p in _dense_params(model):
+        yield p, synthetic_grad(seed, step, layer, None, name, p.shape)
+
+
+def _truth(spec: Spec, seed: int) -> tuple[Any, Any]:
+    """AutoEP at ep=1 on this rank alone, stepped by the optimizer the engine would make."""
+    import torch
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    from deepspeed.moe.utils import configure_moe_param_groups
+
+    model = _source_model(spec, seed)
+    auto_ep = AutoEP(model, parse_autoep_config(_autoep_section(1)))
+    auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
+    if spec.optimizer_steps <= 0:
+        return model, None
+    optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=_lr(spec),
+                                  weight_decay=WEIGHT_DECAY)
+    for step in range(spec.optimizer_steps):
+        for p, grad in _gradients(model, seed, step):
+            p.grad = grad
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def _relink_optimizer_states(optimizer: Any) -> None:
+    """The workaround for ``DeepSpeedZeroOptimizer._optimizer_step`` linking optimizer-state
+    fragments after the first param group's step only (see the module docstring)."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+class DeepSpeedAutoEPAdapter:
+    """AutoEP under ZeRO stage 1; :class:`DeepSpeedAutoEPZero2Adapter` is the same under stage 2."""
+
+    name = "deepspeed-autoep"
+    zero_stage = 1
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
+                                format="deepspeed", ep_orders=("consecutive", "strided"))
+    #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR), not in each
+    #: world's first engine: measured, these imports are 13 of the first engine's 15 s on 2 cores (ZeRO's
+    #: optimizer check imports the Muon optimizer, which imports torch._dynamo; AutoEP's conversion
+    #: imports transformers when installed, to retarget its router-logit recorders).  A module that is
+    #: not installed is skipped by the fork server.
+    preload = ("deepspeed", "deepspeed.module_inject.auto_ep", "deepspeed.runtime.zero.stage_1_and_2",
+               "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.checkpoint.ds_to_universal",
+               "transformers")
+
+    @property
+    def version(self) -> str:
+        return installed_version()
+
+    # -- building ----------------------------------------------------------------------------------
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
+        if spec.kind != "packed" or spec.fsdp or spec.dtype != "float32" or spec.activation != "swiglu":
+            raise ValueError(f"this adapter drives DeepSpeed AutoEP's mixtral preset (packed SwiGLU experts), "
+                             f"fp32, ZeRO-{self.zero_stage}; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
+                             f"dtype={spec.dtype!r}, activation={spec.activation!r}")
+        if mesh is None:
+            return _truth(spec, seed)
+        if mesh.device_type != "cpu":
+            raise ValueError(f"deepspeed-autoep runs DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) on a gloo "
+                             f"world; this world's mesh is on {mesh.device_type!r} (run with --moe-ep-backend=gloo)")
+        ep = mesh["ep"].size()
+        strided = _ep_order(spec) == "strided"
+        use_expert_groups(ep, variant="strided" if strided else "")
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": self.zero_stage},
+            "expert_parallel": _autoep_section(ep),
+            # DeepSpeed's own names for the two EP orders: its default puts ``ep`` consecutive ranks in an
+            # EP group; "data before expert parallel" strides them (ranks r, r + world/ep, ...).
+            "use_data_before_expert_parallelism": strided,
+            "optimizer": {"type": "AdamW",
+                          "params": {"lr": _lr(spec), "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+            # the default clip to 1.0 sums a norm over every rank's experts: rounding depends on the EP degree.
+            "gradient_clipping": 0.0,
+            "steps_per_print": 1 << 30,
+        }
+        engine, optimizer, _, _ = deepspeed().initialize(model=_source_model(spec, seed), config=config)
+        for step in range(spec.optimizer_steps):
+            self.step(engine, optimizer, seed, step)
+        return engine, optimizer
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        """One optimizer step with synthetic gradients: ``backward`` of ``sum(p * grad)`` has exactly
+        ``grad`` as the gradient of ``p``, and runs ZeRO's own gradient hooks and reduction.
+
+        ZeRO divides every gradient by the data-parallel size (the world) and sums an expert's over
+        its expert-data-parallel group (world / ep ranks): the expert ends up with its local gradient
+        divided by ep -- right for real training, where an expert's local gradient holds the tokens
+        of all its EP peers.  So each rank's expert gradient is ``synthetic_grad * ep``, and every
+        expert is stepped with ``synthetic_grad`` itself at every EP degree (exactly, for powers of two).
+        """
+        import torch
+
+        if not hasattr(model, "backward"):  # the ground truth's plain model
+            for p, grad in _gradients(model, seed, step):
+                p.grad = grad
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return
+        loss = torch.zeros((), dtype=torch.float32)
+        for p, grad in _gradients(model, seed, step, expert_scale=_moe_layers(model)[0].ep_size):
+            loss = loss + (p * grad.to(p.device)).sum()
+        model.backward(loss)
+        model.step()
+
+    # -- checkpoint path ---------------------------------------------------------------------------
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        model.save_checkpoint(path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        ep = _moe_layers(model)[0].ep_size
+        try:
+            saved = saved_ep(path)
+        except (OSError, KeyError) as exc:
+            raise RuntimeError(f"{path} holds no DeepSpeed AutoEP checkpoint to load at ep={ep}: expected 'latest' "
+                               f"naming a tag whose mp_rank_00_model_states.pt records expert_parallel.autoep_size "
+                               f"({type(exc).__name__}: {exc})") from exc
+        universal = saved != ep
+        story = f"saved at ep={saved}, loading at ep={ep}{' through a universal checkpoint' if universal else ''}"
+        try:
+            if universal:
+                convert_once(path)
+            with load_universal(model, universal):
+                loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
+                                                  load_lr_scheduler_states=False)
+        except Exception as exc:  # DeepSpeed's own error, prefixed with the EP degrees it happened between
+            message = " ".join(str(exc).split()).replace(os.fspath(path), "<checkpoint>")
+            raise RuntimeError(f"load ({story}) raised {type(exc).__name__}: {message}") from exc
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path} ({story})")
+
+    # -- canonical views ---------------------------------------------------------------------------
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+        engine = hasattr(model, "module")
+        if engine and optimizer is not None:
+            _relink_optimizer_states(optimizer)
+        for layer, moe in enumerate(_moe_layers(model)):
+            ids = _expert_ids(moe)
+            for name in EXPERT_WEIGHTS:
+                p = getattr(moe.experts, name)
+                for short, full in _views(name, p, optimizer, engine):
+                    for i, g in enumerate(ids):
+                        yield layer, g, short, full[i]
+
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+        engine = hasattr(model, "module")
+        for layer, name, p in _dense_params(model):
+            for short, full in _views(name, p, optimizer, engine):
+                yield layer, None, short, full
+        for kind, value in _steps(optimizer).items():
+            yield None, None, f"optimizer.step[{kind}]", value
+
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, object]:
+        """Step counts and hyperparameters of the dense and the expert param group."""
+        out: dict[str, object] = {f"step[{kind}]": int(value.item()) for kind, value in _steps(optimizer).items()}
+        for kind, group in _groups(optimizer).items():
+            for key in ("lr", "betas", "weight_decay", "eps"):
+                value = group[key]
+                out[f"{key}[{kind}]"] = tuple(float(v) for v in value) if key == "betas" else float(value)
+        return out
+
+
+class DeepSpeedAutoEPZero2Adapter(DeepSpeedAutoEPAdapter):
+    """AutoEP under ZeRO stage 2 (gradients partitioned too)."""
+
+    name = "deepspeed-autoep-zero2"
+    zero_stage = 2
+
+
+class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
+    """AutoEP under ZeRO-1 loaded the way a user who skips the conversion does: ``load_checkpoint`` at
+    every EP degree.  DeepSpeed 0.19.8 neither refuses nor converts: at another degree the module's
+    expert weights come back right (from the per-global-expert files) while the experts' fp32 masters
+    and Adam moments come from ZeRO partitions of the saved layout -- other values, silently, and the
+    next step writes the wrong masters into the model.  The matrix's negative control on this path."""
+
+    name = "deepspeed-autoep-noconvert"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
+                                          load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+
+
+# -- helpers of the canonical views ----------------------------------------------------------------
+def _views(name: str, p: Any, optimizer: Any, engine: bool) -> Iterator[tuple[str, Any]]:
+    """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    yield name, p.detach()
+    yield f"{name}.master", safe_get_full_fp32_param(p) if engine else p.detach()
+    if optimizer is None:
+        return
+    for moment in ADAM_MOMENTS:
+        if engine:
+            yield f"{name}.{moment}", safe_get_full_optimizer_state(p, moment)
+        elif moment in optimizer.state.get(p, {}):
+            yield f"{name}.{moment}", optimizer.state[p][moment]
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer: ZeRO's wrapped one, or the ground truth's."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _groups(optimizer: Any) -> dict[str, dict[str, Any]]:
+    """The dense and the expert param group of the torch optimizer, by kind."""
+    if optimizer is None:
+        return {}
+    return {("expert" if group.get("moe") else "dense"): group for group in _inner(optimizer).param_groups}
+
+
+def _steps(optimizer: Any) -> dict[str, Any]:
+    """Each param group's AdamW step count (a tensor), by kind."""
+    out: dict[str, Any] = {}
+    inner = _inner(optimizer) if optimizer is not None else None
+    for kind, group in _groups(optimizer).items():
+        state = inner.state.get(group["params"][0], {})
+        if "step" in state:
+            out[kind] = state["step"]
+    return out

@@ -1,0 +1,92 @@
+"""The ``deepspeed-autoep`` adapters on a stated subset of the matrix: DeepSpeed AutoEP + universal checkpoints.
+
+Skipped unless DeepSpeed is installed (``ci/install_deepspeed.sh`` installs the pinned 0.19.8).  Each
+run is ``pytest --moe-ep-matrix --moe-ep-adapter=conformance.adapters.deepspeed_autoep:<class> -k ...``
+in a pytester subprocess; the outcome is asserted *as found*, cell by cell (all E=4, packed, EP only):
+
+* ZeRO-1 (``DeepSpeedAutoEPAdapter``), ep2->ep4 and ep4->ep4: model+optimizer passes bit for bit
+  through ``ds_to_universal`` + ``load_universal`` (2->4) and through the native load (4->4); the
+  model-only save at 4 reloads at 4, but at 2->4 the conversion of a checkpoint saved before the
+  first optimizer step raises (AutoEP experts have no Adam fragments yet) -- loud;
+* ZeRO-2 (``DeepSpeedAutoEPZero2Adapter``), model+optimizer ep1->ep2 (universal) and ep2->ep2
+  (native): both pass;
+* the negative control (``DeepSpeedAutoEPNoConversionAdapter``: ``load_checkpoint`` at another EP
+  without the conversion), ep4->ep2: model-only passes, model+optimizer fails -- DeepSpeed silently
+  gives experts the fp32 masters and Adam moments of the saved layout ("holds expert 1's values
+  instead of expert 2's"), and the matrix says so.
+
+The full matrix of each class (18 cells run, 88 n/a) is ``ci/conformance.sh``'s.  This module took 46 s on
+2 cores at load average 10 (150 s at load 20): three sessions, most of each its fork server importing torch,
+DeepSpeed and Transformers once; the cells themselves take 0.3-1 s each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+from matrix_expectations import BIT_FOR_BIT, TORCH_EXTENSIONS_DIR, by_status, run_report
+
+if importlib.util.find_spec("deepspeed") is None:  # checked without importing DeepSpeed into this process
+    pytest.skip("deepspeed is not installed (ci/install_deepspeed.sh installs deepspeed==0.19.8)",
+                allow_module_level=True)
+
+MODULE = "conformance.adapters.deepspeed_autoep"
+ID = "moe-ep-matrix::checkpoint::packed::{state}::ep-only::ep{s}->ep{t}"
+NO_STEP_CONVERSION = "raised RuntimeError: ds_to_universal failed: RuntimeError: Missing AutoEP exp_avg fragments " \
+                     "for model.layers.0.mlp.experts.w1, EP rank 0."
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the adapter sets it too; explicit for the rank fork server
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)  # see matrix_expectations
+
+
+def run_cells(pytester: pytest.Pytester, cls: str, selection: str) -> tuple[dict[str, Any], dict[str, set[str]],
+                                                                              dict[str, int]]:
+    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={MODULE}:{cls}", "-k", selection)
+    assert doc["adapter"]["version"] == "0.19.8", doc["adapter"]
+    cells, statuses, na = by_status(doc)
+    failed = statuses.get("fail", set()) | statuses.get("error", set())
+    assert result.ret == (pytest.ExitCode.TESTS_FAILED if failed else pytest.ExitCode.OK), result.stdout.str()[-3000:]
+    return cells, statuses, na
+
+
+def test_zero1_universal_and_native_loads(pytester: pytest.Pytester) -> None:
+    cells, statuses, _ = run_cells(pytester, "DeepSpeedAutoEPAdapter",
+                                   "not unpacked and not fsdp and not E6 and load_ep4 and (save_ep2 or save_ep4)")
+    passing = {ID.format(state="model+optim", s=2, t=4), ID.format(state="model+optim", s=4, t=4),
+               ID.format(state="model", s=4, t=4)}
+    unconvertible = ID.format(state="model", s=2, t=4)
+    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in cells}
+    assert statuses.get("error", set()) == {unconvertible}
+    assert set(cells) - passing - {unconvertible} == {"moe-ep-matrix::checkpoint::legacy::packed::ep2->ep4"}
+    for cell_id in passing:
+        assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
+    detail = cells[unconvertible]["detail"]
+    assert "load (saved at ep=2, loading at ep=4 through a universal checkpoint)" in detail, detail
+    assert NO_STEP_CONVERSION in detail, detail
+
+
+def test_zero2_universal_and_native_loads(pytester: pytest.Pytester) -> None:
+    cells, statuses, _ = run_cells(pytester, "DeepSpeedAutoEPZero2Adapter",
+                                   "not unpacked and not fsdp and not E6 and not legacy and model+optim and "
+                                   "load_ep2 and (save_ep1 or save_ep2)")
+    passing = {ID.format(state="model+optim", s=1, t=2), ID.format(state="model+optim", s=2, t=2)}
+    assert set(cells) == passing and statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in cells}
+    for cell_id in passing:
+        assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
+
+
+def test_load_without_conversion_is_silently_wrong_and_caught(pytester: pytest.Pytester) -> None:
+    cells, statuses, _ = run_cells(pytester, "DeepSpeedAutoEPNoConversionAdapter",
+                                   "not unpacked and not fsdp and not E6 and not legacy and save_ep4 and load_ep2")
+    model, optim = ID.format(state="model", s=4, t=2), ID.format(state="model+optim", s=4, t=2)
+    assert statuses.get("pass", set()) == {model}, {i: cells[i]["detail"] for i in cells}
+    assert statuses.get("fail", set()) == {optim}, {i: cells[i]["detail"] for i in cells}
+    detail = cells[optim]["detail"]
+    assert detail.startswith("first difference: rank 0, layer 0, expert 0, tensor 'w2.exp_avg': values differ"), detail
+    assert "rank 1, layer 0, expert 2, tensor 'w1.exp_avg': holds expert 1's values instead of expert 2's" in detail, \
+        detail
