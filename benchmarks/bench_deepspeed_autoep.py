@@ -58,7 +58,8 @@ def phases(path: str) -> dict[str, float]:
     from conformance.adapter import Spec
     from conformance.adapters import deepspeed_autoep as autoep
     from conformance.adapters._deepspeed_universal import convert_once
-    from conformance.checks import SEED_A, SEED_B, _mesh, canonical
+    from conformance.checks import SEED_A, SEED_B
+    from conformance.checks.values import canonical
     from conformance.matrix import OPTIMIZER_STEPS
 
     adapter = autoep.DeepSpeedAutoEPAdapter()
@@ -93,7 +94,7 @@ def first_engine(path: str) -> float:
     """The first engine this world builds (every import and group not yet made)."""
     from conformance.adapter import Spec
     from conformance.adapters import deepspeed_autoep as autoep
-    from conformance.checks import SEED_A, _mesh
+    from conformance.checks import SEED_A
 
     t = time.perf_counter()
     autoep.DeepSpeedAutoEPAdapter().build(Spec(kind="packed"), _mesh(2), SEED_A)
@@ -157,3 +158,12 @@ if __name__ == "__main__":
     import bench_deepspeed_autoep  # ranks import functions by module name; a script's module is __main__ only here
 
     bench_deepspeed_autoep.main()
+
+
+def _mesh(ep: int) -> Any:
+    """The 4-rank world's mesh at ``ep`` (consecutive EP groups, as DeepSpeed forms them)."""
+    import torch.distributed as dist
+
+    from conformance.layout import ParallelLayout
+
+    return ParallelLayout.for_world(dist.get_world_size(), ep, ep_order="consecutive").build_mesh()

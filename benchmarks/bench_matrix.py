@@ -1,11 +1,19 @@
-"""The default conformance matrix on the reference adapter, timed on this machine.
+"""The conformance matrix on the reference adapter, timed on this machine, every check on.
 
-Prints: the whole ``pytest --moe-ep-matrix`` run (start-up included), the per-cell median, the
-raw work of one cell measured alone in a live world (the adapter's builds, DCP save and DCP load,
-no harness) and the harness overhead ratio, and the same cells each run in a fresh spawn world with
-the ratio to the persistent world -- all from this one run.
+Runs ``pytest --moe-ep-matrix`` in fresh subprocesses (start-up included, as CI pays it) and prints,
+from this one run:
 
-    python benchmarks/bench_matrix.py [--fresh 4]
+- the default (covering) tier at world size 4, with one save feeding every load of it, and the same
+  cells with every cell writing its own checkpoint (``-o moe_ep_share_saves=false``): the ratio is
+  what sharing saves;
+- the full tier at world size 4, and the default tier at world size 8;
+- per cell: the median wall time, and the harness cost -- the cell's wall time over the time spent
+  inside the adapter's own members (build, save, load, step, forward, scalars), from each cell's
+  record (``timings.adapter``), and over the rank-side total (what the engine adds).
+
+    python benchmarks/bench_matrix.py [--skip-full] [--skip-8]
+
+Targets (issue 14, 2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.
 """
 
 from __future__ import annotations
@@ -19,107 +27,61 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-CELL = "moe-ep-matrix::checkpoint::unpacked::model+optim::ep-only::ep2->ep4"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def raw_cell_work(path: str) -> dict[str, float]:
-    """One cell's adapter work with no harness: build, DCP save, build, DCP load (runs on every rank)."""
-    import torch.distributed as dist
-
-    from conformance.adapter import Spec
-    from conformance.adapters.reference import ReferenceAdapter
-    from conformance.checks import SEED_A, SEED_B, _mesh
-    from conformance.matrix import OPTIMIZER_STEPS
-
-    adapter = ReferenceAdapter()
-    spec = Spec(kind="unpacked", optimizer_steps=OPTIMIZER_STEPS)
-    times: dict[str, float] = {}
-    t = time.perf_counter()
-    model, optimizer = adapter.build(spec, _mesh(2), SEED_A)
-    times["build"] = time.perf_counter() - t
-    t = time.perf_counter()
-    adapter.save(model, optimizer, path)
-    times["save"] = time.perf_counter() - t
-    dist.barrier()
-    model, optimizer = adapter.build(spec, _mesh(4), SEED_B)
-    t = time.perf_counter()
-    adapter.load(model, optimizer, path)
-    times["load"] = time.perf_counter() - t
-    dist.barrier()
-    return times
+def run_matrix(tier: str, world_size: int, *extra: str) -> dict[str, Any]:
+    """One ``pytest --moe-ep-matrix`` subprocess: its wall time and its report's cells."""
+    with tempfile.TemporaryDirectory(prefix="bench-matrix-") as out:
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--moe-ep-matrix={tier}",
+                f"--moe-ep-world-size={world_size}", f"--moe-ep-report={out}", *extra]
+        t0 = time.perf_counter()
+        proc = subprocess.run(args, cwd=out, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        wall = time.perf_counter() - t0
+        report = Path(out) / "moe-ep-conformance.json"
+        if not report.exists():
+            raise SystemExit(f"pytest {' '.join(args[3:])} wrote no report:\n{proc.stdout[-3000:]}"
+                             f"{proc.stderr[-3000:]}")
+        doc = json.loads(report.read_text())
+    cells = [c for c in doc["cells"] if c["status"] != "n/a"]
+    return {"wall": wall, "cells": cells, "summary": doc["summary"], "exit": proc.returncode}
 
 
-def run_cell_once(path: str) -> Any:
-    from conformance.adapter import Spec
-    from conformance.adapters.reference import ReferenceAdapter
-    from conformance.checks import run_cell
-    from conformance.matrix import EVEN_EXPERTS, Cell
-
-    return run_cell(ReferenceAdapter(), Cell("unpacked", "unpacked", "model+optim", False, 2, 4, EVEN_EXPERTS),
-                    Spec(), path)
+def describe(name: str, found: dict[str, Any], target: float | None = None) -> str:
+    cells = found["cells"]
+    durations = [c["duration_s"] for c in cells]
+    adapter = sum(c.get("timings", {}).get("adapter", 0.0) for c in cells)
+    total = sum(c.get("timings", {}).get("total", 0.0) for c in cells)
+    verdict = "" if target is None else f"  target <= {target:g} s: {'met' if found['wall'] <= target else 'MISSED'}"
+    median = statistics.median(durations)
+    return (f"{name:<34} {found['wall']:7.1f} s  {len(cells):4d} cells  median cell {median:.3f} s"
+            f"  cell / adapter work {sum(durations) / adapter:.2f}x  cell / rank total {sum(durations) / total:.2f}x"
+            f"  {found['summary']}{verdict}")
 
 
 def main() -> None:
-    from pytest_moe_ep.world import Supervisor
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fresh", type=int, default=4, help="cells to run in fresh spawn worlds")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-full", action="store_true", help="skip the full tier (minutes)")
+    parser.add_argument("--skip-8", action="store_true", help="skip world size 8")
     args = parser.parse_args()
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}, "
-          "4 gloo ranks, reference adapter")
-
-    with tempfile.TemporaryDirectory() as out:
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "pytest", "--moe-ep-matrix", f"--moe-ep-report={out}", "-q",
-                        "-p", "no:cacheprovider"], cwd=out, check=False, stdout=subprocess.DEVNULL)
-        total = time.perf_counter() - t
-        with open(os.path.join(out, "moe-ep-conformance.json")) as f:
-            cells = json.load(f)["cells"]
-    ran = [c for c in cells if c["status"] != "n/a"]
-    per_cell = statistics.median(c["duration_s"] for c in ran)
-    failed = [c["id"] for c in ran if c["status"] != "pass"]
-    in_matrix = next(c["duration_s"] for c in cells if c["id"] == CELL)
-
-    live = Supervisor()
-    with tempfile.TemporaryDirectory() as d:
-        live.run(run_cell_once, os.path.join(d, "warm"), world_size=4, backend="gloo")  # world up, caches warm
-        raws = [live.run(raw_cell_work, os.path.join(d, f"raw{i}"), world_size=4, backend="gloo") for i in range(3)]
-        alone = []
-        for i in range(3):
-            t = time.perf_counter()
-            live.run(run_cell_once, os.path.join(d, f"cell{i}"), world_size=4, backend="gloo")
-            alone.append(time.perf_counter() - t)
-    live.shutdown()
-    raw_dcp = statistics.median(max(r["save"] for r in rank) + max(r["load"] for r in rank) for rank in raws)
-    raw_all = statistics.median(max(r["save"] + r["load"] + 2 * r["build"] for r in rank) for rank in raws)
-
-    fresh = []
-    with tempfile.TemporaryDirectory() as d:
-        for i in range(args.fresh):
-            spawn = Supervisor(start_method="spawn")
-            t = time.perf_counter()
-            spawn.run(run_cell_once, os.path.join(d, f"fresh{i}"), world_size=4, backend="gloo")
-            fresh.append(time.perf_counter() - t)
-            spawn.shutdown()
-
-    print(f"default matrix: {len(cells)} cells ({len(ran)} run, {len(cells) - len(ran)} n/a), "
-          f"{len(failed)} not passing")
-    print(f"whole run, start-up included:                        {total:.1f} s")
-    print(f"per-cell median in the matrix:                       {per_cell * 1e3:.0f} ms")
-    print(f"cell {CELL.split('::', 1)[1]}:")
-    print(f"  in the matrix {in_matrix * 1e3:.0f} ms; alone in a live world {statistics.median(alone) * 1e3:.0f} ms")
-    print(f"  raw DCP save + load alone:                         {raw_dcp * 1e3:.0f} ms")
-    print(f"  raw adapter work alone (2 builds + save + load):    {raw_all * 1e3:.0f} ms")
-    print(f"  cell / raw adapter work:                           {statistics.median(alone) / raw_all:.2f}x")
-    print(f"  cell / raw DCP save+load:                          {statistics.median(alone) / raw_dcp:.2f}x")
-    print(f"same cell in a fresh spawn world (median of {args.fresh}):   {statistics.median(fresh):.2f} s")
-    ratio = statistics.median(fresh) / statistics.median(alone)
-    print(f"fresh spawn world per cell / persistent world:       {ratio:.0f}x")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f}")
+    shared = run_matrix("default", 4)
+    print(describe("default tier, 4 ranks", shared, 20))
+    unshared = run_matrix("default", 4, "-o", "moe_ep_share_saves=false")
+    print(describe("default tier, 4 ranks, no sharing", unshared))
+    reused = sum(c.get("shared_save", False) for c in shared["cells"])
+    print(f"{'':<34} one save per checkpoint is {unshared['wall'] / shared['wall']:.2f}x faster than one per cell "
+          f"({reused} of {len(shared['cells'])} cells reused a save)")
+    if not args.skip_full:
+        print(describe("full tier, 4 ranks", run_matrix("full", 4), 120))
+    if not args.skip_8:
+        print(describe("default tier, 8 ranks", run_matrix("default", 8), 60))
 
 
 if __name__ == "__main__":
-    import bench_matrix  # ranks import functions by module name; a script's module is __main__ only here
-
-    bench_matrix.main()
+    main()
