@@ -55,6 +55,8 @@ class ParallelLayout:
                 raise LayoutError(name, value, "an int >= 1")
         if self.ep_order not in EP_ORDERS:
             raise LayoutError("ep_order", self.ep_order, f"one of {', '.join(EP_ORDERS)}")
+        if not self.order_matters:  # the two orders give the same ranks: one name for one layout
+            object.__setattr__(self, "ep_order", "strided")
 
     @classmethod
     def for_world(cls, world_size: int, ep: int, *, dp_replicate: int = 1, etp: int = 1,
@@ -76,6 +78,11 @@ class ParallelLayout:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.dp_replicate, self.ep, self.dp_shard, self.etp)
+
+    @property
+    def order_matters(self) -> bool:
+        """Whether strided and consecutive EP groups are different ranks (ep > 1 and dp_shard > 1)."""
+        return self.ep > 1 and self.dp_shard > 1
 
     @property
     def hsdp(self) -> bool:
@@ -136,7 +143,7 @@ class ParallelLayout:
     @property
     def fragment(self) -> str:
         """The short, ``-k`` friendly node-id part: ``ep2``, ``ep2c`` (consecutive), ``ep2.etp2``, ``ep2.hsdp2``."""
-        parts = [f"ep{self.ep}{'c' if self.ep_order == 'consecutive' and self.ep > 1 else ''}"]
+        parts = [f"ep{self.ep}{'c' if self.ep_order == 'consecutive' else ''}"]
         if self.etp > 1:
             parts.append(f"etp{self.etp}")
         if self.dp_replicate > 1:
@@ -153,7 +160,7 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """For messages: ``ep=2 (consecutive EP groups), etp=1, dp_shard=2, dp_replicate=1``."""
-        order = f" ({self.ep_order} EP groups)" if self.ep > 1 and self.ep < self.world_size else ""
+        order = f" ({self.ep_order} EP groups)" if self.order_matters else ""
         return f"ep={self.ep}{order}, etp={self.etp}, dp_shard={self.dp_shard}, dp_replicate={self.dp_replicate}"
 
     def as_record(self) -> dict[str, Any]:

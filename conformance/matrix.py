@@ -103,7 +103,7 @@ class Cell:
 def _layout_na(layout: ParallelLayout, caps: Capabilities) -> str:
     if layout.ep > caps.max_ep:
         return f"adapter supports ep up to {caps.max_ep}"
-    if layout.ep > 1 and layout.ep_order not in caps.ep_orders:
+    if layout.order_matters and layout.ep_order not in caps.ep_orders:
         return f"adapter forms {' or '.join(caps.ep_orders)} EP groups, not {layout.ep_order}"
     if layout.etp > 1 and not caps.etp:
         return "adapter does not support expert tensor parallelism (etp > 1)"
@@ -145,8 +145,9 @@ def layouts(world_size: int) -> list[ParallelLayout]:
     found: list[ParallelLayout] = []
     for ep in (ep for ep in range(1, world_size + 1) if world_size % ep == 0):
         found.append(ParallelLayout.for_world(world_size, ep))
-        if 1 < ep < world_size:  # at ep=1 or ep=world the two orders are the same ranks
-            found.append(ParallelLayout.for_world(world_size, ep, ep_order="consecutive"))
+        consecutive = ParallelLayout.for_world(world_size, ep, ep_order="consecutive")
+        if consecutive.order_matters:  # at ep=1 or ep=world the two orders are the same ranks
+            found.append(consecutive)
     if world_size % 4 == 0:
         found.append(ParallelLayout.for_world(world_size, 2, dp_replicate=2))
         found.append(ParallelLayout.for_world(world_size, 2, etp=2))
