@@ -228,3 +228,27 @@ def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_eith
                           (("bad.json", "new.json"), "bad.json: not a JSON report")):
         proc = diff(*args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_expert_counts_are_a_choice(pytester: pytest.Pytester) -> None:
+    out = pytester.path / "out"
+    # E=5 at ep=4: the case where "the first E % k ranks get one extra" mislabels experts silently.
+    result = run(pytester, "--moe-ep-matrix=1,4", "--moe-ep-experts=4,5", f"--moe-ep-report={out}",
+                 "-k", "E5 and kind_packed and load_ep4 and not legacy")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    cells = report(out)["cells"]
+    assert cells and all(c["num_experts"] == 5 and c["load_ep"] == 4 and c["status"] == "pass" for c in cells)
+    result = run(pytester, "--moe-ep-matrix", "--moe-ep-experts=0,x")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-ep-experts (ini moe_ep_experts) takes expert counts >= 1*'0,x'*"])
+
+
+def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> None:
+    out = pytester.path / "out"
+    result = run(pytester, "--moe-ep-matrix", "--moe-ep-world-size=8", f"--moe-ep-report={out}",
+                 "-k", "(ep8 or ep4c or etp2 or hsdp2) and kind_unpacked and not E6")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    doc = report(out)
+    assert doc["world_size"] == 8 and doc["summary"]["pass"] == len(doc["cells"]) > 0
+    layouts = {c["save_layout"] for c in doc["cells"]} | {c["load_layout"] for c in doc["cells"]}
+    assert {"ep8", "ep4c"} <= layouts, layouts
