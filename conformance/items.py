@@ -135,7 +135,7 @@ class CheckpointCellItem(MatrixItem):
                                    world_size=self.world_size, backend=self.backend)
             ok = True
         finally:
-            saves.finished(self.cell, plan, result.values[0].findings if ok else None)
+            saves.finished(self.cell, plan, result.values[0] if ok else None)
         verdicts: list[RankVerdict] = result.values
         phases = [k for k in ("build", "save", "inspect", "load", "adapter", "total")
                   if any(k in v.timings for v in verdicts)]

@@ -69,14 +69,17 @@ class Saves:
             if truth.path is None:
                 truth.path = str(self.engine.shared_dir(f"truth-{cell.node_name}"))
             truth_path, save_truth = truth.path, not truth.written
+        truth_findings = self.truths[truth_key(cell)].findings if truth_path else ()
         return CellPlan(entry.path, save=not entry.written, truth_path=truth_path, save_truth=save_truth,
-                        findings=entry.findings)
+                        findings=entry.findings, truth_findings=truth_findings)
 
-    def finished(self, cell: Cell, plan: CellPlan, findings: tuple[str, ...] | None) -> None:
-        """After the cell's world call: ``findings`` is ``None`` when the call failed."""
+    def finished(self, cell: Cell, plan: CellPlan, verdict: Any) -> None:
+        """After the cell's world call: ``verdict`` is rank 0's, ``None`` when the call failed."""
+        findings = verdict.findings if verdict is not None else None
         entry = self.saves[_key(cell, self.share)]
-        if plan.truth_path is not None:
-            self.truths[truth_key(cell)].written |= findings is not None
+        if plan.truth_path is not None and verdict is not None and plan.save_truth:
+            truth = self.truths[truth_key(cell)]
+            truth.written, truth.findings = True, verdict.truth_findings
         if findings is not None and plan.save:
             entry.written, entry.findings = True, findings
         entry.readers_left -= 1

@@ -8,8 +8,12 @@ conformance.inspect`` runs on real checkpoints):
 - does it hold the same keys, global shapes, dtypes and values -- tensors and non-tensor entries
   (step, lr) alike -- as the ep=1 save of the same model (the truth checkpoint)?
 
+and, of the truth checkpoint itself: does each expert key (or packed row) hold the model's own tensor of
+that expert -- the ground truth's view of the model -- and not another expert's?
+
 A bug that round-trips its own mistake (experts saved and loaded under the same wrong ids) passes
-every check of the loaded model, and only this one catches it.  A DCP checkpoint is read directly
+every check of the loaded model, and only this one catches it: the comparison with the ep=1 save
+when the mistake depends on the EP degree, the attribution when it does not.  A DCP checkpoint is read directly
 from its files on one rank, with no process group; another format through the adapter's optional
 ``read_checkpoint``.  Keys the adapter declares EP-dependent (``ep_dependent_keys``) are left out.
 """
@@ -51,3 +55,12 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
     found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore,
                                               names=("checkpoint", "ep=1 checkpoint"))]
     return list(dict.fromkeys(found))
+
+
+def truth_findings(adapter: Any, truth_path: str, truth_state: dict[Any, Any]) -> list[str]:
+    """Expert keys of the ep=1 (truth) checkpoint that hold another expert's tensor of the model."""
+    from conformance.inspection import attribute_experts, digest
+
+    index = read_index(adapter, truth_path)
+    owners = {digest(t): key for key, t in truth_state.items() if key[1] is not None and t.dim()}
+    return [f"the ep=1 checkpoint: {f}" for f in attribute_experts(index, owners)]

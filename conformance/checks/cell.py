@@ -42,8 +42,9 @@ class CellPlan:
     #: the ep=1 truth checkpoint of the save side's model (None: no checkpoint check), and whether to write it.
     truth_path: str | None = None
     save_truth: bool = False
-    #: the checkpoint check's findings, from the cell that wrote a shared save.
+    #: the checkpoint check's findings, from the cell that wrote a shared save (and the truth checkpoint's).
     findings: tuple[str, ...] = ()
+    truth_findings: tuple[str, ...] = ()
 
 
 class _Timed:
@@ -78,13 +79,20 @@ def _one_line(exc: BaseException, limit: int = 400) -> str:
     return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
 
 
-def _save_truth(adapter: Any, spec: Spec, optim: bool, path: str) -> None:
+def _save_truth(adapter: Any, spec: Spec, optim: bool, path: str, rank: int) -> tuple[str, ...]:
+    """Write the truth checkpoint; rank 0 checks that its experts hold the model's own tensors."""
     import torch.distributed as dist
 
     layout = ParallelLayout.for_world(dist.get_world_size(), 1)
     model, optimizer = adapter.build(replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A)
     adapter.save(model, optimizer if optim else None, path)
+    del model, optimizer
     dist.barrier()
+    found: list[Any] = [()]
+    if rank == 0:
+        found[0] = tuple(artifact.truth_findings(adapter, path, ground_truth(adapter, spec, rank).state))
+    dist.broadcast_object_list(found, src=0)
+    return tuple(found[0])
 
 
 def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVerdict) -> tuple[str, ...]:
@@ -124,12 +132,14 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan) -> RankVerdic
 def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdict: RankVerdict) -> RankVerdict:
     optim = cell.state == "model+optim"
     save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
+    truth_findings = plan.truth_findings
     if plan.save_truth and plan.truth_path:
-        _save_truth(adapter, save_spec, optim, plan.truth_path)
+        truth_findings = _save_truth(adapter, save_spec, optim, plan.truth_path, rank)
+    verdict.truth_findings = truth_findings
     findings = _save(adapter, cell, save_spec, plan, verdict) if plan.save else plan.findings
     verdict.findings = findings
     if rank == 0:
-        for finding in findings:
+        for finding in (*truth_findings, *findings):
             verdict.problem("checkpoint", f"checkpoint: {finding}")
     if not plan.truth_path and not cell.legacy:
         verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
@@ -149,7 +159,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
                         "must derive every expert's values from its seed")
 
     t3 = time.perf_counter()
-    if not _load(adapter, cell, model, optimizer, plan.path, findings, verdict):
+    if not _load(adapter, cell, model, optimizer, plan.path, (*findings, *truth_findings), verdict):
         return verdict
     verdict.timings["load"] = time.perf_counter() - t3
     got = canonical(adapter, model, optimizer, rank, verdict)

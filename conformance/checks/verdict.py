@@ -65,6 +65,8 @@ class RankVerdict:
     shared_save: bool = False
     #: the checkpoint check's findings (from the cell that wrote the checkpoint), for later readers.
     findings: tuple[str, ...] = ()
+    #: the truth checkpoint's findings, from the cell that wrote it.
+    truth_findings: tuple[str, ...] = ()
 
     def add(self, mismatch: Mismatch) -> None:
         self.mismatch_count += 1

@@ -13,7 +13,7 @@ Every problem is a :class:`Finding` (``problem`` code from ``PROBLEMS``, ``key``
 (``path``, ``problem``, ``expected``).
 """
 
-from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, compare_indexes
+from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, attribute_experts, compare_indexes, digest
 from conformance.inspection.coverage import ExpertGroup, Inspection, inspect_checkpoint, inspect_index
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys, pattern
 from conformance.inspection.model import PROBLEMS, CheckpointError, CheckpointIndex, Entry, Finding, expert_ranges
@@ -31,8 +31,10 @@ __all__ = [
     "Inspection",
     "KeyInfo",
     "KeyPattern",
+    "attribute_experts",
     "classify_keys",
     "compare_indexes",
+    "digest",
     "expert_ranges",
     "index_state_dict",
     "inspect_checkpoint",

@@ -168,7 +168,8 @@ def _bytes_of(t: Any) -> Any:
     return t.view(torch.uint8).numpy() if t.numel() else b""
 
 
-def _digest(t: Any) -> Digest:
+def digest(t: Any) -> Digest:
+    """A tensor's identity for value matching: dtype, shape and a 128-bit hash of its bytes."""
     return (str(t.dtype), tuple(t.shape), hashlib.blake2b(memoryview(_bytes_of(t)), digest_size=16).digest())
 
 
@@ -176,7 +177,7 @@ def _row_digests(t: Any) -> list[Digest]:
     if t.dim() == 0:
         return []
     flat = t.detach().to("cpu").contiguous()
-    return [_digest(flat[r]) for r in range(flat.shape[0])]
+    return [digest(flat[r]) for r in range(flat.shape[0])]
 
 
 def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, KeyInfo], memory_bytes: int
@@ -191,7 +192,7 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
     for batch in _batches(index, keys, memory_bytes):
         for key, value in index.reader(batch).items():
             if isinstance(value, torch.Tensor):
-                whole[key] = _digest(value)
+                whole[key] = digest(value)
                 if infos[key].kind == "packed":
                     rows[key] = _row_digests(value)
             else:
@@ -346,3 +347,33 @@ def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple
         out.append(Finding("values_differ", key, f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
                            f"match no tensor or row of it", info.layer, experts))
     return out
+
+
+def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any, Any, str]], *,
+                      patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS,
+                      memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[Finding]:
+    """Expert keys (and packed rows) whose value is the model's tensor of *another* expert or layer.
+
+    ``owners`` maps the digest of each of the model's own tensors to ``(layer, global expert, name)``:
+    the ground truth's view of the model.  This catches what no comparison of two checkpoints of the
+    same framework can: experts filed under consistently wrong ids at every EP degree, ep=1 included.
+    A value that matches none of the model's tensors (a fused or transposed form) is left alone.
+    """
+    infos = classify_keys(index.entries, patterns)
+    keys = [k for k, i in infos.items() if i.role == "expert" and index.entries[k].is_tensor
+            and index.entries[k].shape]
+    whole, rows = _fingerprints(index, keys, infos, memory_bytes)
+    found: list[Finding] = []
+    for key in keys:
+        info = infos[key]
+        held = [(info.expert, whole[key])] if info.kind == "per_expert" else list(enumerate(rows.get(key, [])))
+        for expert, value in held:
+            owner = owners.get(value)
+            if owner is None or owner[1] is None:
+                continue
+            layer, other, name = owner
+            if other != expert or (info.layer is not None and layer is not None and layer != info.layer):
+                where = "" if info.kind == "per_expert" else f"row {expert}: "
+                found.append(Finding("holds_other_expert", key, f"{where}holds the model's {name!r} of layer {layer}, "
+                                     f"expert {other}, not expert {expert}'s", info.layer, (expert,)))
+    return found

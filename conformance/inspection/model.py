@@ -143,5 +143,6 @@ PROBLEMS: dict[str, str] = {
     "holds_other_key": "compare: the key holds the other checkpoint's value of another key",
     "rows_are_other_experts": "compare: rows of a key's expert axis hold other experts' values",
     "values_differ": "compare: values differ and match nothing in the other checkpoint",
+    "holds_other_expert": "an expert key (or packed row) holds the model's tensor of another expert or layer",
     "value_differs": "compare: a non-tensor entry (step, lr, ...) differs",
 }
