@@ -178,3 +178,46 @@ def test_tear_down_destroys_what_megatron_leaves() -> None:
     assert parallel_state.model_parallel_is_initialized() and len(_live_groups()) > len(start)
     megatron._tear_down()
     assert _live_groups() == start and not parallel_state.model_parallel_is_initialized()
+
+
+def test_cuda_bypasses_are_scoped_to_the_adapters_calls() -> None:
+    """Each patch is in place inside the adapter's context only, and restored when the call raises."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    from conformance.adapters.megatron import _megatron_on_cpu
+
+    watched = [(filesystem_async, "torch"), (state_dict_saver, "torch"), (megatron_optimizer, "torch"),
+               (filesystem_async, "_results_queue"), (grouped_gemm_util, "assert_grouped_gemm_is_available")]
+    before = [getattr(module, name) for module, name in watched]
+    with pytest.raises(RuntimeError, match="inside"), _megatron_on_cpu():
+        inside = [getattr(module, name) for module, name in watched]
+        assert all(a is not b for a, b in zip(inside, before, strict=True)), inside
+        grouped_gemm_util.assert_grouped_gemm_is_available()  # outside it raises without grouped_gemm
+        raise RuntimeError("inside")
+    assert all(getattr(module, name) is value for (module, name), value in zip(watched, before, strict=True))
+
+
+def test_ground_truth_is_built_without_parallel_state() -> None:
+    """build(spec, None, seed): a one-rank view, no parallel_state; both layer kinds hold the same model."""
+    import torch
+    from megatron.core import parallel_state
+
+    from conformance.adapter import Spec
+    from conformance.adapters.megatron import MegatronAdapter
+
+    adapter = MegatronAdapter()
+    views = {}
+    for kind in ("unpacked", "packed"):
+        model, optimizer = adapter.build(Spec(kind=kind, optimizer_steps=2), None, 1234)
+        views[kind] = {(layer, g, name): t for source in (adapter.expert_tensors(model, optimizer),
+                                                          adapter.other_tensors(model, optimizer))
+                       for layer, g, name, t in source}
+        assert not parallel_state.model_parallel_is_initialized()
+        assert adapter.scalars(model, optimizer) == {"step": [2.0], "lr": [0.01], "betas": [(0.9, 0.999)],
+                                                     "weight_decay": [0.01], "eps": [1e-08]}
+    unpacked, packed = views["unpacked"], views["packed"]
+    assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 2 * 3 + 3 * 3)
+    assert all(torch.equal(unpacked[key], packed[key]) for key in unpacked)
+    assert {g for _, g, _ in unpacked if g is not None} == {0, 1, 2, 3}
