@@ -164,7 +164,7 @@ def test_tear_down_destroys_what_megatron_leaves() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from conformance.adapters import megatron
+    from conformance.adapters import megatron_cpu
 
     start = _live_groups()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2, create_gloo_process_groups=False)
@@ -174,9 +174,9 @@ def test_tear_down_destroys_what_megatron_leaves() -> None:
         dist.destroy_process_group(group)
     assert leaked, "destroy_model_parallel() now destroys its groups: the adapter's clean-up may be moot"
 
-    megatron._set_up(2)
+    megatron_cpu.set_up(2)
     assert parallel_state.model_parallel_is_initialized() and len(_live_groups()) > len(start)
-    megatron._tear_down()
+    megatron_cpu.tear_down()
     assert _live_groups() == start and not parallel_state.model_parallel_is_initialized()
 
 
@@ -186,12 +186,12 @@ def test_cuda_bypasses_are_scoped_to_the_adapters_calls() -> None:
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.transformer.moe import grouped_gemm_util
 
-    from conformance.adapters.megatron import _megatron_on_cpu
+    from conformance.adapters.megatron_cpu import megatron_on_cpu
 
     watched = [(filesystem_async, "torch"), (state_dict_saver, "torch"), (megatron_optimizer, "torch"),
                (filesystem_async, "_results_queue"), (grouped_gemm_util, "assert_grouped_gemm_is_available")]
     before = [getattr(module, name) for module, name in watched]
-    with pytest.raises(RuntimeError, match="inside"), _megatron_on_cpu():
+    with pytest.raises(RuntimeError, match="inside"), megatron_on_cpu():
         inside = [getattr(module, name) for module, name in watched]
         assert all(a is not b for a, b in zip(inside, before, strict=True)), inside
         grouped_gemm_util.assert_grouped_gemm_is_available()  # outside it raises without grouped_gemm

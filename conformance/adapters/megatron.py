@@ -42,223 +42,53 @@ other rank and is never registered with ``torch.distributed`` -- and the optimiz
 ``get_megatron_optimizer(..., pg_collection=...)`` over the same view.  No ``parallel_state``, no
 communication.
 
-CUDA hard-wires on Megatron's CPU path, each bypassed only inside this adapter's own calls by
-:func:`_megatron_on_cpu` (patches module attributes and restores them on exit):
+CUDA hard-wires on Megatron's CPU path are bypassed, and process groups cleaned up, by
+:mod:`conformance.adapters.megatron_cpu` (each bypass named there with the file and function it
+works around; all scoped to this adapter's calls and restored afterwards).  The save never starts
+Megatron's spawn ``Manager`` (its writer results go through a process-local queue), and every
+process group Megatron creates for a cell is destroyed at the end of the cell's ``save``/``load``.
 
-* ``dist_checkpointing/strategies/filesystem_async.py``, ``FileSystemWriterAsync.preload_tensors``:
-  ``torch.cuda.synchronize()`` after the (no-op on CPU) device-to-host copies;
-* ``dist_checkpointing/strategies/state_dict_saver.py``, ``save_state_dict_async_finalize``: the
-  failure flag it broadcasts is allocated on ``torch.cuda.current_device()``;
-* ``optimizer/optimizer.py``, ``FP32Optimizer.__init__``: its loss scale ``torch.tensor([1.0],
-  device='cuda')``;
-* ``transformer/moe/grouped_gemm_util.py``, ``assert_grouped_gemm_is_available`` (called by
-  ``GroupedMLP.__init__``): the ``grouped_gemm`` CUDA package, used only by ``GroupedMLP.forward``
-  (never by build, save or load).
+What the matrix finds (``tests/test_adapter_megatron.py`` asserts it cell by cell): every model-only
+cell passes at every EP pair, for both kinds and between them; model+optimizer cells pass when both EP
+degrees are > 1 (or both 1) and error between ep=1 and ep > 1.  Megatron gives expert parameters an
+optimizer of their own only when ``expert_model_parallel_size > 1`` (``allreduce = not
+expert_parallel`` in ``tensor_parallel/layers.py`` and ``GroupedMLP``), so ``get_megatron_optimizer``
+chains one ``FP32Optimizer`` at ep=1 and two at ep > 1, and the optimizer's checkpoint keys are
+``optimizer.state.*`` in one case and ``chained_{0,1}.optimizer.state.*`` in the other:
+``dist_checkpointing.load`` raises a ``KeyError`` naming the key it misses -- loud, never wrong values.
+``E % ep != 0`` is refused by Megatron (``BaseMoELayer.__init__`` asserts ``num_moe_experts % ep_size ==
+0``): ``uneven=False``.  There is no FSDP2 (Megatron has its own FSDP, not over the harness mesh).  The
+legacy save is Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of
+expert-data-parallel rank 0) ``torch.save``s its plain ``state_dict()`` -- local expert names -- to
+``mp_rank_00_<ep_rank:03d>/model_optim_rng.pt``; ``dist_checkpointing.load`` refuses such a directory
+(``CheckpointingException``: not a distributed checkpoint).
 
-In those three modules the ``torch`` global is swapped for a proxy whose ``cuda.synchronize`` does
-nothing, whose ``cuda.current_device()`` is the CPU and whose ``tensor(..., device='cuda')``
-allocates on the CPU; everything else is torch.  Not bypassed because never run here: the
-``alltoall`` dispatcher (a ``torch.cuda.Stream`` at construction), the router's first forward.
-
-Process hygiene.  The save path's writer results go through a module-global queue that Megatron
-creates as a ``multiprocessing`` *spawn* ``Manager`` (``filesystem_async._get_write_results_queue``):
-it starts a server process that re-imports the main module and costs 4-6 s at a process's first
-save.  The save here is synchronous and runs in this process, so the bypass context puts a plain
-``queue.Queue`` there (restored afterwards): no Manager is ever started.  Megatron still forks its
-writer processes (``write_preloaded_data_multiproc``), as in training.  ``destroy_model_parallel()``
-leaves most of the groups ``initialize_model_parallel`` created alive; the adapter destroys every
-group created since its set-up, at the end of each ``save`` and ``load`` (and before a new set-up),
-so a rank process that runs many cells at several EP degrees holds no Megatron group between
-cells.  ``initialize_model_parallel`` runs with ``create_gloo_process_groups=False``: the world is
-gloo already, and the extra gloo groups serve only the distributed optimizer.
-
-What the matrix finds: see ``tests/test_adapter_megatron.py`` and README.  ``E % ep != 0`` is refused
-by Megatron (``BaseMoELayer.__init__`` asserts ``num_moe_experts % ep_size == 0``): ``uneven=False``.
-There is no FSDP2 (Megatron has its own FSDP, not over the harness mesh).  The legacy save is
-Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of expert-data-parallel
-rank 0) ``torch.save``s its plain ``state_dict()`` -- local expert names -- to
-``mp_rank_00_<ep_rank:03d>/model_optim_rng.pt``; ``dist_checkpointing.load`` refuses such a
-directory (``CheckpointingException``: not a distributed checkpoint).
+Not implemented: ``forward``.  Megatron's MoE forward all-gathers tokens over the EP group, which the
+adapter destroys at the end of each ``save``/``load`` (above), and the router moves its weights to
+``torch.cuda.current_device()`` at its first forward (``transformer/moe/router.py``, ``gating``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 from conformance.adapter import Capabilities, Spec
+from conformance.adapters.megatron_cpu import (
+    megatron_on_cpu,
+    one_rank_view,
+    one_rank_world,
+    set_up,
+    tear_down,
+)
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 LR = 1e-2
 WEIGHT_DECAY = 0.01
-#: ProcessGroupCollection fields the layers and the optimizer read (the ground truth's one-rank view).
-_PG_FIELDS = ("ep", "tp", "cp", "pp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "mp",
-              "tp_ep_pp")
-#: the process groups that were live before this process's current Megatron set-up (None: no set-up).
-_GROUPS_BEFORE: set[Any] | None = None
-
-
-# -- CUDA bypasses, scoped to this adapter's calls ------------------------------------------------------
-class _CpuCuda:
-    """``torch.cuda`` as the three patched Megatron modules see it: the current device is the CPU."""
-
-    @staticmethod
-    def current_device() -> str:
-        return "cpu"
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        import torch
-
-        return getattr(torch.cuda, name)
-
-
-class _CpuTorch:
-    """``torch`` with CUDA allocations of ``torch.tensor`` on the CPU; everything else is torch."""
-
-    cuda = _CpuCuda()
-
-    @staticmethod
-    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> Any:
-        import torch
-
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return torch.tensor(*args, device=device, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        import torch
-
-        return getattr(torch, name)
-
-
-class _OneRankDistributed:
-    """``torch.distributed`` as a world of one rank: what the ground truth's optimizer set-up sees."""
-
-    @staticmethod
-    def get_world_size(group: Any = None) -> int:
-        return 1
-
-    @staticmethod
-    def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
-        object_list[0] = obj
-
-    def __getattr__(self, name: str) -> Any:
-        import torch.distributed
-
-        return getattr(torch.distributed, name)
-
-
-class _OneRankTorch:
-    """``torch`` whose ``distributed`` is :class:`_OneRankDistributed`; everything else is torch."""
-
-    distributed = _OneRankDistributed()
-
-    def __getattr__(self, name: str) -> Any:
-        import torch
-
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set module attributes for the duration of the block; restore them on exit, also on error."""
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    try:
-        for module, name, value in patches:
-            setattr(module, name, value)
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
-@contextlib.contextmanager
-def _one_rank_world() -> Iterator[None]:
-    """``get_megatron_optimizer`` for the ground truth, as if this rank were the whole world.
-
-    ``optimizer/__init__.py``, ``_get_param_groups``: aligns param-group keys across ranks with an
-    ``all_gather_object`` over the *world* (not over any group it is given).  The ground truth is
-    built on each rank alone, so that module sees a one-rank ``torch.distributed`` while it builds.
-    """
-    import megatron.core.optimizer as optimizer_package
-
-    with _patched([(optimizer_package, "torch", _OneRankTorch())]):
-        yield
-
-
-@contextlib.contextmanager
-def _megatron_on_cpu() -> Iterator[None]:
-    """Megatron's save, load, GroupedMLP and FP32Optimizer on CPU, for the duration of one adapter call.
-
-    Patches (see the module docstring for why each): the ``torch`` global of
-    ``filesystem_async``, ``state_dict_saver`` and ``optimizer.optimizer``; ``filesystem_async``'s
-    results queue (a process-local queue instead of a spawn Manager); ``grouped_gemm_util``'s
-    availability assertion.  Everything is restored on exit, also on error.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
-    from megatron.core.optimizer import optimizer as megatron_optimizer
-    from megatron.core.transformer.moe import grouped_gemm_util
-
-    patches: list[tuple[Any, str, Any]] = [(m, "torch", _CpuTorch())
-                                           for m in (filesystem_async, state_dict_saver, megatron_optimizer)]
-    patches += [(filesystem_async, "_results_queue", queue.Queue()),
-                (grouped_gemm_util, "assert_grouped_gemm_is_available", lambda: None)]
-    with _patched(patches):
-        yield
-
-
-# -- process groups ------------------------------------------------------------------------------------
-def _live_groups() -> set[Any]:
-    from torch.distributed.distributed_c10d import _world
-
-    return set(_world.pg_map)
-
-
-def _set_up(ep: int) -> None:
-    """Megatron's parallel state at EP degree ``ep`` over the world's default group."""
-    global _GROUPS_BEFORE
-    from megatron.core import parallel_state
-
-    _tear_down()
-    _GROUPS_BEFORE = _live_groups()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, create_gloo_process_groups=False)
-
-
-def _tear_down() -> None:
-    """``destroy_model_parallel()`` and every group created since :func:`_set_up` (Megatron leaves most)."""
-    global _GROUPS_BEFORE
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if _GROUPS_BEFORE is None:
-        return
-    parallel_state.destroy_model_parallel()
-    for group in _live_groups() - _GROUPS_BEFORE:
-        dist.destroy_process_group(group)
-    _GROUPS_BEFORE = None
-
-
-def _one_rank_view() -> Any:
-    """A ``ProcessGroupCollection`` whose every group is a private single-rank gloo group (ground truth)."""
-    import torch.distributed as dist
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
-    view = ProcessGroupCollection()
-    for name in _PG_FIELDS:
-        setattr(view, name, group)
-    return view
-
-
 # -- the model -----------------------------------------------------------------------------------------
 @cache
 def _model_class() -> type:
@@ -304,14 +134,15 @@ def _build_model(spec: Spec, ep: int, view: Any) -> Any:
     config = _config(spec, ep)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=packed,
                                           moe_use_legacy_grouped_gemm=packed).submodules.mlp
-    with _megatron_on_cpu():
+    with megatron_on_cpu():
         layers = [build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=view)
                   for i in range(spec.num_layers)]
     return _model_class()(layers, config, DistributedDataParallelConfig())
 
 
-def _expert_views(moe: Any) -> Iterator[tuple[int, str, Any]]:
-    """``(global expert id, canonical name, parameter, view)``: per-expert tensors in SequentialMLP's shape."""
+def _expert_views(moe: Any) -> Iterator[tuple[int, str, Any, Any]]:
+    """``(global expert id, canonical name, parameter, view)``; ``view`` maps the parameter (or its grad or
+    moment) to that expert's tensor in SequentialMLP's shape."""
     experts = moe.experts
     if hasattr(experts, "local_experts"):  # SequentialMLP
         for g, expert in zip(moe.local_expert_indices, experts.local_experts, strict=True):
@@ -358,12 +189,12 @@ def _set_grads(model: Any, seed: int, step: int) -> None:
         p.grad = synthetic_grad(seed, step, layer, None, name, p.shape, dtype=p.dtype)
 
 
-def _optimizer(model: Any, view: Any) -> Any:
+def _optimizer(model: Any, view: Any, lr: float) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0, bf16=False,
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=WEIGHT_DECAY, clip_grad=0.0, bf16=False,
                              fp16=False, params_dtype=model.config.params_dtype, use_distributed_optimizer=False)
-    with _megatron_on_cpu(), _one_rank_world() if view is not None else contextlib.nullcontext():
+    with megatron_on_cpu(), one_rank_world() if view is not None else contextlib.nullcontext():
         return get_megatron_optimizer(config, [model], use_gloo_process_groups=False, pg_collection=view)
 
 
@@ -432,16 +263,16 @@ class MegatronAdapter:
             raise ValueError(f"this adapter runs Megatron on CPU over gloo; the world's backend is "
                              f"{dist.get_backend()!r}")
         if mesh is None:  # the ground truth: ep=1 over a one-rank view, no parallel_state
-            view, ep = _one_rank_view(), 1
+            view, ep = one_rank_view(), 1
         else:
             ep = mesh["ep"].size()
-            _set_up(ep)
+            set_up(ep)
             view = None  # Megatron's default: the groups of parallel_state
         model = _build_model(spec, ep, view)
         _fill(model, seed)
         if spec.optimizer_steps <= 0:
             return model, None
-        optimizer = _optimizer(model, view)
+        optimizer = _optimizer(model, view, getattr(spec, "lr", LR))  # Spec.lr: coming with the layout issue
         for step in range(spec.optimizer_steps):
             self.step(model, optimizer, seed, step)
         return model, optimizer
@@ -456,22 +287,22 @@ class MegatronAdapter:
         from megatron.core import dist_checkpointing
 
         try:
-            with _megatron_on_cpu():
+            with megatron_on_cpu():
                 dist_checkpointing.save(_sharded_state_dict(model, optimizer), path)
         finally:
-            _tear_down()
+            tear_down()
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
         from megatron.core import dist_checkpointing
 
         try:
-            with _megatron_on_cpu():
+            with megatron_on_cpu():
                 loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, loading=True), path)
                 model.load_state_dict(loaded["model"], strict=True)
                 if optimizer is not None:
                     optimizer.load_state_dict(loaded["optimizer"])
         finally:
-            _tear_down()
+            tear_down()
 
     def save_legacy(self, model: Any, optimizer: Any, path: str) -> None:
         """Megatron-LM's pre-dist_checkpointing save: per EP rank, its plain state_dict (local expert names)."""
@@ -488,7 +319,7 @@ class MegatronAdapter:
                     state["optimizer"] = optimizer.state_dict()
                 torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
         finally:
-            _tear_down()
+            tear_down()
 
     # -- canonical views -----------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
