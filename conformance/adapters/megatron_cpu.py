@@ -25,7 +25,7 @@ save.  The save here is synchronous and runs in this process, so the bypass cont
 ``queue.Queue`` there (restored afterwards): no Manager is ever started.  Megatron still forks its
 writer processes (``write_preloaded_data_multiproc``), as in training.  ``destroy_model_parallel()``
 leaves most of the groups ``initialize_model_parallel`` created alive; the adapter destroys every
-group created since its set-up, at the end of each ``save`` and ``load`` (and before a new set-up),
+one of them at the end of each ``save`` and ``load`` (and before a new set-up),
 so a rank process that runs many cells at several EP degrees holds no Megatron group between
 cells.  ``initialize_model_parallel`` runs with ``create_gloo_process_groups=False``: the world is
 gloo already, and the extra gloo groups serve only the distributed optimizer.
@@ -33,8 +33,8 @@ gloo already, and the extra gloo groups serve only the distributed optimizer.
 The ground truth's optimizer set-up runs under :func:`one_rank_world`: ``optimizer/__init__.py``,
 ``_get_param_groups``, aligns param-group keys with an ``all_gather_object`` over the *world*, which the
 truth (built on each rank alone) must not do; that module sees a one-rank ``torch.distributed`` while it
-builds.  Set-up and tear-down assume, as the matrix's cells do, that nothing else creates process groups
-between a build's :func:`set_up` and the end of its ``save``/``load``.
+builds.  :func:`tear_down` destroys exactly the groups ``initialize_model_parallel`` created (those
+that appeared during the call), never a group the harness or anyone else made meanwhile.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any
 #: ProcessGroupCollection fields the layers and the optimizer read (the ground truth's one-rank view).
 _PG_FIELDS = ("ep", "tp", "cp", "pp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "mp",
               "tp_ep_pp")
-#: the process groups that were live before this process's current Megatron set-up (None: no set-up).
-_GROUPS_BEFORE: set[Any] | None = None
+#: the process groups this process's current Megatron set-up created (None: no set-up).
+_CREATED: set[Any] | None = None
 
 
 # -- CUDA bypasses, scoped to the adapter's calls ------------------------------------------------------
@@ -172,27 +172,30 @@ def _live_groups() -> set[Any]:
 
 
 def set_up(ep: int) -> None:
-    """Megatron's parallel state at EP degree ``ep`` over the world's default group."""
-    global _GROUPS_BEFORE
+    """Megatron's parallel state at EP degree ``ep`` over the world's default group (a collective)."""
+    global _CREATED
     from megatron.core import parallel_state
 
     tear_down()
-    _GROUPS_BEFORE = _live_groups()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, create_gloo_process_groups=False)
+    before = _live_groups()
+    try:
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, create_gloo_process_groups=False)
+    finally:
+        _CREATED = _live_groups() - before
 
 
 def tear_down() -> None:
-    """``destroy_model_parallel()`` and every group created since :func:`set_up` (Megatron leaves most)."""
-    global _GROUPS_BEFORE
+    """``destroy_model_parallel()``, then every group :func:`set_up` created that it left alive (most)."""
+    global _CREATED
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if _GROUPS_BEFORE is None:
+    if _CREATED is None:
         return
     parallel_state.destroy_model_parallel()
-    for group in _live_groups() - _GROUPS_BEFORE:
+    for group in _CREATED & _live_groups():
         dist.destroy_process_group(group)
-    _GROUPS_BEFORE = None
+    _CREATED = None
 
 
 def one_rank_view() -> Any:
