@@ -3,8 +3,9 @@
 Skipped unless megatron-core is installed (``ci/install_megatron.sh`` installs the pinned 0.16.0).  The
 matrix runs in a pytester subprocess with ``-k "not save_ep4"`` -- every cell saved at ep 1 or 2 (70 of
 the default matrix's 106: 42 run, 28 n/a), which holds every outcome the full matrix has; the cells
-saved at ep=4 mirror those saved at ep=2 (the full matrix, 60 cells run, took 119 s on 2 cores at load
-average 17).  This subset takes about 75 s there.  Found:
+saved at ep=4 mirror those saved at ep=2.  Measured on 2 cores shared with other runs (load average
+13-26): this subset 86 s, the full matrix (60 cells run) 72-119 s; the whole file about 130 s, of which
+about 40 s is importing megatron-core into the pytest process and a fresh world under that load.  Found:
 
 * model-only cells pass at every EP pair, for ``SequentialMLP`` (unpacked) and ``GroupedMLP`` (packed);
 * model+optimizer cells (Megatron's ``get_megatron_optimizer``) pass when both EP degrees are 1 or
