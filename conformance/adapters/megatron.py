@@ -15,8 +15,8 @@ What it drives (megatron-core 0.16.0; all of it Megatron's own code):
   whatever the harness mesh's order: the mesh gives the EP degree only).  A rank's experts are
   ``MoELayer.local_expert_indices``, Megatron's own global ids;
 * the optimizer: Megatron's own ``get_megatron_optimizer`` (``OptimizerConfig`` adam, fp32, no
-  distributed optimizer), a ``ChainedOptimizer`` of two ``FP32Optimizer``s (dense and expert
-  parameters) around ``torch.optim.AdamW`` (Megatron falls back to torch's Adam without Transformer
+  distributed optimizer), a ``ChainedOptimizer`` of ``FP32Optimizer``s (at ep > 1 two: dense and
+  expert parameters; at ep=1 one) around ``torch.optim.AdamW`` (Megatron falls back to torch's Adam without Transformer
   Engine or Apex).  A step is ``prepare_grads()`` + ``step_with_ready_grads()`` on
   :func:`conformance.synthetic_grad` gradients: ``ChainedOptimizer.step()`` minus the gradient-norm
   reduction, which with ``clip_grad=0`` is only reported (and allocates on CUDA).  The model is not
@@ -50,16 +50,18 @@ process group Megatron creates for a cell is destroyed at the end of the cell's 
 
 What the matrix finds (``tests/test_adapter_megatron.py`` asserts it cell by cell): every model-only
 cell passes at every EP pair, for both kinds and between them; model+optimizer cells pass when both EP
-degrees are > 1 (or both 1) and error between ep=1 and ep > 1.  Megatron gives expert parameters an
-optimizer of their own only when ``expert_model_parallel_size > 1`` (``allreduce = not
-expert_parallel`` in ``tensor_parallel/layers.py`` and ``GroupedMLP``), so ``get_megatron_optimizer``
-chains one ``FP32Optimizer`` at ep=1 and two at ep > 1, and the optimizer's checkpoint keys are
+degrees are > 1 (or both 1) and error between ep=1 and ep > 1. Megatron gives expert parameters an
+optimizer of their own only when ``expert_model_parallel_size > 1`` (``allreduce = not expert_parallel``
+in ``tensor_parallel/layers.py`` and ``GroupedMLP``), so ``get_megatron_optimizer`` chains one
+``FP32Optimizer`` at ep=1 and two at ep > 1, and the optimizer's checkpoint keys are
 ``optimizer.state.*`` in one case and ``chained_{0,1}.optimizer.state.*`` in the other:
 ``dist_checkpointing.load`` raises a ``KeyError`` naming the key it misses -- loud, never wrong values.
-``E % ep != 0`` is refused by Megatron (``BaseMoELayer.__init__`` asserts ``num_moe_experts % ep_size ==
-0``): ``uneven=False``.  There is no FSDP2 (Megatron has its own FSDP, not over the harness mesh).  The
-legacy save is Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of
-expert-data-parallel rank 0) ``torch.save``s its plain ``state_dict()`` -- local expert names -- to
+``E % ep != 0`` is refused by Megatron: building E=6 at ep=4 raises a bare ``AssertionError`` ("when
+instantiating MoELayer", from ``assert self.config.num_moe_experts % ep_size == 0`` in
+``BaseMoELayer.__init__``; found with this adapter declaring ``uneven=True``), so ``uneven=False``.
+There is no FSDP2 (Megatron has its own FSDP, not over the harness mesh). The legacy save is
+Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of expert-data-parallel rank
+0) ``torch.save``s its plain ``state_dict()`` -- local expert names -- to
 ``mp_rank_00_<ep_rank:03d>/model_optim_rng.pt``; ``dist_checkpointing.load`` refuses such a directory
 (``CheckpointingException``: not a distributed checkpoint).
 
