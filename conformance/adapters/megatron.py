@@ -1,0 +1,360 @@
+"""The built-in ``megatron`` adapter: Megatron-Core's MoE layers and ``dist_checkpointing``, on CPU.
+
+What it drives (megatron-core 0.16.0; all of it Megatron's own code):
+
+* the model: ``num_layers`` Megatron ``MoELayer``s built from
+  ``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=...).submodules.mlp`` (router, routed
+  experts, and ``SharedExpertMLP`` when the spec has a shared expert), fp32, SwiGLU
+  (``gated_linear_unit``), no biases, the ``allgather`` token dispatcher.  The layer kinds:
+  *unpacked* is ``SequentialMLP`` (one ``linear_fc1``/``linear_fc2`` pair per local expert),
+  *packed* is the legacy ``GroupedMLP`` (``weight1`` ``[dim, n_local * 2 * hidden]``, ``weight2``
+  ``[n_local * hidden, dim]``).  Megatron writes both under the same global keys, so a checkpoint
+  of one kind loads into the other (``cross_kind``);
+* expert parallelism: ``parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)``
+  over the world's default gloo group (tp = pp = cp = 1; Megatron's EP groups are consecutive ranks,
+  whatever the harness mesh's order: the mesh gives the EP degree only).  A rank's experts are
+  ``MoELayer.local_expert_indices``, Megatron's own global ids;
+* the optimizer: Megatron's own ``get_megatron_optimizer`` (``OptimizerConfig`` adam, fp32, no
+  distributed optimizer), a ``ChainedOptimizer`` of ``FP32Optimizer``s (at ep > 1 two: dense and
+  expert parameters; at ep=1 one) around ``torch.optim.AdamW`` (Megatron falls back to torch's Adam without Transformer
+  Engine or Apex).  A step is ``prepare_grads()`` + ``step_with_ready_grads()`` on
+  :func:`conformance.synthetic_grad` gradients: ``ChainedOptimizer.step()`` minus the gradient-norm
+  reduction, which with ``clip_grad=0`` is only reported (and allocates on CUDA).  The model is not
+  wrapped in Megatron's ``DistributedDataParallel`` (its buffers are CUDA-only; it reduces
+  gradients, which the synthetic ones make moot); the model gets the ``ddp_config`` and ``config``
+  attributes the optimizer reads from a wrapped model;
+* the checkpoint: the model's ``sharded_state_dict()`` (one ``MoELayer.sharded_state_dict`` per
+  layer under ``layers.<i>.mlp.``, as ``TransformerBlock`` prefixes its layers) and the optimizer's
+  ``sharded_state_dict(model_sharded_state_dict)``, written by ``dist_checkpointing.save`` and read by
+  ``dist_checkpointing.load`` in the default ``torch_dist`` format (DCP underneath).
+
+Weights are overwritten with :func:`conformance.synthetic_weight` by *global* identity: an expert's
+canonical tensors are ``linear_fc1`` (``[2 * hidden, dim]``, gate rows then up rows, as
+``SequentialMLP`` holds it) and ``linear_fc2`` (``[dim, hidden]``); ``GroupedMLP`` holds their
+transposes in its packed weights, and the adapter yields the transposed views, so both kinds compare
+under the same names.  The rest is ``router.weight`` and ``shared_experts.linear_fc{1,2}.weight`` per
+layer, plus each tensor's Adam moments (``<name>.exp_avg``, ``<name>.exp_avg_sq``).
+
+The ground truth (``build(spec, None, seed)``): the same layers built with an explicit
+``pg_collection`` (Megatron's process-group-free construction path) in which every group is one
+single-rank ``ProcessGroupGloo`` over a private ``HashStore`` -- a one-rank view that talks to no
+other rank and is never registered with ``torch.distributed`` -- and the optimizer from
+``get_megatron_optimizer(..., pg_collection=...)`` over the same view.  No ``parallel_state``, no
+communication.
+
+CUDA hard-wires on Megatron's CPU path are bypassed, and process groups cleaned up, by
+:mod:`conformance.adapters.megatron_cpu` (each bypass named there with the file and function it
+works around; all scoped to this adapter's calls and restored afterwards).  The save never starts
+Megatron's spawn ``Manager`` (its writer results go through a process-local queue), and every
+process group Megatron creates for a cell is destroyed at the end of the cell's ``save``/``load``.
+
+What the matrix finds (``tests/test_adapter_megatron.py`` asserts it cell by cell): every model-only
+cell passes at every EP pair, for both kinds and between them; model+optimizer cells pass when both EP
+degrees are > 1 (or both 1) and error between ep=1 and ep > 1. Megatron gives expert parameters an
+optimizer of their own only when ``expert_model_parallel_size > 1`` (``allreduce = not expert_parallel``
+in ``tensor_parallel/layers.py`` and ``GroupedMLP``), so ``get_megatron_optimizer`` chains one
+``FP32Optimizer`` at ep=1 and two at ep > 1, and the optimizer's checkpoint keys are
+``optimizer.state.*`` in one case and ``chained_{0,1}.optimizer.state.*`` in the other:
+``dist_checkpointing.load`` raises a ``KeyError`` naming the key it misses -- loud, never wrong values.
+``E % ep != 0`` is refused by Megatron: building E=6 at ep=4 raises a bare ``AssertionError`` ("when
+instantiating MoELayer", from ``assert self.config.num_moe_experts % ep_size == 0`` in
+``BaseMoELayer.__init__``; found with this adapter declaring ``uneven=True``), so ``uneven=False``.
+There is no FSDP2 (Megatron has its own FSDP, not over the harness mesh). The legacy save is
+Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of expert-data-parallel rank
+0) ``torch.save``s its plain ``state_dict()`` -- local expert names -- to
+``mp_rank_00_<ep_rank:03d>/model_optim_rng.pt``; ``dist_checkpointing.load`` refuses such a directory
+(``CheckpointingException``: not a distributed checkpoint).
+
+Not implemented: ``forward``.  Megatron's MoE forward all-gathers tokens over the EP group, which the
+adapter destroys at the end of each ``save``/``load`` (above), and the router moves its weights to
+``torch.cuda.current_device()`` at its first forward (``transformer/moe/router.py``, ``gating``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+from conformance.adapter import Capabilities, Spec
+from conformance.adapters.megatron_cpu import (
+    megatron_on_cpu,
+    one_rank_view,
+    one_rank_world,
+    set_up,
+    tear_down,
+)
+from conformance.synthetic import synthetic_grad, synthetic_weight
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+LR = 1e-2
+WEIGHT_DECAY = 0.01
+# -- the model -----------------------------------------------------------------------------------------
+@cache
+def _model_class() -> type:
+    import torch
+
+    class MegatronMoEStack(torch.nn.Module):
+        """``num_layers`` Megatron MoE layers; the checkpoint keys are ``layers.<i>.mlp.<Megatron's key>``."""
+
+        def __init__(self, layers: list[Any], config: Any, ddp_config: Any) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"mlp": layer}) for layer in layers)
+            self.config = config  # what get_megatron_optimizer reads from a (DDP-wrapped) model chunk
+            self.ddp_config = ddp_config
+
+        def moe_layers(self) -> list[Any]:
+            return [block["mlp"] for block in self.layers]
+
+    return MegatronMoEStack
+
+
+def _config(spec: Spec, ep: int) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if spec.activation != "swiglu":
+        raise ValueError(f"this adapter builds Megatron's SwiGLU experts; got activation={spec.activation!r}")
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.dim, num_attention_heads=1, ffn_hidden_size=spec.hidden,
+        num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.hidden,
+        moe_router_topk=min(spec.top_k, spec.num_experts), gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, moe_shared_expert_intermediate_size=spec.hidden if spec.shared_expert else None,
+        moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, use_cpu_initialization=True,
+        params_dtype=getattr(torch, spec.dtype), bf16=False, fp16=False)
+
+
+def _build_model(spec: Spec, ep: int, view: Any) -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    packed = spec.kind == "packed"
+    config = _config(spec, ep)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=packed,
+                                          moe_use_legacy_grouped_gemm=packed).submodules.mlp
+    with megatron_on_cpu():
+        layers = [build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=view)
+                  for i in range(spec.num_layers)]
+    return _model_class()(layers, config, DistributedDataParallelConfig())
+
+
+def _expert_views(moe: Any) -> Iterator[tuple[int, str, Any, Any]]:
+    """``(global expert id, canonical name, parameter, view)``; ``view`` maps the parameter (or its grad or
+    moment) to that expert's tensor in SequentialMLP's shape."""
+    experts = moe.experts
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        for g, expert in zip(moe.local_expert_indices, experts.local_experts, strict=True):
+            yield g, "linear_fc1", expert.linear_fc1.weight, lambda t, _e=None: t
+            yield g, "linear_fc2", expert.linear_fc2.weight, lambda t, _e=None: t
+        return
+    n, dim = experts.num_local_experts, experts.config.hidden_size  # GroupedMLP: transposed packed weights
+    for i, g in enumerate(moe.local_expert_indices):
+        yield g, "linear_fc1", experts.weight1, lambda t, _i=i: t.view(n, dim, -1)[_i].t()
+        yield g, "linear_fc2", experts.weight2, lambda t, _i=i: t.view(n, -1, dim)[_i].t()
+
+
+def _dense(model: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(layer, name within the layer, parameter)`` for the router and the shared expert."""
+    for layer, moe in enumerate(model.moe_layers()):
+        experts = {id(p) for p in moe.experts.parameters()}
+        for name, p in moe.named_parameters():
+            if id(p) not in experts:
+                yield layer, name, p
+
+
+def _fill(model: Any, seed: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        for layer, moe in enumerate(model.moe_layers()):
+            for g, name, p, view in _expert_views(moe):
+                target = view(p.data)
+                target.copy_(synthetic_weight(seed, layer, g, name, target.shape, dtype=p.dtype))
+        for layer, name, p in _dense(model):
+            p.copy_(synthetic_weight(seed, layer, None, name, p.shape, dtype=p.dtype))
+
+
+def _set_grads(model: Any, seed: int, step: int) -> None:
+    import torch
+
+    for layer, moe in enumerate(model.moe_layers()):
+        for g, name, p, view in _expert_views(moe):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            target = view(p.grad)
+            target.copy_(synthetic_grad(seed, step, layer, g, name, target.shape, dtype=p.dtype))
+    for layer, name, p in _dense(model):
+        p.grad = synthetic_grad(seed, step, layer, None, name, p.shape, dtype=p.dtype)
+
+
+def _optimizer(model: Any, view: Any, lr: float) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=WEIGHT_DECAY, clip_grad=0.0, bf16=False,
+                             fp16=False, params_dtype=model.config.params_dtype, use_distributed_optimizer=False)
+    with megatron_on_cpu(), one_rank_world() if view is not None else contextlib.nullcontext():
+        return get_megatron_optimizer(config, [model], use_gloo_process_groups=False, pg_collection=view)
+
+
+def _step(optimizer: Any) -> None:
+    """``ChainedOptimizer.step()`` without its gradient-norm reduction (reported only; clip_grad=0)."""
+    if optimizer.prepare_grads():
+        raise RuntimeError("Megatron's optimizer found inf/nan in the synthetic gradients")
+    optimizer.step_with_ready_grads()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _state(optimizer: Any) -> dict[Any, Any]:
+    """Parameter -> its torch.optim state, over the chained FP32Optimizers."""
+    if optimizer is None:
+        return {}
+    found: dict[Any, Any] = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        found.update(inner.optimizer.state)
+    return found
+
+
+def _sharded_state_dict(model: Any, optimizer: Any, *, loading: bool = False) -> dict[str, Any]:
+    """What Megatron's trainer hands dist_checkpointing: ``model`` and ``optimizer`` sharded state dicts."""
+    model_state: dict[str, Any] = {}
+    for layer, moe in enumerate(model.moe_layers()):
+        model_state.update(moe.sharded_state_dict(prefix=f"layers.{layer}.mlp."))
+    out = {"model": model_state}
+    if optimizer is not None:
+        out["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading)
+    return out
+
+
+class MegatronAdapter:
+    name = "megatron"
+    capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=False, uneven=False, max_ep=64,
+                                format="dcp", cross_kind=True)
+    #: imported once by the rank fork server, not once per cell (megatron.core takes ~2 s to import).
+    preload = ("megatron.core.parallel_state", "megatron.core.dist_checkpointing",
+               "megatron.core.optimizer", "megatron.core.models.gpt.gpt_layer_specs")
+
+    @property
+    def version(self) -> str:
+        """The installed megatron-core's version (read without importing it); pinned to 0.16.0 in CI."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("megatron-core")
+        except PackageNotFoundError:
+            return "not installed"
+
+    @property
+    def refusal_errors(self) -> tuple[type, ...]:
+        """What ``dist_checkpointing.load`` raises when it refuses a checkpoint."""
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        return (CheckpointingException,)
+
+    # -- building ------------------------------------------------------------------------------------
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
+        import torch.distributed as dist
+
+        if spec.fsdp or spec.dtype != "float32":
+            raise ValueError(f"this adapter drives Megatron's MoE layers in fp32 without FSDP2; got "
+                             f"fsdp={spec.fsdp}, dtype={spec.dtype!r}")
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            raise ValueError(f"this adapter runs Megatron on CPU over gloo; the world's backend is "
+                             f"{dist.get_backend()!r}")
+        if mesh is None:  # the ground truth: ep=1 over a one-rank view, no parallel_state
+            view, ep = one_rank_view(), 1
+        else:
+            ep = mesh["ep"].size()
+            set_up(ep)
+            view = None  # Megatron's default: the groups of parallel_state
+        model = _build_model(spec, ep, view)
+        _fill(model, seed)
+        if spec.optimizer_steps <= 0:
+            return model, None
+        optimizer = _optimizer(model, view, getattr(spec, "lr", LR))  # Spec.lr: coming with the layout issue
+        for step in range(spec.optimizer_steps):
+            self.step(model, optimizer, seed, step)
+        return model, optimizer
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        """One step of Megatron's optimizer on synthetic_grad gradients."""
+        _set_grads(model, seed, step)
+        _step(optimizer)
+
+    # -- checkpoint path -----------------------------------------------------------------------------
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        try:
+            with megatron_on_cpu():
+                dist_checkpointing.save(_sharded_state_dict(model, optimizer), path)
+        finally:
+            tear_down()
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        try:
+            with megatron_on_cpu():
+                loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, loading=True), path)
+                model.load_state_dict(loaded["model"], strict=True)
+                if optimizer is not None:
+                    optimizer.load_state_dict(loaded["optimizer"])
+        finally:
+            tear_down()
+
+    def save_legacy(self, model: Any, optimizer: Any, path: str) -> None:
+        """Megatron-LM's pre-dist_checkpointing save: per EP rank, its plain state_dict (local expert names)."""
+        import torch
+        from megatron.core import parallel_state
+
+        try:
+            if parallel_state.get_expert_data_parallel_rank() == 0:
+                ep_rank = parallel_state.get_expert_model_parallel_rank()
+                folder = os.path.join(path, f"mp_rank_00_{ep_rank:03d}")
+                os.makedirs(folder, exist_ok=True)
+                state = {"model": model.state_dict()}
+                if optimizer is not None:
+                    state["optimizer"] = optimizer.state_dict()
+                torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
+        finally:
+            tear_down()
+
+    # -- canonical views -----------------------------------------------------------------------------
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+        state = _state(optimizer)
+        for layer, moe in enumerate(model.moe_layers()):
+            for g, name, p, view in _expert_views(moe):
+                yield layer, g, name, view(p.data)
+                for moment in MOMENTS:
+                    if moment in state.get(p, {}):
+                        yield layer, g, f"{name}.{moment}", view(state[p][moment])
+
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+        state = _state(optimizer)
+        for layer, name, p in _dense(model):
+            yield layer, None, name, p
+            for moment in MOMENTS:
+                if moment in state.get(p, {}):
+                    yield layer, None, f"{name}.{moment}", state[p][moment]
+
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, object]:
+        """Step counts and param-group hyperparameters, as sorted distinct values over all param groups.
+
+        Megatron puts expert parameters in a group (and a chained optimizer) of their own only at ep > 1
+        (``allreduce=False``), so per-group names would differ with the EP degree; the values may not.
+        """
+        if optimizer is None:
+            return {}
+        found: dict[str, set[object]] = {key: set() for key in ("step", "lr", "betas", "weight_decay", "eps")}
+        for inner in optimizer.chained_optimizers:
+            for group in inner.optimizer.param_groups:
+                found["step"] |= {float(inner.optimizer.state[p]["step"]) for p in group["params"]
+                                  if "step" in inner.optimizer.state.get(p, {})}
+                for key in ("lr", "betas", "weight_decay", "eps"):
+                    value = group[key]
+                    found[key].add(tuple(value) if isinstance(value, (list, tuple)) else value)
+        return {key: sorted(values) for key, values in found.items()}

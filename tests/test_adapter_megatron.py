@@ -1,0 +1,224 @@
+"""The ``megatron`` adapter end to end: Megatron-Core's MoE checkpoint through the matrix, cell by cell as found.
+
+Skipped unless megatron-core is installed (``ci/install_megatron.sh`` installs the pinned 0.16.0).  The
+matrix runs in a pytester subprocess with ``-k "not save_ep4"`` -- every cell saved at ep 1 or 2 (70 of
+the default matrix's 106: 42 run, 28 n/a), which holds every outcome the full matrix has; the cells
+saved at ep=4 mirror those saved at ep=2.  Measured on 2 cores shared with other runs (load average
+13-26): this subset 86 s, the full matrix (60 cells run) 72-119 s; the whole file about 130 s, of which
+about 40 s is importing megatron-core into the pytest process and a fresh world under that load.  Found:
+
+* model-only cells pass at every EP pair, for ``SequentialMLP`` (unpacked) and ``GroupedMLP`` (packed);
+* model+optimizer cells (Megatron's ``get_megatron_optimizer``) pass when both EP degrees are 1 or
+  both are > 1 -- also between the layer kinds -- and error between ep=1 and ep > 1: Megatron gives
+  expert parameters an optimizer of their own only when ``expert_model_parallel_size > 1``
+  (``allreduce=False``), so the optimizer's checkpoint keys are ``optimizer.state.*`` at ep=1 and
+  ``chained_{0,1}.optimizer.state.*`` at ep > 1, and ``dist_checkpointing.load`` raises a KeyError
+  naming the missing key (loud, never wrong values);
+* legacy cells (Megatron-LM's per-rank ``torch.save`` of a plain ``state_dict()``) are refused:
+  ``CheckpointingException: ... is not a distributed checkpoint``;
+* n/a: FSDP2 (Megatron has its own FSDP) and E % ep != 0 (``BaseMoELayer`` asserts it).
+
+The same run checks process hygiene: a distributed test before and after the passing cells counts the
+live process groups in each rank process (those of the harness's device meshes aside) and must find
+the same rank processes and the same count -- Megatron's ``destroy_model_parallel()`` alone leaves
+most of the groups ``initialize_model_parallel()`` creates.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from matrix_expectations import BIT_FOR_BIT, by_status, run_report
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed (ci/install_megatron.sh installs megatron-core==0.16.0)",
+                allow_module_level=True)
+
+ADAPTER = "conformance.adapters.megatron:MegatronAdapter"
+SUBSET = "not save_ep4"
+SAVE_EPS, LOAD_EPS = (1, 2), (1, 2, 4)
+PAIRS = [(s, t) for s in SAVE_EPS for t in LOAD_EPS]
+ID = "moe-ep-matrix::checkpoint::{kind}::{state}::{mode}::ep{s}->ep{t}"
+KINDS = ("packed", "unpacked")
+CROSS = ("packed->unpacked", "unpacked->packed")
+MODEL = {ID.format(kind=k, state="model", mode="ep-only", s=s, t=t) for k in KINDS for s, t in PAIRS}
+#: model+optimizer cells by (kind, save_ep, load_ep).
+OPTIM = {(k, s, t): ID.format(kind=k, state="model+optim", mode="ep-only", s=s, t=t)
+         for k in KINDS + CROSS for s, t in PAIRS}
+OPTIM_PASS = {cell_id for (_, s, t), cell_id in OPTIM.items() if (s == 1) == (t == 1)}
+OPTIM_ERROR = {cell_id: (s, t) for (_, s, t), cell_id in OPTIM.items() if (s == 1) != (t == 1)}
+LEGACY = {f"moe-ep-matrix::checkpoint::legacy::{k}::ep2->ep{t}" for k in KINDS for t in LOAD_EPS}
+NOT_APPLICABLE = {
+    "adapter does not support FSDP2": 2 * 2 * len(PAIRS),
+    "adapter does not support E % ep != 0 (E=6)": 2 * 2,  # ep1->ep4 and ep2->ep4, both kinds
+}
+
+#: a distributed test run before and after the passing cells, in the same rank processes.
+GROUPS_TEST = '''
+import json, os
+from pathlib import Path
+
+import pytest
+
+OUT = Path({out!r})
+
+
+def _live_groups_outside_meshes():
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.distributed_c10d import _world
+
+    # a mesh dim over every rank reuses the default group: count it whether a mesh holds it or not.
+    held = {{id(pg) for mesh in gc.get_objects() if isinstance(mesh, DeviceMesh)
+             for pg in getattr(mesh, "_pg_registry", {{}}).values()}} - {{id(dist.group.WORLD)}}
+    return dist.get_rank(), sorted(name for pg, name in _world.pg_names.items() if id(pg) not in held)
+
+
+def _record(phase):
+    from megatron.core import parallel_state
+
+    rank, groups = _live_groups_outside_meshes()
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{{phase}}-rank{{rank}}.json").write_text(json.dumps(
+        {{"pid": os.getpid(), "groups": groups, "megatron": parallel_state.model_parallel_is_initialized()}}))
+
+
+@pytest.mark.moe_ep_world(4)
+def test_groups_before():
+    _record("before")
+
+
+@pytest.mark.moe_ep_world(4)
+def test_groups_after():
+    _record("after")
+'''
+
+#: error cells first (a failing call replaces the world), then the group count, the other cells, the count.
+ORDER_CONFTEST = '''
+ERRORS = {errors!r}
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.nodeid.rsplit("/", 1)[-1]
+        if any(name.endswith(e) for e in ERRORS):
+            return 0
+        return {{"test_groups.py::test_groups_before": 1, "test_groups.py::test_groups_after": 3}}.get(name, 2)
+
+    items.sort(key=rank)
+'''
+
+
+def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
+    groups_dir = pytester.path / "groups"
+    pytester.makepyfile(test_groups=GROUPS_TEST.format(out=str(groups_dir)))
+    pytester.makeconftest(ORDER_CONFTEST.format(errors=sorted(OPTIM_ERROR)))
+    result, doc = run_report(pytester, "test_groups.py", "--moe-ep-matrix", f"--moe-ep-adapter={ADAPTER}",
+                             "-k", f"({SUBSET}) or test_groups")
+    cells, statuses, na = by_status(doc)
+    assert doc["adapter"] == {"name": "megatron", "version": "0.16.0"}
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    result.assert_outcomes(passed=2 + len(MODEL) + len(OPTIM_PASS) + len(LEGACY), failed=len(OPTIM_ERROR),
+                           skipped=sum(NOT_APPLICABLE.values()))
+
+    passing = MODEL | OPTIM_PASS | LEGACY
+    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing ^ statuses["pass"]}
+    assert statuses.get("error", set()) == set(OPTIM_ERROR)
+    assert statuses.get("fail", set()) == set()
+    assert na == NOT_APPLICABLE
+    for cell_id in MODEL | OPTIM_PASS:
+        assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
+    for cell_id in LEGACY:
+        assert "refused on every rank: CheckpointingException:" in cells[cell_id]["detail"], cells[cell_id]
+        assert "is not a distributed checkpoint" in cells[cell_id]["detail"], cells[cell_id]
+    for cell_id, (s, t) in OPTIM_ERROR.items():
+        cell, detail = cells[cell_id], cells[cell_id]["detail"]
+        assert (cell["state"], cell["fsdp"], cell["save_ep"], cell["load_ep"]) == ("model+optim", False, s, t)
+        # The load asks for the optimizer keys of its own EP degree; the save wrote the other degree's.
+        wanted = "chained_0.optimizer.state" if t > 1 else "optimizer.state"
+        assert f"KeyError: \"{wanted}.exp_avg.layers.0.mlp.router.weight from model not in state dict" in detail, \
+            detail
+
+    records = {path.stem: json.loads(path.read_text()) for path in groups_dir.glob("*.json")}
+    assert sorted(records) == sorted(f"{phase}-rank{r}" for phase in ("before", "after") for r in range(4))
+    for r in range(4):
+        before, after = records[f"before-rank{r}"], records[f"after-rank{r}"]
+        assert before["pid"] == after["pid"], f"rank {r}: the world was replaced between the group counts"
+        assert after["groups"] == before["groups"], f"rank {r}: process groups left behind: {after} vs {before}"
+        assert not after["megatron"], f"rank {r}: Megatron's parallel state is still initialised"
+
+
+
+def _live_groups() -> set[object]:
+    from torch.distributed.distributed_c10d import _world
+
+    return set(_world.pg_map)
+
+
+@pytest.mark.moe_ep_world(4)
+def test_tear_down_destroys_what_megatron_leaves() -> None:
+    """The negative control of the group count: Megatron's own tear-down leaves groups; the adapter's does not."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from conformance.adapters import megatron_cpu
+
+    start = _live_groups()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, create_gloo_process_groups=False)
+    parallel_state.destroy_model_parallel()
+    leaked = _live_groups() - start
+    for group in leaked:  # this rank process serves later tests
+        dist.destroy_process_group(group)
+    assert leaked, "destroy_model_parallel() now destroys its groups: the adapter's clean-up may be moot"
+
+    megatron_cpu.set_up(2)
+    assert parallel_state.model_parallel_is_initialized() and len(_live_groups()) > len(start)
+    megatron_cpu.tear_down()
+    assert _live_groups() == start and not parallel_state.model_parallel_is_initialized()
+
+
+def test_cuda_bypasses_are_scoped_to_the_adapters_calls() -> None:
+    """Each patch is in place inside the adapter's context only, and restored when the call raises."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    from conformance.adapters.megatron_cpu import megatron_on_cpu
+
+    watched = [(filesystem_async, "torch"), (state_dict_saver, "torch"), (megatron_optimizer, "torch"),
+               (filesystem_async, "_results_queue"), (grouped_gemm_util, "assert_grouped_gemm_is_available")]
+    before = [getattr(module, name) for module, name in watched]
+    with pytest.raises(RuntimeError, match="inside"), megatron_on_cpu():
+        inside = [getattr(module, name) for module, name in watched]
+        assert all(a is not b for a, b in zip(inside, before, strict=True)), inside
+        grouped_gemm_util.assert_grouped_gemm_is_available()  # outside it raises without grouped_gemm
+        raise RuntimeError("inside")
+    assert all(getattr(module, name) is value for (module, name), value in zip(watched, before, strict=True))
+
+
+def test_ground_truth_is_built_without_parallel_state() -> None:
+    """build(spec, None, seed): a one-rank view, no parallel_state; both layer kinds hold the same model."""
+    import torch
+    from megatron.core import parallel_state
+
+    from conformance.adapter import Spec
+    from conformance.adapters.megatron import MegatronAdapter
+
+    adapter = MegatronAdapter()
+    views = {}
+    for kind in ("unpacked", "packed"):
+        model, optimizer = adapter.build(Spec(kind=kind, optimizer_steps=2), None, 1234)
+        views[kind] = {(layer, g, name): t for source in (adapter.expert_tensors(model, optimizer),
+                                                          adapter.other_tensors(model, optimizer))
+                       for layer, g, name, t in source}
+        assert not parallel_state.model_parallel_is_initialized()
+        assert adapter.scalars(model, optimizer) == {"step": [2.0], "lr": [0.01], "betas": [(0.9, 0.999)],
+                                                     "weight_decay": [0.01], "eps": [1e-08]}
+    unpacked, packed = views["unpacked"], views["packed"]
+    assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 2 * 3 + 3 * 3)
+    assert all(torch.equal(unpacked[key], packed[key]) for key in unpacked)
+    assert {g for _, g, _ in unpacked if g is not None} == {0, 1, 2, 3}
