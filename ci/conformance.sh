@@ -4,6 +4,7 @@
 #
 #   bash ci/conformance.sh [OUT] [--readme README.md]   # --readme also rewrites README's "Framework status" table
 #
+# Release reports run the full tier (every cell); MOE_EP_TIER=default runs the covering tier instead.
 # A red matrix is the point of the exercise, not a script failure: this exits non-zero only when a run errors out
 # (usage error, crash), never because cells fail.
 set -uo pipefail
@@ -11,6 +12,7 @@ out=${1:-conformance-reports}
 shift || true
 mkdir -p "$out"
 status=0
+tier=${MOE_EP_TIER:-full}
 
 run() {  # run NAME [pytest args...]
     local name=$1; shift
@@ -23,18 +25,24 @@ run() {  # run NAME [pytest args...]
 
 installed() { python -c "import $1" > /dev/null 2>&1; }
 
-run reference --moe-ep-matrix --moe-ep-adapter=reference
-run legacy --moe-ep-matrix --moe-ep-adapter=legacy
+run reference --moe-ep-matrix="$tier" --moe-ep-adapter=reference
+run legacy --moe-ep-matrix="$tier" --moe-ep-adapter=legacy
 if installed nemo_automodel; then
-    run nemo_automodel --moe-ep-matrix --moe-ep-adapter=nemo_automodel
+    run nemo_automodel --moe-ep-matrix="$tier" --moe-ep-adapter=nemo_automodel
     run nemo_automodel-functions --moe-ep-functions=nemo_automodel
 fi
 if installed torchtitan; then
-    run torchtitan --moe-ep-matrix --moe-ep-adapter=torchtitan
-    run torchtitan-local --moe-ep-matrix --moe-ep-adapter=torchtitan-local
+    run torchtitan --moe-ep-matrix="$tier" --moe-ep-adapter=torchtitan
+    run torchtitan-local --moe-ep-matrix="$tier" --moe-ep-adapter=torchtitan-local
 fi
 if installed deepspeed; then
-    run deepspeed --moe-ep-matrix --moe-ep-adapter=deepspeed
+    run deepspeed --moe-ep-matrix="$tier" --moe-ep-adapter=deepspeed
+    run deepspeed-autoep --moe-ep-matrix="$tier" --moe-ep-adapter=deepspeed-autoep
+    run deepspeed-autoep-zero2 --moe-ep-matrix="$tier" --moe-ep-adapter=deepspeed-autoep-zero2
+    run deepspeed-autoep-noconvert --moe-ep-matrix="$tier" --moe-ep-adapter=deepspeed-autoep-noconvert
+fi
+if installed megatron.core; then
+    run megatron --moe-ep-matrix="$tier" --moe-ep-adapter=megatron
 fi
 python -m conformance.report index "$out" "$@" || status=1
 exit $status

@@ -30,7 +30,7 @@ import importlib.util
 import json
 
 import pytest
-from matrix_expectations import BIT_FOR_BIT, by_status, run_report
+from matrix_expectations import BIT_FOR_BIT, by_status, pair, run_report
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (ci/install_megatron.sh installs megatron-core==0.16.0)",
@@ -40,16 +40,16 @@ ADAPTER = "conformance.adapters.megatron:MegatronAdapter"
 SUBSET = "not save_ep4"
 SAVE_EPS, LOAD_EPS = (1, 2), (1, 2, 4)
 PAIRS = [(s, t) for s in SAVE_EPS for t in LOAD_EPS]
-ID = "moe-ep-matrix::checkpoint::{kind}::{state}::{mode}::ep{s}->ep{t}"
+ID = "moe-ep-matrix::checkpoint::{kind}::{state}::{mode}::{pair}"
 KINDS = ("packed", "unpacked")
 CROSS = ("packed->unpacked", "unpacked->packed")
-MODEL = {ID.format(kind=k, state="model", mode="ep-only", s=s, t=t) for k in KINDS for s, t in PAIRS}
+MODEL = {ID.format(kind=k, state="model", mode="ep-only", pair=pair(s, t)) for k in KINDS for s, t in PAIRS}
 #: model+optimizer cells by (kind, save_ep, load_ep).
-OPTIM = {(k, s, t): ID.format(kind=k, state="model+optim", mode="ep-only", s=s, t=t)
+OPTIM = {(k, s, t): ID.format(kind=k, state="model+optim", mode="ep-only", pair=pair(s, t))
          for k in KINDS + CROSS for s, t in PAIRS}
 OPTIM_PASS = {cell_id for (_, s, t), cell_id in OPTIM.items() if (s == 1) == (t == 1)}
 OPTIM_ERROR = {cell_id: (s, t) for (_, s, t), cell_id in OPTIM.items() if (s == 1) != (t == 1)}
-LEGACY = {f"moe-ep-matrix::checkpoint::legacy::{k}::ep2->ep{t}" for k in KINDS for t in LOAD_EPS}
+LEGACY = {f"moe-ep-matrix::checkpoint::legacy::{k}::{pair(2, t)}" for k in KINDS for t in LOAD_EPS}
 NOT_APPLICABLE = {
     "adapter does not support FSDP2": 2 * 2 * len(PAIRS),
     "adapter does not support E % ep != 0 (E=6)": 2 * 2,  # ep1->ep4 and ep2->ep4, both kinds
@@ -117,7 +117,7 @@ def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
     groups_dir = pytester.path / "groups"
     pytester.makepyfile(test_groups=GROUPS_TEST.format(out=str(groups_dir)))
     pytester.makeconftest(ORDER_CONFTEST.format(errors=sorted(OPTIM_ERROR)))
-    result, doc = run_report(pytester, "test_groups.py", "--moe-ep-matrix", f"--moe-ep-adapter={ADAPTER}",
+    result, doc = run_report(pytester, "test_groups.py", "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={ADAPTER}",
                              "-k", f"({SUBSET}) or test_groups")
     cells, statuses, na = by_status(doc)
     assert doc["adapter"] == {"name": "megatron", "version": "0.16.0"}

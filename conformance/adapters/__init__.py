@@ -31,6 +31,7 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed": Builtin("conformance.adapters.deepspeed:DeepSpeedAdapter"),
     "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter"),
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter"),
+    "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter"),
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter"),
 }
 

@@ -232,7 +232,7 @@ def _sharded_state_dict(model: Any, optimizer: Any, *, loading: bool = False) ->
 class MegatronAdapter:
     name = "megatron"
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=False, uneven=False, max_ep=64,
-                                format="dcp", cross_kind=True)
+                                format="dcp", cross_kind=True, ep_orders=("consecutive",))
     #: imported once by the rank fork server, not once per cell (megatron.core takes ~2 s to import).
     preload = ("megatron.core.parallel_state", "megatron.core.dist_checkpointing",
                "megatron.core.optimizer", "megatron.core.models.gpt.gpt_layer_specs")
