@@ -72,6 +72,7 @@ __all__ = [
     "local_region",
     "missing_members",
     "run_steps",
+    "torch_optimizer_scalars",
     "world_device",
 ]
 
@@ -230,6 +231,22 @@ def run_steps(step: Callable[[int], None], first: int, count: int) -> None:
     the resume check share, so step indices (and with them :func:`conformance.synthetic_grad`) agree."""
     for index in range(first, first + count):
         step(index)
+
+
+def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
+    """``scalars`` of a ``torch.optim`` optimizer: each group's hyperparameters and the step counts of its state.
+
+    The same names at every EP degree: groups by index, steps as the sorted set of distinct values.
+    """
+    found: dict[str, Any] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+            if name in group:
+                value = group[name]
+                found[f"param_groups.{i}.{name}"] = list(value) if isinstance(value, tuple) else float(value) \
+                    if hasattr(value, "item") else value
+    found["step"] = sorted({float(state["step"]) for state in optimizer.state.values() if "step" in state})
+    return found
 
 
 def installed_version(module: str) -> str:

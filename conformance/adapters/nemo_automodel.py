@@ -66,7 +66,15 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region, world_device
+from conformance.adapter import (
+    ADAM_MOMENTS,
+    Capabilities,
+    Spec,
+    local_region,
+    run_steps,
+    torch_optimizer_scalars,
+    world_device,
+)
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 EXPERT_WEIGHTS = ("gate_and_up_projs", "down_projs")
@@ -102,12 +110,17 @@ class NemoAutomodelAdapter:
         object.__setattr__(model, _MOE_MESH, moe_mesh)
         if spec.optimizer_steps <= 0:
             return model, None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        for step in range(spec.optimizer_steps):
-            _set_grads(model, seed, step)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
         return model, optimizer
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        _set_grads(model, seed, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        return torch_optimizer_scalars(optimizer)
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:

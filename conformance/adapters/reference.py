@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, run_steps, world_device
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, run_steps, torch_optimizer_scalars, world_device
 from conformance.synthetic import synthetic_grad
 
 
@@ -61,15 +61,7 @@ class ReferenceAdapter:
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
         """Each param group's hyperparameters and the step counts of every parameter's state."""
-        found: dict[str, Any] = {}
-        for i, group in enumerate(optimizer.param_groups):
-            for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
-                if name in group:
-                    value = group[name]
-                    found[f"param_groups.{i}.{name}"] = list(value) if isinstance(value, tuple) else value
-        steps = {float(state["step"]) for state in optimizer.state.values() if "step" in state}
-        found["step"] = sorted(steps)
-        return found
+        return torch_optimizer_scalars(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
         """The model's forward on ``batch``, without autograd; FSDP2's parameters resharded after it."""

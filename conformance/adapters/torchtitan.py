@@ -78,7 +78,15 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region, world_device
+from conformance.adapter import (
+    ADAM_MOMENTS,
+    Capabilities,
+    Spec,
+    local_region,
+    run_steps,
+    torch_optimizer_scalars,
+    world_device,
+)
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
@@ -145,12 +153,19 @@ class TorchtitanAdapter:
         # mixed torch.Tensor and DTensor".
         config = default_adamw()
         config.implementation = "for-loop"
+        for group in config.param_groups:  # the cell's learning rate (the load side builds with another)
+            group.optimizer_kwargs = {**group.optimizer_kwargs, "lr": spec.lr}
         optimizers = config.build(model_parts=[model])
-        for step in range(spec.optimizer_steps):
-            _set_grads(model, seed, step)
-            optimizers.step()
-            optimizers.zero_grad(set_to_none=True)
+        run_steps(lambda index: self.step(model, optimizers, seed, index), 0, spec.optimizer_steps)
         return model, optimizers
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        _set_grads(model, seed, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        return torch_optimizer_scalars(optimizer)
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
