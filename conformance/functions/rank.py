@@ -100,10 +100,16 @@ def summarize(value: Any, source: int | None) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
+        from torch.distributed.tensor import Replicate
+
         local = value.to_local()
-        return TensorValue(True, tuple(value.shape), tuple(repr(p) for p in value.placements),
-                           value.device_mesh.mesh_dim_names, local.detach().clone(),
-                           None if source is None else storage_of(local) == source)
+        mesh = value.device_mesh
+        # A size-1 dim that replicates changes nothing a caller can observe: (Replicate(), Shard(0)) over
+        # (dp_replicate=1, etp=2) is Shard(0) over etp.
+        keep = [i for i, n in enumerate(mesh.shape) if n > 1 or not isinstance(value.placements[i], Replicate)]
+        names = tuple(mesh.mesh_dim_names[i] for i in keep) if mesh.mesh_dim_names else None
+        return TensorValue(True, tuple(value.shape), tuple(repr(value.placements[i]) for i in keep), names,
+                           local.detach().clone(), None if source is None else storage_of(local) == source)
     if isinstance(value, torch.Tensor):
         return TensorValue(False, tuple(value.shape), (), None, value.detach().clone(),
                            None if source is None else storage_of(value) == source)
