@@ -40,12 +40,9 @@ def deepspeed() -> Any:
 
 def installed_version() -> str:
     """The installed DeepSpeed's version, read without importing it (pinned to 0.19.8 in CI)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from conformance.adapter import installed_version as version_of
 
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "not installed"
+    return version_of("deepspeed") or "not installed"
 
 
 def use_expert_groups(ep: int, variant: str = "") -> None:
