@@ -38,7 +38,8 @@ from conformance.inspection import (
     read_safetensors,
 )
 from reference_impl import checkpoint
-from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, build_model, set_deterministic_grads
+from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, build_model
+from reference_impl.regions import set_deterministic_grads
 
 WORLD, LAYERS, E = 4, 2, 6
 ROOT = Path(__file__).resolve().parents[1]
