@@ -4,6 +4,11 @@ Reference and legacy checkpoints are written by real 4-rank gloo worlds (one wor
 per test); the inspection itself runs on rank 0 with no collective.  Hand-made checkpoints (a
 permuted expert, a dropped layer, missing moments, holes) are real DCP saves of edited ep=1 state
 dicts, or ``.metadata`` written directly where DCP would refuse to write the defect.
+
+The reference saves both layer kinds in one per-expert form (``layers.N.moe.experts.G.up.weight``);
+packed keys with an expert axis (``layers.N.moe.up_w``, as torchtitan and older reference
+checkpoints name them) come from :func:`reference_impl.checkpoint.save_legacy` of packed layers: at
+ep=1 that is the old packed form with all ``E`` rows, at ep > 1 one rank's rows.
 """
 
 from __future__ import annotations
@@ -90,8 +95,11 @@ def test_reference_checkpoints_are_clean_and_ep_invariant(moe_ep_shared_dir: Pat
         stats = {g.stat for g in result.groups}
         assert {None, "exp_avg", "exp_avg_sq"} <= stats, f"{case}: optimizer state not recognised: {stats}"
         assert all(g.experts == tuple(range(E)) for g in result.groups), case
-        if fsdp and kind == "packed":  # the expert axis is split into chunks over (ep, dp_shard)
-            assert len(index.entries["model.layers.0.moe.up_w"].chunks) == WORLD, case
+        chunks = len(index.entries["model.layers.0.moe.experts.0.up.weight"].chunks)
+        if fsdp and kind == "unpacked":  # FSDP splits each expert's weight into chunks over dp_shard
+            assert chunks == WORLD // ep, case
+        elif fsdp:  # a packed row under FSDP is whole on the rank that holds it
+            assert chunks == 1, case
         truth = read_dcp(saved[(kind, 1, False)])
         assert compare_indexes(index, truth, values=True, memory_bytes=64 << 10) == [], case
 
@@ -103,8 +111,9 @@ def test_legacy_checkpoints_show_every_lossy_pattern(moe_ep_shared_dir: Path) ->
         for ep in (2, 4):
             saved[(kind, ep)] = moe_ep_shared_dir / f"legacy-{kind}-ep{ep}"
             checkpoint.save_legacy(*trained(kind, ep), saved[(kind, ep)])
-    truth = moe_ep_shared_dir / "truth"
+    truth, packed_truth = moe_ep_shared_dir / "truth", moe_ep_shared_dir / "packed-truth"
     checkpoint.save(*trained("packed", 0), truth)  # every rank the whole model: the ep=1 truth
+    checkpoint.save_legacy(*trained("packed", 0), packed_truth)  # the same in the old packed [E, ...] form
     dist.barrier()
     if dist.get_rank() != 0:
         return
@@ -125,20 +134,26 @@ def test_legacy_checkpoints_show_every_lossy_pattern(moe_ep_shared_dir: Path) ->
             assert all(f.experts == tuple(range(local, E)) for f in found[code]), found[code][0]
             assert f"numbered 0..{local - 1} only" in found[code][0].message
         assert all(f.layer in (0, 1) and f.experts for f in found[code])
-    diffs = problems(compare_indexes(read_dcp(saved[("packed", 2)]), read_dcp(truth), values=True,
+    assert inspect_index(read_dcp(packed_truth)).findings == (), "the ep=1 packed form holds every row"
+    diffs = problems(compare_indexes(read_dcp(saved[("packed", 2)]), read_dcp(packed_truth), values=True,
                                      names=("ep=2 checkpoint", "ep=1 checkpoint")))
     assert "shape_differs" in diffs and "its expert axis has 3 rows" in diffs["shape_differs"][0].message
+    diffs = problems(compare_indexes(read_dcp(saved[("unpacked", 2)]), read_dcp(truth), values=True,
+                                     names=("ep=2 checkpoint", "ep=1 checkpoint")))
+    gone = {(f.key, f.experts) for f in diffs["key_missing"]}
+    assert ("model.layers.1.moe.experts.*.up.weight", (3, 4, 5)) in gone, diffs
 
 
 # -- hand-made checkpoints ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def truths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """ep=1 checkpoints of both kinds, written in this process, and their flat state dicts."""
+    """ep=1 checkpoints, written in this process, and their flat state dicts: both kinds in the
+    reference's per-expert form, and ``packed_form``, packed layers saved raw (``up_w`` ``[E, ...]``)."""
     out = {}
-    for kind in ("packed", "unpacked"):
+    for kind in ("packed", "unpacked", "packed_form"):
         path = tmp_path_factory.mktemp("truth") / kind
-        model, optimizer = trained(kind, 0)
-        checkpoint.save(model, optimizer, path)
+        model, optimizer = trained(kind.removesuffix("_form"), 0)
+        (checkpoint.save_legacy if kind == "packed_form" else checkpoint.save)(model, optimizer, path)
         nested = dcp.state_dict_loader._load_state_dict_from_keys(checkpoint_id=str(path))
         out[kind] = (path, flatten_state_dict(nested)[0])
     return out
@@ -157,21 +172,35 @@ def test_permuted_experts_are_named(truths: dict[str, Any], tmp_path: Path) -> N
         w = state["model.layers.1.moe.up_w"]
         state["model.layers.1.moe.up_w"] = torch.cat([w[2:4], w[0:2], w[4:]])
 
-    got = read_dcp(edited(truths, "packed", tmp_path / "perm", permute))
+    got = read_dcp(edited(truths, "packed_form", tmp_path / "perm", permute))
     assert inspect_index(got).findings == (), "a permutation keeps every row: the metadata cannot see it"
-    found = compare_indexes(got, read_dcp(truths["packed"][0]), values=True)
+    found = compare_indexes(got, read_dcp(truths["packed_form"][0]), values=True)
     assert [f.problem for f in found] == ["rows_are_other_experts"], [str(f) for f in found]
     assert found[0].key == "model.layers.1.moe.up_w" and found[0].experts == (0, 1, 2, 3)
     assert "rows 0..1 are experts 2..3, rows 2..3 are experts 0..1" in found[0].message
-    assert compare_indexes(got, read_dcp(truths["packed"][0]), values=True, ignore=[r"\.up_w$"]) == []
+    assert compare_indexes(got, read_dcp(truths["packed_form"][0]), values=True, ignore=[r"\.up_w$"]) == []
+
+    def permute_experts(state: dict[str, Any]) -> None:  # the same permutation in the per-expert form
+        key = "model.layers.1.moe.experts.{}.up.weight".format
+        w = [state[key(g)] for g in range(4)]
+        for g, src in enumerate((2, 3, 0, 1)):
+            state[key(g)] = w[src]
+
+    got = read_dcp(edited(truths, "packed", tmp_path / "perm-experts", permute_experts))
+    assert inspect_index(got).findings == (), "a permutation keeps every key: the metadata cannot see it"
+    found = compare_indexes(got, read_dcp(truths["packed"][0]), values=True)
+    assert {(f.problem, f.key, f.other_key) for f in found} == {
+        ("holds_other_key", f"model.layers.1.moe.experts.{g}.up.weight", f"model.layers.1.moe.experts.{s}.up.weight")
+        for g, s in enumerate((2, 3, 0, 1))}, [str(f) for f in found]
+    assert "holds expert 2's values instead of expert 0's" in found[0].message
 
     def nudge(state: dict[str, Any]) -> None:  # values that match nothing: the max abs diff, where
         state["model.layers.0.moe.down_w"] = state["model.layers.0.moe.down_w"].clone()
         state["model.layers.0.moe.down_w"][4] += 0.25
         state["model.norm.weight"] = state["model.norm.weight"] * 2
 
-    found = compare_indexes(read_dcp(edited(truths, "packed", tmp_path / "nudge", nudge)),
-                            read_dcp(truths["packed"][0]), values=True)
+    found = compare_indexes(read_dcp(edited(truths, "packed_form", tmp_path / "nudge", nudge)),
+                            read_dcp(truths["packed_form"][0]), values=True)
     assert [(f.problem, f.key, f.experts) for f in found] == [
         ("values_differ", "model.layers.0.moe.down_w", (4,)), ("values_differ", "model.norm.weight", ())], found
     assert "row 4 of its expert axis differ from the other checkpoint's (max abs diff 0.25)" in found[0].message
@@ -190,18 +219,26 @@ def test_permuted_experts_are_named(truths: dict[str, Any], tmp_path: Path) -> N
     assert "is 0.5, the truth's is 0.01" in text["optimizer.param_groups.0.lr"].message
 
 
-def test_dropped_layer_and_missing_moments(truths: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["packed", "packed_form"])
+def test_dropped_layer_and_missing_moments(kind: str, truths: dict[str, Any], tmp_path: Path) -> None:
+    """Every expert key of layer 1 (weights and moments) gone, in either form; its router (and shared
+    expert) stay, and the router is what says it was an MoE layer."""
     def drop_layer(state: dict[str, Any]) -> None:
-        for key in [k for k in state if ".layers.1.moe." in k and "_w" in k]:
+        for key in [k for k in state if ".layers.1.moe.experts." in k or (".layers.1.moe." in k and "_w" in k)]:
             del state[key]
 
-    path = edited(truths, "packed", tmp_path / "drop", drop_layer)
+    path = edited(truths, kind, tmp_path / "drop", drop_layer)
+    assert "model.layers.1.moe.router.weight" in read_dcp(path).entries
     found = problems(inspect_index(read_dcp(path)).findings)
     assert set(found) == {"layer_missing"}, found
     assert found["layer_missing"][0].layer == 1 and found["layer_missing"][0].experts == tuple(range(E))
-    diff = compare_indexes(read_dcp(path), read_dcp(truths["packed"][0]))
+    assert "has a router but none of the 12 expert tensors" in found["layer_missing"][0].message
+    diff = compare_indexes(read_dcp(path), read_dcp(truths[kind][0]))
     assert [(f.problem, f.layer) for f in diff] == [("key_missing", 1)], [str(f) for f in diff]
-    assert "all 12 expert keys of layer 1" in diff[0].message
+    keys = 12 * E if kind == "packed" else 12  # (weight, exp_avg, exp_avg_sq, step) x 3 linears, per expert
+    assert f"all {keys} expert keys of layer 1" in diff[0].message and diff[0].experts == tuple(range(E))
+    if kind == "packed_form":  # the moments below are per-expert keys, the reference's form
+        return
 
     def drop_moments(state: dict[str, Any]) -> None:
         for key in [k for k in state if k.startswith("optimizer.state.layers.0.moe.experts.4.")]:
@@ -266,7 +303,7 @@ def test_cli_exit_codes_json_and_no_writes(truths: dict[str, Any], tmp_path: Pat
     code, out, err = cli(str(good), "--compare", str(good), "--values")
     assert (code, err) == (0, ""), err
     assert "OK: every expert of every MoE layer" in out and "the same" in out
-    lossy = edited(truths, "packed", tmp_path / "lossy", lambda s: s.update(
+    lossy = edited(truths, "packed_form", tmp_path / "lossy", lambda s: s.update(
         {"model.layers.0.moe.up_w": s["model.layers.0.moe.up_w"][:3]}))
     code, out, _ = cli(str(lossy), "--json")
     report = json.loads(out)
@@ -423,3 +460,8 @@ def test_in_memory_index_and_no_expert_keys() -> None:
     assert found["optimizer_orphan"][0].experts == (1,)
     found = problems(inspect_index(index_state_dict({"w": torch.zeros(2)})).findings)
     assert set(found) == {"no_expert_keys"}, "a checkpoint nothing was checked in must not read clean"
+    assert "so no expert was checked" in found["no_expert_keys"][0].message
+    routers_only = {f"layers.{n}.moe.router.weight": torch.zeros(4, 2) for n in (0, 1)}  # every expert dropped
+    result = inspect_index(index_state_dict(routers_only))
+    assert [f.problem for f in result.findings] == ["no_expert_keys"] and result.moe_layers == (0, 1)
+    assert "layer(s) 0..1 have a router: their experts are missing" in result.findings[0].message

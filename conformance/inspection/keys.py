@@ -3,12 +3,13 @@
 A key is classified by documented regular expressions, never by the substring "expert" alone:
 
 * **per-expert** keys carry the global expert id in the name -- a pattern with a named group
-  ``expert``: ``layers.0.moe.experts.3.up.weight`` (reference unpacked), ``model.layers.0.mlp.
+  ``expert``: ``layers.0.moe.experts.3.up.weight`` (reference, both kinds), ``model.layers.0.mlp.
   experts.3.gate_proj.weight`` (Hugging Face), ``mlp.experts.local_experts.3.linear_fc1.weight``
   (Megatron SequentialMLP), ``deepspeed_moe.experts.deepspeed_experts.3.weight`` (DeepSpeed),
   ``mlp.experts.linear_fc1.weight3`` (Megatron TEGroupedMLP);
 * **packed** keys hold all of a layer's experts with the expert axis first -- a pattern without
-  that group: the reference's ``layers.N.moe.up_w``/``gate_w``/``down_w``, torchtitan's
+  that group: the reference's raw ``layers.N.moe.up_w``/``gate_w``/``down_w`` (its ``save_legacy``
+  and checkpoints older than its per-expert form), torchtitan's
   ``moe.experts.w1/w2/w3`` (``moe.routed_experts.inner_experts.w1_EFD`` in recent versions),
   NeMo Automodel's ``experts.gate_and_up_projs``/``down_projs``, DeepSpeed AutoEP's and Hugging
   Face's ``experts.gate_up_proj``/``down_proj``, Megatron's
@@ -61,7 +62,7 @@ def pattern(regex: str, source: str = "user") -> KeyPattern:
 
 DEFAULT_PATTERNS: tuple[KeyPattern, ...] = (
     pattern(r"(?:^|\.)\w*experts\.(?P<expert>\d+)(?:\.|$)",
-            "reference unpacked, Hugging Face, Megatron local_experts, DeepSpeed deepspeed_experts"),
+            "reference, Hugging Face, Megatron local_experts, DeepSpeed deepspeed_experts"),
     pattern(r"(?:^|\.)experts\.linear_fc[12]\.(?:weight|bias)(?P<expert>\d+)$", "Megatron TEGroupedMLP"),
     pattern(r"(?:^|\.)moe\.(?:gate|up|down)_w$", "reference packed"),
     pattern(r"(?:^|\.)(?:inner_)?experts\.w[123](?:_[A-Z]{3})?$", "torchtitan (experts.w1, inner_experts.w1_EFD)"),
