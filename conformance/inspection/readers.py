@@ -59,7 +59,14 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
 
 # -- DCP ------------------------------------------------------------------------------------------
 class _Record:
-    """Stands for a DCP metadata class while unpickling: its fields land in ``__dict__``."""
+    """Stands for a DCP metadata class while unpickling: its fields land in ``__dict__``.
+
+    An enum (``WriteItemType``, which Megatron's metadata holds) pickles as a call with its value: kept in
+    ``args``.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
 
 
 class _Properties:
