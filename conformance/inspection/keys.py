@@ -15,8 +15,9 @@ A key is classified by documented regular expressions, never by the substring "e
   Face's ``experts.gate_up_proj``/``down_proj``, Megatron's
   distributed ``experts.experts.linear_fc1.weight``, and any parameter directly in a module
   named ``experts`` or ``..._experts``;
-* **optimizer state** ``optimizer.state.<param>.<stat>`` (also ``optim.``, ``optimizers.``) is
-  classified as its parameter ``<param>`` is, and mapped back to it;
+* **optimizer state** ``optimizer.state.<param>.<stat>`` (also ``optim.``, ``optimizers.``), and Megatron's
+  ``[chained_N.]optimizer.state.<stat>.<param>``, is classified as its parameter ``<param>`` is, and mapped back
+  to it;
 * a **router** (``moe.router.weight``, ``mlp.gate.weight``, ``moe.router.gate.weight``,
   ``deepspeed_moe.gate.wg.weight``, ...)
   marks an MoE layer and its rows give the number of experts;
@@ -75,6 +76,15 @@ SHARED = re.compile(r"(?:^|\.)shared_?experts?(?:\.|$)", re.IGNORECASE)
 ROUTER = re.compile(r"(?:^|\.)(?:\w*moe|mlp|feed_forward)\.(?:router(?:\.gate)?|gate(?:\.wg)?)\.weight$")
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(?P<layer>\d+)(?:\.|$)")
 OPTIMIZER = re.compile(r"^(?:optimizer|optim|optimizers)(?:\.\d+)?\.state\.(?P<param>.+)\.(?P<stat>[A-Za-z_]\w*)$")
+#: Megatron-Core's dist-checkpointing form names the state first: ``[chained_N.]optimizer.state.<stat>.<param>``.
+STAT_FIRST = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|"
+                        r"momentum_buffer|max_exp_avg_sq)\.(?P<param>.+)$")
+
+
+def optimizer_parts(key: str) -> tuple[int, str, str] | None:
+    """``(where the parameter's name starts, the parameter, the state name)`` of an optimizer-state key."""
+    found = STAT_FIRST.match(key) or OPTIMIZER.match(key)
+    return (found.start("param"), found["param"], found["stat"]) if found else None
 
 
 class KeyInfo(NamedTuple):
@@ -121,9 +131,8 @@ def _where(key: str, span: tuple[int, int] | None) -> Where | None:
 
 
 def _recipe(key: str, patterns: Sequence[KeyPattern]) -> _Recipe:
-    opt = OPTIMIZER.match(key)
-    start = opt.start("param") if opt else 0
-    param = opt["param"] if opt else key
+    opt = optimizer_parts(key)
+    start, param = (opt[0], opt[1]) if opt else (0, key)
     role, kind, expert_span = "dense", None, None
     if not SHARED.search(param):
         for p in patterns:
@@ -170,7 +179,7 @@ def _classify(keys: Iterable[str], patterns: Sequence[KeyPattern]) -> dict[str, 
             continue
         param, stat = key, None
         if r.optimizer:
-            param, _, stat = key.partition(".state.")[2].rpartition(".")
+            _, param, stat = optimizer_parts(key) or (0, key, None)
         if r.role != "expert":
             out[key] = KeyInfo(key, r.role, None, layer, None, "", "", param, stat)
             continue
