@@ -203,7 +203,7 @@ def _load(adapter: Any, cell: Cell, model: Any, optimizer: Any, path: str, findi
                                        f"errors: {declared})")
             return False
         if findings:
-            raise LoadFailed(f"the checkpoint does not hold every expert under its global id: {findings[0]}"
+            raise LoadFailed(f"the checkpoint differs from an EP-invariant one: {findings[0]}"
                              + (f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else "")
                              + f"; the load raised {_one_line(exc)}") from exc
         raise
