@@ -1,0 +1,279 @@
+"""Nothing of a run reachable from the network, nothing left behind, failures that say what happened.
+
+Real worlds throughout: the listening sockets of a live 4-rank world, a matrix cell that hangs, a
+``kill -9`` of a pytest process, the processes of a finished run, folded tracebacks.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_moe_ep.world import RankFailure
+from pytest_moe_ep.world.supervisor import Supervisor
+from pytest_moe_ep.world.workdir import OWNER, PREFIX, Identity, sweep
+
+N = 4
+
+
+# -- functions the ranks run ---------------------------------------------------------------------
+def rank_pid() -> int:
+    return os.getpid()
+
+
+def same_error_everywhere() -> None:
+    raise ValueError("the adapter's save cannot write here")
+
+
+class Exploit:
+    """Unpickling this writes a file: proof that a value read from a store was executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, ...]]:
+        return (open, (self.path, "w"))
+
+
+def exchange_with_a_forged_value(marker: str) -> str:
+    """Rank 1 puts a pickle in the launch's store where its name should be; rank 0 reads every rank's name."""
+    import torch.distributed as dist
+
+    from pytest_moe_ep.world.torchrun import TorchrunWorld
+
+    world = TorchrunWorld("gloo", 30.0)
+    if dist.get_rank() == 1:
+        world.store.set("forged/1", pickle.dumps(Exploit(marker)))
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return "rank 1 forged"
+    try:
+        world._exchange("forged", "name", 5.0)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "read it"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp{,6}: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_addr)
+    flipped = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    found = ipaddress.ip_address(flipped)
+    mapped = getattr(found, "ipv4_mapped", None)
+    return mapped or found
+
+
+def _listening() -> dict[int, str]:
+    """Listening TCP sockets of this network namespace: inode -> "address:port"."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    hex_addr, port = fields[1].split(":")
+                    found[int(fields[9])] = f"{_address(hex_addr)}:{int(port, 16)}"
+    return found
+
+
+def _alive(pid: int) -> bool:
+    return Identity.of(pid) is not None
+
+
+def _session_members(sid: int) -> list[str]:
+    """Live processes of session ``sid`` (everything a ``start_new_session`` pytest started), with their names."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            found.append(f"{entry} {text[text.index('(') + 1:text.rindex(')')]}")
+    return found
+
+
+# -- 13.1: loopback only, no store values executed -------------------------------------------------
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_every_listening_socket_of_a_live_world_is_loopback(moe_ep_engine: Supervisor) -> None:
+    ranks = moe_ep_engine.run(rank_pid, world_size=N, backend="gloo")
+    processes = _descendants(os.getpid())
+    assert set(ranks) <= set(processes)
+    listening = _listening()
+    mine = {pid: [listening[i] for i in _socket_inodes(pid) if i in listening] for pid in processes}
+    assert any(mine[r] for r in ranks), f"no rank listens at all: the check sees nothing ({mine})"
+    exposed = {pid: [a for a in addrs if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+               for pid, addrs in mine.items()}
+    exposed = {pid: addrs for pid, addrs in exposed.items() if addrs}
+    assert not exposed, f"listening beyond loopback (pytest is {os.getpid()}, ranks {ranks}): {exposed}"
+
+
+@pytest.mark.moe_ep_world(2)
+def test_torchrun_exchange_never_executes_a_stored_value(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    marker = tmp_path / "executed"
+    outcome = exchange_with_a_forged_value(str(marker))
+    dist.barrier()
+    assert not marker.exists(), "a value read from the store was unpickled: it ran code"
+    if dist.get_rank() == 0:
+        assert "rank 1 published" in outcome and "not JSON" in outcome, outcome
+
+
+# -- 13.7: leftovers after kill -9 -----------------------------------------------------------------
+KILLED_MIDWAY = """
+import os, time, pytest
+
+@pytest.mark.moe_ep_world(2)
+def test_writes_then_hangs(moe_ep_shared_dir):
+    import torch.distributed as dist
+    (moe_ep_shared_dir / f"shard{dist.get_rank()}").write_bytes(b"x" * 4096)
+    with open(os.path.join(os.environ["PIDS_DIR"], f"rank{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3600)
+"""
+
+
+def _tmp_leftovers(tmpdir: Path) -> list[str]:
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(PREFIX))
+
+
+def test_kill_9_of_pytest_leaves_no_work_directory(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytester.makepyfile(KILLED_MIDWAY)
+    tmpdir, pids_dir = tmp_path / "tmp", tmp_path / "pids"
+    tmpdir.mkdir()
+    pids_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+                            cwd=pytester.path, env={**os.environ, "PIDS_DIR": str(pids_dir), "TMPDIR": str(tmpdir)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pids_dir.iterdir())) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+            time.sleep(0.1)
+        time.sleep(0.2)
+        ranks = [int(p.read_text()) for p in pids_dir.iterdir()]
+        assert len(_tmp_leftovers(tmpdir)) == 1, "the session's work directory is not where this test looks"
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while (any(map(_alive, ranks)) or _tmp_leftovers(tmpdir)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [r for r in ranks if _alive(r)], "ranks outlived their killed pytest"
+        assert _tmp_leftovers(tmpdir) == [], "checkpoint shards and rank logs stayed behind"
+    finally:
+        with_session = _session_members(proc.pid)
+        for member in with_session:
+            os.kill(int(member.split()[0]), signal.SIGKILL)
+
+
+def test_sweep_removes_only_leftovers_whose_owner_is_provably_gone(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone_id = Identity.of(gone.pid)
+    assert gone_id is not None
+    gone.kill()
+    gone.wait()
+    live = Identity.of(os.getpid())
+    assert live is not None
+    reused = Identity(os.getpid(), live.start + 1, live.boot)  # this pid, but not this process
+    dirs = {}
+    for name, owner in (("dead", gone_id), ("live", live), ("reused", reused), ("other-boot", None), ("bare", None)):
+        path = tmp_path / f"{PREFIX}{name}"
+        (path / "gen0").mkdir(parents=True)
+        (path / "gen0" / "rank0.stdout").write_text("log")
+        if owner is not None:
+            owner.write(str(path / OWNER))
+        dirs[name] = path
+    (dirs["other-boot"] / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": live.start, "boot": "x"}))
+    (tmp_path / "unrelated").mkdir()
+    removed = sweep(str(tmp_path))
+    assert sorted(Path(p).name for p in removed) == sorted(f"{PREFIX}{n}" for n in ("dead", "reused", "other-boot"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{PREFIX}live", f"{PREFIX}bare", "unrelated"])
+
+
+# -- 13.8: nothing outlives pytest -----------------------------------------------------------------
+ONE_WORLD = """
+import pytest
+
+@pytest.mark.moe_ep_world(2)
+def test_passes():
+    import torch.distributed as dist
+    dist.barrier()
+"""
+
+
+def test_no_process_of_the_run_outlives_pytest(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(ONE_WORLD)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    out = proc.communicate(timeout=300)[0].decode()
+    left = _session_members(proc.pid)  # the moment pytest has exited
+    for member in left:
+        os.kill(int(member.split()[0]), signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert not left, f"processes of the run alive after pytest exited: {left}"
+
+
+# -- 13.9: one traceback per distinct error ---------------------------------------------------------
+def test_identical_tracebacks_of_other_ranks_are_folded(moe_ep_engine: Supervisor) -> None:
+    with pytest.raises(RankFailure) as info:
+        moe_ep_engine.run(same_error_everywhere, world_size=N, backend="gloo")
+    err = info.value
+    assert err.at_fault == [0, 1, 2, 3]
+    assert "ranks 0, 1, 2, 3 raised ValueError: the adapter's save cannot write here" in err.headline
+    titles = [title for title, _ in err.sections]
+    assert [t for t in titles if t.endswith("traceback")] == ["rank 0 traceback"], titles
+    assert "ranks 1, 2, 3: the same error at the same place as rank 0" in titles, titles
+    report = err.report()
+    assert report.count("in same_error_everywhere") == 1, report
+    for r in (1, 2, 3):
+        assert f"rank {r} raised ValueError: the adapter's save cannot write here" in report, report
