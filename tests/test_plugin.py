@@ -249,12 +249,16 @@ def test_plain_test_runs_on_each_rank():
 """
 
 TORCHRUN_CONFTEST = """
-import os, pytest
+import os, time, pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     with open(os.path.join(os.environ["STATUS_DIR"], os.environ["RANK"]), "w") as f:
         f.write(str(int(session.exitstatus)))
+
+def pytest_unconfigure(config):
+    if os.environ["RANK"] == "0":  # rank 0 still finishing when rank 1 exits: torchrun stops it
+        time.sleep(2)
 """
 
 
@@ -278,6 +282,8 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     assert out.count("FAILED test_torchrun.py::test_fails_on_rank_one") == 2, out
     assert "failed on rank(s) 1: rank 1 raised AssertionError: rank 1 disagrees" in out
     assert "inside torchrun: rank 0 of 2 (gloo)" in out
+    # Both agreed on status 1; the rank torchrun stopped while it finished ends with it, not SIGTERM.
+    assert "exitcode  : -15" not in out and "(SIGTERM)" not in out, out
 
 
 def test_entry_modules_do_not_import_torch() -> None:
