@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -277,3 +278,67 @@ def test_identical_tracebacks_of_other_ranks_are_folded(moe_ep_engine: Superviso
     assert report.count("in same_error_everywhere") == 1, report
     for r in (1, 2, 3):
         assert f"rank {r} raised ValueError: the adapter's save cannot write here" in report, report
+
+
+# -- 13.2: a hang inside a matrix cell -------------------------------------------------------------
+SLEEPY_SAVE = """
+import time
+import torch.distributed as dist
+from conformance.adapters.reference import ReferenceAdapter
+
+class SleepySave(ReferenceAdapter):
+    name = "sleepy-save"
+
+    def save(self, model, optimizer, path):
+        if dist.get_rank() == 1:
+            time.sleep(3600)
+        super().save(model, optimizer, path)
+"""
+
+
+def test_a_hang_in_a_matrix_cell_is_reported_as_one(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(sleepy=SLEEPY_SAVE)
+    out = pytester.path / "out"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--moe-ep-matrix=2", "--moe-ep-world-size=2", "--moe-ep-adapter=sleepy:SleepySave",
+        "-o", "moe_ep_timeout=6", f"--moe-ep-report={out}", "-k", "kind_unpacked and not optim and ep-only and E4",
+        f"--junitxml={out / 'junit.xml'}", timeout=300)
+    text = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    expected = "hung: timed out in a collective waiting for a stuck rank; suspect rank 1 (rank 1 at "
+    assert expected in text and "in save); rank 0 waiting in a collective" in text, text
+    doc = json.loads((out / "moe-ep-conformance.json").read_text())
+    [cell] = doc["cells"]
+    assert cell["status"] == "error"
+    assert cell["detail"].startswith(expected) and "sleepy.py:" in cell["detail"], cell["detail"]
+    assert cell["detail"].endswith("in save); rank 0 waiting in a collective"), cell["detail"]
+    markdown = (out / "moe-ep-conformance.md").read_text()
+    assert f"`{cell['id']}`: {expected}" in markdown
+    # 13.9: the backend that ran, "1 error", a legend for blank table cells, the junit property as JSON.
+    assert doc["backend"] == "gloo"
+    assert "1 error," in markdown and "1 errors" not in markdown and "1 errors" not in text
+    assert "A blank table cell is a (save, load) layout pair this run did not include" in text
+    prop = ElementTree.parse(out / "junit.xml").find(".//property[@name='moe_ep_record']")
+    assert prop is not None and json.loads(prop.get("value", ""))["status"] == "error"
+
+
+# -- 13.3, 13.4, 13.5, 13.9: bad input is a usage error that names what was wrong, before any world --
+@pytest.mark.parametrize(("args", "message"), [
+    (("--moe-ep-matrix", "--moe-ep-report=/proc/forbidden"), "--moe-ep-report=/proc/forbidden: cannot write a report"),
+    (("--moe-ep-backend=nccl",), "--moe-ep-backend=nccl: this machine has no CUDA GPU"),
+    (("--moe-ep-functions=json",), "--moe-ep-functions=json: 'json' lacks 9 of the nine functions"),
+    (("--moe-ep-matrix", "--moe-ep-world-size=abc"), "--moe-ep-world-size (ini moe_ep_world_size) must be an integer"),
+    (("--moe-ep-timeout=soon",), "--moe-ep-timeout (ini moe_ep_timeout) must be a number >= 0.001, got 'soon'"),
+], ids=["report-dir", "nccl", "functions", "world-size", "timeout"])
+def test_bad_options_are_usage_errors_before_any_world(pytester: pytest.Pytester, args: tuple[str, ...],
+                                                        message: str) -> None:
+    if args == ("--moe-ep-backend=nccl",):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU: nccl can run")
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=120)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    assert message in result.stderr.str(), result.stderr.str()
+    assert "Traceback" not in result.stderr.str()

@@ -138,6 +138,7 @@ def test_markers_options_and_header(pytester: pytest.Pytester) -> None:
 @pytest.mark.parametrize(("marker", "message"), [
     ("moe_ep_world(0)", "moe_ep_world needs a world size n >= 1, got 0"),
     ("moe_ep_world(2, backend='mpi')", "unknown backend 'mpi'; choose one of auto, gloo, nccl"),
+    ("moe_ep_world('4')", "moe_ep_world needs the world size n as an int, got str '4'"),
 ])
 def test_bad_markers_are_usage_errors(pytester: pytest.Pytester, marker: str, message: str) -> None:
     pytester.makepyfile(f"import pytest\n@pytest.mark.{marker}\ndef test_x(): pass\n")
