@@ -65,6 +65,15 @@ def exchange_with_a_forged_value(marker: str) -> str:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gpus() -> int:
+    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots sys.modules:
+    a torch first imported inside a pytester test is dropped after it, and a second import crashes."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -330,13 +339,10 @@ def test_a_hang_in_a_matrix_cell_is_reported_as_one(pytester: pytest.Pytester) -
     (("--moe-ep-matrix", "--moe-ep-world-size=abc"), "--moe-ep-world-size (ini moe_ep_world_size) must be an integer"),
     (("--moe-ep-timeout=soon",), "--moe-ep-timeout (ini moe_ep_timeout) must be a number >= 0.001, got 'soon'"),
 ], ids=["report-dir", "nccl", "functions", "world-size", "timeout"])
-def test_bad_options_are_usage_errors_before_any_world(pytester: pytest.Pytester, args: tuple[str, ...],
-                                                        message: str) -> None:
-    if args == ("--moe-ep-backend=nccl",):
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("this machine has a GPU: nccl can run")
+def test_bad_options_are_usage_errors_before_any_world(gpus: int, pytester: pytest.Pytester,
+                                                        args: tuple[str, ...], message: str) -> None:
+    if args == ("--moe-ep-backend=nccl",) and gpus:
+        pytest.skip("this machine has a GPU: nccl can run")
     pytester.makepyfile("def test_nothing(): pass")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=120)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()

@@ -153,12 +153,16 @@ def test_unknown_backend_option_is_a_usage_error(pytester: pytest.Pytester) -> N
     result.stderr.fnmatch_lines(["*invalid choice: 'mpi'*"])
 
 
-def test_nccl_without_gpus_skips_with_the_reason(pytester: pytest.Pytester) -> None:
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
-        pytest.importorskip("torch")
-    import torch
+@pytest.fixture(scope="session")
+def gpus() -> int:
+    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots sys.modules:
+    a torch first imported inside a pytester test is dropped after it, and a second import crashes."""
+    torch = pytest.importorskip("torch")
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+
+def test_nccl_without_gpus_skips_with_the_reason(gpus: int, pytester: pytest.Pytester) -> None:
+    if gpus >= 2:
         pytest.skip("this machine has GPUs: the NCCL path really runs")
     pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2, backend='nccl')\ndef test_x(): pass\n")
     result = run(pytester, "-rs")
