@@ -244,7 +244,18 @@ def test_sweep_removes_only_leftovers_whose_owner_is_provably_gone(tmp_path: Pat
         dirs[name] = path
     (dirs["other-boot"] / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": live.start, "boot": "x"}))
     (tmp_path / "unrelated").mkdir()
+    # A rank that outlived its dead session (stuck where its lifeline could not run) is stopped first.
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stuck_id = Identity.of(stuck.pid)
+    assert stuck_id is not None
+    stuck_id.write(str(dirs["dead"] / "gen0" / "rank0.pid"))
+    live_rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    Identity.of(live_rank.pid).write(str(dirs["live"] / "gen0" / "rank0.pid"))  # type: ignore[union-attr]
     removed = sweep(str(tmp_path))
+    assert stuck.wait(10) == -signal.SIGKILL
+    assert live_rank.poll() is None, "a rank of a live session was stopped"
+    live_rank.kill()
+    live_rank.wait()
     assert sorted(Path(p).name for p in removed) == sorted(f"{PREFIX}{n}" for n in ("dead", "reused", "other-boot"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{PREFIX}live", f"{PREFIX}bare", "unrelated"])
 
