@@ -359,3 +359,28 @@ def test_bad_options_are_usage_errors_before_any_world(gpus: int, pytester: pyte
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
     assert message in result.stderr.str(), result.stderr.str()
     assert "Traceback" not in result.stderr.str()
+
+
+def test_torchrun_shared_dir_must_be_one_rank_0_makes(tmp_path: Path) -> None:
+    from pytest_moe_ep.world.torchrun import _checked_shared_dir
+
+    good = tmp_path / "moe-ep-shared-abc"
+    good.mkdir(mode=0o700)
+    assert _checked_shared_dir("t", str(good)) == good
+    loose = tmp_path / "moe-ep-shared-loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    link = tmp_path / "moe-ep-shared-link"
+    link.symlink_to(good)
+    for forged in (str(tmp_path), str(loose), str(link), "moe-ep-shared-relative", None, 7):
+        with pytest.raises(RuntimeError, match="is not a private moe-ep-shared-\\* directory of this user"):
+            _checked_shared_dir("t", forged)
+
+
+def test_shortened_failure_text_ends_on_a_word() -> None:
+    from pytest_moe_ep.world.diagnosis import shorten
+
+    text = " ".join(f"word{i}" for i in range(200))
+    short = shorten(text, 100)
+    assert len(short) <= 100 and short.endswith("...")
+    assert short[:-3].split() == text.split()[:len(short[:-3].split())]

@@ -234,10 +234,13 @@ TORCHRUN_MODULE = """
 import pytest, torch, torch.distributed as dist
 
 @pytest.mark.moe_ep_world(2)
-def test_first_passes():
+def test_first_passes(moe_ep_shared_dir):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2
+    (moe_ep_shared_dir / f"rank{dist.get_rank()}").write_text("here")
+    dist.barrier()
+    assert sorted(p.name for p in moe_ep_shared_dir.iterdir()) == ["rank0", "rank1"]
 
 @pytest.mark.moe_ep_world(2)
 def test_fails_on_rank_one():
@@ -274,6 +277,8 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     status_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["STATUS_DIR"] = str(status_dir)
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--moe-ep-timeout=60", str(pytester.path)],
@@ -289,6 +294,7 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     assert "inside torchrun: rank 0 of 2 (gloo)" in out
     # Both agreed on status 1; the rank torchrun stopped while it finished ends with it, not SIGTERM.
     assert "exitcode  : -15" not in out and "(SIGTERM)" not in out, out
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("moe-ep-")] == [], "shared dirs left"
 
 
 def test_entry_modules_do_not_import_torch() -> None:

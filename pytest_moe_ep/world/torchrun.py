@@ -21,6 +21,7 @@ import itertools
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import time
 import traceback
@@ -149,7 +150,7 @@ class TorchrunWorld:
         paths, _ = self._exchange(f"dir{seq}", made, self.timeout_s)
         if 0 not in paths:
             raise RuntimeError(f"{nodeid}: rank 0 did not share a directory within {self.timeout_s:g}s")
-        return Path(paths[0])
+        return _checked_shared_dir(nodeid, paths[0])
 
     def agree_on_exit(self, status: int) -> int:
         """Every rank ends with the worst status of all; a bounded barrier, never a hang.
@@ -176,3 +177,19 @@ class TorchrunWorld:
         for path in self.made:
             shutil.rmtree(path, ignore_errors=True)
         self.made.clear()
+
+
+def _checked_shared_dir(nodeid: str, given: Any) -> Path:
+    """The path rank 0 published, if it is what rank 0 makes: one of this user's private ``moe-ep-shared-*``
+    directories.  Whoever can write to the launch's store must not choose where checkpoints are written."""
+    path = Path(given) if isinstance(given, str) else None
+    try:
+        info = os.lstat(path) if path is not None and path.is_absolute() else None
+    except OSError:
+        info = None
+    if (path is None or info is None or not path.name.startswith("moe-ep-shared-") or not stat.S_ISDIR(info.st_mode)
+            or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077):
+        raise RuntimeError(f"{nodeid}: rank 0 shared {given!r}, which is not a private moe-ep-shared-* directory of "
+                           "this user (a shared filesystem across nodes is needed; is something else writing to "
+                           "this launch's store?)")
+    return path
