@@ -138,6 +138,7 @@ def test_markers_options_and_header(pytester: pytest.Pytester) -> None:
 @pytest.mark.parametrize(("marker", "message"), [
     ("moe_ep_world(0)", "moe_ep_world needs a world size n >= 1, got 0"),
     ("moe_ep_world(2, backend='mpi')", "unknown backend 'mpi'; choose one of auto, gloo, nccl"),
+    ("moe_ep_world('4')", "moe_ep_world needs the world size n as an int, got str '4'"),
 ])
 def test_bad_markers_are_usage_errors(pytester: pytest.Pytester, marker: str, message: str) -> None:
     pytester.makepyfile(f"import pytest\n@pytest.mark.{marker}\ndef test_x(): pass\n")
@@ -152,12 +153,16 @@ def test_unknown_backend_option_is_a_usage_error(pytester: pytest.Pytester) -> N
     result.stderr.fnmatch_lines(["*invalid choice: 'mpi'*"])
 
 
-def test_nccl_without_gpus_skips_with_the_reason(pytester: pytest.Pytester) -> None:
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
-        pytest.importorskip("torch")
-    import torch
+@pytest.fixture(scope="session")
+def gpus() -> int:
+    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots sys.modules:
+    a torch first imported inside a pytester test is dropped after it, and a second import crashes."""
+    torch = pytest.importorskip("torch")
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+
+def test_nccl_without_gpus_skips_with_the_reason(gpus: int, pytester: pytest.Pytester) -> None:
+    if gpus >= 2:
         pytest.skip("this machine has GPUs: the NCCL path really runs")
     pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2, backend='nccl')\ndef test_x(): pass\n")
     result = run(pytester, "-rs")
@@ -229,10 +234,13 @@ TORCHRUN_MODULE = """
 import pytest, torch, torch.distributed as dist
 
 @pytest.mark.moe_ep_world(2)
-def test_first_passes():
+def test_first_passes(moe_ep_shared_dir):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2
+    (moe_ep_shared_dir / f"rank{dist.get_rank()}").write_text("here")
+    dist.barrier()
+    assert sorted(p.name for p in moe_ep_shared_dir.iterdir()) == ["rank0", "rank1"]
 
 @pytest.mark.moe_ep_world(2)
 def test_fails_on_rank_one():
@@ -249,12 +257,16 @@ def test_plain_test_runs_on_each_rank():
 """
 
 TORCHRUN_CONFTEST = """
-import os, pytest
+import os, time, pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     with open(os.path.join(os.environ["STATUS_DIR"], os.environ["RANK"]), "w") as f:
         f.write(str(int(session.exitstatus)))
+
+def pytest_unconfigure(config):
+    if os.environ["RANK"] == "0":  # rank 0 still finishing when rank 1 exits: torchrun stops it
+        time.sleep(2)
 """
 
 
@@ -265,6 +277,8 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     status_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["STATUS_DIR"] = str(status_dir)
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--moe-ep-timeout=60", str(pytester.path)],
@@ -278,6 +292,9 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     assert out.count("FAILED test_torchrun.py::test_fails_on_rank_one") == 2, out
     assert "failed on rank(s) 1: rank 1 raised AssertionError: rank 1 disagrees" in out
     assert "inside torchrun: rank 0 of 2 (gloo)" in out
+    # Both agreed on status 1; the rank torchrun stopped while it finished ends with it, not SIGTERM.
+    assert "exitcode  : -15" not in out and "(SIGTERM)" not in out, out
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("moe-ep-")] == [], "shared dirs left"
 
 
 def test_entry_modules_do_not_import_torch() -> None:

@@ -41,6 +41,11 @@ def _frames(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip().startswith("File ")]
 
 
+def _signature(error: RankError) -> tuple[str, ...]:
+    """What makes two ranks' errors the same: the exception type and the frames it was raised through."""
+    return (error.type_name, *_frames(error.traceback))
+
+
 def in_collective(stack: str) -> bool:
     """True when a faulthandler dump (innermost frame first) is inside torch.distributed code."""
     return any("torch/distributed/" in line for line in _frames(stack)[:8])
@@ -185,20 +190,31 @@ def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str])
     sections: list[tuple[str, str]] = [
         ("ranks", "\n".join(f"rank {s.rank}: {s.state}" + (" <- suspect" if s.rank in at_fault else "")
                             for s in states))]
+    # One full traceback per distinct error of the ranks at fault, and only their stacks; the rest
+    # -- victims, and ranks that raised the same error at the same place -- in a line each.
+    shown: dict[tuple[str, ...], int] = {}
+    same: dict[int, list[int]] = {}
     for r in range(seen.world_size):
-        # Victims' tracebacks repeat what the headline says: keep the suspects' in full, fold the rest.
-        if r in seen.errors and (r in at_fault or not hung):
-            sections.append((f"rank {r} traceback", seen.errors[r].traceback or seen.errors[r].headline()))
+        if r in seen.errors and r in at_fault:
+            first = shown.setdefault(_signature(seen.errors[r]), r)
+            if first == r:
+                sections.append((f"rank {r} traceback", seen.errors[r].traceback or seen.errors[r].headline()))
+            else:
+                same.setdefault(first, []).append(r)
         elif r in seen.errors:
             sections.append((f"rank {r} (victim)", seen.errors[r].headline()))
         if r in seen.dead:
             sections.append((f"rank {r} {describe_exit(seen.dead[r])}",
                              crashes.get(r) or "(no Python stack recorded)"))
-        if r in seen.stacks and (r in at_fault or not hung):
-            label = "suspect" if r in at_fault else "victim"
-            sections.append((f"rank {r} stack when given up ({label})", seen.stacks[r]))
+        if r in seen.stacks and r in at_fault:
+            sections.append((f"rank {r} stack when given up (suspect)", seen.stacks[r]))
         elif r in seen.stacks:
-            sections.append((f"rank {r} (victim)", f"waiting in a collective at {location(seen.stacks[r])}"))
+            where = "waiting in a collective" if in_collective(seen.stacks[r]) else "running"
+            sections.append((f"rank {r} (victim)", f"{where} at {location(seen.stacks[r])}"))
+    for first, ranks in same.items():
+        at = next(i for i, (title, _) in enumerate(sections) if title == f"rank {first} traceback") + 1
+        sections.insert(at, (f"{_ranks(ranks)}: the same error at the same place as rank {first}",
+                             "\n".join(seen.errors[r].headline() for r in ranks)))
     cls = WorldTimeout if hung else RankFailure
     return cls(fn=seen.fn, world_size=seen.world_size, backend=seen.backend, cause=cause, at_fault=at_fault,
                waiting=waiting, locations=locations, errors=dict(seen.errors),

@@ -4,7 +4,8 @@ A rank is started by the supervisor (see ``supervisor.py``) from the forkserver,
 imported torch, so start-up costs a fork and a process-group rendezvous.  It never decides
 anything alone: before every call all ranks check they are about to run the same call id, so one
 call's collectives can never pair with another's.  A rank watches its supervisor through a
-lifeline and exits the moment the supervisor is gone, so a killed pytest leaves no rank behind.
+lifeline and exits the moment the supervisor is gone, removing the session's work directory first,
+so a killed pytest leaves neither a rank nor its files behind.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop
+from pytest_moe_ep.world.workdir import abandon, record_self
 
 #: environment a rank must not inherit: they would point the process group at another world.
 INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -40,9 +42,12 @@ class RankSpec:
     rank: int
     world_size: int
     backend: str
-    store_host: str
-    store_port: int
-    prefix: str
+    #: the world's rendezvous: a FileStore in the session's private work directory, no port.
+    store_path: str
+    #: the session's work directory, removed by the ranks if the supervisor dies without doing it.
+    workdir: str
+    #: where this rank records its identity, so a later session can stop it if it outlived its own.
+    record_path: str
     supervisor_pid: int
     stack_path: str
     pg_timeout_s: float
@@ -53,18 +58,26 @@ class RankSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _lifeline(supervisor_pid: int) -> None:
-    """Exit when the supervisor dies: a pidfd watched by a thread, plus PR_SET_PDEATHSIG.
+def _lifeline(supervisor_pid: int, workdir: str) -> None:
+    """Exit when the supervisor dies, removing the session's work directory: a pidfd watched by a thread.
 
-    PDEATHSIG fires when the *parent* dies, which under forkserver is the fork server, not pytest;
-    the pidfd watches pytest itself.
+    Under forkserver the parent is the fork server, which outlives every rank (each holds its
+    "alive" pipe), so PR_SET_PDEATHSIG is only a backstop for the day it dies first; under spawn the
+    parent is the supervisor itself, and PDEATHSIG would kill the rank before it could clean up.
     """
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != supervisor_pid:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    def orphaned() -> None:
+        with contextlib.suppress(BaseException):
+            abandon(workdir)
+        os._exit(ORPHAN_EXIT)
+
     try:
         fd = os.pidfd_open(supervisor_pid)
     except ProcessLookupError:
-        os._exit(ORPHAN_EXIT)
+        orphaned()
     except (AttributeError, OSError):  # no pidfd: poll the pid instead
         fd = -1
 
@@ -78,7 +91,7 @@ def _lifeline(supervisor_pid: int) -> None:
                 except ProcessLookupError:
                     break
                 threading.Event().wait(0.5)
-        os._exit(ORPHAN_EXIT)
+        orphaned()
 
     threading.Thread(target=watch, name="moe-ep-lifeline", daemon=True).start()
 
@@ -153,15 +166,15 @@ def _init_process_group(spec: RankSpec) -> Any:
 
     if spec.backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                          timeout=timedelta(seconds=spec.pg_timeout_s))
+    store = dist.FileStore(spec.store_path, spec.world_size)
+    store.set_timeout(timedelta(seconds=spec.pg_timeout_s))
     kwargs: dict[str, Any] = {}
     device = torch.device("cpu")
     if spec.backend == "nccl":
         device = torch.device("cuda", spec.cuda_device or 0)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group(spec.backend, store=dist.PrefixStore(spec.prefix, store), rank=spec.rank,
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                             world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s),
                             **kwargs)
     return device
@@ -182,7 +195,8 @@ def _agree_on_call(call_id: int, device: Any, world_size: int) -> None:
 
 def rank_main(spec: RankSpec, conn: Any) -> None:
     """Entry point of a rank process; always ends in ``os._exit``."""
-    _lifeline(spec.supervisor_pid)
+    record_self(spec.record_path)
+    _lifeline(spec.supervisor_pid, spec.workdir)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     _redirect(spec.stdout_path, 1)
     _redirect(spec.stderr_path, 2)

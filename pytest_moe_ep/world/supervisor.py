@@ -4,11 +4,14 @@ A *world* is N rank processes joined in one default process group.  Worlds are k
 ``(world_size, backend)``, started lazily and kept for the whole session, so a matrix of hundreds
 of calls pays start-up once.  Ranks are forked from a ``forkserver`` that preloaded torch (it
 never touches CUDA), so only the first world costs a torch import.  Rendezvous goes through a
-TCPStore this process hosts on port 0, with a key prefix per world generation: no port is ever
-chosen or guessed, so parallel pytest processes cannot collide.
+``FileStore`` in the session's private work directory (mode 0700), one file per world generation,
+and the ranks' gloo (or NCCL) sockets are bound to loopback: a local world opens no port reachable
+from the network, and parallel pytest processes cannot collide.
 
 A call that fails in any way -- an exception, a dead rank, a deadline -- kills its world; the next
-call gets a fresh one.  A call never inherits a broken world.
+call gets a fresh one.  A call never inherits a broken world.  :meth:`Supervisor.shutdown` returns
+only once every process the session started -- ranks, fork server, resource tracker -- is gone, and
+its work directory with them (see :mod:`.workdir` for what happens after a ``kill -9``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import atexit
 import contextlib
 import itertools
 import os
-import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -32,6 +35,7 @@ from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, mai
 from pytest_moe_ep.world.engine import CallResult, RankOutput, WorldError, WorldStartError
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
+from pytest_moe_ep.world.workdir import make_workdir, remove
 
 #: modules the forkserver imports once, so every rank starts with them loaded.  torch._dynamo is
 #: here because FSDP2 and DCP import it on first use, which costs a fresh rank seconds.
@@ -48,6 +52,10 @@ PRELOAD = (
     "pytest_moe_ep.world.meshes",
 )
 START_TIMEOUT_S = 180.0
+#: a local world is one host: every socket of its process group stays on the loopback interface.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+#: how long shutdown waits for the fork server and resource tracker to exit before killing them.
+HELPER_EXIT_S = 10.0
 #: how long the other ranks may still report once one rank failed, before they are stopped.
 FAILURE_GRACE_S = 2.0
 
@@ -146,8 +154,9 @@ class Supervisor:
         self.default_timeout_s = default_timeout_s
         self.preload = tuple(PRELOAD) + tuple(preload)
         self._workdir = workdir
-        self._store: Any = None
         self._ctx: Any = None
+        #: multiprocessing's fork server and resource tracker, when this supervisor started them.
+        self._helpers: list[tuple[Any, str, str]] = []
         self.worlds: dict[tuple[int, str], World] = {}
         self.generations = itertools.count()
         self.call_ids = itertools.count(1)
@@ -158,34 +167,29 @@ class Supervisor:
     @property
     def workdir(self) -> str:
         if self._workdir is None:
-            self._workdir = tempfile.mkdtemp(prefix="pytest-moe-ep-")
+            self._workdir = make_workdir()
         return self._workdir
 
     def _context(self) -> Any:
         if self._ctx is None:
             import multiprocessing as mp
+            from multiprocessing import forkserver, resource_tracker
 
+            helpers = [(resource_tracker._resource_tracker, "_fd", "_pid")]
             if self.start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
                 self._ctx = mp.get_context("forkserver")
                 self._ctx.set_forkserver_preload(list(self.preload))
+                helpers.append((forkserver._forkserver, "_forkserver_alive_fd", "_forkserver_pid"))
             else:
                 self._ctx = mp.get_context("spawn")
+            # Ours to stop at shutdown only if not running yet: another user of multiprocessing may need them.
+            self._helpers = [h for h in reversed(helpers) if getattr(h[0], h[2], 0) is None]
         return self._ctx
 
     def add_preload(self, modules: Sequence[str]) -> None:
         """More modules for the fork server to import; only effective before the first world starts."""
         if self._ctx is None:
             self.preload += tuple(m for m in modules if m not in self.preload)
-
-    def _store_port(self) -> int:
-        if self._store is None:
-            from datetime import timedelta
-
-            import torch.distributed as dist
-
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=self.pg_timeout_s))
-        return int(self._store.port)
 
     # -- worlds ---------------------------------------------------------------------------------
     def world(self, world_size: int, backend: str = "auto") -> World:
@@ -205,7 +209,6 @@ class Supervisor:
     def _start(self, world_size: int, backend: str) -> World:
         t0 = time.perf_counter()
         ctx = self._context()
-        port = self._store_port()
         gen = next(self.generations)
         world = World(world_size, backend, gen)
         if backend == "nccl":
@@ -213,12 +216,12 @@ class Supervisor:
         base = os.path.join(self.workdir, f"gen{gen}")
         os.makedirs(base, exist_ok=True)
         for rank in range(world_size):
-            env = {}
+            env = dict(LOOPBACK_ENV)
             if world.lease:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, world.lease.devices))
             spec = RankSpec(
-                rank=rank, world_size=world_size, backend=backend, store_host="127.0.0.1",
-                store_port=port, prefix=f"pytest-moe-ep/{os.getpid()}/gen{gen}/",
+                rank=rank, world_size=world_size, backend=backend, store_path=os.path.join(base, "store"),
+                workdir=self.workdir, record_path=os.path.join(base, f"rank{rank}.pid"),
                 supervisor_pid=os.getpid(), stack_path=os.path.join(base, f"rank{rank}.stacks"),
                 pg_timeout_s=self.pg_timeout_s,
                 stdout_path=os.path.join(base, f"rank{rank}.stdout") if self.capture else None,
@@ -384,13 +387,20 @@ class Supervisor:
         self.worlds.clear()
 
     def shutdown(self) -> None:
-        """Stop every world and release what the supervisor holds.  Safe to call more than once."""
+        """Stop every world, the helpers this supervisor started, and remove the work directory.
+
+        Synchronous and bounded: when it returns, no process of the session is left, so nothing
+        outlives pytest.  Safe to call more than once.
+        """
         for world in self.worlds.values():
             world.stop()
         self.worlds.clear()
-        self._store = None
+        for owner, fd_attr, pid_attr in self._helpers:
+            _stop_helper(owner, fd_attr, pid_attr)
+        self._helpers = []
+        self._ctx = None
         if self._workdir and os.path.isdir(self._workdir):
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            remove(self._workdir)
             self._workdir = None
 
     def describe(self) -> str:
@@ -402,3 +412,36 @@ class Supervisor:
 
     def agree_on_exit(self, status: int) -> int:
         return status
+
+
+def _stop_helper(owner: Any, fd_attr: str, pid_attr: str, timeout_s: float = HELPER_EXIT_S) -> None:
+    """Stop multiprocessing's fork server or resource tracker and reap it, killing it after ``timeout_s``.
+
+    Both exit once every holder closed their "alive" pipe (the ranks held it too, so they go first);
+    multiprocessing would leave them to exit on their own after pytest.  Resetting the attributes
+    lets multiprocessing start them again if something in this process needs them later.
+    """
+    with owner._lock:
+        fd, pid = getattr(owner, fd_attr, None), getattr(owner, pid_attr, None)
+        if fd is None or pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        setattr(owner, fd_attr, None)
+        setattr(owner, pid_attr, None)
+        address = getattr(owner, "_forkserver_address", None)
+        if address and not str(address).startswith("\0"):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        if hasattr(owner, "_forkserver_address"):
+            owner._forkserver_address = None
+        deadline = time.monotonic() + timeout_s
+        try:
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
+        except ChildProcessError:  # already reaped
+            pass

@@ -9,13 +9,19 @@ that fails on one rank can never pair its collectives with another test's:
 - after it, every rank publishes its outcome and reads everyone's, so all ranks report the same
   pass/fail naming the ranks at fault;
 - at session end, ranks all-agree on the worst exit status behind a bounded barrier.
+
+Everything read from the store is JSON (:mod:`.wire`), never unpickled: the launch's store has no
+authentication, and whoever can reach it may forge an outcome but cannot run code on a rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-import pickle
+import shutil
+import signal
+import stat
 import tempfile
 import time
 import traceback
@@ -27,6 +33,7 @@ from typing import Any
 from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
 from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, WorldTimeout
 from pytest_moe_ep.world.protocol import FunctionRef, RankError, function_ref
+from pytest_moe_ep.world.wire import dumps, loads
 
 PREFIX = "pytest-moe-ep/"
 
@@ -52,14 +59,19 @@ class TorchrunWorld:
         self.backend = dist.get_backend()
         self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
         self.seq = itertools.count(1)
+        #: directories this rank made for :meth:`shared_dir`, removed at :meth:`shutdown`.
+        self.made: list[str] = []
 
     def describe(self) -> str:
         return f"inside torchrun: rank {self.rank} of {self.world_size} ({self.backend})"
 
     # -- store exchange -------------------------------------------------------------------------
     def _exchange(self, key: str, value: Any, timeout_s: float) -> tuple[dict[int, Any], list[int]]:
-        """Publish ``value`` under ``key`` and read every rank's; ranks missing at the deadline too."""
-        self.store.set(f"{key}/{self.rank}", pickle.dumps(value))
+        """Publish ``value`` under ``key`` and read every rank's; ranks missing at the deadline too.
+
+        ``ValueError`` when a rank's entry is not what :func:`~.wire.dumps` writes.
+        """
+        self.store.set(f"{key}/{self.rank}", dumps(value))
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
         while True:
@@ -67,7 +79,14 @@ class TorchrunWorld:
             if all(present) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        found = {r: pickle.loads(self.store.get(k)) for r, (k, ok) in enumerate(zip(keys, present, strict=True)) if ok}
+        found = {}
+        for r, (k, ok) in enumerate(zip(keys, present, strict=True)):
+            if ok:
+                try:
+                    found[r] = loads(self.store.get(k))
+                except ValueError as exc:
+                    raise ValueError(f"rank {r} published a value under {PREFIX}{k} that is {exc}; is something "
+                                     "else writing to this launch's store?") from None
         return found, [r for r, ok in enumerate(present) if not ok]
 
     # -- the engine contract --------------------------------------------------------------------
@@ -92,10 +111,13 @@ class TorchrunWorld:
                             sections=[("calls", listing)], **world)
         try:
             value, error = fn.resolve()(*args, **(kwargs or {})), None
-            pickle.dumps(value)
+            dumps(value)
         except Exception as exc:
             value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc), traceback.format_exc())
-        outcomes, missing = self._exchange(f"call{seq}/outcome", (value, error), timeout_s)
+        try:
+            outcomes, missing = self._exchange(f"call{seq}/outcome", (value, error), timeout_s)
+        except ValueError as exc:
+            raise RankFailure(cause=f"failed: {exc}", **world) from None
         errors = {r: e for r, (_, e) in outcomes.items() if e is not None}
         sections = [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())]
         if missing:
@@ -123,16 +145,51 @@ class TorchrunWorld:
         """A directory made by rank 0 whose path every rank reads (needs a shared filesystem across nodes)."""
         seq = next(self.seq)
         made = tempfile.mkdtemp(prefix="moe-ep-shared-") if self.rank == 0 else None
+        if made:
+            self.made.append(made)
         paths, _ = self._exchange(f"dir{seq}", made, self.timeout_s)
         if 0 not in paths:
             raise RuntimeError(f"{nodeid}: rank 0 did not share a directory within {self.timeout_s:g}s")
-        return Path(paths[0])
+        return _checked_shared_dir(nodeid, paths[0])
 
     def agree_on_exit(self, status: int) -> int:
-        """Every rank ends with the worst status of all; a bounded barrier, never a hang."""
-        statuses, missing = self._exchange("exit", status, min(self.timeout_s, 120.0))
+        """Every rank ends with the worst status of all; a bounded barrier, never a hang.
+
+        From here on this rank ignores SIGTERM: torchrun stops the ranks still running as soon as one
+        exits non-zero, and a rank that agreed on a failing status and is only writing its summary
+        must end with that status, not as a rank killed by SIGTERM.  torchrun escalates to SIGKILL
+        after its close timeout (30 s), so this cannot keep a rank alive.
+        """
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to protect
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            statuses, missing = self._exchange("exit", status, min(self.timeout_s, 120.0))
+        except ValueError:
+            return max(status, 1)
         worst = max([status, *statuses.values()])
         return max(worst, 1) if missing else worst
 
     def shutdown(self) -> None:
-        """The launcher owns the process group; exiting is torchrun's business."""
+        """Remove the shared directories this rank made; the process group is the launcher's business.
+
+        Called after :meth:`agree_on_exit`, whose barrier every rank passed once done with them.
+        """
+        for path in self.made:
+            shutil.rmtree(path, ignore_errors=True)
+        self.made.clear()
+
+
+def _checked_shared_dir(nodeid: str, given: Any) -> Path:
+    """The path rank 0 published, if it is what rank 0 makes: one of this user's private ``moe-ep-shared-*``
+    directories.  Whoever can write to the launch's store must not choose where checkpoints are written."""
+    path = Path(given) if isinstance(given, str) else None
+    try:
+        info = os.lstat(path) if path is not None and path.is_absolute() else None
+    except OSError:
+        info = None
+    if (path is None or info is None or not path.name.startswith("moe-ep-shared-") or not stat.S_ISDIR(info.st_mode)
+            or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077):
+        raise RuntimeError(f"{nodeid}: rank 0 shared {given!r}, which is not a private moe-ep-shared-* directory of "
+                           "this user (a shared filesystem across nodes is needed; is something else writing to "
+                           "this launch's store?)")
+    return path
