@@ -15,7 +15,7 @@ import platform
 import statistics
 import time
 
-from pytest_moe_ep.world import Supervisor
+from pytest_moe_ep.world.supervisor import Supervisor
 
 
 def noop() -> None:

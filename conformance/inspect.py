@@ -29,6 +29,7 @@ from conformance.inspection import (
     pattern,
     read_checkpoint,
 )
+from pytest_moe_ep.world.diagnosis import shorten
 
 __all__ = ["main"]
 PROG = "moe-ep-inspect"
@@ -140,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # never a traceback; MOE_EP_INSPECT_DEBUG=1 shows it
         if os.environ.get("MOE_EP_INSPECT_DEBUG"):
             raise
-        print(f"{PROG}: error: {type(exc).__name__}: {' '.join(str(exc).split())[:500]} "
+        print(f"{PROG}: error: {type(exc).__name__}: {shorten(str(exc), 500)} "
               "(set MOE_EP_INSPECT_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
     if args.json:

@@ -27,6 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pytest_moe_ep.world.diagnosis import shorten
+
 SCHEMA_VERSION = 2
 RECORD = "moe_ep_record"
 JSON_NAME = "moe-ep-conformance.json"
@@ -227,7 +229,7 @@ def index_rows(root: Path) -> list[list[str]]:
         s = doc["summary"]
         # A silently wrong value ("fail") says more than a loud refusal ("error"): show it first.
         first = next((c for status in ("fail", "error") for c in doc["cells"] if c["status"] == status), None)
-        diagnosis = first["detail"].splitlines()[0][:160].replace("|", "/") if first else ""
+        diagnosis = shorten(first["detail"].splitlines()[0], 160).replace("|", "/") if first else ""
         name = doc["adapter"]["name"] or path.parent.name
         rows.append([f"{name} (`{path.parent.name}/`)", doc["adapter"]["version"], str(s["pass"]),
                      str(s["fail"] + s["error"]), str(s["n/a"]),

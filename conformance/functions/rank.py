@@ -19,6 +19,7 @@ from conformance.functions.cells import (
     load_functions,
     parse_placements,
 )
+from pytest_moe_ep.world.diagnosis import shorten
 
 __all__ = ["SHOWN", "check_functions"]
 
@@ -136,9 +137,8 @@ def same(expected: Any, got: Any) -> bool:
 
 
 def short(text: str, limit: int = TEXT_LIMIT) -> str:
-    """One line of at most ``limit`` characters, for reports and JSON."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """One line of at most ``limit`` characters, cut at a word, for reports and JSON."""
+    return shorten(str(text), limit)
 
 
 def error_family(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
+from pytest_moe_ep.world.diagnosis import shorten
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
 
@@ -213,8 +214,7 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shorten(repr(value), 80)
 
 
 def _pick(candidates: list[tuple[str, int | None]], key: str, info: KeyInfo, w_info: dict[str, KeyInfo]

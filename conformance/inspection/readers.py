@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding, paused_gc
+from pytest_moe_ep.world.diagnosis import shorten
 
 __all__ = ["index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
 
@@ -218,7 +219,7 @@ class _DcpReader:
             first = next(iter(failures.values()), exc)
             cause = first[0] if isinstance(first, tuple) else first  # DCP wraps (exception, stack)
             raise CheckpointError(self.path, f"reading {len(keys)} key(s) from {keys[0]!r} failed "
-                                  f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})",
+                                  f"({type(cause).__name__}: {shorten(str(cause), 300)})",
                                   "data files that match .metadata") from None
         for key, raw in planner.raw.items():
             state[key] = _decode(raw)
