@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check .
-python -m pytest tests -q -p no:cacheprovider
+python -m pytest tests -q -p no:cacheprovider --durations=20
