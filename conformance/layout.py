@@ -88,10 +88,6 @@ class ParallelLayout:
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
-    def check_world(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise LayoutError("world_size", world_size, f"{self.world_size} ranks for {self.fragment}")
-
     def coordinates(self, rank: int) -> dict[str, int]:
         """``rank``'s index along each mesh dim."""
         for r, e, s, t in self._coords():
@@ -162,10 +158,6 @@ class ParallelLayout:
         """For messages: ``ep=2 (consecutive EP groups), etp=1, dp_shard=2, dp_replicate=1``."""
         order = f" ({self.ep_order} EP groups)" if self.order_matters else ""
         return f"ep={self.ep}{order}, etp={self.etp}, dp_shard={self.dp_shard}, dp_replicate={self.dp_replicate}"
-
-    def as_record(self) -> dict[str, Any]:
-        return {"ep": self.ep, "etp": self.etp, "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate,
-                "ep_order": self.ep_order}
 
     # -- the mesh -----------------------------------------------------------------------------------
     def build_mesh(self) -> Any:

@@ -35,7 +35,6 @@ STATES = ("model", "model+optim")
 #: the expert count node ids leave unnamed (the matrix's first even count).
 PLAIN_EXPERTS = 4
 OPTIMIZER_STEPS = 2
-TIERS = ("default", "full")
 
 
 class MatrixError(ValueError):
