@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -252,3 +253,15 @@ def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> Non
     assert doc["world_size"] == 8 and doc["summary"]["pass"] == len(doc["cells"]) > 0
     layouts = {c["save_layout"] for c in doc["cells"]} | {c["load_layout"] for c in doc["cells"]}
     assert {"ep8", "ep4c"} <= layouts, layouts
+
+
+def test_a_packed_key_without_expert_in_its_name_is_still_checked(pytester: pytest.Pytester) -> None:
+    """The reference's packed keys (``layers.N.moe.up_w``) hold experts although no "expert" is in the name."""
+    out = pytester.path / "out"
+    run(pytester, "--moe-ep-matrix=2", "--moe-ep-adapter=legacy", f"--moe-ep-report={out}",
+        "-k", "kind_packed and ep-only and not optim and not E6 and not consecutive and not legacy")
+    (cell,) = report(out)["cells"]
+    assert cell["status"] == "error" and cell["save_ep"] == cell["load_ep"] == 2, cell
+    assert "raised LoadFailed: the checkpoint differs from an EP-invariant one: layer " in cell["detail"], cell
+    assert re.search(r"key 'model\.layers\.\d\.moe\.(gate|up|down)_w', experts 2\.\.3: its expert axis has 2 rows, "
+                     r"expected 4 \(the global extent\): 2 is a local count", cell["detail"]), cell["detail"]
