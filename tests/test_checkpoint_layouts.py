@@ -41,7 +41,6 @@ LAYOUTS_4 = {
     "ep1.hsdp2": ParallelLayout.for_world(4, 1, dp_replicate=2),
     "ep1.etp2": ParallelLayout.for_world(4, 1, etp=2),
     "ep2.etp2": ParallelLayout.for_world(4, 2, etp=2),
-    "ep2c.etp2": ParallelLayout.for_world(4, 2, etp=2, ep_order="consecutive"),
 }
 #: a few of an 8-rank world: ep up to 8, HSDP with expert TP, consecutive groups of 4.
 LAYOUTS_8 = {

@@ -40,8 +40,7 @@ LAYOUTS = [
         "ep2.hsdp2": ParallelLayout.for_world(4, 2, dp_replicate=2),
         "ep1.etp2": ParallelLayout.for_world(4, 1, etp=2),
         "ep2.etp2": ParallelLayout.for_world(4, 2, etp=2),
-        "ep2c.etp2": ParallelLayout.for_world(4, 2, etp=2, ep_order="consecutive"),
-        "ep2c.etp2.8": ParallelLayout.for_world(8, 2, etp=2, ep_order="consecutive"),
+            "ep2c.etp2.8": ParallelLayout.for_world(8, 2, etp=2, ep_order="consecutive"),
     }.items()
 ]
 
