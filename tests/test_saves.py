@@ -1,0 +1,79 @@
+"""One save, many loads: which cell writes a checkpoint, who reuses it, when it goes (controller bookkeeping).
+
+Unit level: the engine is a stand-in that only makes directories; the real sharing runs in every matrix test
+(``test_matrix.py`` asserts cells report ``shared_save``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.layout import ParallelLayout
+from conformance.matrix import Cell
+from conformance.saves import Saves
+
+
+@dataclass
+class DirEngine:
+    root: Path
+    rank: int = 0
+    made: int = 0
+
+    def shared_dir(self, nodeid: str) -> Path:
+        self.made += 1
+        path = self.root / f"d{self.made}"
+        path.mkdir()
+        return path
+
+
+@dataclass
+class Verdict:
+    findings: tuple[str, ...] = ()
+    truth_findings: tuple[str, ...] = ()
+
+
+def cell(load_ep: int, save_ep: int = 2) -> Cell:
+    return Cell("packed", "packed", "model+optim", False, ParallelLayout.for_world(4, save_ep),
+                ParallelLayout.for_world(4, load_ep), 4)
+
+
+def test_the_first_reader_saves_the_others_reuse_and_the_last_removes(tmp_path: Path) -> None:
+    saves = Saves(DirEngine(tmp_path), ReferenceAdapter())
+    readers = [cell(1), cell(2), cell(4)]
+    saves.count_readers(readers)
+    first = saves.plan(readers[0])
+    assert first.save and first.save_truth and first.truth_path
+    saves.finished(readers[0], first, Verdict(("layer 0: a finding",), ("a truth finding",)))
+    second = saves.plan(readers[1])
+    assert not second.save and not second.save_truth and second.path == first.path
+    assert second.findings == ("layer 0: a finding",) and second.truth_findings == ("a truth finding",)
+    saves.finished(readers[1], second, Verdict())
+    assert Path(first.path).exists()
+    third = saves.plan(readers[2])
+    saves.finished(readers[2], third, Verdict())
+    assert not Path(first.path).exists(), "the checkpoint outlived its last reader"
+    assert Path(first.truth_path).exists(), "the truth checkpoint is kept for the session"
+
+
+def test_a_failed_save_is_written_again_by_the_next_reader(tmp_path: Path) -> None:
+    saves = Saves(DirEngine(tmp_path), ReferenceAdapter())
+    readers = [cell(1), cell(4)]
+    saves.count_readers(readers)
+    first = saves.plan(readers[0])
+    saves.finished(readers[0], first, None)  # the world call failed: the save may be incomplete
+    again = saves.plan(readers[1])
+    assert again.save and again.save_truth and again.path == first.path
+
+
+def test_without_sharing_every_cell_saves(tmp_path: Path) -> None:
+    saves = Saves(DirEngine(tmp_path), ReferenceAdapter(), share=False)
+    readers = [cell(1), cell(4)]
+    saves.count_readers(readers)
+    plans = []
+    for c in readers:
+        plans.append(saves.plan(c))
+        saves.finished(c, plans[-1], Verdict())
+    assert all(p.save for p in plans) and plans[0].path != plans[1].path
+    assert not any(Path(p.path).exists() for p in plans)
