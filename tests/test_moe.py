@@ -145,6 +145,16 @@ def test_a_rank_keeps_exactly_its_experts(kind: str, ep: int) -> None:
         assert model.layers[0].moe.num_local_experts == 0
 
 
+def ep1_reference(config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The batch, the loss weights, and the ep=1 model's output and gradients every split must reproduce."""
+    gen = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(3, 8, 32, generator=gen), torch.randn(3, 8, 32, generator=gen)
+    ref = build_model(config, 2, seed=4)
+    ref_out = ref(x)
+    (ref_out * weight).sum().backward()
+    return x, weight, ref_out, {name: p.grad for name, p in ref.named_parameters()}
+
+
 FORWARD_CASES = [(fsdp, e, ep) for fsdp in (False, True) for e, ep in [(6, 1), (6, 2), (6, 4), (3, 2), (2, 2)]
                  if fsdp or ep > 1]  # ep=1 without FSDP is the reference itself
 
@@ -155,13 +165,7 @@ FORWARD_CASES = [(fsdp, e, ep) for fsdp in (False, True) for e, ep in [(6, 1), (
 def test_forward_and_backward_match_ep1(kind: str, fsdp: bool, num_experts: int, ep: int) -> None:
     """EP (and FSDP2, including ranks with zero rows) gives ep=1's output and gradients."""
     config = MoEConfig(num_experts=num_experts, kind=kind, top_k=2)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(11)
-    x, weight = torch.randn(3, 8, 32, generator=gen), torch.randn(3, 8, 32, generator=gen)
-
-    ref = build_model(config, 2, seed=4)
-    ref_out = ref(x)
-    (ref_out * weight).sum().backward()
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    x, weight, ref_out, ref_grads = ep1_reference(config)
 
     model = apply_expert_parallel(build_model(config, 2, seed=4), _mesh(ep))
     if fsdp:
@@ -249,12 +253,7 @@ def test_every_layout_keeps_its_experts_and_hidden_shard(kind: str, layout: str)
 def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsdp: bool) -> None:
     spec = LAYOUTS[layout]
     config = MoEConfig(num_experts=6, kind=kind, top_k=2)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(11)
-    x, weight = torch.randn(3, 8, 32, generator=gen), torch.randn(3, 8, 32, generator=gen)
-    ref = build_model(config, 2, seed=4)
-    ref_out = ref(x)
-    (ref_out * weight).sum().backward()
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    x, weight, ref_out, ref_grads = ep1_reference(config)
 
     mesh = spec.build_mesh()
     model = apply_expert_parallel(build_model(config, 2, seed=4), mesh)
