@@ -83,9 +83,9 @@ from __future__ import annotations
 import importlib
 import pickle
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from conformance.layout import EP_ORDERS, ParallelLayout
 
@@ -95,7 +95,10 @@ __all__ = [
     "AdapterError",
     "Built",
     "Capabilities",
+    "CheckpointAdapter",
+    "OptionalMembers",
     "Spec",
+    "TensorEntry",
     "built",
     "capabilities_of",
     "installed_version",
@@ -105,6 +108,7 @@ __all__ = [
     "run_steps",
     "state_scalars",
     "torch_optimizer_scalars",
+    "with_moments",
     "world_device",
 ]
 
@@ -183,9 +187,11 @@ def capabilities_of(adapter: Any) -> Capabilities:
     bad = [o for o in orders if o not in EP_ORDERS]
     if bad or not orders:
         raise AdapterError(f"adapter capabilities.ep_orders must list {' and/or '.join(EP_ORDERS)}, got {orders!r}")
-    return Capabilities(kinds, bool(get("optimizer")), bool(get("fsdp")), bool(get("uneven")),
-                        int(get("max_ep")), str(get("format")), bool(get("cross_kind", False)), orders,
-                        bool(get("hsdp", False)), bool(get("etp", False)), bool(get("model_saves_optimizer", False)))
+    flags = {f.name: bool(get(f.name, f.default)) for f in fields(Capabilities)
+             if f.default is not MISSING and isinstance(f.default, bool)}
+    return Capabilities(kinds=kinds, optimizer=bool(get("optimizer")), fsdp=bool(get("fsdp")),
+                        uneven=bool(get("uneven")), max_ep=int(get("max_ep")), format=str(get("format")),
+                        ep_orders=orders, **flags)
 
 
 def missing_members(adapter: Any) -> list[str]:
@@ -359,3 +365,69 @@ def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
             if plain is not None or value is None:
                 found[f"state.{name}.{field_name}"] = plain
     return found
+
+
+# -- the contract, typed ---------------------------------------------------------------------------------------
+class TensorEntry(NamedTuple):
+    """One tensor ``expert_tensors`` / ``other_tensors`` yields: ``expert`` is the global id (``None`` for
+    everything that is not an expert's)."""
+
+    layer: int | None
+    expert: int | None
+    name: str
+    tensor: Any
+
+
+@runtime_checkable
+class CheckpointAdapter(Protocol):
+    """The required members of a checkpoint adapter (see the module docstring for what each must do).
+
+    An outside framework's adapter can be type-checked against it; the optional members are in
+    :class:`OptionalMembers`.  A class with these members is an adapter: nothing needs to inherit from this.
+    """
+
+    name: str
+    version: str
+    capabilities: Capabilities | Mapping[str, Any]
+
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, ...]: ...
+    def save(self, model: Any, optimizer: Any, path: str) -> None: ...
+    def load(self, model: Any, optimizer: Any, path: str) -> None: ...
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterable[tuple[int | None, int | None, str, Any]]: ...
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterable[tuple[int | None, None, str, Any]]: ...
+
+
+class OptionalMembers(Protocol):
+    """The optional members, as a checker sees them (an adapter has any subset of these)."""
+
+    ep_dependent_keys: Sequence[str]
+    refusal_errors: tuple[type[BaseException], ...]
+    preload: Sequence[str]
+    expert_keys: Sequence[str]
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None: ...
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]: ...
+    def forward(self, model: Any, batch: Any) -> Any: ...
+    def read_checkpoint(self, path: str) -> dict[str, Any]: ...
+    def check_saved(self, model: Any, path: str) -> None: ...
+    def save_legacy(self, model: Any, optimizer: Any, path: str) -> None: ...
+
+
+def with_moments(layer: int | None, experts: Iterable[tuple[int, Any]], name: str, state: Mapping[Any, Any],
+                 param: Any, rows: Callable[[Any], Iterable[tuple[int, Any]]] | None = None,
+                 moments: Sequence[str] = ADAM_MOMENTS) -> Iterator[TensorEntry]:
+    """A parameter's expert tensors and their optimizer moments: the loop every adapter's ``expert_tensors`` writes.
+
+    ``experts`` gives ``(global id, tensor)`` of ``param``'s experts; each moment ``state[param][m]`` is cut the
+    same way by ``rows`` (default: the moment's row ``i`` for the ``i``-th expert of ``experts``).
+    """
+    found = list(experts)
+    for g, tensor in found:
+        yield TensorEntry(layer, g, name, tensor)
+    for moment in moments:
+        held = state.get(param, {}).get(moment) if hasattr(state.get(param, {}), "get") else None
+        if held is None:
+            continue
+        cut = rows(held) if rows is not None else ((g, held[i]) for i, (g, _) in enumerate(found))
+        for g, tensor in cut:
+            yield TensorEntry(layer, g, f"{name}.{moment}", tensor)
