@@ -50,7 +50,7 @@ def _copy_back(into: Any, loaded: Any, name: Callable[[str], str]) -> None:
              else zip(range(len(into)), loaded, strict=False))
     for key, other in pairs:
         value = into[key]
-        if isinstance(value, (dict, list)) and isinstance(other, type(value)):
+        if any(isinstance(value, kind) and isinstance(other, kind) for kind in (dict, list)):
             _copy_back(value, other, name)
         elif other is not None and not isinstance(value, str):  # names (a group's "params") stay ours
             into[key] = other

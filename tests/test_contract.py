@@ -110,9 +110,8 @@ def test_dcp_size_mismatch_on_a_packed_key_reads_in_expert_terms() -> None:
     error = RuntimeError("Size mismatch between saved torch.Size([4, 3, 2]) and current: torch.Size([2, 3, 2]) "
                          "for model.layers.0.moe.up_w")
     text = translate(error, layout, E, (), rank=2)
-    assert text == ("rank 2, layer 0, 'model.layers.0.moe.up_w': the model at ep=2 (strided EP groups), etp=1, "
-                    "dp_shard=2, dp_replicate=1 offers 2 rows for the checkpoint's 4 experts: the load does not map "
-                    "the saved global rows to this rank's experts 2..3")
+    assert text == ("rank 2, layer 0, 'model.layers.0.moe.up_w': the model offers 2 rows for the checkpoint's 4 "
+                    "experts: the load does not map the saved global rows to this rank's experts 2..3")
     blamed = load_failed(error, findings=(), checked="", layout=layout, num_experts=E, patterns=(), rank=2)
     assert blamed.side == "load" and str(blamed).splitlines()[0].endswith("so the load is wrong)")
     assert "Size mismatch between saved" in str(blamed).splitlines()[1]

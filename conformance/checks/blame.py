@@ -3,7 +3,7 @@
 The checkpoint check has already said whether the save is EP-invariant.  If it is not, the cell leads with
 the checkpoint's first difference (the load's error is its consequence).  If it is, the save is right and
 the load is wrong: the cell leads with the framework's error, read in expert terms where it can be --
-DCP's "Size mismatch ... for K" on a packed expert key becomes "the model at ep=2 offers 2 rows for the
+DCP's "Size mismatch ... for K" on a packed expert key becomes "the model offers 2 rows for the
 checkpoint's 4 experts: the load does not map the saved global rows to this rank's experts 0..1".  The
 whole exception text follows on the next lines (the JSON record keeps it; ``-v`` shows it).
 
@@ -78,19 +78,16 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
                 start, end = layout.experts_of(who, num_experts)
                 mine = f"experts {start}..{end - 1}" if end - start > 1 else f"expert {start}" if end > start \
                     else "no experts"
-                return (f"{where}{key!r}: the model at {layout.describe()} offers {current[0]} rows for the "
-                        f"checkpoint's {saved[0]} experts: the load does not map the saved global rows to this "
-                        f"rank's {mine}")
-            return (f"{where}{key!r}: the checkpoint holds global shape {list(saved)}, the model at "
-                    f"{layout.describe()} offers {list(current)}")
+                return (f"{where}{key!r}: the model offers {current[0]} rows for the checkpoint's {saved[0]} "
+                        f"experts: the load does not map the saved global rows to this rank's {mine}")
+            return f"{where}{key!r}: the checkpoint holds global shape {list(saved)}, the model offers {list(current)}"
         m = MISSING_KEY.search(text)
         if m:
             key = m["key"]
             info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
             what = (f" (layer {info.layer}" + (f", expert {info.expert}" if info.expert is not None else "") + ")"
                     if info.layer is not None else "")
-            return (f"rank {who}: the model at {layout.describe()} asks for {key!r}{what}, which the checkpoint "
-                    "does not hold")
+            return f"rank {who}: the model asks for {key!r}{what}, which the checkpoint does not hold"
     return ""
 
 
@@ -106,6 +103,6 @@ def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, la
         more = f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else ""
         return LoadFailed("checkpoint", f"the checkpoint differs from an EP-invariant one: {findings[0]}{more}; the "
                           f"load then raised: {raised}", full)
-    why = ("the checkpoint is EP-invariant (it holds what the ep=1 save holds), so the load is wrong"
+    why = ("the checkpoint is EP-invariant, so the load is wrong"
            if not checked else f"the checkpoint itself was not checked: {checked}")
     return LoadFailed("load", f"the load at {layout.describe()} raised: {raised} ({why})", full)

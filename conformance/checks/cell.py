@@ -132,8 +132,10 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     b = _build(adapter, spec, cell.save.build_mesh(), SEED_A, "save")
     check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save")
     t1 = time.perf_counter()
-    (adapter.save_legacy if cell.legacy else adapter.save)(b.model, _saved_optimizer(adapter, b, optim), plan.path,
-                                                           **b.extra)
+    if cell.legacy:  # the framework's own old save: called as it always was
+        adapter.save_legacy(b.model, _saved_optimizer(adapter, b, optim), plan.path)
+    else:
+        adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
     del b
     dist.barrier()

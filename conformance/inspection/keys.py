@@ -45,8 +45,9 @@ __all__ = ["DEFAULT_PATTERNS", "KeyInfo", "KeyPattern", "classify_keys", "patter
 @dataclass(frozen=True)
 class KeyPattern:
     """``regex`` is searched in the parameter name; ``kind`` is "per_expert" when it has a named
-    group ``expert`` (the global id), else "packed" (expert axis first); ``source`` says whose
-    naming it is."""
+    group ``expert`` (the global id), else "packed" (expert axis first) -- or "flattened", a key the
+    content shows to hold experts flattened into one axis, which is then read as a plain tensor;
+    ``source`` says whose naming it is."""
 
     regex: re.Pattern[str]
     kind: str
@@ -138,6 +139,8 @@ def _recipe(key: str, patterns: Sequence[KeyPattern]) -> _Recipe:
     if not SHARED.search(param):
         for p in patterns:
             m = p.regex.search(param)
+            if m and p.kind == "flattened":  # learned from content: experts flattened, no expert axis to read
+                break
             if m:
                 role, kind, matched = "expert", p.kind, m
                 if p.kind == "per_expert":

@@ -36,8 +36,9 @@ Owner = tuple[Any, Any, str]
 
 @dataclass(frozen=True)
 class LearnedKey:
-    """A key the content shows to hold experts: ``kind`` "per_expert" (``experts`` one id) or "packed"
-    (``experts[r]`` the expert row ``r`` holds); ``layer`` the model's layer index."""
+    """A key the content shows to hold experts: ``kind`` "per_expert" (``experts`` one id), "packed"
+    (``experts[r]`` the expert row ``r`` holds) or "blocks" (experts flattened into the first axis, ``experts[b]``
+    the expert block ``b`` holds); ``layer`` the model's layer index."""
 
     key: str
     kind: str
@@ -53,6 +54,7 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
     if index.reader is None:
         return {}
     keys = [k for k, e in index.entries.items() if e.is_tensor and e.shape]
+    shapes = {shape for _, (_, expert, _), shape in _owner_shapes(owners) if expert is not None}
     found: dict[str, LearnedKey] = {}
     with paused_gc():
         for batch in _batches(index, keys, memory_bytes):
@@ -64,12 +66,29 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
                     if owner[1] is not None:
                         found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
                     continue
-                rows = [owners.get(digest(value[r])) for r in range(value.shape[0])] if value.dim() > 1 else []
-                if rows and all(o is not None and o[1] is not None for o in rows):
-                    layers = {o[0] for o in rows if o is not None}
-                    found[key] = LearnedKey(key, "packed", layers.pop() if len(layers) == 1 else None,
-                                            tuple(int(o[1]) for o in rows if o is not None))
+                cuts = (("packed", list(value) if value.dim() > 1 else []), ("blocks", _blocks(value, shapes)))
+                for kind, rows in cuts:
+                    held = [owners.get(digest(r)) for r in rows]
+                    if held and all(o is not None and o[1] is not None for o in held):
+                        layers = {o[0] for o in held if o is not None}
+                        found[key] = LearnedKey(key, kind, layers.pop() if len(layers) == 1 else None,
+                                                tuple(int(o[1]) for o in held if o is not None))
+                        break
     return found
+
+
+def _owner_shapes(owners: Mapping[Digest, Owner]) -> list[tuple[Digest, Owner, tuple[int, ...]]]:
+    return [(d, o, tuple(d[1])) for d, o in owners.items()]
+
+
+def _blocks(value: Any, shapes: set[tuple[int, ...]]) -> list[Any]:
+    """``value`` cut along its first axis into blocks of an expert tensor's shape (experts stored flattened,
+    ``[E * rows, ...]``, as OLMo-core does), or ``[]`` when no expert shape tiles it."""
+    for shape in sorted(shapes):
+        if value.dim() == len(shape) and tuple(value.shape[1:]) == shape[1:] and shape[0] and \
+                value.shape[0] % shape[0] == 0 and value.shape[0] > shape[0]:
+            return list(value.reshape(-1, *shape))
+    return []
 
 
 def _param(key: str) -> str:
@@ -94,6 +113,12 @@ def learned_patterns(learned: Mapping[str, LearnedKey]) -> tuple[KeyPattern, ...
     out: list[KeyPattern] = []
     seen: set[str] = set()
     for (template, kind), members in sorted(templates.items()):
+        if kind == "blocks":  # experts flattened into one axis: compared by value, never read as an expert axis
+            regex = "^" + "\\d+".join(re.escape(p) for p in template.split("#")) + "$"
+            if regex not in seen:
+                seen.add(regex)
+                out.append(KeyPattern(re.compile(regex), "flattened", "learned: experts flattened into one axis"))
+            continue
         runs = [[int(m) for m in _DIGITS.findall(param)] for param, _ in members]
         layer_runs = _run_index(runs, [i.layer for _, i in members])
         expert_at: int | None = None
