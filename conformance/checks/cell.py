@@ -166,7 +166,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     compare(rank, got, truth.state, before, verdict)
     if cell.legacy:  # refusal already failed; the values above show the damage, collectives may not pair
         return verdict
-    completeness.check_replicas(rank, set(got), set(truth.state), cell.load, cell.fsdp, verdict)
+    completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
     resume.check_scalars(adapter, model, optimizer, truth, rank, verdict)
     resume.check_next_step(adapter, model, optimizer, load_spec, truth, before, rank, verdict)
     resume.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
