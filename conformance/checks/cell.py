@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance.adapter import Spec
-from conformance.checks import artifact, completeness, resume
+from conformance.checks import artifact, completeness, resume, save_plan
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
 from conformance.checks.values import canonical, compare, equal, expected
 from conformance.checks.verdict import RankVerdict
@@ -103,7 +103,12 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     t0 = time.perf_counter()
     model, optimizer = adapter.build(spec, cell.save.build_mesh(), SEED_A)
     t1 = time.perf_counter()
-    (adapter.save_legacy if cell.legacy else adapter.save)(model, optimizer if optim else None, plan.path)
+    with save_plan.recorded() as offered:
+        try:
+            (adapter.save_legacy if cell.legacy else adapter.save)(model, optimizer if optim else None, plan.path)
+        except load_errors() as exc:  # DCP refused the global plan: say where in expert terms, on every rank
+            save_plan.explain(exc, offered)
+            raise
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
     del model, optimizer
     dist.barrier()
