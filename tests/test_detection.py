@@ -102,3 +102,84 @@ def test_a_load_that_raises_still_names_the_layer_and_experts(pytester: pytest.P
         assert cells[cell_id]["status"] == "error", cells[cell_id]
         assert "raised LoadFailed: the checkpoint differs from an EP-invariant one: layer 1, " in first, \
             (cell_id, first)
+
+
+# -- issue 20: the bug classes the default tier once missed ------------------------------------------
+def run_tier(pytester: pytest.Pytester, adapter: str, *extra: str) -> dict[str, dict[str, Any]]:
+    """:func:`run_default_tier` with extra options (an expert count of choice)."""
+    pytester.makepyfile(seeded_bugs=SEEDED)
+    out = pytester.path / "out"
+    pytester.runpytest_subprocess("--moe-ep-matrix", f"--moe-ep-adapter=seeded_bugs:{adapter}", *extra,
+                                  f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
+    doc = json.loads((out / "moe-ep-conformance.json").read_text())
+    assert doc["tier"] == "default"
+    return {c["id"].removeprefix("moe-ep-matrix::checkpoint::"): c for c in doc["cells"]}
+
+
+@pytest.mark.parametrize(("adapter", "experts", "missing"), [
+    ("FirstRanksGetOneMore", 6, "5"),       # rank 2 files only expert 4; expert 5 is nowhere
+    ("FloorExpertsPerRank", 6, "[45]"),     # E // ep = 1 expert per rank: experts 4..5 never saved
+    ("BalancedStartChunkCount", 5, "[34]"),  # row counts 2, 2, 1, 0 agree; rank 2 files expert 4 as 3
+])
+def test_uneven_split_placements_are_caught_at_ep_above_one(pytester: pytest.Pytester, adapter: str, experts: int,
+                                                            missing: str) -> None:
+    cells = run_tier(pytester, adapter, *(["--moe-ep-experts=4,5"] if experts == 5 else []))
+    uneven = {i for i, c in ran(cells).items() if not c["legacy"] and c["num_experts"] == experts
+              and 4 in (c["save_ep"], c["load_ep"])}
+    assert uneven and set(failing(cells)) == uneven
+    assert any(cells[i]["kind"] == k for i in uneven for k in ("packed", "unpacked", "packed->unpacked"))
+    for cell_id, first in failing(cells).items():
+        assert re.search(rf"layer \d, .*expert.*\b{missing}\b", first), (cell_id, first)
+
+
+def test_an_optimizer_bug_only_under_hsdp_or_etp_is_caught(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "MomentsKeptUnderHsdpOrEtp")
+    wrong = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]
+             and ("hsdp" in c["load_layout"] or "etp" in c["load_layout"])}
+    assert {cells[i]["load_layout"] for i in wrong} >= {"ep2.hsdp2", "ep2.etp2"}
+    assert set(failing(cells)) == wrong
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor '\w+\.exp_avg(_sq)?': still "
+                        r"holds its pre-load", first), (cell_id, first)
+
+
+def test_a_replica_missing_an_etp_shard_and_a_save_dcp_refuses_are_named(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "GlobalRankAsEpRankEtp")
+    loads = {i for i, c in ran(cells).items() if not c["legacy"] and c["load_layout"] in ("ep2", "ep2.etp2")}
+    saves = {i for i, c in ran(cells).items() if not c["legacy"] and c["save_layout"] == "ep2.etp2"}
+    assert saves and loads - saves and set(failing(cells)) == loads | saves
+    for cell_id in saves:  # the same etp shard offered twice, the other never: DCP refuses, named per expert
+        first = failing(cells)[cell_id]
+        assert re.search(r"raised SaveRefused: DCP refused the save's global plan: layer \d, expert \d, key "
+                         r"'model\.layers\.\d\.moe\.experts\.\d\.\w+\.weight': no rank offered axis \d rows", first), \
+            (cell_id, first)
+    for cell_id in {i for i in loads - saves if cells[i]["load_layout"] == "ep2.etp2"}:
+        first = failing(cells)[cell_id]
+        assert re.match(r"\[missing\] after the load the ranks \[0, 1, 2, 3\] \(one replica\) hold only part of "
+                        r"'\w+(\.\w+)?' of layer \d, experts \d\.\.\d: no rank holds axis \d rows \d+\.\.\d+ of \d+: "
+                        r"the expert-TP shard \d of 2", first), (cell_id, first)
+
+
+def test_an_etp_shard_on_the_wrong_axis_is_named(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "EtpShardTransposed")
+    wrong = {i for i, c in ran(cells).items() if not c["legacy"] and c["load_layout"] == "ep2.etp2"}
+    assert wrong and set(failing(cells)) == wrong
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor '(gate|up|down)': holds a shard of "
+                        r"its transposed weight .*\(its own shard, transposed\)", first), (cell_id, first)
+
+
+def test_the_value_diagnosis_names_another_etp_ranks_shard() -> None:
+    """No world needed: ``diagnose`` on a shard that is the other etp rank's, or the other axis's."""
+    import torch
+
+    from conformance.checks.values import diagnose
+
+    key = (0, 1, "up")
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    own = (slice(0, 32), slice(0, 32))
+    assert diagnose(key, full[32:].clone(), own, {key: full}, {}).startswith(
+        "holds another expert-TP rank's shard (axis 0 rows 32..63, axis 1 rows 0..31)")
+    square = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    assert "the shard of the other axis (axis 0 rows 0..63, axis 1 rows 0..31)" in diagnose(
+        key, square[:, :32].clone(), (slice(0, 32), slice(0, 64)), {key: square}, {})
