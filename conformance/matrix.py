@@ -9,8 +9,9 @@ cells save the old, lossy way, and pass only when the framework refuses the chec
 Tiers (``--moe-ep-matrix=TIER``):
 
 - ``full``: the whole cross product of those dimensions (release reports);
-- ``default``: a deterministic covering subset -- every pair of dimension values occurs together in
-  at least one cell, and every (save_ep, load_ep) pair occurs for each layer kind;
+- ``default``: a deterministic covering subset that covers by what a cell tests (:func:`covering`):
+  pairs among the cells that compare values, uneven splits at ep > 1 and optimizer state through every
+  layout family; legacy cells, which end at the refusal, are their own stratum;
 - ``1,2,4`` (EP degrees): the plain layouts at those degrees, in the adapter's (first) EP-group
   order: same-kind cells for every state, FSDP mode and EP pair at the first expert count; each kind
   loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven; and
@@ -252,6 +253,18 @@ def covering(cells: list[Cell]) -> list[Cell]:
         chosen.append(best)
         wanted -= covers[best]
     return [cells[i] for i in sorted(chosen)]
+
+
+def guarantee(tier: str) -> str:
+    """What a tier's green run means, for the report's coverage line (``tier`` as the report names it)."""
+    if tier == "default":
+        return ("covering what each cell tests: every pair of dimension values among the cells that compare "
+                "values, every (save_ep, load_ep) pair per kind, an uneven split (E % ep != 0) at every ep > 1 on "
+                "each side for each kind, optimizer state through every layout family (strided, consecutive, "
+                "HSDP, ETP) and EP change (up, down); legacy cells cover the pairs among themselves")
+    if tier == "full":
+        return "every cell"
+    return "the plain layouts at those EP degrees (see the README's Tiers)"
 
 
 def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None]:
