@@ -183,3 +183,24 @@ def test_the_value_diagnosis_names_another_etp_ranks_shard() -> None:
     square = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
     assert "the shard of the other axis (axis 0 rows 0..63, axis 1 rows 0..31)" in diagnose(
         key, square[:, :32].clone(), (slice(0, 32), slice(0, 64)), {key: square}, {})
+
+
+def test_a_refused_save_plan_is_read_in_expert_terms() -> None:
+    """No world needed: ``diagnose`` on the chunks ranks offered -- uncovered rows, overlaps, shapes in dispute."""
+    from conformance.checks.save_plan import Offer, diagnose
+
+    key = "model.layers.0.moe.experts.1.gate.weight"
+    half = [Offer(r, key, (64, 32), (0, 0), (32, 32)) for r in (0, 2)]  # the same etp shard twice
+    (line,) = diagnose(half)
+    assert line.startswith(f"layer 0, expert 1, key {key!r}: no rank offered axis 0 rows 32..63 of 64 (ranks [0, 2] "
+                           "offered axis 0 rows 0..31 of 64)"), line
+    packed = "model.layers.1.moe.up_w"
+    overlap = [Offer(0, packed, (6, 8, 4), (0, 0, 0), (3, 8, 4)), Offer(1, packed, (6, 8, 4), (2, 0, 0), (3, 8, 4))]
+    (line,) = diagnose(overlap)
+    assert line.startswith(f"layer 1, expert 5, key {packed!r}: no rank offered axis 0 rows 5 of 6; ranks [0] and "
+                           "[1] offered overlapping chunks"), line
+    disputed = [Offer(0, packed, (3, 8, 4), (0, 0, 0), (3, 8, 4)), Offer(2, packed, (2, 8, 4), (0, 0, 0), (2, 8, 4))]
+    (line,) = diagnose(disputed)
+    assert line == (f"layer 1, key {packed!r}: the ranks disagree on its global shape: ranks [2] say (2, 8, 4); "
+                    "ranks [0] say (3, 8, 4)"), line
+    assert diagnose([Offer(r, key, (64, 32), (32 * r, 0), (32, 32)) for r in (0, 1)]) == []
