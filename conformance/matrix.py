@@ -9,8 +9,9 @@ cells save the old, lossy way, and pass only when the framework refuses the chec
 Tiers (``--moe-ep-matrix=TIER``):
 
 - ``full``: the whole cross product of those dimensions (release reports);
-- ``default``: a deterministic covering subset -- every pair of dimension values occurs together in
-  at least one cell, and every (save_ep, load_ep) pair occurs for each layer kind;
+- ``default``: a deterministic covering subset that covers by what a cell tests (:func:`covering`):
+  pairs among the cells that compare values, uneven splits at ep > 1 and optimizer state through every
+  layout family; legacy cells, which end at the refusal, are their own stratum;
 - ``1,2,4`` (EP degrees): the plain layouts at those degrees, in the adapter's (first) EP-group
   order: same-kind cells for every state, FSDP mode and EP pair at the first expert count; each kind
   loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven; and
@@ -131,6 +132,20 @@ def why_not(cell: Cell, caps: Capabilities) -> str:
     return ""
 
 
+def unwritable_legacy(cell: Cell) -> str:
+    """Why a rank-local (legacy) save cannot be written at all ("" when it can): nothing to refuse then.
+
+    Under expert TP each EP rank's packed weight is a DTensor over its etp ranks whose global shape is
+    that EP rank's row count; when E % ep != 0 the EP ranks hold different counts under one key, and
+    DCP refuses the global plan of any such save, whichever framework writes it.
+    """
+    if cell.legacy and cell.save_kind == "packed" and cell.save.etp > 1 and cell.num_experts % cell.save.ep:
+        return (f"a legacy (rank-local) save cannot be written here: at E={cell.num_experts}, ep={cell.save.ep}, "
+                f"etp={cell.save.etp} the EP ranks hold different numbers of rows under each packed key, and DCP "
+                "refuses the global plan (nothing to refuse on load)")
+    return ""
+
+
 def _valid(cell: Cell) -> bool:
     """Combinations that are not experiments at all (rather than unsupported ones) are never cells."""
     if cell.legacy:  # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP experiment
@@ -184,17 +199,52 @@ def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_or
     return cells
 
 
+def _family(layout: ParallelLayout) -> str | None:
+    """A layout's family for the interactions the tier must reach (None: ep=1 or ep=world, no family)."""
+    if layout.etp > 1:
+        return "etp"
+    if layout.hsdp:
+        return "hsdp"
+    return layout.ep_order if layout.order_matters else None
+
+
+def _uneven(cell: Cell, layout: ParallelLayout) -> bool:
+    return layout.ep > 1 and cell.num_experts % layout.ep != 0
+
+
 def _pairs(cell: Cell) -> set[tuple[object, ...]]:
-    """What a cell covers: each pair of dimension values, and (kind, save_ep, load_ep)."""
+    """What a cell tests, so what it covers (see :func:`covering`)."""
+    if cell.legacy:  # state and FSDP are fixed for legacy cells; their pairs are their own stratum
+        values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("E", cell.num_experts)]
+        found: set[tuple[object, ...]] = {("legacy", a, b) for a, b in itertools.combinations(values, 2)
+                                          if (a[0], b[0]) != ("save", "load")}
+        found.add(("legacy", "ep pair", cell.kind, cell.save.ep, cell.load.ep))
+        return found
     values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("state", cell.state),
-              ("fsdp", cell.fsdp), ("E", cell.num_experts), ("legacy", cell.legacy)]
-    found: set[tuple[object, ...]] = {(a, b) for a, b in itertools.combinations(values, 2)}
+              ("fsdp", cell.fsdp), ("E", cell.num_experts)]
+    found = {(a, b) for a, b in itertools.combinations(values, 2)}
     found.add(("ep pair", cell.kind, cell.save.ep, cell.load.ep))
+    for side, layout in (("save", cell.save), ("load", cell.load)):
+        if _uneven(cell, layout):  # an uneven split at this degree, on this side, for this kind
+            found.add(("uneven", cell.kind, side, layout.ep))
+    if cell.state == "model+optim":  # optimizer state through every layout family and EP change
+        families = {_family(cell.save), _family(cell.load)} - {None}
+        if cell.save.ep != cell.load.ep:
+            families.add("ep up" if cell.save.ep < cell.load.ep else "ep down")
+        found |= {("optim", family) for family in families}
     return found
 
 
 def covering(cells: list[Cell]) -> list[Cell]:
-    """A deterministic greedy subset of ``cells`` covering every pair that any of them covers."""
+    """A deterministic greedy subset of ``cells`` covering everything any of them covers.
+
+    What a cell covers is what it tests: a non-legacy cell, each pair of its dimension values (save
+    layout, load layout, kind, state, FSDP, E) and its (kind, save_ep, load_ep); for each side whose EP
+    degree does not divide E, (kind, side, ep); with optimizer state, (kind, family) for each layout
+    family it uses (strided, consecutive, HSDP, ETP) and its EP change (up, down).  A legacy cell ends at
+    the refusal and compares no values, so it covers only legacy pairs: each pair of its save layout,
+    load layout, kind and E, and its (kind, save_ep, load_ep).
+    """
     covers = [_pairs(c) for c in cells]
     wanted = set().union(*covers) if covers else set()
     chosen: list[int] = []
@@ -203,6 +253,18 @@ def covering(cells: list[Cell]) -> list[Cell]:
         chosen.append(best)
         wanted -= covers[best]
     return [cells[i] for i in sorted(chosen)]
+
+
+def guarantee(tier: str) -> str:
+    """What a tier's green run means, for the report's coverage line (``tier`` as the report names it)."""
+    if tier == "default":
+        return ("covering what each cell tests: every pair of dimension values among the cells that compare "
+                "values, every (save_ep, load_ep) pair per kind, an uneven split (E % ep != 0) at every ep > 1 on "
+                "each side for each kind, optimizer state through every layout family (strided, consecutive, "
+                "HSDP, ETP) and EP change (up, down); legacy cells cover the pairs among themselves")
+    if tier == "full":
+        return "every cell"
+    return "the plain layouts at those EP degrees (see the README's Tiers)"
 
 
 def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None]:
@@ -233,7 +295,8 @@ def checkpoint_cells(caps: Capabilities, tier: str | None, world_size: int, num_
     if not caps.optimizer:  # a legacy cell saves the richest state the adapter has
         everything = [replace(c, state="model") if c.legacy else c for c in everything]
     legacy_na = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"
-    marked = [replace(c, na=(legacy_na if c.legacy and legacy_na else "") or why_not(c, caps)) for c in everything]
+    marked = [replace(c, na=(legacy_na if c.legacy and legacy_na else "") or why_not(c, caps)
+                      or unwritable_legacy(c)) for c in everything]
     if name != "default":
         return marked
     applicable = [c for c in marked if not c.na]

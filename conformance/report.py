@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from conformance.matrix import guarantee
 from pytest_moe_ep.world.diagnosis import shorten
 
 SCHEMA_VERSION = 2
@@ -129,7 +130,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     coverage = report.get("coverage") or {}
     if report.get("tier"):
         of = f" of the full tier's {coverage['full_tier_cells']}" if coverage.get("full_tier_cells") else ""
-        lines += [f"Tier `{report['tier']}`: {coverage.get('cells', 0)} checkpoint cells{of}.", ""]
+        lines += [f"Tier `{report['tier']}`: {coverage.get('cells', 0)} checkpoint cells{of}: "
+                  f"{guarantee(report['tier'])}.", ""]
     tables = checkpoint_tables(report["cells"])
     if tables:
         lines += [LEGEND, ""]

@@ -345,3 +345,172 @@ class SchedulerNotRestored(WithScheduler):
     @staticmethod
     def _restore_scheduler(path: str, state: Any) -> None:
         return None
+
+
+# -- issue 20: bug classes the default tier must reach -----------------------------------------------
+def _rename_or_drop(obj: Any, name: Callable[[str], str | None]) -> Any:
+    """``obj`` with string keys renamed and those ``name`` maps to None left out (strings in lists kept)."""
+    if isinstance(obj, dict):
+        return {(name(k) if isinstance(k, str) else k): _rename_or_drop(v, name) for k, v in obj.items()
+                if not isinstance(k, str) or name(k) is not None}
+    if isinstance(obj, list):
+        return [x if isinstance(x, str) else _rename_or_drop(x, name) for x in obj]
+    return obj
+
+
+@contextlib.contextmanager
+def _dcp_placed(name: Callable[[str], str | None]) -> Iterator[None]:
+    """reference_impl.checkpoint's DCP calls with expert keys renamed, or dropped, on save and on load alike."""
+    import reference_impl.checkpoint as ck
+
+    real = ck.dcp
+
+    class _Shim:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def save(state: dict[str, Any], **kwargs: Any) -> Any:
+            return real.save(_rename_or_drop(state, name), **kwargs)
+
+        @staticmethod
+        def load(state: dict[str, Any], **kwargs: Any) -> Any:
+            renamed = _rename_or_drop(state, name)
+            result = real.load(renamed, **kwargs)
+            _copy_back(state, renamed, lambda k: name(k) or "\0dropped")
+            return result
+
+    ck.dcp = _Shim()
+    try:
+        yield
+    finally:
+        ck.dcp = real
+
+
+class _MisplacedIds(ReferenceAdapter):
+    """The rank holds the experts of the layout rule (DTensor's ``Shard(0)``) but files its local expert ``i``
+    under :meth:`ids`'s id -- None: the framework thinks it has no such local expert and neither saves nor loads it."""
+
+    @staticmethod
+    def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
+        raise NotImplementedError
+
+    def _names(self, model: Any) -> Callable[[str], str | None]:
+        from reference_impl.layout import expert_owner, expert_range
+        from reference_impl.moe import moe_layers
+
+        moe = next(moe for _, moe in moe_layers(model))
+        num_experts, ep = moe.num_experts, moe.ep_world_size
+
+        def name(key: str) -> str | None:
+            match = _EXPERT_KEY.search(key)
+            if match is None:
+                return key
+            g = int(match[2])
+            owner = expert_owner(g, num_experts, ep)
+            start, stop = expert_range(num_experts, ep, owner)
+            ids = self.ids(num_experts, ep, owner, stop - start)
+            new = ids[g - start] if g - start < len(ids) else None
+            return None if new is None else key[:match.start(2)] + str(new) + key[match.end(2):]
+
+        return name
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_placed(self._names(model)):
+            super().save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_placed(self._names(model)):
+            super().load(model, optimizer, path)
+
+
+class FirstRanksGetOneMore(_MisplacedIds):
+    """NeMo's "the first E % k ranks get one more" ids: at E=6, ep=4 rank 2 files only expert 4, rank 3 expects
+    expert 5 and holds none -- the checkpoint has no expert 5."""
+
+    name = "seeded-first-ranks-get-one-more"
+
+    @staticmethod
+    def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
+        base, extra = divmod(num_experts, ep)
+        start = rank * base + min(rank, extra)
+        mine = base + (rank < extra)
+        return [start + i if i < mine else None for i in range(count)]
+
+
+class FloorExpertsPerRank(_MisplacedIds):
+    """Experts per rank = ``E // ep``: at E=6, ep=4 rank r files local expert 0 as expert r; experts 4..5 are
+    never saved."""
+
+    name = "seeded-floor-experts-per-rank"
+
+    @staticmethod
+    def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
+        per = num_experts // ep
+        return [rank * per + i if i < per else None for i in range(count)]
+
+
+class BalancedStartChunkCount(_MisplacedIds):
+    """The first id from the balanced split, the count from ``Shard(0)``'s: at E=5, ep=4 the row counts (2, 2,
+    1, 0) agree with DCP while rank 2 files expert 4 as expert 3 (invisible at E=6)."""
+
+    name = "seeded-balanced-start-chunk-count"
+
+    @staticmethod
+    def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
+        base, extra = divmod(num_experts, ep)
+        return [rank * base + min(rank, extra) + i for i in range(count)]
+
+
+class MomentsKeptUnderHsdpOrEtp(ReferenceAdapter):
+    """The load leaves the Adam moments of parameters on an HSDP or expert-TP mesh (a ``dp_replicate`` or
+    ``etp`` dim) as they were: a framework that converts only the meshes it knows."""
+
+    name = "seeded-moments-kept-under-hsdp-or-etp"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from torch.distributed.tensor import DTensor
+
+        kept = {}
+        for p, s in (optimizer.state.items() if optimizer is not None else ()):
+            names = set(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else set()
+            if names & {"dp_replicate", "etp"} and p.device_mesh.size() > 1:
+                kept[p] = {m: s[m].clone() for m in ("exp_avg", "exp_avg_sq") if m in s}
+        super().load(model, optimizer, path)
+        for p, moments in kept.items():
+            for m, value in moments.items():
+                optimizer.state[p][m].copy_(value)
+
+
+class GlobalRankAsEpRankEtp(GlobalRankAsEpRank):
+    """:class:`GlobalRankAsEpRank` with expert TP: at ep2.etp2 the ranks of EP coordinate 0 hold experts 0..3, so a
+    replica would hold one etp shard of each expert twice and the other never, and a save there would offer DCP the
+    same shard twice; the layout check stops both cells first (an ``error`` naming the placement)."""
+
+    name = "seeded-global-rank-as-ep-rank-etp"
+    capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=True, max_ep=64,
+                                format="dcp", ep_orders=("strided", "consecutive"), etp=True)
+
+
+class EtpShardTransposed(ReferenceAdapter):
+    """The load turns every square expert-TP shard of an expert weight into its transpose: the shard a split on
+    the other axis of an ``[in, out]`` layout gives (model weights; moments untouched)."""
+
+    name = "seeded-etp-shard-transposed"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from reference_impl.moe import moe_layers
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for _, moe in moe_layers(model):
+                experts = moe.experts.parameters() if moe.kind == "unpacked" else (getattr(moe, w)
+                                                                                    for w in moe.packed_weights())
+                for p in experts:
+                    if isinstance(p, DTensor) and "etp" in (p.device_mesh.mesh_dim_names or ()):
+                        local = p.to_local()
+                        if local.shape[-1] == local.shape[-2]:
+                            local.copy_(local.transpose(-1, -2).clone())

@@ -79,7 +79,7 @@ def test_the_global_rank_as_ep_rank_is_caught_where_ep_groups_are_strided(pytest
     cells = run_default_tier(pytester, "GlobalRankAsEpRank")
     # At 4 ranks, ep=2: strided EP groups are ranks {0, 2} and {1, 3}, where rank % 2 is not the EP rank;
     # in consecutive groups ({0, 1}, {2, 3}) and at ep=1 or ep=4 it is, and the bug is invisible.
-    strided = {i for i, c in ran(cells).items() if "ep2" in (c["save_layout"], c["load_layout"]) and not c["legacy"]}
+    strided = {i for i, c in ran(cells).items() if "ep2" in (c["save_layout"], c["load_layout"])}
     assert strided and set(failing(cells)) == strided
     for cell_id, first in failing(cells).items():
         assert cells[cell_id]["status"] == "error", cells[cell_id]
@@ -145,3 +145,109 @@ def test_a_scheduler_the_load_does_not_restore_is_caught_by_scalars(pytester: py
     for cell_id, first in failing(cells).items():
         assert re.match(r"\[scalars\] rank \d: optimizer scalar 'state\.scheduler\.(_last_lr|base_lrs|last_epoch|"
                         r"_step_count)' = .* after the load, expected ", first), (cell_id, first)
+
+
+# -- issue 20: the bug classes the default tier once missed ------------------------------------------
+def run_tier(pytester: pytest.Pytester, adapter: str, *extra: str) -> dict[str, dict[str, Any]]:
+    """:func:`run_default_tier` with extra options (an expert count of choice)."""
+    pytester.makepyfile(seeded_bugs=SEEDED)
+    out = pytester.path / "out"
+    pytester.runpytest_subprocess("--moe-ep-matrix", f"--moe-ep-adapter=seeded_bugs:{adapter}", *extra,
+                                  f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
+    doc = json.loads((out / "moe-ep-conformance.json").read_text())
+    assert doc["tier"] == "default"
+    return {c["id"].removeprefix("moe-ep-matrix::checkpoint::"): c for c in doc["cells"]}
+
+
+@pytest.mark.parametrize(("adapter", "experts", "missing"), [
+    ("FirstRanksGetOneMore", 6, "5"),       # rank 2 files only expert 4; expert 5 is nowhere
+    ("FloorExpertsPerRank", 6, "[45]"),     # E // ep = 1 expert per rank: experts 4..5 never saved
+    ("BalancedStartChunkCount", 5, "[34]"),  # row counts 2, 2, 1, 0 agree; rank 2 files expert 4 as 3
+])
+def test_uneven_split_placements_are_caught_at_ep_above_one(pytester: pytest.Pytester, adapter: str, experts: int,
+                                                            missing: str) -> None:
+    cells = run_tier(pytester, adapter, *(["--moe-ep-experts=4,5"] if experts == 5 else []))
+    uneven = {i for i, c in ran(cells).items() if not c["legacy"] and c["num_experts"] == experts
+              and 4 in (c["save_ep"], c["load_ep"])}
+    assert uneven and set(failing(cells)) == uneven
+    assert any(cells[i]["kind"] == k for i in uneven for k in ("packed", "unpacked", "packed->unpacked"))
+    for cell_id, first in failing(cells).items():
+        assert re.search(rf"layer \d, .*expert.*\b{missing}\b", first), (cell_id, first)
+
+
+def test_an_optimizer_bug_only_under_hsdp_or_etp_is_caught(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "MomentsKeptUnderHsdpOrEtp")
+    wrong = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]
+             and ("hsdp" in c["load_layout"] or "etp" in c["load_layout"])}
+    assert {cells[i]["load_layout"] for i in wrong} >= {"ep2.hsdp2", "ep2.etp2"}
+    assert set(failing(cells)) == wrong
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor '\w+\.exp_avg(_sq)?': still "
+                        r"holds its pre-load", first), (cell_id, first)
+
+
+def test_the_global_rank_as_ep_rank_under_expert_tp_is_a_layout_error(pytester: pytest.Pytester) -> None:
+    """At ep2.etp2 the EP rank taken from the global rank puts experts 0..3 on the ranks of EP coordinate 0: the
+    layout check stops the cell before a replica could hold one etp shard twice (or DCP refuse the save)."""
+    cells = run_default_tier(pytester, "GlobalRankAsEpRankEtp")
+    touched = {i for i, c in ran(cells).items() if {c["save_layout"], c["load_layout"]} & {"ep2", "ep2.etp2"}}
+    assert touched and set(failing(cells)) == touched
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["status"] == "error", cells[cell_id]
+        assert re.search(r"raised LayoutMismatch: the (save|load) side's experts are not where the cell's layout puts "
+                         r"them: ", first), (cell_id, first)
+
+
+def test_a_replica_missing_an_etp_shard_is_named() -> None:
+    """No world needed: the ``missing`` check's coverage of one replica's regions names the absent etp shard."""
+    from conformance.checks.completeness import _gap
+
+    assert _gap((64, 32), [((0, 32), (0, 32)), ((0, 32), (0, 32))], 2) == "axis 0 rows 32..63 of 64: the expert-TP " \
+        "shard 1 of 2"
+    assert _gap((64, 32), [((0, 32), (0, 32)), ((32, 64), (0, 32))], 2) == ""
+
+
+def test_an_etp_shard_on_the_wrong_axis_is_named(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "EtpShardTransposed")
+    wrong = {i for i, c in ran(cells).items() if not c["legacy"] and c["load_layout"] == "ep2.etp2"}
+    assert wrong and set(failing(cells)) == wrong
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor '(gate|up|down)': holds a shard of "
+                        r"its transposed weight .*\(its own shard, transposed\)", first), (cell_id, first)
+
+
+def test_the_value_diagnosis_names_another_etp_ranks_shard() -> None:
+    """No world needed: ``diagnose`` on a shard that is the other etp rank's, or the other axis's."""
+    import torch
+
+    from conformance.checks.values import diagnose
+
+    key = (0, 1, "up")
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    own = (slice(0, 32), slice(0, 32))
+    assert diagnose(key, full[32:].clone(), own, {key: full}, {}).startswith(
+        "holds another expert-TP rank's shard (axis 0 rows 32..63, axis 1 rows 0..31)")
+    square = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    assert "the shard of the other axis (axis 0 rows 0..63, axis 1 rows 0..31)" in diagnose(
+        key, square[:, :32].clone(), (slice(0, 32), slice(0, 64)), {key: square}, {})
+
+
+def test_a_refused_save_plan_is_read_in_expert_terms() -> None:
+    """No world needed: ``diagnose`` on the chunks ranks offered -- uncovered rows, overlaps, shapes in dispute."""
+    from conformance.checks.save_plan import Offer, diagnose
+
+    key = "model.layers.0.moe.experts.1.gate.weight"
+    half = [Offer(r, key, (64, 32), (0, 0), (32, 32)) for r in (0, 2)]  # the same etp shard twice
+    (line,) = diagnose(half)
+    assert line.startswith(f"layer 0, expert 1, key {key!r}: no rank offered axis 0 rows 32..63 of 64 (ranks [0, 2] "
+                           "offered axis 0 rows 0..31 of 64)"), line
+    packed = "model.layers.1.moe.up_w"
+    overlap = [Offer(0, packed, (6, 8, 4), (0, 0, 0), (3, 8, 4)), Offer(1, packed, (6, 8, 4), (2, 0, 0), (3, 8, 4))]
+    (line,) = diagnose(overlap)
+    assert line.startswith(f"layer 1, expert 5, key {packed!r}: no rank offered axis 0 rows 5 of 6; ranks [0] and "
+                           "[1] offered overlapping chunks"), line
+    disputed = [Offer(0, packed, (3, 8, 4), (0, 0, 0), (3, 8, 4)), Offer(2, packed, (2, 8, 4), (0, 0, 0), (2, 8, 4))]
+    (line,) = diagnose(disputed)
+    assert line == (f"layer 1, key {packed!r}: the ranks disagree on its global shape: ranks [2] say (2, 8, 4); "
+                    "ranks [0] say (3, 8, 4)"), line
+    assert diagnose([Offer(r, key, (64, 32), (32 * r, 0), (32, 32)) for r in (0, 1)]) == []

@@ -266,3 +266,73 @@ def test_a_packed_key_without_expert_in_its_name_is_still_checked(pytester: pyte
     assert "raised LoadFailed: the checkpoint differs from an EP-invariant one: layer " in cell["detail"], cell
     assert re.search(r"key 'model\.layers\.\d\.moe\.(gate|up|down)_w', experts 2\.\.3: its expert axis has 2 rows, "
                      r"expected 4 \(the global extent\): 2 is a local count", cell["detail"]), cell["detail"]
+
+
+# -- the default tier's composition (no world: the cells alone) --------------------------------------
+def _default(world_size: int = 4, experts: tuple[int, ...] = (4, 6)) -> list[Any]:
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.matrix import checkpoint_cells
+
+    return checkpoint_cells(ReferenceAdapter.capabilities, None, world_size, experts)
+
+
+def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.matrix import checkpoint_cells, full_size
+
+    assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
+    assert (len(_default()), full_size(4, (4, 6))) == (65, 1096)  # the README's Tiers paragraph
+    assert (len(_default(8)), full_size(8, (4, 6))) == (110, 2032)
+    # the EP-list tier the framework adapters' own tests pin does not move
+    assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 6))) == 106
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> None:
+    """A legacy cell ends at the refusal: it must not stand in for a pair no value comparison tests."""
+    import itertools
+
+    from conformance.matrix import full_product
+
+    def values(c: Any) -> list[tuple[str, Any]]:
+        return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state), ("fsdp", c.fsdp),
+                ("E", c.num_experts)]
+
+    def pairs(cells: list[Any]) -> set[Any]:
+        return {p for c in cells if not c.legacy for p in itertools.combinations(values(c), 2)}
+
+    chosen = _default(world_size)
+    assert pairs(chosen) == pairs(full_product(world_size, (4, 6)))
+    legacy = [c for c in chosen if c.legacy]
+    for attr in ("save", "load", "kind", "num_experts"):  # legacy cells: their own stratum
+        everything = {getattr(c, attr) for c in full_product(world_size, (4, 6)) if c.legacy}
+        assert {getattr(c, attr) for c in legacy} == everything, attr
+
+
+@pytest.mark.parametrize("experts", [(4, 6), (4, 5)])
+def test_every_kind_splits_unevenly_at_ep_above_one_on_each_side(experts: tuple[int, ...]) -> None:
+    chosen = [c for c in _default(4, experts) if not c.legacy and not c.na]
+    for kind in ("packed", "unpacked", "packed->unpacked", "unpacked->packed"):
+        for side in ("save", "load"):
+            assert any(c.kind == kind and getattr(c, side).ep > 1 and c.num_experts % getattr(c, side).ep
+                       for c in chosen), (kind, side)
+
+
+def test_optimizer_state_goes_through_every_layout_family() -> None:
+    optim = [c for c in _default() if c.state == "model+optim" and not c.legacy]
+    layouts = {c.save.fragment for c in optim} | {c.load.fragment for c in optim}
+    assert {"ep2", "ep2c", "ep2.hsdp2", "ep2.etp2", "ep4"} <= layouts
+    assert any(c.save.ep < c.load.ep for c in optim) and any(c.save.ep > c.load.ep for c in optim)
+    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed"}
+
+
+def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> None:
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.matrix import checkpoint_cells
+
+    cells = checkpoint_cells(ReferenceAdapter.capabilities, "full", 4, (4, 5))
+    na = {c.node_name: c.na for c in cells if c.na}
+    assert set(na) == {f"checkpoint::legacy::packed::E5::ep2.etp2->{t}"
+                       for t in ("ep1", "ep2", "ep2c", "ep4", "ep2.hsdp2", "ep2.etp2")}
+    assert all("DCP refuses the global plan" in why and "E=5, ep=2, etp=2" in why for why in na.values())
+    assert any(c.na for c in _default(4, (4, 5)))  # the default tier shows the reason once

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance.adapter import AdapterError, Built, Spec, built, capabilities_of
-from conformance.checks import artifact, completeness, resume
+from conformance.checks import artifact, completeness, resume, save_plan
 from conformance.checks.blame import LoadFailed, load_failed, one_line
 from conformance.checks.layout import check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
@@ -132,10 +132,15 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     b = _build(adapter, spec, cell.save.build_mesh(), SEED_A, "save")
     check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save")
     t1 = time.perf_counter()
-    if cell.legacy:  # the framework's own old save: called as it always was
-        adapter.save_legacy(b.model, _saved_optimizer(adapter, b, optim), plan.path)
-    else:
-        adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+    with save_plan.recorded() as offered:
+        try:
+            if cell.legacy:  # the framework's own old save: called as it always was
+                adapter.save_legacy(b.model, _saved_optimizer(adapter, b, optim), plan.path)
+            else:
+                adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+        except load_errors() as exc:  # DCP refused the global plan: say where in expert terms, on every rank
+            save_plan.explain(exc, offered)
+            raise
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
     del b
     dist.barrier()
@@ -208,7 +213,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     compare(rank, got, truth.state, before, verdict)
     if cell.legacy:  # refusal already failed; the values above show the damage, collectives may not pair
         return verdict
-    completeness.check_replicas(rank, set(got), set(truth.state), cell.load, cell.fsdp, verdict)
+    completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
     resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
     resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)
     resume.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's

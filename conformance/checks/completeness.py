@@ -3,14 +3,17 @@
 A *replica group* is a set of ranks that together hold one whole copy of the model (its EP ranks,
 times its expert-tensor-parallel and, under FSDP2, its dp_shard ranks: see
 :meth:`~conformance.layout.ParallelLayout.replica_groups`).  Each must hold every ``(layer, expert,
-name)`` of the truth -- optimizer moments included.  A union over the whole world would not do: an
-EP split that takes the global rank for its EP rank gives one group half of the experts twice and
-another group the other half, and the world as a whole still holds them all.
+name)`` of the truth -- optimizer moments included -- and, where the ranks hold shards (expert TP,
+FSDP2), every element of it: a replica whose ranks hold only etp shard 0 of an expert holds the name
+but not the expert.  A union over the whole world would not do: an EP split that takes the global rank
+for its EP rank gives one group half of the experts twice and another group the other half, and the
+world as a whole still holds them all.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from conformance.checks.verdict import Key, RankVerdict
@@ -18,6 +21,45 @@ from conformance.inspection import expert_ranges
 from conformance.layout import ParallelLayout
 
 SHOWN = 4
+#: a region as it crosses the ranks: ``(start, stop)`` per axis, or None for a whole tensor.
+Box = tuple[tuple[int, int], ...] | None
+
+
+def _box(region: Any) -> Box:
+    return None if region is None else tuple((s.start, s.stop) for s in region)
+
+
+def _held(held: Mapping[Key, Any] | set[Key]) -> list[tuple[Key, Box]]:
+    """What this rank holds: each key with its region (a dict of ``(tensor, region)``), or whole (a set)."""
+    if isinstance(held, Mapping):
+        return sorted(((k, _box(v[1])) for k, v in held.items()), key=repr)
+    return sorted(((k, None) for k in held), key=repr)
+
+
+def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
+    """What of a ``shape`` tensor the ``boxes`` leave uncovered, in words ("" when they cover it all)."""
+    import torch
+
+    if any(b is None for b in boxes) or not shape:
+        return ""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for box in boxes:
+        mask[tuple(slice(a, b) for a, b in box)] = True
+    if bool(mask.all()):
+        return ""
+    missing = ~mask
+    parts = []
+    for axis, n in enumerate(shape):
+        hit = missing.any(dim=[d for d in range(len(shape)) if d != axis]) if len(shape) > 1 else missing
+        idx = hit.nonzero().flatten().tolist()
+        if len(idx) == n:
+            continue
+        span = f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else expert_ranges(idx)
+        shard = ""
+        if etp > 1 and n % etp == 0 and len(idx) == n // etp and idx[0] % (n // etp) == 0:
+            shard = f": the expert-TP shard {idx[0] // (n // etp)} of {etp}"
+        parts.append(f"axis {axis} rows {span} of {n}{shard}")
+    return ", ".join(parts) or "some elements"
 
 
 def _missing_lines(missing: set[Key], group: list[int]) -> list[str]:
@@ -37,20 +79,49 @@ def _missing_lines(missing: set[Key], group: list[int]) -> list[str]:
     return lines
 
 
-def check_replicas(rank: int, held: set[Key], truth: set[Key], layout: ParallelLayout, fsdp: bool,
-                   verdict: RankVerdict) -> None:
-    """A collective: rank 0 reports each replica group's missing names (and ranks holding none at all)."""
+def _partial_lines(gaps: dict[Key, str], group: list[int]) -> list[str]:
+    """One line per (layer, name, gap): the experts of which the group holds only part (shards missing)."""
+    by_gap: dict[tuple[Any, str, str], list[int]] = defaultdict(list)
+    dense = []
+    for (layer, expert, name), gap in gaps.items():
+        if expert is None:
+            dense.append(f"{name!r}" + (f" of layer {layer}" if layer is not None else "") + f" ({gap})")
+        else:
+            by_gap[(layer, name, gap)].append(expert)
+    ranks = ", ".join(map(str, group))
+    lines = [f"after the load the ranks [{ranks}] (one replica) hold only part of {name!r} of layer {layer}, "
+             f"expert{'s' if len(ids) > 1 else ''} {expert_ranges(ids)}: no rank holds {gap}"
+             for (layer, name, gap), ids in sorted(by_gap.items(), key=repr)]
+    lines += [f"after the load the ranks [{ranks}] (one replica) hold only part of {what}" for what in sorted(dense)]
+    return lines
+
+
+def check_replicas(rank: int, held: Mapping[Key, Any] | set[Key], truth: Mapping[Key, Any] | set[Key],
+                   layout: ParallelLayout, fsdp: bool, verdict: RankVerdict) -> None:
+    """A collective: rank 0 reports each replica group's missing names and missing shards.
+
+    ``held`` is this rank's ``(tensor, region)`` per key (:func:`conformance.checks.values.canonical`),
+    or only its keys; ``truth`` the ground truth's tensors (for their shapes), or only its keys -- with
+    keys alone, only whole names are checked.
+    """
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(held, key=repr))
+    dist.all_gather_object(everyone, _held(held))
     if rank != 0:
         return
-    by_rank = [{tuple(k) for k in found} for found in everyone]
+    shapes = {k: tuple(v.shape) for k, v in truth.items()} if isinstance(truth, Mapping) else {}
+    by_rank = [{tuple(k): box for k, box in found} for found in everyone]
     lines: list[str] = []
     for group in layout.replica_groups(fsdp):
-        union: set[Key] = set().union(*(by_rank[r] for r in group))
-        lines += _missing_lines(truth - union, group)
+        boxes: dict[Key, list[Box]] = defaultdict(list)
+        for r in group:
+            for k, box in by_rank[r].items():
+                boxes[k].append(box)
+        lines += _missing_lines(set(shapes or truth) - set(boxes), group)
+        gaps = {k: gap for k, shape in shapes.items() if k in boxes
+                for gap in [_gap(shape, boxes[k], layout.etp)] if gap}
+        lines += _partial_lines(gaps, group)
     if len(lines) > SHOWN:
         lines[SHOWN - 1] += f" (and {len(lines) - SHOWN} more missing tensor families)"
     for line in lines[:SHOWN]:

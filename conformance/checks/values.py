@@ -65,6 +65,42 @@ def _halves(t: Any) -> tuple[Any, Any] | None:
     return t[:h], t[h:]
 
 
+def _rows(region: tuple[slice, ...]) -> str:
+    return ", ".join(f"axis {a} rows {r.start}..{r.stop - 1}" for a, r in enumerate(region))
+
+
+def _tiles(full: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """The regions of ``full`` of ``shape`` at offsets that are multiples of it (where shards sit)."""
+    import itertools
+
+    if full.dim() != len(shape) or any(n == 0 or f % n for f, n in zip(full.shape, shape, strict=True)):
+        return []
+    return [tuple(slice(i * n, (i + 1) * n) for i, n in zip(index, shape, strict=True))
+            for index in itertools.product(*(range(f // n) for f, n in zip(full.shape, shape, strict=True)))]
+
+
+def _shard_of(got: Any, region: Region, full: Any) -> str:
+    """Whether ``got`` (a shard at ``region``) holds another shard of its own tensor, or one of its transpose."""
+    if region is None or full is None or not got.dim():
+        return ""
+    split = [a for a, (r, n) in enumerate(zip(region, full.shape, strict=False)) if (r.start, r.stop) != (0, n)]
+    for tile in _tiles(full, tuple(got.shape)):
+        if tile != region and equal(got, full[tile]):
+            moved = [a for a, (t, r) in enumerate(zip(tile, region, strict=True)) if t != r]
+            if set(moved) <= set(split):
+                return (f"holds another expert-TP rank's shard ({_rows(tile)}) instead of its own ({_rows(region)})")
+            return (f"holds the shard of the other axis ({_rows(tile)}) instead of its own ({_rows(region)}): "
+                    f"the expert-TP split on the wrong axis")
+    if full.dim() >= 2:
+        flipped = full.transpose(-1, -2)
+        for tile in _tiles(flipped, tuple(got.shape)):
+            if equal(got, flipped[tile]):
+                own = " (its own shard, transposed)" if tile == (*region[:-2], region[-1], region[-2]) else ""
+                return (f"holds a shard of its transposed weight ({_rows(tile)} of the transpose){own}: the "
+                        f"expert-TP shard taken on the wrong axis of an [in, out] layout")
+    return ""
+
+
 def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: Held) -> str:
     """Why ``got`` is not the truth for ``key``: what in the ground truth it holds instead."""
     layer, expert, name = key
@@ -79,6 +115,9 @@ def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: 
             if other[0] == layer and other[2] == name and expert is not None:
                 return f"holds expert {other[1]}'s values instead of expert {expert}'s"
             return f"holds {_describe(other)} instead"
+    shard = _shard_of(got, region, truth.get(key))  # expert TP: another etp rank's shard, or the other axis's
+    if shard:
+        return shard
     for other, full in truth.items():  # a fused gate/up weight: halves swapped, or only one of them
         candidate = cut(full, region)
         if candidate is None:
