@@ -200,7 +200,8 @@ def _incomplete_lines(report: dict[str, Any]) -> list[str]:
     """The warning at the top of a report that does not hold the whole run."""
     lines = []
     if report.get("incomplete"):
-        why = "the run was interrupted" if report.get("interrupted") else "the run's log ends before the session did"
+        why = ("the run's log ends before the session did" if report.get("log_ends_early")
+               else "the run was interrupted" if report.get("interrupted") else "not every selected cell ran")
         running = [r["id"] for r in report["cells"] if r["status"] == INTERRUPTED]
         lines.append(f"**Incomplete: {why}.** {len(report['cells']) - len(running)} cell(s) finished"
                      + (f", {len(running)} interrupted while running" if running else "")

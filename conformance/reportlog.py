@@ -10,8 +10,8 @@ into the JSON and Markdown report:
   died: status ``interrupted``;
 - the selection and the environment come from the first cell's setup report
   (:data:`~conformance.report.SELECTION`), so the cells not run are listed too;
-- ``incomplete`` is true when the log has no ``SessionFinish`` line (killed) or the session ended
-  interrupted; a complete log, or one from a pytest-xdist run (the controller writes it), rebuilds
+- ``incomplete`` is true when the log has no ``SessionFinish`` line (killed: ``log_ends_early``) or
+  the session ended interrupted; a complete log, or one from a pytest-xdist run (the controller writes it), rebuilds
   the report the run itself wrote, give or take ``created``.
 
 A last line cut mid-write is skipped; so is the tail of a cut ``.gz``/``.bz2``/``.xz`` log.
@@ -115,11 +115,13 @@ def rebuild(path: Path) -> dict[str, Any]:
                         "adapter": first.get("adapter", ""), "adapter_version": first.get("adapter_version", ""),
                         "torch": first.get("torch", "")})
     interrupted = killed or log.exitstatus == INTERRUPTED_STATUS
-    return build_report(records, backend=env.get("backend") or first.get("backend", ""),
+    doc = build_report(records, backend=env.get("backend") or first.get("backend", ""),
                         world_size=int(env.get("world_size") or first.get("world_size") or 0),
                         tier=env.get("tier"), full_cells=env.get("full_cells"), interrupted=interrupted,
                         not_run=not_run(selected, records), rebuilt_from=str(path),
                         incomplete=interrupted or bool(not_run(selected, records)))
+    doc["log_ends_early"] = killed  # no SessionFinish line: a kill -9, or a crash of pytest itself
+    return doc
 
 
 def rebuild_main(argv: list[str]) -> int:
