@@ -355,3 +355,22 @@ def test_a_full_disk_is_a_cell_error_naming_directory_space_and_rank(pytester: p
     # A complete log rebuilds the report the run wrote.
     rebuilt = _rebuild(log, tmp_path / "rebuilt")
     assert rebuilt["cells"] == doc["cells"] and rebuilt["incomplete"] is False and rebuilt["not_run"] == []
+
+
+# -- an xdist run's log ----------------------------------------------------------------------------
+def test_the_log_of_a_complete_xdist_run_rebuilds_the_report_it_wrote(pytester: pytest.Pytester,
+                                                                        tmp_path: Path) -> None:
+    out, log = tmp_path / "out", tmp_path / "run.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "1", "--moe-ep-matrix=1,2",
+         "--moe-ep-world-size=2", "--moe-ep-experts=4", "-k", "kind_unpacked and not optim and ep-only and not legacy "
+         "and save_ep2", f"--moe-ep-report={out}", f"--report-log={log}"], cwd=pytester.path, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 0, done.stdout
+    doc = json.loads((out / JSON_NAME).read_text())
+    assert len(doc["cells"]) == 2 and doc["not_run"] == [] and doc["interrupted"] is False
+    rebuilt = _rebuild(log, tmp_path / "rebuilt")
+    assert rebuilt["cells"] == doc["cells"]
+    assert (rebuilt["incomplete"], rebuilt["interrupted"], rebuilt["not_run"]) == (False, False, [])
+    assert {k: v for k, v in rebuilt.items() if k not in ("created", "rebuilt_from", "log_ends_early")} == {
+        k: v for k, v in doc.items() if k not in ("created", "rebuilt_from")}
