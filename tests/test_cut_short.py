@@ -374,3 +374,32 @@ def test_the_log_of_a_complete_xdist_run_rebuilds_the_report_it_wrote(pytester: 
     assert (rebuilt["incomplete"], rebuilt["interrupted"], rebuilt["not_run"]) == (False, False, [])
     assert {k: v for k, v in rebuilt.items() if k not in ("created", "rebuilt_from", "log_ends_early")} == {
         k: v for k, v in doc.items() if k not in ("created", "rebuilt_from")}
+
+
+# -- a failed save's files, and the words for a lost permission ---------------------------------------
+def test_a_failed_save_is_removed_at_once_and_a_permission_error_is_named(tmp_path: Path) -> None:
+    from test_saves import DirEngine, cell
+
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.saves import Saves, disk_problem
+    from pytest_moe_ep.world.engine import RankFailure
+    from pytest_moe_ep.world.protocol import RankError
+
+    saves = Saves(DirEngine(tmp_path), ReferenceAdapter())
+    readers = [cell(1), cell(4)]
+    saves.count_readers(readers)
+    plan = saves.plan(readers[0])
+    for path in (plan.path, plan.truth_path):
+        (Path(path) / "shard").mkdir()
+        (Path(path) / "shard" / "__0_0.distcp").write_bytes(b"half a shard")
+    error = RankFailure(fn="run_cell", world_size=2, backend="gloo", cause="failed on rank(s) 1", at_fault=[1],
+                        errors={1: RankError(1, "CheckpointException", "rank 1: PermissionError: [Errno 13] "
+                                             f"Permission denied: '{plan.path}/shard/__0_0.distcp'", "")})
+    first = disk_problem(error, plan)
+    assert first is not None and first.startswith(f"save failed: permission denied (EACCES) writing {plan.path}: ")
+    assert first.endswith("; failed on rank(s) 1") and " free of " in first
+    assert disk_problem(RankFailure(fn="f", world_size=2, backend="gloo", cause="x", errors={
+        0: RankError(0, "ValueError", "[Errno 2] not a disk problem", "")}), plan) is None
+    saves.finished(readers[0], plan, None)  # the world call failed
+    assert [list(Path(p).iterdir()) for p in (plan.path, plan.truth_path)] == [[], []], "the partial save stayed"
+    assert saves.plan(readers[1]).save, "the next reader must write the checkpoint again"
