@@ -404,4 +404,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main: conformance.reportlog raises *its* UsageProblem, not __main__'s.
+    from conformance.report import main as _main
+
+    sys.exit(_main())

@@ -403,3 +403,20 @@ def test_a_failed_save_is_removed_at_once_and_a_permission_error_is_named(tmp_pa
     saves.finished(readers[0], plan, None)  # the world call failed
     assert [list(Path(p).iterdir()) for p in (plan.path, plan.truth_path)] == [[], []], "the partial save stayed"
     assert saves.plan(readers[1]).save, "the next reader must write the checkpoint again"
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read it: No such file or directory"),
+    ("", "empty, not a pytest-reportlog log"),
+    ("not json\n", "no JSON line in it; not a pytest-reportlog log"),
+    ('{"$report_type": "SessionStart"}\n', "holds no moe-ep matrix cell"),
+], ids=["missing", "empty", "not-json", "no-cells"])
+def test_a_log_that_is_not_a_matrix_run_is_one_line_and_exit_2(tmp_path: Path, content: str | None,
+                                                                 message: str) -> None:
+    log = tmp_path / "run.jsonl"
+    if content is not None:
+        log.write_text(content)
+    done = subprocess.run([sys.executable, "-m", "conformance.report", "--from-log", str(log), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines() == [f"error: {log}: {message}"], done.stderr
+    assert not (tmp_path / "out").exists()
