@@ -409,7 +409,8 @@ def test_a_failed_save_is_removed_at_once_and_a_permission_error_is_named(tmp_pa
     (None, "cannot read it: No such file or directory"),
     ("", "empty, not a pytest-reportlog log"),
     ("not json\n", "no JSON line in it; not a pytest-reportlog log"),
-    ('{"$report_type": "SessionStart"}\n', "holds no moe-ep matrix cell"),
+    ('{"$report_type": "SessionStart"}\n',
+     "holds no moe-ep matrix cell (was the run --moe-ep-matrix or --moe-ep-functions?)"),
 ], ids=["missing", "empty", "not-json", "no-cells"])
 def test_a_log_that_is_not_a_matrix_run_is_one_line_and_exit_2(tmp_path: Path, content: str | None,
                                                                  message: str) -> None:
