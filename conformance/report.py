@@ -74,10 +74,12 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
 
     ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) before its last cell; ``not_run`` the
     selected cells without an outcome; ``rebuilt_from`` the log a report was rebuilt from;
-    ``incomplete`` (default: interrupted) says the report does not hold the whole selection.
+    ``incomplete`` (default: interrupted, or some cells not run) says the report does not hold the whole
+    selection.
     """
     first = records[0] if records else {}
     checkpoint = sum(1 for r in records if r.get("suite") == "checkpoint")
+    not_run = sorted(not_run)
     return {
         "schema_version": SCHEMA_VERSION,
         "adapter": {"name": first.get("adapter", ""), "version": first.get("adapter_version", "")},
@@ -90,9 +92,9 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
         "python": platform.python_version(),
         "summary": _summary(records),
         "interrupted": interrupted,
-        "incomplete": interrupted if incomplete is None else incomplete,
+        "incomplete": (interrupted or bool(not_run)) if incomplete is None else incomplete,
         "rebuilt_from": rebuilt_from,
-        "not_run": sorted(not_run),
+        "not_run": not_run,
         "cells": sorted(records, key=lambda r: r["id"]),
     }
 
