@@ -220,9 +220,7 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
     while True:
         try:
             msg = conn.recv()
-        except (EOFError, OSError):  # the supervisor's end closed: after a kill -9 the lifeline may not be first
-            with contextlib.suppress(BaseException):
-                abandon(spec.workdir)  # removes it only if the owner is provably gone
+        except (EOFError, OSError):
             break
         if isinstance(msg, Stop):
             break
