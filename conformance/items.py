@@ -3,7 +3,10 @@
 Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4c``, so ``-k``,
 ``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
 runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
-matrix runs on.  Each cell attaches its report record (see :mod:`conformance.report`).
+matrix runs on.  Each cell attaches its report record (see :mod:`conformance.report`).  A cell
+stopped by Ctrl-C or SIGTERM hands its record, status ``interrupted``, to the session directly: pytest
+makes no report for it.  A save that fails for want of disk space or permission is an ``error`` whose
+first line says where, how much space was free and on which rank (:func:`conformance.saves.disk_problem`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import pytest
 from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.matrix import Cell
-from conformance.report import RECORD
-from conformance.saves import save_key
+from conformance.report import INTERRUPTED, RECORD
+from conformance.saves import disk_problem, save_key
 from conformance.summary import summarize
 from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
@@ -67,8 +70,12 @@ class MatrixItem(pytest.Item):
 
     def _finish(self, status: str, detail: str, started: float) -> None:
         self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3),
-                           torch=_torch_version())
+                           torch=_torch_version(), **self._environment())
         self.user_properties.append((RECORD, json.dumps(self.record)))
+
+    def _environment(self) -> dict[str, Any]:
+        """World size and backend in every record, so a report rebuilt from a log has them."""
+        return {"world_size": self.world_size, "backend": self.matrix.backend_used()}
 
     def runtest(self) -> None:
         started = time.perf_counter()
@@ -86,6 +93,11 @@ class MatrixItem(pytest.Item):
                                          if e.message not in {x.message for q, x in exc.errors.items() if q < r}}
             self._finish("error", exc.cause, started)
             raise CellError(exc) from None
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
+            self._finish(INTERRUPTED, f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "),
+                         started)
+            self.matrix.interrupted.append(dict(self.record))
+            raise
         except BaseException as exc:
             self._finish("error", f"{type(exc).__name__}: {exc}".splitlines()[0], started)
             raise
@@ -138,6 +150,11 @@ class CheckpointCellItem(MatrixItem):
             result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, plan), {},
                                    world_size=self.world_size, backend=self.backend)
             ok = True
+        except WorldError as exc:  # measured before finished() removes the partial save
+            problem = disk_problem(exc, plan)
+            if problem:
+                exc.cause = f"{problem}\n{exc.cause}"
+            raise
         finally:
             saves.finished(self.cell, plan, result.values[0] if ok else None)
         verdicts: list[RankVerdict] = result.values
@@ -179,9 +196,9 @@ class FunctionsCellItem(MatrixItem):
     def _finish(self, status: str, detail: str, started: float) -> None:
         # The per-function records carry the report; the item's own record is dropped from it.
         self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3))
-        if status in ("n/a", "error"):
+        if status in ("n/a", "error", INTERRUPTED):
             self.record["function"] = "*"
-            self.record["torch"] = _torch_version()
+            self.record.update(torch=_torch_version(), **self._environment())
             self.user_properties.append((RECORD, json.dumps(self.record)))
 
 

@@ -10,16 +10,24 @@ Each matrix cell attaches one record to its test report (``user_properties`` und
                                   one line per failure with its diagnosis, then the environment
 
 ``python -m conformance.report OLD.json NEW.json`` prints the cells whose status changed (exit 0:
-none changed, 1: some did, 2: a file is missing or not a report).
+none changed, 1: some did, 2: a file is missing or not a report).  ``--from-log LOG --out DIR``
+rebuilds the report from a ``pytest-reportlog`` log, which survives a ``kill -9`` line by line.
+
+A run cut short keeps what it found: an interrupted session (Ctrl-C, SIGTERM) writes the cells that
+finished, the running one as ``interrupted`` and the ids of the cells not run, under
+``"interrupted": true``.  Both files are written to a temporary file and renamed, so a crash
+during the write leaves the previous report, never a truncated one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,12 +38,17 @@ from typing import Any
 from conformance.matrix import guarantee
 from pytest_moe_ep.world.diagnosis import shorten
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READS = (1, 2, SCHEMA_VERSION)
 RECORD = "moe_ep_record"
+#: a cell item's setup report carries the session's final selection (after ``-k``), for ``--from-log``.
+SELECTION = "moe_ep_selection"
 JSON_NAME = "moe-ep-conformance.json"
 MD_NAME = "moe-ep-conformance.md"
 STATUSES = ("pass", "fail", "error", "n/a")
-MARKS = {"pass": "pass", "fail": "**FAIL**", "error": "**ERROR**", "n/a": "n/a"}
+#: the cell that was running when the session was interrupted; counted in ``summary`` only when present.
+INTERRUPTED = "interrupted"
+MARKS = {"pass": "pass", "fail": "**FAIL**", "error": "**ERROR**", "n/a": "n/a", INTERRUPTED: "interrupted"}
 LEGEND = "A blank table cell is a (save, load) layout pair this run did not include (tier or -k)."
 
 
@@ -45,16 +58,29 @@ def plural(count: int, word: str) -> str:
 
 
 def counts_line(summary: dict[str, int]) -> str:
-    return (f"{summary['pass']} passed, {summary['fail']} failed, {plural(summary['error'], 'error')}, "
+    line = (f"{summary['pass']} passed, {summary['fail']} failed, {plural(summary['error'], 'error')}, "
             f"{summary['n/a']} n/a")
+    return line + (f", {summary[INTERRUPTED]} interrupted" if summary.get(INTERRUPTED) else "")
+
+
+def _summary(records: Iterable[dict[str, Any]]) -> dict[str, int]:
+    counts = Counter(r["status"] for r in records)
+    return {s: counts.get(s, 0) for s in (*STATUSES, *((INTERRUPTED,) if counts.get(INTERRUPTED) else ()))}
 
 
 def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int, tier: str | None = None,
-                 full_cells: int | None = None) -> dict[str, Any]:
-    """The JSON document for ``records``; adapter and torch come from the records themselves."""
+                 full_cells: int | None = None, interrupted: bool = False, not_run: Iterable[str] = (),
+                 rebuilt_from: str | None = None, incomplete: bool | None = None) -> dict[str, Any]:
+    """The JSON document for ``records``; adapter and torch come from the records themselves.
+
+    ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) before its last cell; ``not_run`` the
+    selected cells without an outcome; ``rebuilt_from`` the log a report was rebuilt from;
+    ``incomplete`` (default: interrupted, or some cells not run) says the report does not hold the whole
+    selection.
+    """
     first = records[0] if records else {}
-    counts = Counter(r["status"] for r in records)
     checkpoint = sum(1 for r in records if r.get("suite") == "checkpoint")
+    not_run = sorted(not_run)
     return {
         "schema_version": SCHEMA_VERSION,
         "adapter": {"name": first.get("adapter", ""), "version": first.get("adapter_version", "")},
@@ -65,9 +91,20 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
         "coverage": {"cells": checkpoint, "full_tier_cells": full_cells},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
-        "summary": {s: counts.get(s, 0) for s in STATUSES},
+        "summary": _summary(records),
+        "interrupted": interrupted,
+        "incomplete": (interrupted or bool(not_run)) if incomplete is None else incomplete,
+        "rebuilt_from": rebuilt_from,
+        "not_run": not_run,
         "cells": sorted(records, key=lambda r: r["id"]),
     }
+
+
+def not_run(selected: Iterable[str], records: Iterable[dict[str, Any]]) -> list[str]:
+    """The selected cells without a record (a functions cell's records are named ``ID::function``)."""
+    done = {r["id"] for r in records}
+    done |= {i.rsplit("::", 1)[0] for i in done}
+    return sorted(set(selected) - done)
 
 
 def _group_key(r: dict[str, Any]) -> tuple[Any, ...]:
@@ -127,6 +164,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [f"# MoE expert-parallel checkpoint conformance: {a['name']} {a['version']}".rstrip(), "",
              f"{counts_line(s)} ({report['created']})", ""]
+    lines += _incomplete_lines(report)
     coverage = report.get("coverage") or {}
     if report.get("tier"):
         of = f" of the full tier's {coverage['full_tier_cells']}" if coverage.get("full_tier_cells") else ""
@@ -152,10 +190,30 @@ def render_markdown(report: dict[str, Any]) -> str:
     na = Counter(r["detail"] for r in report["cells"] if r["status"] == "n/a")
     if na:
         lines += ["## Not applicable", ""] + [f"- {n} cell(s): {why}" for why, n in na.most_common()] + [""]
+    not_run = report.get("not_run") or []
+    if not_run:
+        lines += ["## Not run", "", f"<details><summary>{len(not_run)} selected cell(s) have no outcome</summary>",
+                  "", *(f"- `{cell_id}`" for cell_id in not_run), "", "</details>", ""]
     lines += ["## Environment", "", f"- torch {report['torch']}, backend {report['backend']}, "
               f"world size {report['world_size']}, Python {report['python']}",
               f"- report schema version {report['schema_version']}", ""]
     return "\n".join(lines)
+
+
+def _incomplete_lines(report: dict[str, Any]) -> list[str]:
+    """The warning at the top of a report that does not hold the whole run."""
+    lines = []
+    if report.get("incomplete"):
+        why = ("the run's log ends before the session did" if report.get("log_ends_early")
+               else "the run was interrupted" if report.get("interrupted") else "not every selected cell ran")
+        running = [r["id"] for r in report["cells"] if r["status"] == INTERRUPTED]
+        lines.append(f"**Incomplete: {why}.** {len(report['cells']) - len(running)} cell(s) finished"
+                     + (f", {len(running)} interrupted while running" if running else "")
+                     + f", {len(report.get('not_run') or [])} not run (listed below).")
+    if report.get("rebuilt_from"):
+        lines.append(f"Rebuilt from the pytest-reportlog log `{report['rebuilt_from']}`; the environment line "
+                     "holds what the log's records say.")
+    return [*lines, ""] if lines else []
 
 
 def compact_matrix(records: list[dict[str, Any]]) -> str:
@@ -164,22 +222,58 @@ def compact_matrix(records: list[dict[str, Any]]) -> str:
     table = functions_table(records)
     if table:
         parts.append(f"expert-slice functions\n{table}")
-    counts = Counter(r["status"] for r in records)
-    parts.append(", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES))
+    parts.append(", ".join(f"{n} {s}" for s, n in _summary(records).items()))
     if parts[:-1]:
         parts.insert(0, LEGEND)
     return "\n\n".join(parts)
 
 
-def write_report(directory: str | os.PathLike[str], records: list[dict[str, Any]], *, backend: str,
-                 world_size: int, tier: str | None = None, full_cells: int | None = None) -> tuple[Path, Path]:
+TMP_PREFIX = ".moe-ep-conformance-"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds either its old content or all of ``text``: a temporary file, fsync'ed, then renamed."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """What a writer killed mid-write left: only this module writes such names, one writer per directory."""
+    for stale in out.glob(f"{TMP_PREFIX}*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def write_document(directory: str | os.PathLike[str], report: dict[str, Any]) -> tuple[Path, Path]:
+    """``report`` as JSON and Markdown in ``directory``, each written atomically."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    report = build_report(records, backend=backend, world_size=world_size, tier=tier, full_cells=full_cells)
+    _remove_stale_temporaries(out)
     json_path, md_path = out / JSON_NAME, out / MD_NAME
-    json_path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-    md_path.write_text(render_markdown(report))
+    texts = json.dumps(report, indent=2, sort_keys=False) + "\n", render_markdown(report)  # both, before writing
+    write_atomic(json_path, texts[0])
+    write_atomic(md_path, texts[1])
     return json_path, md_path
+
+
+def write_report(directory: str | os.PathLike[str], records: list[dict[str, Any]], *, backend: str,
+                 world_size: int, tier: str | None = None, full_cells: int | None = None, interrupted: bool = False,
+                 not_run: Iterable[str] = ()) -> tuple[Path, Path]:
+    report = build_report(records, backend=backend, world_size=world_size, tier=tier, full_cells=full_cells,
+                          interrupted=interrupted, not_run=not_run)
+    return write_document(directory, report)
 
 
 @dataclass(frozen=True)
@@ -250,7 +344,7 @@ def write_index(root: Path, readme: Path | None = None) -> str:
     table = tabulate(rows, headers=["adapter", "version", "passed", "failed", "n/a", "first failure"],
                      tablefmt="github")
     text = f"Conformance matrix, {stamp} ({env}):\n\n{table}\n"
-    (root / "index.md").write_text(f"# MoE expert-parallel checkpoint conformance\n\n{text}")
+    write_atomic(root / "index.md", f"# MoE expert-parallel checkpoint conformance\n\n{text}")
     if readme is not None:
         current = readme.read_text()
         if INDEX_START not in current or INDEX_END not in current:
@@ -274,9 +368,9 @@ def _read(path: Path) -> dict[str, Any]:
         raise UsageProblem(f"{path}: not a JSON report: {exc}") from exc
     if not isinstance(doc, dict) or "cells" not in doc:
         raise UsageProblem(f"{path}: not a moe-ep conformance report (no 'cells')")
-    if doc.get("schema_version") not in (1, SCHEMA_VERSION):
-        raise UsageProblem(f"{path}: schema_version {doc.get('schema_version')!r}, this tool reads 1 and "
-                           f"{SCHEMA_VERSION}")
+    if doc.get("schema_version") not in READS:
+        raise UsageProblem(f"{path}: schema_version {doc.get('schema_version')!r}, this tool reads "
+                           f"{', '.join(map(str, READS))}")
     return doc
 
 
@@ -285,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     try:
+        if argv[:1] and argv[0].startswith("--from-log"):
+            from conformance.reportlog import rebuild_main
+
+            return rebuild_main(argv)
         if argv[:1] == ["index"]:
             parser = argparse.ArgumentParser(prog="python -m conformance.report index",
                                              description="Write ROOT/index.md over the reports in ROOT's subfolders.")
@@ -295,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         parser = argparse.ArgumentParser(prog="python -m conformance.report",
                                          description="Print the cells whose status changed between two reports "
-                                         "(or: python -m conformance.report index ROOT [--readme README.md]). "
+                                         "(or: python -m conformance.report index ROOT [--readme README.md]; "
+                                         "or: python -m conformance.report --from-log LOG --out DIR). "
                                          "Exit 0: none changed; 1: some changed; 2: bad input.")
         parser.add_argument("old", type=Path)
         parser.add_argument("new", type=Path)
@@ -309,4 +408,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main: conformance.reportlog raises *its* UsageProblem, not __main__'s.
+    from conformance.report import main as _main
+
+    sys.exit(_main())

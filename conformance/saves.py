@@ -7,15 +7,22 @@ collection is final (after ``-k``) and removes it after its last reader.  The tr
 ep=1 save of a spec, what the checkpoint check compares with) is shared the same way, per
 :func:`truth_key`, for the whole session.
 
-A cell whose run failed may not have finished its save, so the next reader writes it again; a
-save's inspection findings travel with it to every later reader.
+A cell whose run failed may not have finished its save, so what it wrote is removed at once (a
+full disk gets its space back) and the next reader writes it again; a save's inspection findings
+travel with it to every later reader.  A save that failed for want of space or permission is named
+as such by :func:`disk_problem`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from conformance.checks import CellPlan
@@ -29,6 +36,61 @@ def save_key(cell: Cell) -> tuple[Any, ...]:
 
 def _key(cell: Cell, share: bool) -> tuple[Any, ...]:
     return save_key(cell) if share else (cell,)
+
+
+#: the errors a save gets from its filesystem rather than from the adapter: errno -> what it means.
+DISK_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+               errno.EROFS: "read-only file system"}
+_ERRNO = re.compile(r"\[Errno (\d+)\][^\n']*(?:'([^'\n]+)')?")
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def disk_problem(error: Any, plan: CellPlan) -> str | None:
+    """The first line of a cell whose save failed with ENOSPC, EDQUOT, EACCES, EPERM or EROFS, else ``None``.
+
+    ``error`` is the engine's :class:`~pytest_moe_ep.world.engine.WorldError`; the line names the
+    directory written, its free space now (before the partial save is removed) and the failing ranks.
+    """
+    found: dict[int, tuple[int, str]] = {}
+    for rank, rank_error in sorted(getattr(error, "errors", {}).items()):
+        for match in _ERRNO.finditer(f"{rank_error.message}\n{rank_error.traceback}"):
+            code = int(match.group(1))
+            if code in DISK_ERRORS:
+                found.setdefault(rank, (code, match.group(2) or ""))
+                break
+    if not found:
+        return None
+    code, named = next(iter(found.values()))
+    candidates = [d for d in (plan.path, plan.truth_path) if d]
+    directory = next((d for d in candidates if named and os.path.abspath(named).startswith(d.rstrip("/") + "/")),
+                     candidates[0] if candidates else os.path.dirname(named))
+    try:
+        usage = shutil.disk_usage(directory)
+        space = f"{_size(usage.free)} free of {_size(usage.total)}"
+    except OSError as exc:
+        space = f"free space unknown ({exc.strerror or exc})"
+    ranks = ", ".join(map(str, found))
+    return (f"save failed: {DISK_ERRORS[code]} ({errno.errorcode[code]}) writing {directory}: {space}; "
+            f"failed on rank(s) {ranks}")
+
+
+def _empty(path: str) -> None:
+    """Remove what a failed save wrote, keeping the directory the next writer is given."""
+    with contextlib.suppress(OSError):
+        for child in Path(path).iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    child.unlink()
 
 
 def truth_key(cell: Cell) -> tuple[Any, ...]:
@@ -82,6 +144,11 @@ class Saves:
             truth.written, truth.findings = True, verdict.truth_findings
         if findings is not None and plan.save:
             entry.written, entry.findings = True, findings
+        if verdict is None and getattr(self.engine, "rank", 0) == 0:  # the next reader writes them again
+            if plan.save and entry.path:
+                _empty(entry.path)
+            if plan.save_truth and plan.truth_path and not self.truths[truth_key(cell)].written:
+                _empty(plan.truth_path)
         entry.readers_left -= 1
         if entry.readers_left <= 0 and entry.path is not None:
             self._remove(entry.path)

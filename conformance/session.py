@@ -5,6 +5,12 @@ the cells to the collection, collect every cell's record from the test reports (
 sees all of them) and write the report.  Everything the session needs is resolved and checked in
 :meth:`MatrixSession.from_config`, before any world starts: a bad adapter, functions module, world
 size, expert count or report directory is a usage error (exit 4), not a crash after the run.
+
+A session cut short still writes its report: on Ctrl-C or SIGTERM (see :mod:`pytest_moe_ep.signals`)
+``pytest_sessionfinish`` runs with the cells that finished, the running cell's ``interrupted`` record
+and the selected cells that have no outcome.  The first cell's setup report carries the selection
+(:data:`~conformance.report.SELECTION`), so ``python -m conformance.report --from-log`` can tell the
+cells not run from a ``pytest-reportlog`` log after a ``kill -9``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conformance.report import RECORD, compact_matrix, write_report
+from conformance.report import MD_NAME, RECORD, SELECTION, compact_matrix, not_run, write_report
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
 
 MATRIX = "moe-ep-matrix"
@@ -137,6 +143,12 @@ class MatrixSession:
     saves: Any = None
     #: ``--moe-ep-expert-key`` regexes (the adapter's own ``expert_keys`` travel with the adapter).
     expert_keys: tuple[str, ...] = ()
+    #: the running cell's record when the session was interrupted (pytest makes no report for it).
+    interrupted: list[dict[str, Any]] = field(default_factory=list)
+    #: node ids of the final selection's cells (after ``-k``); under xdist, what the workers collected.
+    selected: list[str] = field(default_factory=list)
+    selection_sent: bool = False
+    _backend_used: str | None = None
 
     NAME = "moe-ep-matrix-session"
 
@@ -193,10 +205,27 @@ class MatrixSession:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """The final selection (after ``-k``): how many cells read each checkpoint."""
-        from conformance.items import CheckpointCellItem
+        from conformance.items import CheckpointCellItem, MatrixItem
 
         if self.saves is not None:
             self.saves.count_readers([i.cell for i in session.items if isinstance(i, CheckpointCellItem)])
+        self.selected = [i.nodeid for i in session.items if isinstance(i, MatrixItem)]
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        """xdist's controller collects nothing itself: the selection is what its workers collected."""
+        if not self.selected:
+            self.selected = [i for i in ids if i.startswith(f"{MATRIX}::")]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        """The first cell's setup report carries the selection and the environment, for ``--from-log``."""
+        outcome = yield
+        if call.when != "setup" or self.selection_sent or not self.selected or item.nodeid not in self.selected:
+            return
+        self.selection_sent = True
+        report = outcome.get_result()
+        report.user_properties = [*report.user_properties, (SELECTION, json.dumps(self._environment()))]
 
     # -- records and the report -------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -208,31 +237,47 @@ class MatrixSession:
             return False
         return self.config.stash[ENGINE].rank == 0  # under torchrun, rank 0 alone
 
-    def _backend(self) -> str:
+    def backend_used(self) -> str:
         """The backend the cells ran on, not the one asked for (``auto`` resolves to gloo or nccl)."""
         from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
 
-        asked = self.config.stash[SETTINGS].backend
-        try:
-            return resolve_backend(asked, self.world_size)
-        except BackendUnavailable:
-            return asked
+        if self._backend_used is None:
+            asked = self.config.stash[SETTINGS].backend
+            try:
+                self._backend_used = resolve_backend(asked, self.world_size)
+            except BackendUnavailable:
+                self._backend_used = asked
+        return self._backend_used
 
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+    def _environment(self) -> dict[str, Any]:
+        """What the report says besides the cells: backend, world size, tier and coverage, the selection."""
+        from conformance.matrix import full_size, parse_tier
+
+        tier = parse_tier(self.tier, self.world_size)[0] if self.tier is not None else None
+        return {"backend": self.backend_used(), "world_size": self.world_size,
+                "tier": self.tier if tier == "eps" else tier,
+                "full_cells": full_size(self.world_size, self.num_experts) if tier else None,
+                "ids": self.selected}
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.report_dir is not None and self._writes_report():
-            from conformance.matrix import full_size, parse_tier
-
-            tier = parse_tier(self.tier, self.world_size)[0] if self.tier is not None else None
-            write_report(self.report_dir, self.records, backend=self._backend(), world_size=self.world_size,
-                         tier=self.tier if tier == "eps" else tier,
-                         full_cells=full_size(self.world_size, self.num_experts) if tier else None)
+            env = self._environment()
+            records = self.records + self.interrupted
+            write_report(self.report_dir, records, backend=env["backend"], world_size=self.world_size,
+                         tier=env["tier"], full_cells=env["full_cells"],
+                         interrupted=exitstatus == pytest.ExitCode.INTERRUPTED,
+                         not_run=not_run(self.selected, records))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.records and self._writes_report():
+        records = self.records + self.interrupted
+        if records and self._writes_report():
             terminalreporter.section("moe-ep conformance matrix")
-            terminalreporter.write_line(compact_matrix(self.records))
+            terminalreporter.write_line(compact_matrix(records))
+            missing = not_run(self.selected, records)
+            if missing:
+                terminalreporter.write_line(f"{len(missing)} selected cell(s) not run: the report lists them")
             if self.report_dir is not None:
-                terminalreporter.write_line(f"report: {self.report_dir / 'moe-ep-conformance.md'} (and .json)")
+                terminalreporter.write_line(f"report: {self.report_dir / MD_NAME} (and .json)")
 
 
 __all__ = ["MATRIX", "FunctionsTarget", "MatrixSession"]

@@ -9,6 +9,7 @@ world is actually needed).  The conformance matrix is another plugin, :mod:`conf
 - ``moe_ep_engine`` is the session's engine, for ``engine.run(fn, *args, world_size=n)``.
 - Deadlines: the marker's ``timeout``, else pytest-timeout's value (its timer is handed to the
   engine instead of SIGALRM), else ``moe_ep_timeout``.
+- SIGTERM ends the session like Ctrl-C (:mod:`pytest_moe_ep.signals`): reports are still written.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import pytest
 
 from pytest_moe_ep.distributed import engine_of, is_distributed, run_marked_test
 from pytest_moe_ep.settings import ENGINE, SETTINGS, TIMEOUT, WORLD_MARKER_HELP, Settings, WorldMarker, add_options
+from pytest_moe_ep.signals import TermAsInterrupt
+
+SIGTERM_HANDLER = pytest.StashKey[TermAsInterrupt]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,6 +69,8 @@ def pytest_configure(config: pytest.Config) -> None:
         engine = Supervisor(start_method=settings.start_method, capture=settings.capture,
                             pg_timeout_s=settings.timeout_s * 0.9, default_timeout_s=settings.timeout_s,
                             preload=settings.preload)
+        handler = config.stash[SIGTERM_HANDLER] = TermAsInterrupt()
+        handler.install()
     config.stash[ENGINE] = engine
 
 
@@ -101,7 +107,11 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True if is_distributed(item) else None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    handler = session.config.stash.get(SIGTERM_HANDLER, None)
+    if handler is not None:  # the reports are being written: a first SIGTERM now waits for them
+        handler.finishing = True
     engine = session.config.stash.get(ENGINE, None)
     if engine is None:
         return
@@ -113,6 +123,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     engine = config.stash.get(ENGINE, None)
     if engine is not None:
         engine.shutdown()
+    handler = config.stash.get(SIGTERM_HANDLER, None)
+    if handler is not None:
+        handler.uninstall()
 
 
 @pytest.fixture

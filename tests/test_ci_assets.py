@@ -18,9 +18,15 @@ def test_workflow_runs_the_documented_commands() -> None:
     runs = {job: [step.get("run", "") for step in spec["steps"]] for job, spec in workflow["jobs"].items()}
     matrix_cpu = [r for r in runs["cpu"] if "--moe-ep-matrix" in r]
     matrix_gpu = [r for r in runs["gpu"] if "--moe-ep-matrix" in r]
-    assert matrix_cpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-report=moe-ep-report/cpu"]
+    assert matrix_cpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-report=moe-ep-report/cpu "
+                          "--report-log=moe-ep-report/cpu/pytest-log.jsonl"]
     assert matrix_gpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-backend=nccl "
-                          "--moe-ep-report=moe-ep-report/gpu"]
+                          "--moe-ep-report=moe-ep-report/gpu --report-log=moe-ep-report/gpu/pytest-log.jsonl"]
+    # A killed run's log (uploaded with the report, it lies in the report directory) rebuilds the report.
+    for job in ("cpu", "gpu"):
+        assert any(f"--from-log moe-ep-report/{job}/pytest-log.jsonl --out moe-ep-report/{job}" in r
+                   for r in runs[job]), runs[job]
+    assert "--from-log" in readme and "--report-log" in readme
     # Every option the workflow passes is one README documents.
     for option in set(re.findall(r"--moe-ep-[a-z-]+", " ".join(matrix_cpu + matrix_gpu))):
         assert option in readme, option

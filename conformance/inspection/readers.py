@@ -11,7 +11,10 @@
   lines, needs no extra dependency, and lets every malformed header be a :class:`CheckpointError`
   naming the file and the byte it failed at.
 
-Nothing here writes to the checkpoint directory.
+Nothing here writes to the checkpoint directory, and nothing outside it is read: every file is
+opened only after its path, links resolved, is found inside the checkpoint directory
+(:func:`_inside`), so an index naming ``../../etc/passwd`` or a link out of the directory is a
+:class:`CheckpointError` before anything is opened.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ SAFETENSORS_DTYPES = {
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+
+
+OUTSIDE = "only files inside the checkpoint directory (after resolving links)"
+
+
+def _inside(root: Path, file: Path, named: str = "") -> Path:
+    """``file`` with its links resolved, refused unless it lies inside ``root`` (itself resolved)."""
+    real = file.resolve()
+    if real != root and root not in real.parents:
+        what = f"{named}, which resolves" if named else "resolves"
+        raise CheckpointError(str(file), f"{what} to {real}, outside the checkpoint directory {root}", OUTSIDE)
+    return real
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
@@ -145,6 +160,8 @@ def _read_dcp(p: Path) -> CheckpointIndex:
     if not p.is_dir():
         raise CheckpointError(str(p), "is not a directory" if p.exists() else "does not exist", WHAT)
     expected = "a pickled torch.distributed.checkpoint Metadata, as dcp.save writes it"
+    if meta_path.is_symlink():
+        _inside(p.resolve(), meta_path)
     try:
         with meta_path.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -172,7 +189,21 @@ def _read_dcp(p: Path) -> CheckpointIndex:
     except (TypeError, AttributeError) as exc:
         raise CheckpointError(str(meta_path), f"is not DCP metadata as expected ({exc})",
                               "TensorStorageMetadata or BytesStorageMetadata for every key") from None
+    _storage_inside(p, metadata, str(meta_path))
     return CheckpointIndex(str(p), "dcp", entries, reader=_DcpReader(str(p)))
+
+
+def _storage_inside(p: Path, metadata: Any, meta_path: str) -> None:
+    """Every data file ``.metadata`` names lies inside the checkpoint directory (DCP opens ``p / name``)."""
+    root = p.resolve()
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return  # no data files named: values cannot be read, the metadata still can
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str) and name:
+            fqn = getattr(index, "fqn", index)
+            _inside(root, p / name, f"named by {meta_path} for key {fqn!r} as {name!r}")
 
 
 class _DcpReader:
@@ -189,7 +220,9 @@ class _DcpReader:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         if self.metadata is None:  # read once, with DCP's own reader, only when values are wanted
+            _inside(Path(self.path).resolve(), Path(self.path) / ".metadata")
             self.metadata = FileSystemReader(self.path).read_metadata()
+            _storage_inside(Path(self.path), self.metadata, str(Path(self.path) / ".metadata"))
         metadata = self.metadata
 
         class Reader(FileSystemReader):
@@ -269,11 +302,13 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
     """Every key of a Hugging Face checkpoint from its index and its files' headers."""
     p = Path(path)
     directory = p if p.is_dir() else p.parent
+    root = directory.resolve()
     problems: list[Finding] = []
     listed: dict[str, str] = {}
     indexes = sorted(directory.glob("*.safetensors.index.json")) if p.is_dir() else (
         [p] if p.name.endswith(".index.json") else [])
     for index_file in indexes:
+        _inside(root, index_file)
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
             if not isinstance(weight_map, dict):
@@ -284,6 +319,8 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(str(index_file), f"is corrupt ({type(exc).__name__}: {exc})",
                                   'JSON with a "weight_map" object of key -> file name') from None
+        for key, name in weight_map.items():
+            _inside(root, directory / str(name), f"named by {index_file} for key {key!r} as {str(name)!r}")
         listed.update({str(k): str(v) for k, v in weight_map.items()})
     if listed:
         files = sorted({directory / name for name in listed.values()})
@@ -296,6 +333,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
     entries: dict[str, Entry] = {}
     where: dict[str, tuple[Path, int, int, int]] = {}
     for file in files:
+        _inside(root, file)
         if not file.exists():
             keys = sorted(k for k, v in listed.items() if directory / v == file)
             raise CheckpointError(str(file), f"does not exist, but the index lists {len(keys)} key(s) in it "
