@@ -260,3 +260,14 @@ def installed_version(module: str) -> str:
         except metadata.PackageNotFoundError:
             continue
     return ""
+
+
+# -- a check the framework cannot run in one cell (a self-contained block: issue 21) ----------------------
+class NotApplicable(Exception):
+    """Raised by an optional member (``forward``) when the framework cannot run it in this cell.
+
+    The message names what stops it (a GPU-only kernel, a dispatcher that cannot split E % ep != 0, ...);
+    the check is then recorded as skipped with that reason (the record's ``skipped_checks``) instead of
+    erroring the cell.  Every rank must raise it alike -- decided from the spec and mesh, or from a framework
+    error every rank hits before any collective -- so no rank waits in a collective the others left.
+    """

@@ -81,6 +81,7 @@ from typing import Any
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    NotApplicable,
     Spec,
     local_region,
     run_steps,
@@ -134,7 +135,7 @@ class TorchtitanAdapter:
         coords = (0, 1)
         if mesh is not None:
             parallel_dims = _parallel_dims(self.spmd_backend, ep, device.type)
-            _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp)
+            _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp, dtype=spec.dtype)
             if ep > 1:
                 coords = (parallel_dims.get_mesh("ep").get_local_rank(), ep)
         object.__setattr__(model, _EP_COORDS, coords)
@@ -166,6 +167,38 @@ class TorchtitanAdapter:
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
         return torch_optimizer_scalars(optimizer)
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        """torchtitan's own forward of every MoE block on ``batch`` as one sequence: router, its token dispatcher
+        (the all-to-all one at ep > 1, local reordering at ep=1), ``GroupedExperts``, the shared expert.
+
+        FSDP2's parameters are resharded after it.  torchtitan's dispatcher splits the per-expert token counts
+        over the EP ranks with ``view(ep, -1)``, which no E % ep != 0 can take: there every rank raises before
+        any exchange, and the check is n/a with torchtitan's own error.
+        """
+        import warnings
+
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        num_experts, (_, ep) = _num_experts(model), getattr(model, _EP_COORDS)
+        device = next(model.parameters()).device
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                # the router's fp32 autocast, which CPU autocast does not support (a no-op there)
+                warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
+                out = model(batch.to(device)[None])[0]
+        except RuntimeError as exc:
+            if num_experts % ep == 0:
+                raise
+            raise NotApplicable(f"torchtitan's AllToAllTokenDispatcher cannot split the token counts of E="
+                                f"{num_experts} experts over ep={ep} (_token_count_exchange: "
+                                f"num_local_tokens_per_expert_E.view(ep, -1)): {type(exc).__name__}: {exc}") from exc
+        finally:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -303,7 +336,7 @@ def _model_classes() -> tuple[type, type]:
     return MoEBlock, MoEStack
 
 
-def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool) -> None:
+def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool, dtype: str) -> None:
     """The trainer's parallelize_fn (Qwen3's, shared by torchtitan's MoE decoders)."""
     import tempfile
 
@@ -312,7 +345,10 @@ def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool
 
     with tempfile.TemporaryDirectory(prefix="torchtitan-dump-") as dump_folder:
         try:
-            parallelize_qwen3(model, parallel_dims=parallel_dims, training=TrainingConfig(), parallelism=parallelism,
+            # FSDP computes in the cell's dtype (torchtitan's default bf16 casts for compute only; storage is the
+            # same), so the forward compares with the ground truth's, which has no FSDP.
+            training = TrainingConfig(mixed_precision_param="bfloat16" if dtype == "bfloat16" else "float32")
+            parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder,
                               skip_dp=not fsdp)
         except Exception as exc:  # the framework's own failure, named with the configuration it failed in
