@@ -3,7 +3,7 @@
 The reference adapter with a forward that cannot run at ep > 1 (on the load side) or at all (on the ground truth
 too): the cells still pass on their other checks, and each record's ``skipped_checks`` carries the reason -- the
 mechanism the framework adapters use to name what stops their forward (a dispatcher, a GPU-only kernel).  A
-forward raising anything else still errors the cell.  Two cells each, about 10 s on 2 cores.
+forward raising anything else still errors the cell.  Three small reference runs of a few cells each.
 """
 
 from __future__ import annotations
