@@ -49,6 +49,9 @@ Optional members (a check that needs one is ``n/a`` without it, with the reason)
     types its load raises as a refusal.  A legacy cell passes only on one of these.
 ``save_legacy(model, optimizer, path)``
     The framework's old, lossy save, for the legacy-refusal cell.
+A member that cannot run in one cell (``forward`` on a GPU-only kernel, say) raises :class:`NotApplicable` with
+what stops it, alike on every rank: the check is skipped with that reason in the cell's record.
+
 ``preload``
     Module names the rank fork server imports once (the framework itself), so no cell pays for
     importing it.
@@ -96,6 +99,7 @@ __all__ = [
     "Built",
     "Capabilities",
     "CheckpointAdapter",
+    "NotApplicable",
     "OptionalMembers",
     "Spec",
     "TensorEntry",
@@ -431,3 +435,14 @@ def with_moments(layer: int | None, experts: Iterable[tuple[int, Any]], name: st
         cut = rows(held) if rows is not None else ((g, held[i]) for i, (g, _) in enumerate(found))
         for g, tensor in cut:
             yield TensorEntry(layer, g, f"{name}.{moment}", tensor)
+
+
+# -- a check the framework cannot run in one cell (a self-contained block: issue 21) ----------------------
+class NotApplicable(Exception):
+    """Raised by an optional member (``forward``) when the framework cannot run it in this cell.
+
+    The message names what stops it (a GPU-only kernel, a dispatcher that cannot split E % ep != 0, ...);
+    the check is then recorded as skipped with that reason (the record's ``skipped_checks``) instead of
+    erroring the cell.  Every rank must raise it alike -- decided from the spec and mesh, or from a framework
+    error every rank hits before any collective -- so no rank waits in a collective the others left.
+    """

@@ -16,10 +16,17 @@ cell by cell, so a change in the harness or in NeMo that flips one is noticed:
   rows; ``validate_dtensor_expert_sharding`` accepts DTensors built from the other split, exactly at the E
   where the splits differ; wrong inputs are accepted or refused with other error types).
 
+The ``forward`` check (NeMo's own ``MoE.forward`` in every block, through the FSDP-wrapped modules) equals the
+ep=1 truth in every E=4 cell; its negative control (``seeded_forward``: the gate rows of experts 0 and 1 swapped
+in the forward after a load) fails on ``forward`` only, in one cell.
+
 The two runs take about 87 s and 35 s on 2 cores (the first cell includes the world's start-up).
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 from matrix_expectations import (
@@ -30,6 +37,8 @@ from matrix_expectations import (
     by_status,
 )
 from matrix_expectations import run_report as run
+
+FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
 
 pytest.importorskip("nemo_automodel.components.moe.state_dict_utils",
                     reason="nemo_automodel is not installed (ci/install_nemo_automodel.sh installs "
@@ -148,10 +157,25 @@ def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_
     result.assert_outcomes(passed=36, failed=5, skipped=65)
 
     assert_even_cells_pass(cells)
+    for cell_id in EVEN:  # NeMo's forward after the load equals the ep=1 truth's, with and without FSDP
+        assert FORWARD_RAN.search(cells[cell_id]["detail"]) and not cells[cell_id]["skipped_checks"], cells[cell_id]
     for cell_id, (s, t) in E6.items():
         cell = cells[cell_id]
         assert (cell["save_ep"], cell["load_ep"], cell["num_experts"]) == (s, t, 6)
         assert E6_DIAGNOSIS in cell["detail"], cell["detail"]
+
+
+def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(pytester: pytest.Pytester) -> None:
+    """The forward check's negative control: only ``forward`` sees it (the stored tensors are right)."""
+    pytester.makepyfile(seeded_forward=(Path(__file__).parent / "seeded_forward.py").read_text())
+    _, doc = run(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_forward:NemoSwappedRouter",
+                 "-k", "save_ep1 and load_ep2 and not fsdp and not optim")
+    cells, statuses, _ = by_status(doc)
+    cell_id = "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2c"
+    assert statuses == {"fail": {cell_id}, "n/a": statuses.get("n/a", set())}, statuses
+    lines = cells[cell_id]["detail"].splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
+                                                   "ground truth's") for r, line in enumerate(lines)), lines
 
 
 def test_nemo_automodel_functions_suite_outcome(pytester: pytest.Pytester) -> None:

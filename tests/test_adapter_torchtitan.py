@@ -14,12 +14,19 @@ change in the harness or in torchtitan that flips one is noticed:
 * both: unpacked and cross-kind cells and legacy cells are n/a (``GroupedExperts`` is packed;
   torchtitan has no legacy save).
 
+The ``forward`` check (torchtitan's own MoE forward with its token dispatcher): passes in every
+``torchtitan`` cell that runs it; n/a where E=6 is loaded at ep=4 (the all-to-all dispatcher's
+``view(ep, -1)`` of the token counts) and, for ``torchtitan-local``, at every ep > 1 (spmd_types' list
+all_to_all of uneven chunks, which gloo refuses).  Its negative control: ``seeded_forward``'s router rows
+of experts 0 and 1 swapped in the forward after a load fail only ``forward``, in one cell.
+
 Each run takes about 50-80 s on 2 cores (the whole module about 2.5 min on a loaded machine).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +50,15 @@ def run_matrix(pytester: pytest.Pytester, adapter: str) -> tuple[pytest.RunResul
     return result, doc
 
 
+#: the forward check's n/a reasons, as found.
+DISPATCHER_E6 = ("the framework's forward cannot run in this cell: torchtitan's AllToAllTokenDispatcher cannot split "
+                 "the token counts of E=6 experts over ep=4 (_token_count_exchange: "
+                 "num_local_tokens_per_expert_E.view(ep, -1)): RuntimeError: shape '[4, -1]' is invalid for input "
+                 "of size 6")
+GLOO_LIST_ALL_TO_ALL = "list all_to_all of uneven per-rank chunks, which ProcessGroupGloo refuses"
+FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
+
+
 def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Pytester) -> None:
     result, doc = run_matrix(pytester, "torchtitan")
     cells, statuses, na = by_status(doc)
@@ -55,6 +71,25 @@ def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Py
     for cell_id, (s, t) in E6.items():
         assert (cells[cell_id]["save_ep"], cells[cell_id]["load_ep"], cells[cell_id]["num_experts"]) == (s, t, 6)
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
+        if t == 4:  # the all-to-all dispatcher cannot split E=6 token counts over 4 ranks
+            assert cells[cell_id]["skipped_checks"] == {"forward": DISPATCHER_E6}, cells[cell_id]
+        else:
+            assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
+    for cell_id in EVEN:  # torchtitan's forward after the load equals the ep=1 truth's, with and without FSDP
+        assert FORWARD_RAN.search(cells[cell_id]["detail"]) and not cells[cell_id]["skipped_checks"], cells[cell_id]
+
+
+def test_torchtitan_forward_catches_router_rows_swapped_after_the_load(pytester: pytest.Pytester) -> None:
+    """The forward check's negative control: only ``forward`` sees it (the stored tensors are right)."""
+    pytester.makepyfile(seeded_forward=(Path(__file__).parent / "seeded_forward.py").read_text())
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_forward:TorchtitanSwappedRouter",
+                        "-k", "save_ep1 and load_ep2 and not fsdp and not optim")
+    cells, statuses, _ = by_status(doc)
+    cell_id = "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2c"
+    assert statuses == {"fail": {cell_id}, "n/a": statuses.get("n/a", set())}, statuses
+    lines = cells[cell_id]["detail"].splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
+                                                   "ground truth's") for r, line in enumerate(lines)), lines
 
 
 def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pytester) -> None:
@@ -74,7 +109,9 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
 
     for cell_id in passing:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
-    for cell_id in silent:
+        assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
+    for cell_id in silent:  # the forward at ep > 1 cannot run on gloo under spmd_types: the values finding stays
+        assert GLOO_LIST_ALL_TO_ALL in cells[cell_id]["skipped_checks"]["forward"], cells[cell_id]
         # DCP kept one rank's E/ep rows of each expert tensor; the other ranks got them on reload.
         detail = cells[cell_id]["detail"]
         assert re.search(r"first difference: rank \d, layer \d, expert \d, tensor 'w[123]_E[FD][FD]': "

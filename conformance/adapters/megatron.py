@@ -65,9 +65,9 @@ Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of e
 ``mp_rank_00_<ep_rank:03d>/model_optim_rng.pt``; ``dist_checkpointing.load`` refuses such a directory
 (``CheckpointingException``: not a distributed checkpoint).
 
-Not implemented: ``forward``.  Megatron's MoE forward all-gathers tokens over the EP group, which the
-adapter destroys at the end of each ``save``/``load`` (above), and the router moves its weights to
-``torch.cuda.current_device()`` at its first forward (``transformer/moe/router.py``, ``gating``).
+``forward`` is n/a in every cell (it raises :class:`conformance.adapter.NotApplicable` with the reason, which
+each cell's record shows): see :data:`FORWARD_NOT_RUN`.  Expert tensor parallelism
+(``expert_tensor_parallel_size``, the ``etp`` layouts) is not driven: ``capabilities.etp`` is False.
 """
 
 from __future__ import annotations
@@ -89,6 +89,15 @@ from conformance.adapters.megatron_cpu import (
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+#: why Megatron's own MoELayer forward does not run here (found trying it on the ground truth, issue 21).
+FORWARD_NOT_RUN = (
+    "Megatron's MoELayer forward does not run on this CPU/gloo set-up: on the ground truth's one-rank "
+    "pg_collection the shared expert's RowParallelLinear reduces over a tensor-parallel group that is None "
+    "(tensor_parallel/mappings.py, _reduce: 'group should not be None'); the router moves its weights to "
+    "torch.cuda.current_device() at its first forward (transformer/moe/router.py); and the layers keep the EP "
+    "groups captured at build, which the adapter destroys at the end of each load")
+#: and for the packed kind, before any of that.
+GROUPED_MLP_NOT_RUN = "GroupedMLP.forward calls grouped_gemm's gg.ops.gmm (a CUDA-only package, not installed)"
 LR = 1e-2
 WEIGHT_DECAY = 0.01
 # -- the model -----------------------------------------------------------------------------------------
@@ -283,6 +292,14 @@ class MegatronAdapter:
         """One step of Megatron's optimizer on synthetic_grad gradients."""
         _set_grads(model, seed, step)
         _step(optimizer)
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        """n/a: raises NotApplicable naming what stops Megatron's forward here (the same on every rank)."""
+        from conformance.adapter import NotApplicable
+
+        if not hasattr(model.moe_layers()[0].experts, "local_experts"):  # GroupedMLP (packed)
+            raise NotApplicable(f"{GROUPED_MLP_NOT_RUN}; and {FORWARD_NOT_RUN}")
+        raise NotApplicable(FORWARD_NOT_RUN)
 
     # -- checkpoint path -----------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:

@@ -69,6 +69,7 @@ from typing import Any
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    NotApplicable,
     Spec,
     local_region,
     run_steps,
@@ -121,6 +122,37 @@ class NemoAutomodelAdapter:
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
         return torch_optimizer_scalars(optimizer)
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        """NeMo's own ``MoE.forward`` in every block (``Gate``, ``GroupedExperts`` -- at ep > 1 its all-gather of
+        the tokens over the EP group and an all-reduce of the outputs -- and the shared expert) on ``batch``;
+        FSDP2's parameters resharded after it (NeMo's ``apply_fsdp`` keeps them unsharded after a forward).
+
+        ``GroupedExperts.forward`` asserts ``n_routed_experts % ep_size == 0`` on every rank before any
+        exchange: there the check is n/a with NeMo's assertion.  NeMo's ``@torch.compile``d SwiGLU
+        (``moe/megatron/moe_utils.py``, ``weighted_swiglu``) runs eagerly (``set_stance("force_eager")``): the same
+        function, without inductor's CPU compile of each variant in each rank process (about a minute each on
+        2 cores).
+        """
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        experts = next(iter(_moe_layers(model)))[1].experts
+        ep = getattr(experts.gate_and_up_projs, "device_mesh", None)
+        ep_size, num_experts = (1 if ep is None else ep.size()), experts.n_routed_experts
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                out = model(batch.to(next(model.parameters()).device))
+        except AssertionError as exc:
+            if num_experts % ep_size == 0:
+                raise
+            raise NotApplicable(f"NeMo's GroupedExperts.forward cannot run E={num_experts} experts at ep={ep_size}: "
+                                f"AssertionError: {exc}") from exc
+        finally:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -181,14 +213,24 @@ def _model_class() -> type:
     from torch import nn
 
     class Block(nn.Module):
+        """A decoder layer reduced to its MoE: ``x + mlp(x)`` (no attention, no norms)."""
+
         def __init__(self, config: Any, backend: Any) -> None:
             super().__init__()
             self.mlp = MoE(config, backend)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.mlp(x)
 
     class Decoder(nn.Module):
         def __init__(self, spec: Spec, config: Any, backend: Any) -> None:
             super().__init__()
             self.layers = nn.ModuleDict({str(i): Block(config, backend) for i in range(spec.num_layers)})
+
+        def forward(self, x: Any) -> Any:
+            for block in self.layers.values():
+                x = block(x)
+            return x
 
     class Model(nn.Module):
         def __init__(self, spec: Spec) -> None:
@@ -207,6 +249,9 @@ def _model_class() -> type:
                 softmax_before_topk=True, dtype=dtype)
             self.model = Decoder(spec, config, backend)
             self.state_dict_adapter = Qwen3MoeStateDictAdapter(None, config, backend, dtype=dtype)
+
+        def forward(self, x: Any) -> Any:  # through the modules NeMo's apply_fsdp wraps, so its hooks run
+            return self.model(x)
 
     return Model
 

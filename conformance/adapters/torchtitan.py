@@ -81,6 +81,7 @@ from typing import Any
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    NotApplicable,
     Spec,
     local_region,
     run_steps,
@@ -93,6 +94,8 @@ EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 _EXPERTS = "routed_experts.inner_experts."
 #: attribute set on the built model: (rank on the ep mesh, ep degree) for plain local expert tensors.
 _EP_COORDS = "_conformance_ep_coords"
+#: attribute set on the built model: its torchtitan ParallelDims (None for the ground truth), for the forward.
+_PARALLEL_DIMS = "_conformance_parallel_dims"
 
 
 class TorchtitanAdapter:
@@ -131,13 +134,14 @@ class TorchtitanAdapter:
         parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend=self.spmd_backend)
         with torch.device("meta"), set_default_dtype(getattr(torch, spec.dtype)):
             model = _build_model(spec, parallelism, enable_ep=ep > 1)
-        coords = (0, 1)
+        coords, parallel_dims = (0, 1), None
         if mesh is not None:
             parallel_dims = _parallel_dims(self.spmd_backend, ep, device.type)
-            _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp)
+            _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp, dtype=spec.dtype)
             if ep > 1:
                 coords = (parallel_dims.get_mesh("ep").get_local_rank(), ep)
         object.__setattr__(model, _EP_COORDS, coords)
+        object.__setattr__(model, _PARALLEL_DIMS, parallel_dims)
         model.to_empty(device=device)
         with torch.no_grad():
             model.init_states(buffer_device=None)
@@ -166,6 +170,51 @@ class TorchtitanAdapter:
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
         return torch_optimizer_scalars(optimizer)
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        """torchtitan's own forward of every MoE block on ``batch`` as one sequence: router, its token dispatcher
+        (the all-to-all one at ep > 1, local reordering at ep=1), ``GroupedExperts``, the shared expert.
+
+        It runs inside torchtitan's own training context (``dist_utils.get_spmd_context``, as ``Trainer`` wraps
+        each step: under ``spmd_types`` it registers the dense and sparse meshes the dispatcher reads).  FSDP2's
+        parameters are resharded after it.  torchtitan's dispatcher splits the per-expert token counts
+        over the EP ranks with ``view(ep, -1)``, which no E % ep != 0 can take: there every rank raises before
+        any exchange, and the check is n/a with torchtitan's own error.
+        """
+        import contextlib
+        import warnings
+
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.distributed import utils as dist_utils
+
+        num_experts, (_, ep) = _num_experts(model), getattr(model, _EP_COORDS)
+        device = next(model.parameters()).device
+        if self.spmd_backend == "spmd_types" and ep > 1 and device.type == "cpu":
+            # decided before the forward: a rank whose chunks happen to be equal would enter the exchange alone
+            raise NotApplicable("under spmd_types torchtitan's AllToAllTokenDispatcher exchanges tokens with "
+                                "spmd_types' all_to_all, a list all_to_all of uneven per-rank chunks, which "
+                                "ProcessGroupGloo refuses (found: 'ProcessGroupGloo::alltoall: invalid tensor size "
+                                "at index 1 (expected (15, 16), got (17, 16))')")
+        parallel_dims = getattr(model, _PARALLEL_DIMS)
+        context = (dist_utils.get_spmd_context(parallel_dims=parallel_dims)() if parallel_dims is not None
+                   else contextlib.nullcontext())
+        try:
+            with torch.no_grad(), context, warnings.catch_warnings():
+                # the router's fp32 autocast, which CPU autocast does not support (a no-op there)
+                warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
+                out = model(batch.to(device)[None])[0]
+        except RuntimeError as exc:
+            if num_experts % ep == 0:
+                raise
+            raise NotApplicable(f"torchtitan's AllToAllTokenDispatcher cannot split the token counts of E="
+                                f"{num_experts} experts over ep={ep} (_token_count_exchange: "
+                                f"num_local_tokens_per_expert_E.view(ep, -1)): {type(exc).__name__}: {exc}") from exc
+        finally:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -303,7 +352,7 @@ def _model_classes() -> tuple[type, type]:
     return MoEBlock, MoEStack
 
 
-def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool) -> None:
+def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool, dtype: str) -> None:
     """The trainer's parallelize_fn (Qwen3's, shared by torchtitan's MoE decoders)."""
     import tempfile
 
@@ -312,7 +361,10 @@ def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool
 
     with tempfile.TemporaryDirectory(prefix="torchtitan-dump-") as dump_folder:
         try:
-            parallelize_qwen3(model, parallel_dims=parallel_dims, training=TrainingConfig(), parallelism=parallelism,
+            # FSDP computes in the cell's dtype (torchtitan's default bf16 casts for compute only; storage is the
+            # same), so the forward compares with the ground truth's, which has no FSDP.
+            training = TrainingConfig(mixed_precision_param="bfloat16" if dtype == "bfloat16" else "float32")
+            parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder,
                               skip_dp=not fsdp)
         except Exception as exc:  # the framework's own failure, named with the configuration it failed in

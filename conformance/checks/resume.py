@@ -11,14 +11,16 @@ rate, so a load that leaves the step count, the lr or any moment alone changes w
   the truth after the same step, bit for bit.
 
 Each needs an optional adapter member (``scalars``, ``forward``, ``step``); without it the check is
-skipped with the reason, which the report shows.
+skipped with the reason, which the report shows.  A ``forward`` that raises
+:class:`~conformance.adapter.NotApplicable` (the framework cannot run its forward in this cell) skips the
+check with the adapter's reason.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import Built, state_scalars
+from conformance.adapter import Built, NotApplicable, state_scalars
 from conformance.checks.truth import FORWARD_ATOL, FORWARD_RTOL, SEED_A, Truth, batch_for
 from conformance.checks.values import Held, canonical, compare
 from conformance.checks.verdict import Mismatch, RankVerdict
@@ -62,9 +64,13 @@ def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, 
 
     forward = getattr(adapter, "forward", None)
     if not callable(forward) or truth.output is None:
-        verdict.skipped["forward"] = "the adapter has no forward(model, batch)"
+        verdict.skipped["forward"] = truth.output_not_applicable or "the adapter has no forward(model, batch)"
         return
-    out = forward(model, batch_for(spec)).detach().cpu()
+    try:
+        out = forward(model, batch_for(spec)).detach().cpu()
+    except NotApplicable as exc:
+        verdict.skipped["forward"] = f"the framework's forward cannot run in this cell: {exc}"
+        return
     want = truth.output
     if out.shape != want.shape:
         verdict.problem("forward", f"rank {rank}: the forward gives shape {tuple(out.shape)}, expected "

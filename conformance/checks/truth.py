@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import Spec, built
+from conformance.adapter import NotApplicable, Spec, built
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
 from conformance.synthetic import synthetic_batch
@@ -31,6 +31,8 @@ class Truth:
     #: after one more optimizer step (``adapter.step``), for the resume check.
     next_state: dict[Key, Any] | None = None
     next_scalars: dict[str, Any] | None = None
+    #: why the framework's forward cannot run on the truth (its NotApplicable), when it cannot.
+    output_not_applicable: str | None = None
 
 
 def truth_spec(spec: Spec) -> Spec:
@@ -79,5 +81,8 @@ def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
         truth.next_scalars = all_scalars(adapter, b, optimizer)
     forward = getattr(adapter, "forward", None)
     if callable(forward):  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
-        truth.output = forward(model, batch_for(spec)).detach().cpu().clone()
+        try:
+            truth.output = forward(model, batch_for(spec)).detach().cpu().clone()
+        except NotApplicable as exc:
+            truth.output_not_applicable = f"the framework's forward cannot run on the ep=1 ground truth: {exc}"
     return truth
