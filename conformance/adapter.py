@@ -128,6 +128,8 @@ class Capabilities:
     hsdp: bool = False
     #: expert tensor parallelism: each expert's weights split over ``etp`` ranks.
     etp: bool = False
+    #: EP without FSDP2 (``False``: the framework composes EP only with FSDP2, so EP-only cells are n/a).
+    ep_only: bool = True
 
 
 _CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities) if f.default is MISSING)
@@ -151,7 +153,7 @@ def capabilities_of(adapter: Any) -> Capabilities:
         raise AdapterError(f"adapter capabilities.ep_orders must list {' and/or '.join(EP_ORDERS)}, got {orders!r}")
     return Capabilities(kinds, bool(get("optimizer")), bool(get("fsdp")), bool(get("uneven")),
                         int(get("max_ep")), str(get("format")), bool(get("cross_kind", False)), orders,
-                        bool(get("hsdp", False)), bool(get("etp", False)))
+                        bool(get("hsdp", False)), bool(get("etp", False)), bool(get("ep_only", True)))
 
 
 def missing_members(adapter: Any) -> list[str]:
