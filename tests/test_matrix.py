@@ -265,3 +265,19 @@ def test_a_packed_key_without_expert_in_its_name_is_still_checked(pytester: pyte
     assert "raised LoadFailed: the checkpoint differs from an EP-invariant one: layer " in cell["detail"], cell
     assert re.search(r"key 'model\.layers\.\d\.moe\.(gate|up|down)_w', experts 2\.\.3: its expert axis has 2 rows, "
                      r"expected 4 \(the global extent\): 2 is a local count", cell["detail"]), cell["detail"]
+
+
+def test_an_adapter_that_composes_ep_only_with_fsdp_gets_its_ep_only_cells_na() -> None:
+    from conformance.adapter import Capabilities, capabilities_of
+    from conformance.matrix import checkpoint_cells
+
+    caps = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp",
+                        ep_orders=("consecutive",), ep_only=False)
+    cells = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4,), has_legacy=False) if c.kind == "packed"]
+    assert {c.na for c in cells if not c.fsdp and not c.legacy} == {
+        "adapter composes EP only with FSDP2 (no EP-only cells)"}
+    assert [c for c in cells if c.fsdp] and all(not c.na for c in cells if c.fsdp)
+    as_mapping = type("Adapter", (), {"capabilities": {"kinds": ("packed",), "optimizer": True, "fsdp": True,
+                                                       "uneven": True, "max_ep": 4, "format": "dcp", "ep_only": False}})
+    assert capabilities_of(as_mapping).ep_only is False
+    assert caps.__class__(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp").ep_only
