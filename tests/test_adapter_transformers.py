@@ -12,8 +12,10 @@ E=4 -- ep2c -> ep4, ep4 -> ep1 and HSDP ep2.hsdp2 -> ep4 pass bit for bit with e
 the optimizer load left out (what a Trainer resume under ``DistributedConfig`` gives: the Trainer refuses to
 save optimizer state there) fails its cell on ``scalars`` and ``values``.
 
-Cost: about 100 s for both runs on 2 shared cores (most of it the rank worlds' start and the transformers
-import in each rank).
+Cost: two rank worlds (one per run), and their start and the transformers import in each rank dominate.
+Measured: 461 s for both on a 2-core machine at load average 100-400 (7 agents sharing it). On that machine
+under lighter load, a world's first cell took 53 s and later cells 1-11 s, so expect about 2 minutes on an idle
+2-core CI machine.
 """
 
 from __future__ import annotations
