@@ -37,6 +37,10 @@ What it drives (transformers' own code; nothing of the EP split or of the checkp
   dispatch, experts, head) on the suite's batch; runs on CPU/gloo.  It is the root module's forward because
   FSDP2 refuses a forward of the inner ``model.model``, which is not a module it wraps (several roots).
 
+What the matrix finds (asserted cell by cell in ``tests/test_adapter_transformers.py``; the write-up is
+``docs/frameworks/transformers.md``): every applicable cell passes bit for bit with every check, forward
+included -- packed, model and model+optimizer, FSDP2 and HSDP, between ep 1, 2 and 4.
+
 Workarounds (none changes what is checked):
 
 * The truth checkpoint is an ep=1 save without FSDP; transformers' distributed save needs FSDP2 (see above),
