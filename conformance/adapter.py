@@ -7,16 +7,23 @@ example adapter):
     What the report calls the framework.
 ``capabilities``
     A :class:`Capabilities` (or a mapping with its fields): which cells apply.
-``build(spec, mesh, seed) -> (model, optimizer | None)``
+``build(spec, mesh, seed) -> (model, optimizer | None)`` or ``(model, optimizer | None, state)``
     The framework's own MoE model at ``spec.layout`` (a :class:`~conformance.layout.ParallelLayout`:
     degrees and EP-group order; ``mesh`` is its DeviceMesh with dims ``dp_replicate``, ``ep``,
     ``dp_shard``, ``etp``).  ``mesh=None`` asks for the unsharded ep=1 model built on this rank alone
     (the suite's ground truth).  Global expert weights depend only on ``seed``; when
     ``spec.optimizer_steps > 0`` the adapter has run that many steps of the framework's optimizer at
     learning rate ``spec.lr`` with gradients from :func:`conformance.synthetic_grad` (see
-    :func:`run_steps`).
+    :func:`run_steps`).  ``state`` is optional: a mapping of the rest of the training state by name
+    (an LR scheduler, a train-state dict) -- see *Training state* below.
+    :meth:`~conformance.layout.ParallelLayout.framework_mesh` gives the mesh with only the dims > 1,
+    named as the framework names them; :meth:`~conformance.layout.ParallelLayout.rank_grid` and
+    ``ep_groups`` give the ranks for frameworks that form their own groups.  Whatever the adapter
+    builds, the harness checks that each rank reports the experts the layout gives its EP rank.
 ``save(model, optimizer, path)`` / ``load(model, optimizer, path)``
-    The framework's real checkpoint path.
+    The framework's real checkpoint path.  In model-only cells ``optimizer`` is ``None`` -- unless
+    ``capabilities.model_saves_optimizer``: then it is the optimizer ``build`` made at step 0, as a
+    trainer whose save always includes one needs (the checks still ignore it).
 ``expert_tensors(model, optimizer)`` / ``other_tensors(model, optimizer)``
     Yield ``(layer, global_expert_id, name, tensor)`` for this rank's experts (weights and their
     optimizer moments) and for everything else (``global_expert_id=None``).  A DTensor is compared
@@ -45,6 +52,27 @@ Optional members (a check that needs one is ``n/a`` without it, with the reason)
 ``preload``
     Module names the rank fork server imports once (the framework itself), so no cell pays for
     importing it.
+``expert_keys``
+    Regexes naming the checkpoint's expert keys (the ``--expert-key`` form of ``moe-ep-inspect``: a
+    named group ``expert`` for per-expert keys, none for packed keys).  Rarely needed: the checkpoint
+    check learns which keys (and packed rows) hold which experts from the ep=1 save's *content*; names
+    are only hints, for experts stored in a form the values do not show (fused, transposed).
+
+*Training state.*  When ``build`` returns a third element ``state`` (a mapping name -> object), the
+harness passes it as the keyword ``state=`` to ``save``, ``load``, ``step`` and ``scalars`` of that
+model -- and only then, so two-element adapters are called as before.  ``build`` gets the spec, so
+whatever a real save needs (``spec.lr``, the scheduler) can ride in ``state``.  The ``scalars``
+check compares, besides the adapter's own ``scalars``, every object in ``state``: a torch LR
+scheduler's ``state_dict()`` (``last_epoch``, ``base_lrs``, ``_last_lr``, ...) and a mapping's plain
+values, as ``state.<name>.<field>``.
+
+*Capabilities mean what they say.*  A capability the framework does not have at all is declared
+``False`` (its cells are ``n/a`` with the reason).  ``uneven=True`` means "run it": a framework that
+refuses ``E % ep != 0`` loudly is declared ``uneven=True`` and its refusal is an ``error`` cell whose
+first line is the framework's own message (a finding about the framework, not a crash of the
+harness) -- declare ``uneven=False`` only when the framework has no such configuration at all.  The
+same rule for legacy cells: they exist only with ``save_legacy`` (the framework's own old, lossy
+save); a framework that never had a separate old save omits it and its legacy cells are ``n/a``.
 
 Helpers a framework's own adapter may use: :data:`ADAM_MOMENTS`, :func:`world_device`,
 :func:`run_steps`, :func:`installed_version`, :func:`local_region`.
@@ -54,9 +82,10 @@ from __future__ import annotations
 
 import importlib
 import pickle
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from conformance.layout import EP_ORDERS, ParallelLayout
 
@@ -64,22 +93,29 @@ __all__ = [
     "ADAM_MOMENTS",
     "REQUIRED_MEMBERS",
     "AdapterError",
+    "Built",
     "Capabilities",
+    "CheckpointAdapter",
+    "OptionalMembers",
     "Spec",
+    "TensorEntry",
+    "built",
     "capabilities_of",
     "installed_version",
     "load_adapter",
     "local_region",
     "missing_members",
     "run_steps",
+    "state_scalars",
     "torch_optimizer_scalars",
+    "with_moments",
     "world_device",
 ]
 
 REQUIRED_MEMBERS = ("name", "version", "capabilities", "build", "save", "load", "expert_tensors",
                     "other_tensors")
 OPTIONAL_MEMBERS = ("step", "scalars", "forward", "read_checkpoint", "ep_dependent_keys", "check_saved",
-                    "refusal_errors", "save_legacy", "preload")
+                    "refusal_errors", "save_legacy", "preload", "expert_keys")
 #: the optimizer state every Adam-family optimizer keeps per parameter.
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -128,6 +164,8 @@ class Capabilities:
     hsdp: bool = False
     #: expert tensor parallelism: each expert's weights split over ``etp`` ranks.
     etp: bool = False
+    #: the framework's save and load need its optimizer even in model-only cells (built at step 0).
+    model_saves_optimizer: bool = False
     #: EP without FSDP2 (``False``: the framework composes EP only with FSDP2, so EP-only cells are n/a).
     ep_only: bool = True
 
@@ -151,9 +189,11 @@ def capabilities_of(adapter: Any) -> Capabilities:
     bad = [o for o in orders if o not in EP_ORDERS]
     if bad or not orders:
         raise AdapterError(f"adapter capabilities.ep_orders must list {' and/or '.join(EP_ORDERS)}, got {orders!r}")
-    return Capabilities(kinds, bool(get("optimizer")), bool(get("fsdp")), bool(get("uneven")),
-                        int(get("max_ep")), str(get("format")), bool(get("cross_kind", False)), orders,
-                        bool(get("hsdp", False)), bool(get("etp", False)), bool(get("ep_only", True)))
+    flags = {f.name: bool(get(f.name, f.default)) for f in fields(Capabilities)
+             if f.default is not MISSING and isinstance(f.default, bool)}
+    return Capabilities(kinds=kinds, optimizer=bool(get("optimizer")), fsdp=bool(get("fsdp")),
+                        uneven=bool(get("uneven")), max_ep=int(get("max_ep")), format=str(get("format")),
+                        ep_orders=orders, **flags)
 
 
 def missing_members(adapter: Any) -> list[str]:
@@ -197,6 +237,12 @@ def check_adapter(adapter: Any, origin: str) -> Capabilities:
     if missing:
         raise AdapterError(f"adapter {origin} is missing: {', '.join(missing)} (required: "
                            f"{', '.join(REQUIRED_MEMBERS)}; optional: {', '.join(OPTIONAL_MEMBERS)})")
+    for regex in getattr(adapter, "expert_keys", ()) or ():
+        try:
+            re.compile(regex)
+        except (re.error, TypeError) as exc:
+            raise AdapterError(f"adapter {origin}: expert_keys entry {regex!r} is not a regular expression: "
+                               f"{exc}") from None
     try:
         pickle.dumps(adapter)
     except Exception as exc:  # any pickling failure means the same: ranks cannot receive it
@@ -262,3 +308,128 @@ def installed_version(module: str) -> str:
         except metadata.PackageNotFoundError:
             continue
     return ""
+
+
+class Built(NamedTuple):
+    """What ``build`` returned: the model, its optimizer (or ``None``) and the rest of the training state."""
+
+    model: Any
+    optimizer: Any
+    state: Mapping[str, Any] | None = None
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The keyword arguments ``save``/``load``/``step``/``scalars`` of this model get: ``state=`` if any."""
+        return {} if self.state is None else {"state": self.state}
+
+
+def built(result: Any, where: str = "build") -> Built:
+    """``build``'s result as a :class:`Built`; anything but ``(model, optimizer[, state])`` is an AdapterError."""
+    if isinstance(result, tuple) and len(result) in (2, 3):
+        state = result[2] if len(result) == 3 else None
+        if state is not None and not isinstance(state, Mapping):
+            raise AdapterError(f"{where} returned a third element of type {type(state).__name__}; expected a "
+                               "mapping of training-state objects by name (an LR scheduler, a train-state dict)")
+        return Built(result[0], result[1], state)
+    raise AdapterError(f"{where} returned {type(result).__name__}"
+                       f"{f' of length {len(result)}' if isinstance(result, tuple) else ''}; expected "
+                       "(model, optimizer) or (model, optimizer, state)")
+
+
+def _plain(value: Any) -> Any:
+    """A scalar-ish value as plain Python (a list for tuples and 0-d or small tensors), else ``None``."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return items if all(i is not None or v is None for i, v in zip(items, value, strict=True)) else None
+    if hasattr(value, "numel") and hasattr(value, "tolist") and value.numel() <= 16:
+        return value.tolist()
+    return None
+
+
+def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The scalars of the training state beyond the optimizer, as ``state.<name>.<field>``.
+
+    Each object's ``state_dict()`` (a torch LR scheduler: ``last_epoch``, ``base_lrs``, ``_last_lr``, ...),
+    or a mapping's own items; values that are not plain scalars (tensors, nested dicts) are left out.
+    """
+    found: dict[str, Any] = {}
+    for name, obj in sorted((state or {}).items()):
+        fields_ = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        if not isinstance(fields_, Mapping):
+            value = _plain(fields_)
+            if value is not None:
+                found[f"state.{name}"] = value
+            continue
+        for field_name, value in sorted(fields_.items(), key=lambda kv: str(kv[0])):
+            plain = _plain(value)
+            if plain is not None or value is None:
+                found[f"state.{name}.{field_name}"] = plain
+    return found
+
+
+# -- the contract, typed ---------------------------------------------------------------------------------------
+class TensorEntry(NamedTuple):
+    """One tensor ``expert_tensors`` / ``other_tensors`` yields: ``expert`` is the global id (``None`` for
+    everything that is not an expert's)."""
+
+    layer: int | None
+    expert: int | None
+    name: str
+    tensor: Any
+
+
+@runtime_checkable
+class CheckpointAdapter(Protocol):
+    """The required members of a checkpoint adapter (see the module docstring for what each must do).
+
+    An outside framework's adapter can be type-checked against it; the optional members are in
+    :class:`OptionalMembers`.  A class with these members is an adapter: nothing needs to inherit from this.
+    """
+
+    name: str
+    version: str
+    capabilities: Capabilities | Mapping[str, Any]
+
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, ...]: ...
+    def save(self, model: Any, optimizer: Any, path: str) -> None: ...
+    def load(self, model: Any, optimizer: Any, path: str) -> None: ...
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterable[tuple[int | None, int | None, str, Any]]: ...
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterable[tuple[int | None, None, str, Any]]: ...
+
+
+class OptionalMembers(Protocol):
+    """The optional members, as a checker sees them (an adapter has any subset of these)."""
+
+    ep_dependent_keys: Sequence[str]
+    refusal_errors: tuple[type[BaseException], ...]
+    preload: Sequence[str]
+    expert_keys: Sequence[str]
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None: ...
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]: ...
+    def forward(self, model: Any, batch: Any) -> Any: ...
+    def read_checkpoint(self, path: str) -> dict[str, Any]: ...
+    def check_saved(self, model: Any, path: str) -> None: ...
+    def save_legacy(self, model: Any, optimizer: Any, path: str) -> None: ...
+
+
+def with_moments(layer: int | None, experts: Iterable[tuple[int, Any]], name: str, state: Mapping[Any, Any],
+                 param: Any, rows: Callable[[Any], Iterable[tuple[int, Any]]] | None = None,
+                 moments: Sequence[str] = ADAM_MOMENTS) -> Iterator[TensorEntry]:
+    """A parameter's expert tensors and their optimizer moments: the loop every adapter's ``expert_tensors`` writes.
+
+    ``experts`` gives ``(global id, tensor)`` of ``param``'s experts; each moment ``state[param][m]`` is cut the
+    same way by ``rows`` (default: the moment's row ``i`` for the ``i``-th expert of ``experts``).
+    """
+    found = list(experts)
+    for g, tensor in found:
+        yield TensorEntry(layer, g, name, tensor)
+    for moment in moments:
+        held = state.get(param, {}).get(moment) if hasattr(state.get(param, {}), "get") else None
+        if held is None:
+            continue
+        cut = rows(held) if rows is not None else ((g, held[i]) for i, (g, _) in enumerate(found))
+        for g, tensor in cut:
+            yield TensorEntry(layer, g, f"{name}.{moment}", tensor)

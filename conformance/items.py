@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -80,6 +81,9 @@ class MatrixItem(pytest.Item):
             self._finish("n/a", str(exc.msg), started)
             raise
         except WorldError as exc:  # the cause alone: the node id already names the call
+            if exc.errors:  # each distinct error in full, for whoever reads the JSON record
+                self.record["errors"] = {str(r): e.message for r, e in sorted(exc.errors.items())
+                                         if e.message not in {x.message for q, x in exc.errors.items() if q < r}}
             self._finish("error", exc.cause, started)
             raise CellError(exc) from None
         except BaseException as exc:
@@ -128,7 +132,7 @@ class CheckpointCellItem(MatrixItem):
 
     def check(self) -> tuple[str, str]:
         saves = self.matrix.saves
-        plan = saves.plan(self.cell)
+        plan = replace(saves.plan(self.cell), expert_keys=self.matrix.expert_keys)
         ok = False
         try:
             result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, plan), {},

@@ -20,6 +20,7 @@ each expert's weights split over ``etp`` ranks (always the innermost, consecutiv
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,9 +160,52 @@ class ParallelLayout:
         order = f" ({self.ep_order} EP groups)" if self.order_matters else ""
         return f"ep={self.ep}{order}, etp={self.etp}, dp_shard={self.dp_shard}, dp_replicate={self.dp_replicate}"
 
+    def experts_of(self, rank: int, num_experts: int) -> tuple[int, int]:
+        """``(start, end)`` of the global experts ``rank`` holds: the layout rule at its EP coordinate."""
+        from reference_impl.layout import expert_range
+
+        return expert_range(num_experts, self.ep, self.coordinates(rank)["ep"])
+
+    def framework_dims(self, names: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], tuple[int, ...], Any]:
+        """``(dim names, sizes, rank grid)`` of the dims > 1 only, named as a framework names them.
+
+        ``names`` maps this module's dim names (:data:`MESH_DIMS`) to the framework's (``{"dp_shard":
+        "fsdp"}``); a framework that branches on which dims exist, or builds its own groups from a grid,
+        gets the layout in its own terms.  With every dim of size 1 the result is one dim of the whole world.
+        """
+        names = dict(names or {})
+        unknown = sorted(set(names) - set(MESH_DIMS))
+        if unknown:
+            raise LayoutError("names", unknown, f"keys among {', '.join(MESH_DIMS)}")
+        keep = [i for i, n in enumerate(self.shape) if n > 1] or [MESH_DIMS.index("dp_shard")]
+        grid = _fill(self, keep)
+        return tuple(names.get(MESH_DIMS[i], MESH_DIMS[i]) for i in keep), tuple(self.shape[i] for i in keep), grid
+
     # -- the mesh -----------------------------------------------------------------------------------
+    def framework_mesh(self, names: Mapping[str, str] | None = None) -> Any:
+        """This layout's DeviceMesh with only the dims > 1, named by ``names`` (see :meth:`framework_dims`)."""
+        from pytest_moe_ep.world.meshes import device_mesh
+
+        dims, sizes, grid = self.framework_dims(names)
+        return device_mesh(sizes, dims, grid)
+
     def build_mesh(self) -> Any:
         """This layout's DeviceMesh on the world's device (inside a rank; cached per process)."""
         from pytest_moe_ep.world.meshes import device_mesh
 
         return device_mesh(self.shape, MESH_DIMS, self.rank_grid() if self.ep_order != "strided" else None)
+
+
+def _fill(layout: ParallelLayout, keep: list[int]) -> Any:
+    """The rank grid over the kept dims (sizes > 1): dropped dims are size 1, so each cell is one rank."""
+    sizes = [layout.shape[i] for i in keep]
+
+    def build(depth: int, coords: list[int]) -> Any:
+        if depth == len(sizes):
+            full = [0] * len(MESH_DIMS)
+            for i, c in zip(keep, coords, strict=True):
+                full[i] = c
+            return layout.rank_at(*full)
+        return [build(depth + 1, [*coords, c]) for c in range(sizes[depth])]
+
+    return build(0, [])

@@ -37,6 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--moe-ep-functions", dest="moe_ep_functions", default=None, metavar="MODULE",
                     help="check a module exposing the nine expert-slice functions against the reference "
                     "(a built-in name such as nemo_automodel, or a dotted module path)")
+    group.addoption("--moe-ep-expert-key", dest="moe_ep_expert_key", action="append", default=[], metavar="REGEX",
+                    help="a regex naming checkpoint keys that hold experts (a named group 'expert' for per-expert "
+                    "keys); rarely needed: the matrix learns expert keys from the ep=1 checkpoint's content")
     group.addoption("--moe-ep-report", dest="moe_ep_report", default=None, metavar="DIR",
                     help="write moe-ep-conformance.json and .md into DIR")
 

@@ -98,6 +98,19 @@ def _report_dir(given: str | None) -> Path | None:
     return path
 
 
+def _expert_keys(config: pytest.Config) -> tuple[str, ...]:
+    """``--moe-ep-expert-key`` regexes, each compiled now so a bad one is a usage error before any world starts."""
+    from conformance.inspection import pattern
+
+    given = tuple(config.getoption("moe_ep_expert_key", None) or ())
+    for regex in given:
+        try:
+            pattern(regex)
+        except ValueError as exc:
+            raise _usage(f"--moe-ep-expert-key: {exc}") from exc
+    return given
+
+
 def _experts(config: pytest.Config) -> tuple[int, ...]:
     raw = str(setting(config, "experts"))
     try:
@@ -122,6 +135,8 @@ class MatrixSession:
     num_experts: tuple[int, ...]
     records: list[dict[str, Any]] = field(default_factory=list)
     saves: Any = None
+    #: ``--moe-ep-expert-key`` regexes (the adapter's own ``expert_keys`` travel with the adapter).
+    expert_keys: tuple[str, ...] = ()
 
     NAME = "moe-ep-matrix-session"
 
@@ -131,7 +146,7 @@ class MatrixSession:
         tier = config.getoption("moe_ep_matrix")
         adapter = _adapter(config) if tier is not None else None
         return cls(config, world_size, tier, adapter, _functions(config.getoption("moe_ep_functions")),
-                   _report_dir(config.getoption("moe_ep_report")), _experts(config))
+                   _report_dir(config.getoption("moe_ep_report")), _experts(config), expert_keys=_expert_keys(config))
 
     # -- collection -------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from conformance.adapter import Capabilities
@@ -222,3 +223,125 @@ class LegacyNeverRefused(ReferenceAdapter):
             load(model, optimizer, path, check_saved=False)
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             raise RuntimeError(f"load failed: {exc}") from exc
+
+
+# -- issue 19: a correct framework passes whatever it names its keys; a broken one is blamed for the right thing
+def _bank(key: str) -> str:
+    return key.replace("moe.experts.", "moe.bank.")
+
+
+class RenamedExpertKeys(ReferenceAdapter):
+    """Not a bug: the reference with its per-expert keys renamed (``moe.bank.<id>.up.weight``) to names no
+    pattern knows.  The checkpoint check learns them from the ep=1 save's content, so every cell passes."""
+
+    name = "seeded-renamed-expert-keys"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(_bank):
+            super().save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.checkpoint import load
+
+        with _dcp_with(_bank):  # the guard reads the file's (renamed) keys: check_saved covers legacy cells
+            load(model, optimizer, path, check_saved=False)
+
+
+def _packed_state(model: Any, global_rows: bool) -> dict[str, Any]:
+    """The model's parameters under ``mlp.`` names (no pattern knows them); packed expert weights as DTensors of
+    their global rows (``Shard(0)`` over EP) when ``global_rows``, else as this rank's plain local rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from reference_impl.moe import moe_layers
+
+    packed = {id(getattr(moe, w)) for _, moe in moe_layers(model) for w in moe.packed_weights()}
+    ep_mesh = getattr(model, "_seeded_ep_mesh", None)
+    out: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        value = p.detach()
+        if global_rows and ep_mesh is not None and id(p) in packed:
+            value = DTensor.from_local(value, ep_mesh, [Shard(0)], run_check=False)
+        out[f"model.{name.replace('.moe.', '.mlp.')}"] = value
+    return out
+
+
+class PackedLocalRowLoad(ReferenceAdapter):
+    """A correct save and a broken load (packed layers, EP only, model state): the save hands DCP each packed
+    expert weight as a DTensor of its global rows, so the checkpoint is EP-invariant; the load hands DCP this
+    rank's plain local rows, which DCP refuses at ep > 1 ("Size mismatch ... for model.layers.0.mlp.up_w").  The
+    cell's first line must blame the load, in expert terms -- and the save, named as no pattern knows, is fine."""
+
+    name = "seeded-packed-local-row-load"
+    capabilities = Capabilities(kinds=("packed",), optimizer=False, fsdp=False, uneven=False, max_ep=64,
+                                format="dcp", ep_orders=("strided", "consecutive"))
+    save_legacy = None  # type: ignore[assignment]
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
+        model, optimizer = super().build(spec, mesh, seed)
+        model._seeded_ep_mesh = None if mesh is None or mesh["ep"].size() == 1 else mesh["ep"]
+        return model, optimizer
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_packed_state(model, global_rows=True), checkpoint_id=path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(_packed_state(model, global_rows=False), checkpoint_id=path)  # in place into the parameters
+
+
+class WithScheduler(ReferenceAdapter):
+    """Not a bug: the reference trained with a cosine LR scheduler that rides in ``build``'s training state, a
+    save that needs the optimizer even in model-only cells (``model_saves_optimizer``), and the scheduler saved
+    and restored beside the DCP checkpoint.  Every cell passes; the scheduler's state is part of ``scalars``."""
+
+    name = "seeded-with-scheduler"
+    capabilities = Capabilities(**{**ReferenceAdapter.capabilities.__dict__, "model_saves_optimizer": True})
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+        import torch
+
+        from conformance.adapter import run_steps
+
+        model, _ = super().build(replace(spec, optimizer_steps=0), mesh, seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        state = {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)}
+        run_steps(lambda index: self.step(model, optimizer, seed, index, state=state), 0, spec.optimizer_steps)
+        return model, optimizer, state
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int, state: Any = None) -> None:
+        super().step(model, optimizer, seed, step)
+        state["scheduler"].step()
+
+    def save(self, model: Any, optimizer: Any, path: str, state: Any = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if optimizer is None or state is None:
+            raise ValueError("this trainer's save needs its optimizer and scheduler (its step-0 save included)")
+        super().save(model, optimizer, path)
+        torch.save(state["scheduler"].state_dict(), f"{path}/scheduler-rank{dist.get_rank()}.pt")
+
+    def load(self, model: Any, optimizer: Any, path: str, state: Any = None) -> None:
+        super().load(model, optimizer, path)
+        self._restore_scheduler(path, state)
+
+    @staticmethod
+    def _restore_scheduler(path: str, state: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        state["scheduler"].load_state_dict(torch.load(f"{path}/scheduler-rank{dist.get_rank()}.pt"))
+
+
+class SchedulerNotRestored(WithScheduler):
+    """The load restores model and optimizer but not the LR scheduler: its ``last_epoch`` and ``base_lrs`` stay the
+    load side's (``scalars``)."""
+
+    name = "seeded-scheduler-not-restored"
+
+    @staticmethod
+    def _restore_scheduler(path: str, state: Any) -> None:
+        return None

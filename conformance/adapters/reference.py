@@ -21,7 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, run_steps, torch_optimizer_scalars, world_device
+from conformance.adapter import (
+    ADAM_MOMENTS,
+    Capabilities,
+    Spec,
+    run_steps,
+    torch_optimizer_scalars,
+    with_moments,
+    world_device,
+)
 from conformance.synthetic import synthetic_grad
 
 
@@ -134,17 +142,12 @@ class ReferenceAdapter:
                     for i, expert in enumerate(moe.experts):
                         weight = getattr(expert, linear).weight
                         g = moe.local_expert_start + i
-                        yield layer, g, linear, weight
-                        for moment in ADAM_MOMENTS:
-                            if moment in state.get(weight, {}):
-                                yield layer, g, f"{linear}.{moment}", state[weight][moment]
+                        yield from with_moments(layer, [(g, weight)], linear, state, weight,
+                                                rows=lambda m, g=g: [(g, m)])
                 else:
                     weight = getattr(moe, f"{linear}_w")
-                    tensors = {linear: weight} | {f"{linear}.{m}": state[weight][m]
-                                                  for m in ADAM_MOMENTS if m in state.get(weight, {})}
-                    for name, tensor in tensors.items():
-                        for g, row in expert_rows(moe, tensor):
-                            yield layer, g, name, row
+                    yield from with_moments(layer, expert_rows(moe, weight), linear, state, weight,
+                                            rows=lambda m, moe=moe: expert_rows(moe, m))
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         from reference_impl.moe import moe_layers, named_parameters

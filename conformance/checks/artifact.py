@@ -20,9 +20,14 @@ from its files on one rank, with no process group; another format through the ad
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from conformance.adapter import capabilities_of
+
+if TYPE_CHECKING:
+    from conformance.inspection import KeyPattern
 
 
 def read_index(adapter: Any, path: str) -> Any:
@@ -45,22 +50,84 @@ def not_applicable(adapter: Any) -> str:
             "read_checkpoint(path)")
 
 
-def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: int) -> list[str]:
-    """Every way the checkpoint at ``path`` differs from an EP-invariant one, in expert terms."""
-    from conformance.inspection import compare_indexes, inspect_index
+def declared_patterns(adapter: Any, extra: Sequence[str] = ()) -> tuple[KeyPattern, ...]:
+    """The expert-key regexes the adapter declares (``expert_keys``) and the user gives (``--moe-ep-expert-key``)."""
+    from conformance.inspection import pattern
 
+    return tuple(pattern(r, "declared") for r in (*(getattr(adapter, "expert_keys", ()) or ()), *extra))
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    """What the truth checkpoint taught about a model's expert keys: the patterns every checkpoint of its
+    spec is read with, and a note when its experts could be identified neither by value nor by name."""
+
+    patterns: tuple[KeyPattern, ...]
+    note: str = ""
+
+
+#: per truth checkpoint path, in the rank-0 process that inspects (cells reuse what the first one learned).
+_KNOWLEDGE: dict[str, Knowledge] = {}
+
+
+def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], dict[Any, Any]],
+              declared: tuple[KeyPattern, ...] = ()) -> Knowledge:
+    """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground truth's tensors."""
+    if truth_path not in _KNOWLEDGE:
+        _learn(adapter, truth_path, truth_state(), declared)
+    return _KNOWLEDGE[truth_path]
+
+
+def _learn(adapter: Any, truth_path: str, state: dict[Any, Any], declared: tuple[KeyPattern, ...]) -> list[str]:
+    """Learn the truth checkpoint's expert keys; its findings (attribution, experts missing from it)."""
+    from conformance.inspection import DEFAULT_PATTERNS, attribute_experts, inspect_index
+    from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of, unexplained_volume
+
+    index = read_index(adapter, truth_path)
+    owners, volume = owners_of(state)
+    learned = learned_patterns(learn_expert_keys(index, owners))
+    patterns = (*declared, *learned, *DEFAULT_PATTERNS)
+    found = [f"the ep=1 checkpoint: {f}" for f in attribute_experts(index, owners, patterns=patterns)]
+    note = ""
+    if not learned and any(f.problem == "no_expert_keys" for f in inspect_index(index, patterns=patterns).findings):
+        tensors = [k for k, e in index.entries.items() if e.is_tensor and e.shape]
+        room = unexplained_volume(index, owners, tensors)
+        if room < volume:
+            found.append(f"the ep=1 checkpoint holds none of the model's expert tensors: its {len(index.entries)} "
+                         f"keys hold the dense tensors and {room} other elements, the experts need {volume}: "
+                         "the experts are missing from it")
+        else:
+            note = ("no key of the ep=1 checkpoint holds an expert's tensor as the model holds it and no name pattern "
+                    "matched (a fused or transposed form?): the checkpoints were compared key by key and value by "
+                    "value without expert attribution; name the expert keys with the adapter's expert_keys or "
+                    "--moe-ep-expert-key for findings in expert terms")
+    _KNOWLEDGE[truth_path] = Knowledge(patterns, note)
+    if len(_KNOWLEDGE) > 64:
+        _KNOWLEDGE.pop(next(iter(_KNOWLEDGE)))
+    return found
+
+
+def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: int,
+                        patterns: Sequence[KeyPattern] | None = None) -> list[str]:
+    """Every way the checkpoint at ``path`` differs from an EP-invariant one, in expert terms.
+
+    ``patterns``: the expert keys as learned from the truth (:func:`knowledge`).  "No key matched an expert
+    pattern" is no finding here: the comparison with the ep=1 checkpoint names any expert key it lacks.
+    """
+    from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, inspect_index
+
+    patterns = tuple(patterns or DEFAULT_PATTERNS)
     index, truth = read_index(adapter, path), read_index(adapter, truth_path)
-    found = [str(f) for f in inspect_index(index, num_experts=num_experts).findings]
+    found = [str(f) for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
+             if f.problem != "no_expert_keys"]
     ignore = tuple(getattr(adapter, "ep_dependent_keys", ()) or ())
-    found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore,
+    found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
                                               names=("checkpoint", "ep=1 checkpoint"))]
     return list(dict.fromkeys(found))
 
 
-def truth_findings(adapter: Any, truth_path: str, truth_state: dict[Any, Any]) -> list[str]:
-    """Expert keys of the ep=1 (truth) checkpoint that hold another expert's tensor of the model."""
-    from conformance.inspection import attribute_experts, digest
-
-    index = read_index(adapter, truth_path)
-    owners = {digest(t): key for key, t in truth_state.items() if key[1] is not None and t.dim()}
-    return [f"the ep=1 checkpoint: {f}" for f in attribute_experts(index, owners)]
+def truth_findings(adapter: Any, truth_path: str, truth_state: dict[Any, Any],
+                   declared: tuple[KeyPattern, ...] = ()) -> list[str]:
+    """Learn the truth checkpoint's expert keys from its content; expert keys (or rows) holding another
+    expert's tensor of the model, and experts missing from it altogether."""
+    return _learn(adapter, truth_path, truth_state, declared)

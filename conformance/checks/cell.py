@@ -20,8 +20,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import Spec
+from conformance.adapter import AdapterError, Built, Spec, built, capabilities_of
 from conformance.checks import artifact, completeness, resume
+from conformance.checks.blame import LoadFailed, load_failed, one_line
+from conformance.checks.layout import check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
 from conformance.checks.values import canonical, compare, equal, expected
 from conformance.checks.verdict import RankVerdict
@@ -45,6 +47,8 @@ class CellPlan:
     #: the checkpoint check's findings, from the cell that wrote a shared save (and the truth checkpoint's).
     findings: tuple[str, ...] = ()
     truth_findings: tuple[str, ...] = ()
+    #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth teaches.
+    expert_keys: tuple[str, ...] = ()
 
 
 class _Timed:
@@ -70,27 +74,51 @@ class _Timed:
         return timed
 
 
-class LoadFailed(Exception):
-    """The framework's load raised; the message leads with what is wrong with the checkpoint, in expert terms."""
+class BuildFailed(Exception):
+    """The framework refused to build the cell's model: a finding about the framework (an ``error`` cell whose
+    first line is the framework's own message), never a crash of the harness."""
 
 
-def _one_line(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
+def _build(adapter: Any, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
+    """``adapter.build`` as a :class:`Built`; the framework's refusal becomes :class:`BuildFailed`."""
+    where = f"the {side} side's build at {spec.layout.describe() if spec.layout else 'ep=1'}"
+    try:
+        result = adapter.build(spec, mesh, seed)
+    except load_errors() as exc:
+        raise BuildFailed(f"the framework refused {where} (E={spec.num_experts}, {spec.kind}"
+                          f"{', FSDP' if spec.fsdp else ''}): {one_line(exc)}") from exc
+    try:
+        return built(result, f"{type(adapter).__name__}.build")
+    except AdapterError as exc:
+        raise BuildFailed(str(exc)) from None
 
 
-def _save_truth(adapter: Any, spec: Spec, optim: bool, path: str, rank: int) -> tuple[str, ...]:
-    """Write the truth checkpoint; rank 0 checks that its experts hold the model's own tensors."""
+def _saved_optimizer(adapter: Any, b: Built, optim: bool) -> Any:
+    """The optimizer ``save``/``load`` get: the state's, or in model-only cells the step-0 one if the framework's
+    checkpoint always holds one (``capabilities.model_saves_optimizer``), else ``None``."""
+    return b.optimizer if optim or capabilities_of(adapter).model_saves_optimizer else None
+
+
+def _truth_state(adapter: Any, spec: Spec, rank: int) -> Any:
+    return lambda: ground_truth(adapter, spec, rank).state
+
+
+def _save_truth(adapter: Any, spec: Spec, optim: bool, plan: CellPlan, rank: int) -> tuple[str, ...]:
+    """Write the truth checkpoint; rank 0 learns its expert keys from its content and checks that they hold the
+    model's own tensors."""
     import torch.distributed as dist
 
+    assert plan.truth_path is not None
     layout = ParallelLayout.for_world(dist.get_world_size(), 1)
-    model, optimizer = adapter.build(replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A)
-    adapter.save(model, optimizer if optim else None, path)
-    del model, optimizer
+    b = _build(adapter, replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A, "truth")
+    adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.truth_path, **b.extra)
+    del b
     dist.barrier()
     found: list[Any] = [()]
     if rank == 0:
-        found[0] = tuple(artifact.truth_findings(adapter, path, ground_truth(adapter, spec, rank).state))
+        declared = artifact.declared_patterns(adapter, plan.expert_keys)
+        found[0] = tuple(artifact.truth_findings(adapter, plan.truth_path, ground_truth(adapter, spec, rank).state,
+                                                 declared))
     dist.broadcast_object_list(found, src=0)
     return tuple(found[0])
 
@@ -101,16 +129,21 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
 
     optim = cell.state == "model+optim"
     t0 = time.perf_counter()
-    model, optimizer = adapter.build(spec, cell.save.build_mesh(), SEED_A)
+    b = _build(adapter, spec, cell.save.build_mesh(), SEED_A, "save")
+    check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save")
     t1 = time.perf_counter()
-    (adapter.save_legacy if cell.legacy else adapter.save)(model, optimizer if optim else None, plan.path)
+    (adapter.save_legacy if cell.legacy else adapter.save)(b.model, _saved_optimizer(adapter, b, optim), plan.path,
+                                                           **b.extra)
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
-    del model, optimizer
+    del b
     dist.barrier()
     found: list[Any] = [()]
     if dist.get_rank() == 0 and plan.truth_path and not cell.legacy:
         t2 = time.perf_counter()
-        found[0] = tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts))
+        known = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, 0),
+                                   artifact.declared_patterns(adapter, plan.expert_keys))
+        found[0] = tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
+                                                      known.patterns))
         verdict.timings["inspect"] = time.perf_counter() - t2
     dist.broadcast_object_list(found, src=0)
     return tuple(found[0])
@@ -134,21 +167,27 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
     truth_findings = plan.truth_findings
     if plan.save_truth and plan.truth_path:
-        truth_findings = _save_truth(adapter, save_spec, optim, plan.truth_path, rank)
+        truth_findings = _save_truth(adapter, save_spec, optim, plan, rank)
     verdict.truth_findings = truth_findings
     findings = _save(adapter, cell, save_spec, plan, verdict) if plan.save else plan.findings
     verdict.findings = findings
     if rank == 0:
         for finding in (*truth_findings, *findings):
             verdict.problem("checkpoint", f"checkpoint: {finding}")
+    checked = ""
     if not plan.truth_path and not cell.legacy:
-        verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
+        checked = verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
+    elif rank == 0 and plan.truth_path:
+        note = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, save_spec, rank)).note
+        if note:
+            verdict.skipped["checkpoint attribution"] = note
 
     truth = ground_truth(adapter, load_spec, rank)
     side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + 1 if optim else 0,
                      lr=load_spec.lr * LOAD_LR_FACTOR)
-    model, optimizer = adapter.build(side_b, cell.load.build_mesh(), SEED_B)
-    optimizer = optimizer if optim else None
+    b = _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load")
+    model, optimizer = b.model, b.optimizer if optim else None
+    check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load")
     before = canonical(adapter, model, optimizer, rank, verdict)
     same = {k for k, (t, region) in before.items() if equal(t, expected(truth.state, k, region))}
     experts_unchanged = sorted((k for k in same if k[1] is not None), key=repr)
@@ -159,7 +198,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
                         "must derive every expert's values from its seed")
 
     t3 = time.perf_counter()
-    if not _load(adapter, cell, model, optimizer, plan.path, (*findings, *truth_findings), verdict):
+    evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
+    if not _load(adapter, cell, b, _saved_optimizer(adapter, b, optim), plan.path, evidence, verdict):
         return verdict
     verdict.timings["load"] = time.perf_counter() - t3
     got = canonical(adapter, model, optimizer, rank, verdict)
@@ -167,10 +207,33 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     if cell.legacy:  # refusal already failed; the values above show the damage, collectives may not pair
         return verdict
     completeness.check_replicas(rank, set(got), set(truth.state), cell.load, cell.fsdp, verdict)
-    resume.check_scalars(adapter, model, optimizer, truth, rank, verdict)
-    resume.check_next_step(adapter, model, optimizer, load_spec, truth, before, rank, verdict)
+    resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
+    resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)
     resume.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
     return verdict
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    """What the cell knows when a load raises: the checkpoint check's findings, or why it did not run."""
+
+    findings: tuple[str, ...]
+    checked: str
+    cell: Cell
+    plan: CellPlan
+    adapter: Any
+    spec: Spec
+
+    def failure(self, exc: BaseException, rank: int) -> LoadFailed:
+        patterns: tuple[Any, ...] = ()
+        if self.plan.truth_path:
+            try:
+                patterns = artifact.knowledge(self.adapter, self.plan.truth_path,
+                                              _truth_state(self.adapter, self.spec, rank)).patterns
+            except Exception:  # the translation is a courtesy; the framework's own error is still shown whole
+                patterns = ()
+        return load_failed(exc, findings=self.findings, checked=self.checked, layout=self.cell.load,
+                           num_experts=self.cell.num_experts, patterns=patterns, rank=rank)
 
 
 def load_errors() -> tuple[type[BaseException], ...]:
@@ -180,33 +243,29 @@ def load_errors() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-def _load(adapter: Any, cell: Cell, model: Any, optimizer: Any, path: str, findings: tuple[str, ...],
+def _load(adapter: Any, cell: Cell, b: Built, optimizer: Any, path: str, evidence: _Evidence,
           verdict: RankVerdict) -> bool:
     """The framework's load; ``False`` when the cell is decided (a legacy refusal, or its absence)."""
     refusals = tuple(getattr(adapter, "refusal_errors", ()) or ())
     check_saved = getattr(adapter, "check_saved", None)
     if cell.legacy and callable(check_saved):
         try:
-            check_saved(model, path)
+            check_saved(b.model, path)
         except load_errors() as exc:  # the framework's own guard refused before loading: that is the point
-            verdict.refused = f"refused by check_saved: {_one_line(exc)}"
+            verdict.refused = f"refused by check_saved: {one_line(exc)}"
             return False
     try:
-        adapter.load(model, optimizer, path)
+        adapter.load(b.model, optimizer, path, **b.extra)
     except load_errors() as exc:
         if cell.legacy:
             if refusals and isinstance(exc, refusals):
-                verdict.refused = f"refused by the load: {_one_line(exc)}"
+                verdict.refused = f"refused by the load: {one_line(exc)}"
             else:
                 declared = ", ".join(t.__name__ for t in refusals) or "none declared"
-                verdict.not_refused = (f"not refused: the load failed with {_one_line(exc)} (the adapter's refusal "
+                verdict.not_refused = (f"not refused: the load failed with {one_line(exc)} (the adapter's refusal "
                                        f"errors: {declared})")
             return False
-        if findings:
-            raise LoadFailed(f"the checkpoint differs from an EP-invariant one: {findings[0]}"
-                             + (f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else "")
-                             + f"; the load raised {_one_line(exc)}") from exc
-        raise
+        raise evidence.failure(exc, verdict.rank) from exc
     if cell.legacy:
         verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"
     return True

@@ -4,7 +4,7 @@ The load side was built with seed B, one more optimizer step than the save and a
 rate, so a load that leaves the step count, the lr or any moment alone changes what comes next:
 
 - ``scalars``: the adapter's optimizer scalars (step counts, each group's lr, betas, weight decay,
-  eps, a scheduler's state) equal the truth's;
+  eps) and the training state's beyond the optimizer (an LR scheduler's ``state_dict``) equal the truth's;
 - ``forward``: the framework's own forward on the suite's batch equals the truth's output (within
   :data:`~conformance.checks.truth.FORWARD_RTOL`: EP sums the experts' parts in another order);
 - ``resume``: one more step with the next step index's synthetic gradients gives every tensor of
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conformance.adapter import Built, state_scalars
 from conformance.checks.truth import FORWARD_ATOL, FORWARD_RTOL, SEED_A, Truth, batch_for
 from conformance.checks.values import Held, canonical, compare
 from conformance.checks.verdict import Mismatch, RankVerdict
@@ -35,13 +36,23 @@ def _scalar_lines(got: dict[str, Any], want: dict[str, Any], when: str) -> list[
     return lines
 
 
-def check_scalars(adapter: Any, model: Any, optimizer: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+def all_scalars(adapter: Any, b: Built, optimizer: Any) -> dict[str, Any] | None:
+    """The adapter's ``scalars`` and the training state's (:func:`~conformance.adapter.state_scalars`); ``None``
+    when there are neither."""
     scalars = getattr(adapter, "scalars", None)
-    if optimizer is None or truth.scalars is None or not callable(scalars):
+    found = dict(scalars(b.model, optimizer, **b.extra)) if callable(scalars) else None
+    extra = state_scalars(b.state)
+    if extra:
+        found = {**(found or {}), **extra}
+    return found
+
+
+def check_scalars(adapter: Any, b: Built, optimizer: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+    if optimizer is None or truth.scalars is None:
         if optimizer is not None:
-            verdict.skipped["scalars"] = "the adapter has no scalars(model, optimizer)"
+            verdict.skipped["scalars"] = "the adapter has no scalars(model, optimizer) and build returned no state"
         return
-    for line in _scalar_lines(scalars(model, optimizer), truth.scalars, "after the load"):
+    for line in _scalar_lines(all_scalars(adapter, b, optimizer) or {}, truth.scalars, "after the load"):
         verdict.problem("scalars", f"rank {rank}: {line}")
 
 
@@ -64,7 +75,7 @@ def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, 
                         f"(max abs diff {diff:.3g}, tolerance rtol={FORWARD_RTOL:g} atol={FORWARD_ATOL:g})")
 
 
-def check_next_step(adapter: Any, model: Any, optimizer: Any, spec: Any, truth: Truth, before: Held, rank: int,
+def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Truth, before: Held, rank: int,
                     verdict: RankVerdict) -> None:
     """One more step (a collective under FSDP2), then every tensor against the truth's next state."""
     step = getattr(adapter, "step", None)
@@ -73,14 +84,14 @@ def check_next_step(adapter: Any, model: Any, optimizer: Any, spec: Any, truth: 
     if not callable(step) or truth.next_state is None:
         verdict.skipped["resume"] = "the adapter has no step(model, optimizer, seed, step)"
         return
-    step(model, optimizer, SEED_A, spec.optimizer_steps)
-    after = canonical(adapter, model, optimizer, rank)
+    step(b.model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
+    after = canonical(adapter, b.model, optimizer, rank)
     resumed = RankVerdict(rank)
     compare(rank, after, truth.next_state, before, resumed)
     for m in resumed.mismatches:
         verdict.add(Mismatch(m.rank, m.layer, m.expert, m.name, f"after one more step: {m.problem}", "resume"))
     verdict.mismatch_count += resumed.mismatch_count - len(resumed.mismatches)
-    scalars = getattr(adapter, "scalars", None)
-    if callable(scalars) and truth.next_scalars is not None:
-        for line in _scalar_lines(scalars(model, optimizer), truth.next_scalars, "after one more step"):
+    if truth.next_scalars is not None:
+        for line in _scalar_lines(all_scalars(adapter, b, optimizer) or {}, truth.next_scalars,
+                                  "after one more step"):
             verdict.problem("resume", f"rank {rank}: {line}")

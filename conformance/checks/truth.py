@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import Spec
+from conformance.adapter import Spec, built
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
 from conformance.synthetic import synthetic_batch
@@ -64,18 +64,19 @@ def _flat(held: dict[Key, tuple[Any, Any]]) -> dict[Key, Any]:
 
 
 def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
-    model, optimizer = adapter.build(spec, None, SEED_A)
-    optimizer = optimizer if spec.optimizer_steps else None
+    from conformance.checks.resume import all_scalars
+
+    b = built(adapter.build(spec, None, SEED_A), f"{type(adapter).__name__}.build")
+    model = b.model
+    optimizer = b.optimizer if spec.optimizer_steps else None
     truth = Truth(_flat(canonical(adapter, model, optimizer, rank)))
-    scalars = getattr(adapter, "scalars", None)
-    if optimizer is not None and callable(scalars):
-        truth.scalars = scalars(model, optimizer)
+    if optimizer is not None:
+        truth.scalars = all_scalars(adapter, b, optimizer)
     step = getattr(adapter, "step", None)
     if optimizer is not None and callable(step):
-        step(model, optimizer, SEED_A, spec.optimizer_steps)
+        step(model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
         truth.next_state = _flat(canonical(adapter, model, optimizer, rank))
-        if callable(scalars):
-            truth.next_scalars = scalars(model, optimizer)
+        truth.next_scalars = all_scalars(adapter, b, optimizer)
     forward = getattr(adapter, "forward", None)
     if callable(forward):  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
         truth.output = forward(model, batch_for(spec)).detach().cpu().clone()

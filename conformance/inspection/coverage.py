@@ -201,7 +201,7 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
         routed = sorted(k for k in routers if k is not None)
         why = (f", although layer(s) {expert_ranges(routed)} have a router: their experts are missing, or named "
                "in a form no pattern knows" if routed else ", so no expert was checked")
-        findings.append(Finding("no_expert_keys", index.path, f"none of the {len(entries)} keys matched an expert "
+        findings.append(Finding("no_expert_keys", "", f"none of the {len(entries)} keys matched an expert "
                                 f"pattern{why}; name them with --expert-key REGEX"))
         return Inspection(index.path, index.format, num_experts, source if num_experts else "unknown",
                           tuple(sorted(k for k in routers if k is not None)), (), tuple(findings), counts)

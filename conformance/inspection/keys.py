@@ -24,9 +24,10 @@ A key is classified by documented regular expressions, never by the substring "e
 * ``shared_expert(s)`` are dense FFNs, never an expert axis.
 
 The layer index comes from ``layers.N`` (also ``layer.N``, ``blocks.N``, ``h.N``).  User patterns
-(``--expert-key``) are tried first.  Matching is done once per key *template* (every digit
-replaced by ``#``), so 180,000 keys cost a few hundred regex searches; a pattern must therefore
-not single out particular digits (``w[12]`` and ``w3`` share the template ``w#``).
+(``--expert-key``) are tried first; a pattern may name the layer's digits too (a group ``layer``), as the
+patterns learned from a checkpoint's content do (:mod:`conformance.inspection.learn`).  Matching is done
+once per key *template* (every digit replaced by ``#``), so 180,000 keys cost a few hundred regex searches;
+a pattern must therefore not single out particular digits (``w[12]`` and ``w3`` share the template ``w#``).
 """
 
 from __future__ import annotations
@@ -133,19 +134,19 @@ def _where(key: str, span: tuple[int, int] | None) -> Where | None:
 def _recipe(key: str, patterns: Sequence[KeyPattern]) -> _Recipe:
     opt = optimizer_parts(key)
     start, param = (opt[0], opt[1]) if opt else (0, key)
-    role, kind, expert_span = "dense", None, None
+    role, kind, expert_span, matched = "dense", None, None, None
     if not SHARED.search(param):
         for p in patterns:
             m = p.regex.search(param)
             if m:
-                role, kind = "expert", p.kind
+                role, kind, matched = "expert", p.kind, m
                 if p.kind == "per_expert":
                     expert_span = (m.start("expert") + start, m.end("expert") + start)
                 break
         else:
             if not opt and ROUTER.search(param):
                 role = "router"
-    layer = LAYER.search(param)
+    layer = matched if matched is not None and "layer" in matched.re.groupindex else LAYER.search(param)
     layer_span = (layer.start("layer") + start, layer.end("layer") + start) if layer else None
     return _Recipe(role, kind, opt is not None, _where(key, expert_span), _where(key, layer_span))
 

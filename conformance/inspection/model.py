@@ -109,7 +109,8 @@ class Finding:
 
     def __str__(self) -> str:
         where = [f"layer {self.layer}"] if self.layer is not None else []
-        where.append(f"key {self.key!r}")
+        if self.key:
+            where.append(f"key {self.key!r}")
         if self.experts:
             where.append(f"expert{'s' if len(self.experts) > 1 else ''} {expert_ranges(self.experts)}")
         return f"{', '.join(where)}: {self.message}"

@@ -1,0 +1,111 @@
+"""Blame by evidence: when the framework's load raises, the first line names the side that is wrong.
+
+The checkpoint check has already said whether the save is EP-invariant.  If it is not, the cell leads with
+the checkpoint's first difference (the load's error is its consequence).  If it is, the save is right and
+the load is wrong: the cell leads with the framework's error, read in expert terms where it can be --
+DCP's "Size mismatch ... for K" on a packed expert key becomes "the model at ep=2 offers 2 rows for the
+checkpoint's 4 experts: the load does not map the saved global rows to this rank's experts 0..1".  The
+whole exception text follows on the next lines (the JSON record keeps it; ``-v`` shows it).
+
+DCP's exceptions are third-party English; they are read only here, and an error that matches none of the
+known forms is shown as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from conformance.layout import ParallelLayout
+
+SIZE_MISMATCH = re.compile(r"Size mismatch between saved torch\.Size\(\[(?P<saved>[\d, ]*)\]\) and current: "
+                           r"torch\.Size\(\[(?P<current>[\d, ]*)\]\) for (?P<key>\S+)")
+MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (?P<key>\S+?)\.?(?:\s|$)")
+
+
+class LoadFailed(Exception):
+    """The framework's load raised.  ``side`` is who the evidence blames ("checkpoint" or "load"); the
+    message's first line is the diagnosis, the following lines the framework's whole error."""
+
+    def __init__(self, side: str, headline: str, full: str) -> None:
+        self.side, self.headline, self.full = side, headline, full
+        super().__init__(f"{headline}\n{full}")
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
+
+
+def _failures(exc: BaseException) -> list[tuple[int | None, BaseException]]:
+    """``(rank, exception)`` of every error DCP gathered (its ``failures``), else the exception's own chain."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        out: list[tuple[int | None, BaseException]] = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = getattr(wrapped, "exc", None) or (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+            if isinstance(inner, BaseException):
+                out.append((int(rank), inner))
+        if out:
+            return out
+    chain: list[tuple[int | None, BaseException]] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append((None, seen))
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patterns: Sequence[Any],
+              rank: int) -> str:
+    """The framework's load error in expert terms ("" when it is none of the forms known here)."""
+    from conformance.inspection import DEFAULT_PATTERNS, classify_keys
+
+    for failed_rank, error in _failures(exc):
+        text = str(error)
+        who = failed_rank if failed_rank is not None else rank
+        m = SIZE_MISMATCH.search(text)
+        if m:
+            key, saved, current = m["key"], _ints(m["saved"]), _ints(m["current"])
+            info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
+            where = f"rank {who}, " + (f"layer {info.layer}, " if info.layer is not None else "")
+            if info.role == "expert" and info.kind == "packed" and saved and current and saved[0] != current[0]:
+                start, end = layout.experts_of(who, num_experts)
+                mine = f"experts {start}..{end - 1}" if end - start > 1 else f"expert {start}" if end > start \
+                    else "no experts"
+                return (f"{where}{key!r}: the model at {layout.describe()} offers {current[0]} rows for the "
+                        f"checkpoint's {saved[0]} experts: the load does not map the saved global rows to this "
+                        f"rank's {mine}")
+            return (f"{where}{key!r}: the checkpoint holds global shape {list(saved)}, the model at "
+                    f"{layout.describe()} offers {list(current)}")
+        m = MISSING_KEY.search(text)
+        if m:
+            key = m["key"]
+            info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
+            what = (f" (layer {info.layer}" + (f", expert {info.expert}" if info.expert is not None else "") + ")"
+                    if info.layer is not None else "")
+            return (f"rank {who}: the model at {layout.describe()} asks for {key!r}{what}, which the checkpoint "
+                    "does not hold")
+    return ""
+
+
+def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, layout: ParallelLayout,
+                num_experts: int, patterns: Sequence[Any], rank: int) -> LoadFailed:
+    """The :class:`LoadFailed` for a load that raised: the checkpoint leads only when it really differs.
+
+    ``findings``: the checkpoint check's (save and truth); ``checked``: "" when that check ran, else why not.
+    """
+    raised = translate(exc, layout, num_experts, patterns, rank) or one_line(exc)
+    full = f"the framework's error in full: {type(exc).__name__}: {exc}"
+    if findings:
+        more = f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else ""
+        return LoadFailed("checkpoint", f"the checkpoint differs from an EP-invariant one: {findings[0]}{more}; the "
+                          f"load then raised: {raised}", full)
+    why = ("the checkpoint is EP-invariant (it holds what the ep=1 save holds), so the load is wrong"
+           if not checked else f"the checkpoint itself was not checked: {checked}")
+    return LoadFailed("load", f"the load at {layout.describe()} raised: {raised} ({why})", full)

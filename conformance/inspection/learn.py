@@ -1,0 +1,145 @@
+"""Which checkpoint keys hold which experts, learned from a checkpoint's *content* rather than its names.
+
+The matrix knows the model it saved: each expert tensor (weights and moments) with its layer and global
+expert id, from the ep=1 build.  :func:`learn_expert_keys` reads the ep=1 (truth) checkpoint once and
+matches values: a key whose whole value is one expert's tensor is a per-expert key of that expert; a key
+whose rows (along the first axis) are experts' tensors is a packed key.  :func:`learned_patterns` turns
+that into :class:`~conformance.inspection.keys.KeyPattern` s -- one anchored regex per key template, with
+the digit run that is the expert id (and, where one is, the layer) as named groups -- which the metadata
+inspection and the comparison then use for every checkpoint of that model.  So a framework passes
+whatever it names its keys; name patterns stay as hints for what values cannot show (fused or transposed
+expert weights) and for ``moe-ep-inspect`` on a checkpoint without a model.
+
+A template is learned only when *every* key of it agrees (the same digit run is the expert id in each):
+experts filed under consistently wrong ids learn nothing and are left to the name hints and the
+attribution, which then say so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, Digest, _batches, digest
+from conformance.inspection.keys import KeyPattern, optimizer_parts
+from conformance.inspection.model import CheckpointIndex, paused_gc
+
+__all__ = ["LearnedKey", "learn_expert_keys", "learned_patterns", "owners_of", "unexplained_volume"]
+
+_DIGITS = re.compile(r"\d+")
+#: who holds a tensor of the model: ``(layer, global expert, name)``.
+Owner = tuple[Any, Any, str]
+
+
+@dataclass(frozen=True)
+class LearnedKey:
+    """A key the content shows to hold experts: ``kind`` "per_expert" (``experts`` one id) or "packed"
+    (``experts[r]`` the expert row ``r`` holds); ``layer`` the model's layer index."""
+
+    key: str
+    kind: str
+    layer: Any
+    experts: tuple[int, ...]
+
+
+def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
+                      memory_bytes: int = DEFAULT_MEMORY_BYTES) -> dict[str, LearnedKey]:
+    """Every tensor key of ``index`` whose value, or each of whose rows, is one of the model's expert tensors."""
+    import torch
+
+    if index.reader is None:
+        return {}
+    keys = [k for k, e in index.entries.items() if e.is_tensor and e.shape]
+    found: dict[str, LearnedKey] = {}
+    with paused_gc():
+        for batch in _batches(index, keys, memory_bytes):
+            for key, value in index.reader(batch).items():
+                if not isinstance(value, torch.Tensor) or not value.dim():
+                    continue
+                owner = owners.get(digest(value))
+                if owner is not None:
+                    if owner[1] is not None:
+                        found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
+                    continue
+                rows = [owners.get(digest(value[r])) for r in range(value.shape[0])] if value.dim() > 1 else []
+                if rows and all(o is not None and o[1] is not None for o in rows):
+                    layers = {o[0] for o in rows if o is not None}
+                    found[key] = LearnedKey(key, "packed", layers.pop() if len(layers) == 1 else None,
+                                            tuple(int(o[1]) for o in rows if o is not None))
+    return found
+
+
+def _param(key: str) -> str:
+    """The parameter part of a key (an optimizer state's parameter), which patterns are matched against."""
+    parts = optimizer_parts(key)
+    return parts[1] if parts else key
+
+
+def _run_index(runs: list[list[int]], values: list[Any]) -> list[int]:
+    """Indices of the digit runs equal to ``values`` in every key."""
+    width = min(len(r) for r in runs)
+    return [i for i in range(width) if all(v is not None and r[i] == v for r, v in zip(runs, values, strict=True))]
+
+
+def learned_patterns(learned: Mapping[str, LearnedKey]) -> tuple[KeyPattern, ...]:
+    """One pattern per key template of ``learned``: anchored, every digit run ``\\d+``, the expert id (per-expert
+    keys) and the layer as named groups where every key of the template agrees on which run they are."""
+    templates: dict[tuple[str, str], list[tuple[str, LearnedKey]]] = defaultdict(list)
+    for info in learned.values():
+        param = _param(info.key)
+        templates[(_DIGITS.sub("#", param), info.kind)].append((param, info))
+    out: list[KeyPattern] = []
+    seen: set[str] = set()
+    for (template, kind), members in sorted(templates.items()):
+        runs = [[int(m) for m in _DIGITS.findall(param)] for param, _ in members]
+        layer_runs = _run_index(runs, [i.layer for _, i in members])
+        expert_at: int | None = None
+        if kind == "per_expert":
+            candidates = _run_index(runs, [i.experts[0] for _, i in members])
+            if not candidates:
+                continue  # ids disagree with the content: leave the key to the name hints
+            expert_at = next((c for c in reversed(candidates) if c not in layer_runs), candidates[-1])
+        layer_at = next((c for c in layer_runs if c != expert_at), None)
+        pieces = template.split("#")
+        regex = "^" + re.escape(pieces[0])
+        for i, piece in enumerate(pieces[1:]):
+            group = "(?P<expert>\\d+)" if i == expert_at else "(?P<layer>\\d+)" if i == layer_at else "\\d+"
+            regex += group + re.escape(piece)
+        regex += "$"
+        if regex not in seen:
+            seen.add(regex)
+            out.append(KeyPattern(re.compile(regex), kind, "learned from the ep=1 checkpoint's content"))
+    return tuple(out)
+
+
+def owners_of(state: Mapping[Any, Any]) -> tuple[dict[Digest, Owner], int]:
+    """``(digest -> (layer, expert, name) of every non-scalar tensor of a ground-truth state, the experts'
+    element count)``; a value two tensors share (zeros) identifies neither and is left out."""
+    owners: dict[Digest, Owner | None] = {}
+    volume = 0
+    for (layer, expert, name), t in state.items():
+        if not t.dim():
+            continue
+        d = digest(t)
+        owners[d] = (layer, expert, name) if d not in owners else None  # two tensors alike: say nothing
+        volume += t.numel() if expert is not None else 0
+    return {d: o for d, o in owners.items() if o is not None}, volume
+
+
+def unexplained_volume(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Sequence[str]) -> int:
+    """Elements of ``keys`` (tensors) whose value is none of the model's dense tensors: room for experts."""
+    import torch
+
+    total = 0
+    if index.reader is None:
+        return sum(index.entries[k].nbytes_hint for k in keys)
+    for batch in _batches(index, list(keys), DEFAULT_MEMORY_BYTES):
+        for value in index.reader(batch).values():
+            if isinstance(value, torch.Tensor) and value.dim():
+                owner = owners.get(digest(value))
+                if owner is None or owner[1] is not None:
+                    total += value.numel()
+    return total

@@ -1,0 +1,144 @@
+"""Unit tests of issue 19's pieces: expert keys learned from content, the layout rule for reported experts, the
+blame translation of DCP's load errors, the framework's view of a layout, and the training state's scalars."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.adapter import AdapterError, built, state_scalars
+from conformance.checks.blame import load_failed, translate
+from conformance.checks.layout import formed_groups, problem
+from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, index_state_dict, inspect_index
+from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of
+from conformance.layout import LayoutError, ParallelLayout
+
+E, H, D = 4, 3, 2
+
+
+def _truth() -> dict[tuple[int | None, int | None, str], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    state: dict[tuple[int | None, int | None, str], torch.Tensor] = {}
+    for layer in range(2):
+        for e in range(E):
+            for name in ("gate", "up", "down"):
+                state[(layer, e, name)] = torch.randn(H, D, generator=g)
+        state[(layer, None, "router.weight")] = torch.randn(E, D, generator=g)
+    return state
+
+
+def _packed(state: dict, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint in a trainer's own naming: ``blk.N.ffn.<name>_w`` packed, ``blk.N.ffn.route`` dense."""
+    out = {}
+    for layer in range(2):
+        for name in ("gate", "up", "down"):
+            out[f"blk.{layer}.ffn.{name}_w"] = torch.stack([state[(layer, e, name)] for e in (rows or range(E))])
+        out[f"blk.{layer}.ffn.route"] = state[(layer, None, "router.weight")]
+    return out
+
+
+def test_packed_keys_no_pattern_knows_are_learned_from_their_rows() -> None:
+    state = _truth()
+    index = index_state_dict(_packed(state), "truth")
+    assert any(f.problem == "no_expert_keys" for f in inspect_index(index).findings)  # the names alone: nothing
+    owners, _ = owners_of(state)
+    learned = learn_expert_keys(index, owners)
+    assert set(learned) == {f"blk.{i}.ffn.{n}_w" for i in range(2) for n in ("gate", "up", "down")}
+    assert learned["blk.1.ffn.up_w"].kind == "packed" and learned["blk.1.ffn.up_w"].experts == (0, 1, 2, 3)
+    patterns = (*learned_patterns(learned), *DEFAULT_PATTERNS)
+    result = inspect_index(index, num_experts=E, patterns=patterns)
+    assert result.clean, result.findings
+    assert {g.layer for g in result.groups} == {0, 1}
+    # A checkpoint with one rank's rows only is then named in expert terms.
+    local = index_state_dict(_packed(state, rows=[0, 1]), "ep2")
+    found = {f.problem for f in inspect_index(local, num_experts=E, patterns=patterns).findings}
+    assert "local_extent" in found
+    assert any(f.problem == "shape_differs" and f.experts == (2, 3)
+               for f in compare_indexes(local, index, values=True, patterns=patterns))
+
+
+def test_per_expert_keys_learn_which_digits_are_the_expert_and_the_layer() -> None:
+    state = _truth()
+    flat = {f"net.{layer}.bank.{e}.{name}": state[(layer, e, name)] for layer in range(2) for e in range(E)
+            for name in ("gate", "up", "down")}
+    index = index_state_dict(flat, "truth")
+    patterns = learned_patterns(learn_expert_keys(index, owners_of(state)[0]))
+    assert patterns[0].regex.pattern.startswith("^net\\.(?P<layer>\\d+)\\.bank\\.(?P<expert>\\d+)")
+    result = inspect_index(index, num_experts=E, patterns=patterns)
+    assert result.clean and {(g.layer, len(g.experts)) for g in result.groups} == {(0, E), (1, E)}
+
+
+def test_ids_that_disagree_with_the_content_learn_nothing() -> None:
+    state = _truth()
+    flat = {f"net.{layer}.bank.{(e + 1) % E}.{name}": state[(layer, e, name)] for layer in range(2)
+            for e in range(E) for name in ("gate", "up", "down")}
+    assert learned_patterns(learn_expert_keys(index_state_dict(flat, "t"), owners_of(state)[0])) == ()
+
+
+def test_equal_tensors_identify_no_owner() -> None:
+    owners, volume = owners_of({(0, 0, "a"): torch.zeros(2, 2), (0, 1, "a"): torch.zeros(2, 2)})
+    assert owners == {} and volume == 8
+
+
+@pytest.mark.parametrize("order", ["strided", "consecutive"])
+def test_reported_experts_fit_their_own_layout_and_not_the_other(order: str) -> None:
+    layout = ParallelLayout.for_world(4, 2, ep_order=order)
+    held = [tuple(range(*layout.experts_of(r, E))) for r in range(4)]
+    assert problem(layout, E, held) == ""
+    other = ParallelLayout.for_world(4, 2, ep_order="consecutive" if order == "strided" else "strided")
+    assert problem(other, E, held)
+    assert formed_groups(other, E, held).startswith(f"the framework formed {order} EP groups")
+
+
+def test_an_uneven_split_other_than_the_rule_is_left_to_the_other_checks() -> None:
+    layout = ParallelLayout.for_world(4, 4)
+    balanced = [(0, 1), (2, 3), (4,), (5,)]  # "the first E % k ranks get one more" at E=6
+    assert problem(layout, 6, balanced) == ""
+    assert "not the contiguous range" in problem(layout, 6, [(0, 1), (4,), (2, 3), (5,)])
+    assert "hold experts 0..4 of 6" in problem(layout, 6, [(0, 1), (2, 3), (4,), ()])
+    assert problem(layout, 6, [(), (), (), ()]).startswith("no rank reports any expert")
+
+
+def test_fsdp_row_shards_of_one_ep_coordinate_count_together() -> None:
+    layout = ParallelLayout.for_world(4, 2)  # strided: coordinate 0 is ranks 0, 1
+    assert problem(layout, E, [(0,), (1,), (2,), (3,)]) == ""
+    assert problem(layout, E, [(0,), (2,), (1,), (3,)])
+
+
+def test_dcp_size_mismatch_on_a_packed_key_reads_in_expert_terms() -> None:
+    layout = ParallelLayout.for_world(4, 2)
+    error = RuntimeError("Size mismatch between saved torch.Size([4, 3, 2]) and current: torch.Size([2, 3, 2]) "
+                         "for model.layers.0.moe.up_w")
+    text = translate(error, layout, E, (), rank=2)
+    assert text == ("rank 2, layer 0, 'model.layers.0.moe.up_w': the model at ep=2 (strided EP groups), etp=1, "
+                    "dp_shard=2, dp_replicate=1 offers 2 rows for the checkpoint's 4 experts: the load does not map "
+                    "the saved global rows to this rank's experts 2..3")
+    blamed = load_failed(error, findings=(), checked="", layout=layout, num_experts=E, patterns=(), rank=2)
+    assert blamed.side == "load" and str(blamed).splitlines()[0].endswith("so the load is wrong)")
+    assert "Size mismatch between saved" in str(blamed).splitlines()[1]
+    saved_wrong = load_failed(error, findings=("layer 0, key 'x': absent",), checked="", layout=layout,
+                              num_experts=E, patterns=(), rank=2)
+    assert saved_wrong.side == "checkpoint" and str(saved_wrong).startswith("the checkpoint differs")
+
+
+def test_framework_dims_keep_the_dims_a_framework_branches_on() -> None:
+    layout = ParallelLayout.for_world(8, 2, etp=2)
+    assert layout.framework_dims({"dp_shard": "fsdp"}) == (("ep", "fsdp", "etp"), (2, 2, 2),
+                                                           [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    assert ParallelLayout.for_world(4, 4).framework_dims() == (("ep",), (4,), [0, 1, 2, 3])
+    with pytest.raises(LayoutError, match="names"):
+        layout.framework_dims({"data": "dp"})
+
+
+def test_training_state_scalars_and_build_results() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    found = state_scalars({"scheduler": sched, "train": {"tokens": 5, "blob": torch.zeros(100)}})
+    assert found["state.scheduler.last_epoch"] == 0 and found["state.scheduler.base_lrs"] == [0.1]
+    assert found["state.train.tokens"] == 5 and "state.train.blob" not in found
+    assert built((1, None)).state is None and built((1, None, {"s": 1})).extra == {"state": {"s": 1}}
+    with pytest.raises(AdapterError, match="expected \\(model, optimizer\\) or"):
+        built([1, 2])
+    with pytest.raises(AdapterError, match="mapping"):
+        built((1, None, 3))
