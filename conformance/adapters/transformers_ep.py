@@ -22,7 +22,8 @@ What it drives (transformers' own code; nothing of the EP split or of the checkp
   ranks) and ``save_pretrained(..., distributed_checkpoint=True)`` refuses a model that is neither FSDP- nor
   TP-sharded, so with tp=1 every distributed build is FSDP2 -- EP-only cells are ``n/a``
   (``capabilities.ep_only=False``).  ``grouped_gemm`` refuses ``E % ep != 0`` ("Cannot evenly shard 6
-  experts across 4 expert-parallel ranks."), so uneven cells are ``n/a`` too.
+  experts across 4 expert-parallel ranks."): ``uneven=True`` (run it), so those cells are ``error`` cells whose
+  first line is transformers' own refusal.
 * **Optimizer.**  ``torch.optim.AdamW`` over ``model.parameters()`` (what the Trainer builds), stepped with
   :func:`conformance.synthetic_grad` gradients set on ``.grad`` region by region (no forward/backward).
 * **Checkpoint.**  ``model.save_pretrained(path, distributed_checkpoint=True)`` (DCP through torch's
@@ -83,7 +84,7 @@ class TransformersAdapter:
 
     name = "transformers"
     version = installed_version("transformers") or "5.24.0"
-    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=False, max_ep=64,
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
                                 format="hf-safetensors-dcp", ep_orders=("consecutive",), hsdp=True,
                                 ep_only=False)
     preload = ("transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.distributed.checkpoint",
