@@ -41,6 +41,16 @@ if installed deepspeed; then
     run deepspeed-autoep-zero2 --moe-ep-matrix="$tier" --moe-ep-adapter=deepspeed-autoep-zero2
     run deepspeed-autoep-noconvert --moe-ep-matrix="$tier" --moe-ep-adapter=deepspeed-autoep-noconvert
 fi
+# transformers' native EP (DistributedConfig(ep_size=...), 5.24.0): from ci/install_transformers.sh's overlay when
+# there is one (the environment's transformers is NeMo Automodel's 5.18.0), else the environment's if it has it.
+hf_overlay=${MOE_EP_TRANSFORMERS_OVERLAY:-.overlay-transformers}
+hf_ep() { PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" python -c "import dataclasses, transformers.distributed as d
+assert 'ep_size' in {f.name for f in dataclasses.fields(d.DistributedConfig)}" > /dev/null 2>&1; }
+if [ -d "$hf_overlay" ] && hf_ep "$hf_overlay"; then
+    PYTHONPATH="$hf_overlay${PYTHONPATH:+:$PYTHONPATH}" run transformers --moe-ep-matrix="$tier" --moe-ep-adapter=transformers
+elif hf_ep ""; then
+    run transformers --moe-ep-matrix="$tier" --moe-ep-adapter=transformers
+fi
 if installed megatron.core; then
     run megatron --moe-ep-matrix="$tier" --moe-ep-adapter=megatron
 fi

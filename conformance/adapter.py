@@ -170,6 +170,8 @@ class Capabilities:
     etp: bool = False
     #: the framework's save and load need its optimizer even in model-only cells (built at step 0).
     model_saves_optimizer: bool = False
+    #: EP without FSDP2 (``False``: the framework composes EP only with FSDP2, so EP-only cells are n/a).
+    ep_only: bool = True
 
 
 _CAPABILITY_FIELDS = tuple(f.name for f in fields(Capabilities) if f.default is MISSING)

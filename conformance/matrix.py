@@ -123,6 +123,8 @@ def why_not(cell: Cell, caps: Capabilities) -> str:
         return "adapter does not support optimizer state"
     if cell.fsdp and not caps.fsdp:
         return "adapter does not support FSDP2"
+    if not cell.fsdp and not caps.ep_only:
+        return "adapter composes EP only with FSDP2 (no EP-only cells)"
     for layout in (cell.save, cell.load):
         found = _layout_na(layout, caps)
         if found:

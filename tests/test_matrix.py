@@ -336,3 +336,19 @@ def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> N
                        for t in ("ep1", "ep2", "ep2c", "ep4", "ep2.hsdp2", "ep2.etp2")}
     assert all("DCP refuses the global plan" in why and "E=5, ep=2, etp=2" in why for why in na.values())
     assert any(c.na for c in _default(4, (4, 5)))  # the default tier shows the reason once
+
+
+def test_an_adapter_that_composes_ep_only_with_fsdp_gets_its_ep_only_cells_na() -> None:
+    from conformance.adapter import Capabilities, capabilities_of
+    from conformance.matrix import checkpoint_cells
+
+    caps = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp",
+                        ep_orders=("consecutive",), ep_only=False)
+    cells = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4,), has_legacy=False) if c.kind == "packed"]
+    assert {c.na for c in cells if not c.fsdp and not c.legacy} == {
+        "adapter composes EP only with FSDP2 (no EP-only cells)"}
+    assert [c for c in cells if c.fsdp] and all(not c.na for c in cells if c.fsdp)
+    as_mapping = type("Adapter", (), {"capabilities": {"kinds": ("packed",), "optimizer": True, "fsdp": True,
+                                                       "uneven": True, "max_ep": 4, "format": "dcp", "ep_only": False}})
+    assert capabilities_of(as_mapping).ep_only is False
+    assert caps.__class__(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp").ep_only

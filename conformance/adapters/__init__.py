@@ -32,6 +32,7 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter"),
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter"),
     "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter"),
+    "transformers": Builtin("conformance.adapters.transformers_ep:TransformersAdapter"),
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter"),
 }
 
