@@ -32,6 +32,8 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter"),
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter"),
     "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter"),
+    "olmo_core": Builtin("conformance.adapters.olmo_core:OlmoCoreAdapter"),
+    "olmo_core-dropless": Builtin("conformance.adapters.olmo_core:OlmoCoreDroplessAdapter"),
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter"),
 }
 
