@@ -17,12 +17,8 @@ Each run takes about 100 s on 2 cores (more on a loaded machine).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from matrix_expectations import by_status, run_report
-
-from conformance.adapters.olmo_core import OlmoCoreAdapter
 
 pytest.importorskip("olmo_core", reason="OLMo-core is not installed (ci/install_olmo_core.sh installs "
                                         "ai2-olmo-core==3.0.0)")
@@ -32,11 +28,17 @@ CELL = "moe-ep-matrix::checkpoint::packed::{state}::ep-only::ep2c->ep2c"
 CELLS = {CELL.format(state=s) for s in ("model", "model+optim")}
 
 
+#: the seeded bug, written into the pytester directory so the matrix subprocess (and its ranks) can import it.
+SEEDED = '''
+from conformance.adapters.olmo_core import OlmoCoreAdapter
+
+
 class OptimizerNotLoaded(OlmoCoreAdapter):
     """Seeded bug: the load restores the model only, so the optimizer keeps what the load side built."""
 
-    def load(self, model: Any, optimizer: Any, path: str) -> None:
+    def load(self, model, optimizer, path):
         super().load(model, None, path)
+'''
 
 
 def test_olmo_core_subset_as_found(pytester: pytest.Pytester) -> None:
@@ -54,8 +56,9 @@ def test_olmo_core_subset_as_found(pytester: pytest.Pytester) -> None:
 
 
 def test_olmo_core_negative_control_optimizer_not_loaded(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(olmo_core_seeded=SEEDED)
     _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4",
-                        "--moe-ep-adapter=test_adapter_olmo_core:OptimizerNotLoaded",
+                        "--moe-ep-adapter=olmo_core_seeded:OptimizerNotLoaded",
                         "-k", "kind_packed and model+optim and save_ep2 and load_ep2 and not fsdp")
     cells, _, _ = by_status(doc)
     cell = cells[CELL.format(state="model+optim")]
