@@ -36,8 +36,9 @@ What they drive (OLMo-core's own code; nothing of the EP split or the checkpoint
 
 What cannot run here, and why ``forward`` is left out: ``ParallelMLP`` / ``ParallelDroplessMLP``
 route tokens with ``olmo_core.ops.moe`` (``binned_gather`` / ``gather`` / ``scatter``), autograd
-functions around Triton kernels in ``olmo_core.kernels.moe``; on CPU both layer types' forward raises "RuntimeError: 0 active drivers ([]).
-There should only be one." (Triton finds no GPU driver; measured with triton 3.9.0), so gradients are set directly.  The newer
+functions around Triton kernels in ``olmo_core.kernels.moe``; on CPU both layer types' forward raises
+"RuntimeError: 0 active drivers ([]). There should only be one." (Triton finds no GPU driver; measured with
+triton 3.9.0), so gradients are set directly.  The newer
 ``olmo_core.nn.moe.v2`` stack is GPU-only (CUDA streams, symmetric-memory all-to-all) and not covered.
 
 Workarounds for a CPU/gloo world (none changes what is checked):
