@@ -12,7 +12,7 @@ model+optimizer, asserted *as found*; the full tier runs in ``ci/conformance.sh`
 The negative control plants a load that leaves the optimizer out (``load_model_and_optim_state`` with
 ``optim=None``): the ``values`` check names the moment that kept its pre-load values.
 
-Measured on a loaded 2-core machine: the subset about 110 s, the control about 130 s (both, 4 min).
+Measured on a 2-core machine shared with other jobs: the subset 43-110 s, the control 100-130 s.
 """
 
 from __future__ import annotations
