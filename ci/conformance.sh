@@ -54,5 +54,9 @@ fi
 if installed megatron.core; then
     run megatron --moe-ep-matrix="$tier" --moe-ep-adapter=megatron
 fi
+if installed olmo_core; then
+    run olmo_core --moe-ep-matrix="$tier" --moe-ep-adapter=olmo_core
+    run olmo_core-dropless --moe-ep-matrix="$tier" --moe-ep-adapter=olmo_core-dropless
+fi
 python -m conformance.report index "$out" "$@" || status=1
 exit $status

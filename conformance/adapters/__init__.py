@@ -33,6 +33,8 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter"),
     "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter"),
     "transformers": Builtin("conformance.adapters.transformers_ep:TransformersAdapter"),
+    "olmo_core": Builtin("conformance.adapters.olmo_core:OlmoCoreAdapter"),
+    "olmo_core-dropless": Builtin("conformance.adapters.olmo_core:OlmoCoreDroplessAdapter"),
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter"),
 }
 

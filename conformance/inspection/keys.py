@@ -72,6 +72,7 @@ DEFAULT_PATTERNS: tuple[KeyPattern, ...] = (
     pattern(r"(?:^|\.)experts\.(?:gate_and_up_projs|down_projs)$", "NeMo Automodel"),
     pattern(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)(?:_bias)?$", "DeepSpeed AutoEP, Hugging Face"),
     pattern(r"(?:^|\.)experts\.experts\.linear_fc[12]\.(?:weight|bias)$", "Megatron distributed"),
+    pattern(r"(?:^|\.)experts\.mlp\.w[123]$", "OLMo-core (experts.mlp.w1: E * rows flattened)"),
     pattern(r"(?:^|\.)\w*experts\.[A-Za-z_]\w*$", "a parameter of an '...experts' module"),
 )
 SHARED = re.compile(r"(?:^|\.)shared_?experts?(?:\.|$)", re.IGNORECASE)

@@ -97,6 +97,13 @@ _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": li
                   "float": float, "str": str, "bytes": bytes, "bool": bool, "complex": complex}
 
 
+#: storage-layer records that frameworks' own DCP storage writers put in ``Metadata.storage_data`` (where DCP's
+#: FileSystemWriter puts its ``_StorageInfo``): dataclasses of plain fields, read as plain records.
+_STORAGE_INFO = {
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"),  # OLMo-core's RemoteFileSystemWriter
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Reads a ``.metadata`` pickle allowing only what DCP writes there, as plain stand-ins.
 
@@ -120,6 +127,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return str
         if module == "pathlib":  # StorageMeta.checkpoint_id: a path pickled as its parts
             return _path
+        if (module, name) in _STORAGE_INFO:  # a storage writer's own per-item record (storage_data): never read
+            return _RECORDS.setdefault(f"{module}.{name}", type(name, (_Record,), {}))
         if module == "builtins" and name in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[name]
         if module == "collections" and name == "OrderedDict":
@@ -221,7 +230,7 @@ class _DcpReader:
 
         if self.metadata is None:  # read once, with DCP's own reader, only when values are wanted
             _inside(Path(self.path).resolve(), Path(self.path) / ".metadata")
-            self.metadata = FileSystemReader(self.path).read_metadata()
+            self.metadata = _with_dcp_storage_info(FileSystemReader(self.path).read_metadata())
             _storage_inside(Path(self.path), self.metadata, str(Path(self.path) / ".metadata"))
         metadata = self.metadata
 
@@ -257,6 +266,23 @@ class _DcpReader:
         for key, raw in planner.raw.items():
             state[key] = _decode(raw)
         return state
+
+
+def _with_dcp_storage_info(metadata: Any) -> Any:
+    """``metadata`` with a framework storage writer's per-item records (:data:`_STORAGE_INFO`) as DCP's own.
+
+    OLMo-core's writer pickles its own ``_StorageInfo(relative_path, offset, length)``, which torch 2.13's
+    ``FileSystemReader`` cannot read (it lacks ``transform_descriptors``); the same three fields say where the
+    bytes are, so the values are read exactly as DCP's reader reads its own checkpoints.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    storage = getattr(metadata, "storage_data", None)
+    if isinstance(storage, dict):
+        for index, info in storage.items():
+            if (type(info).__module__, type(info).__name__) in _STORAGE_INFO:
+                storage[index] = _StorageInfo(info.relative_path, info.offset, info.length)
+    return metadata
 
 
 class Opaque(bytes):
