@@ -18,8 +18,9 @@ What it drives (DeepSpeed 0.19.8; all of it DeepSpeed's own code):
   path: one ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` per layer and *global* expert
   (written by expert-data-parallel rank 0, local ids renamed to global ones), the dense weights in
   ``mp_rank_00_model_states.pt``, and the optimizer in ``expp_rank_<r>_mp_rank_00_optim_states.pt``,
-  one file per EP rank.  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value
-  check runs.
+  one file per EP rank.  ``format`` is ``"deepspeed"``: ``read_checkpoint`` gives these files in global
+  form (``_deepspeed_checkpoint.read_native``), so the ``checkpoint`` check compares each save with the ep=1
+  save; ``forward`` is the engine's own (gate, ``_AllToAll`` dispatch, experts) under :data:`FORWARD_SEED`.
 
 A local expert's global id follows DeepSpeed's rule, the one its save and load use:
 ``expp_rank * num_local_experts + local_id``, ``expp_rank = groups._get_expert_parallel_rank``.

@@ -25,7 +25,9 @@ This is the path DeepSpeed documents for a user who changes the expert-parallel 
   converted with ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0
   alone, once per saved checkpoint: the result stays inside the saved directory for every later
   load -- and loaded with ``"checkpoint": {"load_universal": true}`` (``_deepspeed_universal``).
-  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value check runs.
+  ``format`` is ``"deepspeed"``: ``read_checkpoint`` gives the engine checkpoint and its universal
+  conversion in global form (``_deepspeed_checkpoint.read_autoep``), so the ``checkpoint`` check runs;
+  ``forward`` is the engine's own (AutoEP's router, ``_AllToAllV`` dispatch, experts).
 * CPU/gloo only (``DS_ACCELERATOR=cpu``, set by ``_deepspeed_common``): a mesh on another device is
   refused with the reason;
 * ``Spec.layout`` (when the harness has it): ``ep_order="strided"`` is DeepSpeed's
