@@ -80,3 +80,46 @@ def test_deepspeed_matrix_as_found(pytester: pytest.Pytester, monkeypatch: pytes
         if t > s:
             assert f"expp_rank_{s}_mp_rank_00_optim_states.pt" in detail, detail
     result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "unpacked · model+optim · ep-only · E=4"])
+
+
+#: the seeded session's cells (``tests/seeded_deepspeed.py``): model-only, E=4, both MoE paths.
+SEEDED_ID = "moe-ep-matrix::checkpoint::{kind}::model::ep-only::{pair}"
+SEEDED_SELECTION = ("not optim and not fsdp and not E6 and not legacy and not cross and "
+                    "((save_ep2 and load_ep2) or (save_ep4 and load_ep4))")
+
+
+def test_seeded_deepspeed_bugs_are_caught(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative controls of the DeepSpeed ``checkpoint`` and ``forward`` checks, as found.
+
+    An expert's file overwritten with another's after an ep=2 save: the ``checkpoint`` check names the key
+    against the ep=1 save (native and AutoEP).  Two experts' router rows swapped after an ep=4 load: the
+    ``values`` check names the router, but the ``forward`` check does *not* fail -- on these models (synthetic
+    weights of scale 0.02 behind a residual stream) the swap moves the output by ~4e-7, inside the check's
+    tolerance (rtol 1e-5, atol 1e-6 on outputs of ~3): a finding about the forward check, asserted as found.
+    """
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
+    pytester.makepyfile(seeded_deepspeed=(Path(__file__).parent / "seeded_deepspeed.py").read_text())
+    out = pytester.path / "out"
+    result = pytester.runpytest_subprocess("--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_deepspeed:SeededDeepSpeed",
+                                           "-k", SEEDED_SELECTION, f"--moe-ep-report={out}", "-p", "no:cacheprovider",
+                                           timeout=900)
+    doc = json.loads((Path(out) / "moe-ep-conformance.json").read_text())
+    cells = {c["id"]: c for c in doc["cells"]}
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    assert doc["summary"] == {"pass": 0, "fail": 4, "error": 0, "n/a": 0}, {i: c["detail"] for i, c in cells.items()}
+    keys = {"unpacked": "layers.0.moe.deepspeed_moe.experts.deepspeed_experts.{g}.down.weight",
+            "packed": "model.layers.0.mlp.experts.{g}.w1"}
+    routers = {"unpacked": "moe.deepspeed_moe.gate.wg.weight", "packed": "mlp.router.gate.weight"}
+    for kind in ("unpacked", "packed"):
+        overwritten = cells[SEEDED_ID.format(kind=kind, pair="ep2c->ep2c")]
+        assert overwritten["skipped_checks"] == {}, overwritten
+        key = keys[kind]
+        assert (f"[checkpoint] checkpoint: layer 0, key '{key.format(g=0)}', expert 0: holds expert 1's values "
+                f"instead of expert 0's (the ep=1 checkpoint's '{key.format(g=1)}')") in overwritten["detail"], \
+            overwritten["detail"]
+        swapped = cells[SEEDED_ID.format(kind=kind, pair="ep4->ep4")]
+        assert swapped["skipped_checks"] == {}, swapped
+        assert swapped["detail"].startswith(f"first difference: rank 0, layer 0, tensor '{routers[kind]}': values "
+                                            "differ and match no ground-truth tensor"), swapped["detail"]
+        assert "[forward]" not in swapped["detail"] and "[checkpoint]" not in swapped["detail"], swapped["detail"]

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["convert_once", "load_universal", "saved_ep"]
+__all__ = ["convert_locked", "convert_once", "load_universal", "saved_ep"]
 
 
 def _tag(path: str) -> str:
@@ -42,7 +42,7 @@ def convert_once(path: str) -> None:
     outcome: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            _convert_locked(path)
+            convert_locked(path)
         except Exception as exc:  # every rank must learn of it; see the docstring
             outcome[0] = f"ds_to_universal failed: {type(exc).__name__}: {exc}"
     dist.broadcast_object_list(outcome, src=0)
@@ -50,7 +50,7 @@ def convert_once(path: str) -> None:
         raise RuntimeError(outcome[0])
 
 
-def _convert_locked(path: str) -> None:
+def convert_locked(path: str) -> None:
     """The conversion in this process: one extract and one merge worker, since rank processes may not
     fork a process pool."""
     from types import SimpleNamespace

@@ -18,8 +18,9 @@ What it drives (DeepSpeed 0.19.8; all of it DeepSpeed's own code):
   path: one ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` per layer and *global* expert
   (written by expert-data-parallel rank 0, local ids renamed to global ones), the dense weights in
   ``mp_rank_00_model_states.pt``, and the optimizer in ``expp_rank_<r>_mp_rank_00_optim_states.pt``,
-  one file per EP rank.  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value
-  check runs.
+  one file per EP rank.  ``format`` is ``"deepspeed"``: ``read_checkpoint`` gives these files in global
+  form (``_deepspeed_checkpoint.read_native``), so the ``checkpoint`` check compares each save with the ep=1
+  save; ``forward`` is the engine's own (gate, ``_AllToAll`` dispatch, experts) under :data:`FORWARD_SEED`.
 
 A local expert's global id follows DeepSpeed's rule, the one its save and load use:
 ``expp_rank * num_local_experts + local_id``, ``expp_rank = groups._get_expert_parallel_rank``.
@@ -70,12 +71,17 @@ from functools import cache
 from typing import Any
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapters._deepspeed_checkpoint import NATIVE_EP_DEPENDENT, read_native
 from conformance.adapters._deepspeed_common import deepspeed as _deepspeed
 from conformance.adapters._deepspeed_common import installed_version, use_expert_groups
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 LR = 1e-2
 WEIGHT_DECAY = 0.01
+#: torch's RNG seed for every forward check: DeepSpeed's top-2 gate samples the second expert with Gumbel
+#: noise from the global RNG (``top2_2nd_expert_sampling``, on by default), which each rank draws for its
+#: whole batch, so the same seed gives every rank at every EP degree the truth's noise.
+FORWARD_SEED = 0
 
 
 @cache
@@ -191,6 +197,8 @@ class DeepSpeedAdapter:
                                 format="deepspeed", ep_orders=("consecutive",))
     #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR).
     preload = ("deepspeed", "deepspeed.moe.layer")
+    #: see :data:`conformance.adapters._deepspeed_checkpoint.NATIVE_EP_DEPENDENT`.
+    ep_dependent_keys = NATIVE_EP_DEPENDENT
 
     @property
     def version(self) -> str:
@@ -259,6 +267,19 @@ class DeepSpeedAdapter:
                                f"{message}") from exc
         if loaded is None:
             raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        """The engine's (or the truth's plain model's) forward on ``batch``: DeepSpeed's gate, its token
+        dispatch (``_AllToAll`` over the EP group at ep > 1) and its experts, under :data:`FORWARD_SEED`."""
+        import torch
+
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(FORWARD_SEED)
+            return model(batch)
+
+    def read_checkpoint(self, path: str) -> dict[str, Any]:
+        """The saved files in global form: :func:`conformance.adapters._deepspeed_checkpoint.read_native`."""
+        return read_native(path)
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:

@@ -25,7 +25,9 @@ This is the path DeepSpeed documents for a user who changes the expert-parallel 
   converted with ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0
   alone, once per saved checkpoint: the result stays inside the saved directory for every later
   load -- and loaded with ``"checkpoint": {"load_universal": true}`` (``_deepspeed_universal``).
-  ``format`` is ``"deepspeed"``: the DCP metadata check is n/a, every value check runs.
+  ``format`` is ``"deepspeed"``: ``read_checkpoint`` gives the engine checkpoint and its universal
+  conversion in global form (``_deepspeed_checkpoint.read_autoep``), so the ``checkpoint`` check runs;
+  ``forward`` is the engine's own (AutoEP's router, ``_AllToAllV`` dispatch, experts).
 * CPU/gloo only (``DS_ACCELERATOR=cpu``, set by ``_deepspeed_common``): a mesh on another device is
   refused with the reason;
 * ``Spec.layout`` (when the harness has it): ``ep_order="strided"`` is DeepSpeed's
@@ -83,6 +85,7 @@ from functools import cache
 from typing import Any
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapters._deepspeed_checkpoint import AUTOEP_EP_DEPENDENT, read_autoep
 from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
 from conformance.adapters._deepspeed_universal import convert_once, load_universal, saved_ep
 from conformance.synthetic import synthetic_grad, synthetic_weight
@@ -122,10 +125,19 @@ def _classes() -> type:
             self.input_layernorm = nn.LayerNorm(spec.dim)
             self.mlp = MixtralSparseMoeBlock(spec)
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.mlp(self.input_layernorm(x))  # AutoEP's layer: [B, S, H], or (that, router logits)
+            return x + (out[0] if isinstance(out, tuple) else out)
+
     class MixtralModel(nn.Module):
         def __init__(self, spec: Spec) -> None:
             super().__init__()
             self.layers = nn.ModuleList(MixtralDecoderLayer(spec) for _ in range(spec.num_layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
 
     class MixtralConfig:
         model_type = "mixtral"
@@ -141,6 +153,9 @@ def _classes() -> type:
             super().__init__()
             self.config = MixtralConfig(spec)
             self.model = MixtralModel(spec)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
 
     return MixtralForCausalLM
 
@@ -278,6 +293,8 @@ class DeepSpeedAutoEPAdapter:
     preload = ("deepspeed", "deepspeed.module_inject.auto_ep", "deepspeed.runtime.zero.stage_1_and_2",
                "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.checkpoint.ds_to_universal",
                "transformers")
+    #: see :data:`conformance.adapters._deepspeed_checkpoint.AUTOEP_EP_DEPENDENT`.
+    ep_dependent_keys = AUTOEP_EP_DEPENDENT
 
     @property
     def version(self) -> str:
@@ -340,6 +357,14 @@ class DeepSpeedAutoEPAdapter:
         model.backward(loss)
         model.step()
 
+    def forward(self, model: Any, batch: Any) -> Any:
+        """The engine's (or the truth's converted model's) forward on ``batch`` as one sequence of tokens:
+        AutoEP's router, its ``_AllToAllV`` dispatch over the EP group at ep > 1, its experts and combine."""
+        import torch
+
+        with torch.no_grad():
+            return model(batch.unsqueeze(0)).squeeze(0)
+
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         model.save_checkpoint(path)
@@ -365,6 +390,11 @@ class DeepSpeedAutoEPAdapter:
             raise RuntimeError(f"load ({story}) raised {type(exc).__name__}: {message}") from exc
         if loaded is None:
             raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path} ({story})")
+
+    def read_checkpoint(self, path: str) -> dict[str, Any]:
+        """The engine checkpoint and its universal conversion in global form (converted here once; a later
+        load at another EP reuses it): :func:`conformance.adapters._deepspeed_checkpoint.read_autoep`."""
+        return read_autoep(path)
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
