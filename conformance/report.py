@@ -387,13 +387,14 @@ def main(argv: list[str] | None = None) -> int:
             parser = argparse.ArgumentParser(prog="python -m conformance.report index",
                                              description="Write ROOT/index.md over the reports in ROOT's subfolders.")
             parser.add_argument("root", type=Path)
-            parser.add_argument("--readme", type=Path, help="also replace the README's framework-status block")
+            parser.add_argument("--docs", "--readme", dest="readme", type=Path,
+                                help="also replace that page's framework-status block (docs/frameworks.md)")
             found = parser.parse_args(argv[1:])
             print(write_index(found.root, found.readme))
             return 0
         parser = argparse.ArgumentParser(prog="python -m conformance.report",
                                          description="Print the cells whose status changed between two reports "
-                                         "(or: python -m conformance.report index ROOT [--readme README.md]; "
+                                         "(or: python -m conformance.report index ROOT [--docs docs/frameworks.md]; "
                                          "or: python -m conformance.report --from-log LOG --out DIR). "
                                          "Exit 0: none changed; 1: some changed; 2: bad input.")
         parser.add_argument("old", type=Path)

@@ -1,4 +1,4 @@
-"""The CI assets a framework copies: the GitHub workflow uses the commands README documents."""
+"""The CI assets a framework copies: the GitHub workflow uses the commands README and docs/ document."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def documentation() -> str:
+    """README and the docs/ pages it points to: what a user reads."""
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+
+
 def test_workflow_runs_the_documented_commands() -> None:
     yaml = pytest.importorskip("yaml")
     workflow = yaml.safe_load((ROOT / "ci/github/moe-ep-conformance.yml").read_text())
-    readme = (ROOT / "README.md").read_text()
+    readme = documentation()
     assert set(workflow["jobs"]) == {"cpu", "gpu"}
     runs = {job: [step.get("run", "") for step in spec["steps"]] for job, spec in workflow["jobs"].items()}
     matrix_cpu = [r for r in runs["cpu"] if "--moe-ep-matrix" in r]
@@ -42,3 +47,10 @@ def test_ci_run_installs_pinned_cpu_torch_first_and_runs_the_readme_test_command
     readme = (ROOT / "README.md").read_text()
     assert ci_run.index("torch==2.13.0") < ci_run.index('-e ".[test]"')
     assert "bash ci/test.sh" in ci_run and "bash ci/test.sh" in readme.split("## Quick start")[1].split("##")[0]
+
+
+def test_readme_is_short_and_every_docs_page_it_names_exists() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for page in re.findall(r"\]\((docs/[\w/.-]+)\)", readme):
+        assert (ROOT / page).exists(), page

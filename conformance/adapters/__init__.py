@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BUILTINS", "Builtin", "checkpoint_builtins", "functions_builtins"]
+__all__ = ["BUILTINS", "Builtin", "checkpoint_builtins", "functions_builtins", "installed"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class Builtin:
     checkpoint: str | None = None
     #: the module exposing the nine expert-slice functions, if the name offers one.
     functions: str | None = None
+    #: a module whose presence means the framework is installed (None: always; ci/conformance.sh asks).
+    requires: str | None = None
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -25,17 +27,20 @@ BUILTINS: dict[str, Builtin] = {
     "legacy": Builtin("conformance.adapters.legacy:LegacyAdapter"),
     "balanced": Builtin(functions="conformance.adapters.balanced_functions"),
     "nemo_automodel": Builtin("conformance.adapters.nemo_automodel:NemoAutomodelAdapter",
-                              "nemo_automodel.components.moe.state_dict_utils"),
-    "torchtitan": Builtin("conformance.adapters.torchtitan:TorchtitanAdapter"),
-    "torchtitan-local": Builtin("conformance.adapters.torchtitan:TorchtitanLocalAdapter"),
-    "deepspeed": Builtin("conformance.adapters.deepspeed:DeepSpeedAdapter"),
-    "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter"),
-    "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter"),
-    "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter"),
-    "transformers": Builtin("conformance.adapters.transformers_ep:TransformersAdapter"),
-    "olmo_core": Builtin("conformance.adapters.olmo_core:OlmoCoreAdapter"),
-    "olmo_core-dropless": Builtin("conformance.adapters.olmo_core:OlmoCoreDroplessAdapter"),
-    "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter"),
+                              "nemo_automodel.components.moe.state_dict_utils", "nemo_automodel"),
+    "torchtitan": Builtin("conformance.adapters.torchtitan:TorchtitanAdapter", requires="torchtitan"),
+    "torchtitan-local": Builtin("conformance.adapters.torchtitan:TorchtitanLocalAdapter", requires="torchtitan"),
+    "deepspeed": Builtin("conformance.adapters.deepspeed:DeepSpeedAdapter", requires="deepspeed"),
+    "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter", requires="deepspeed"),
+    "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter",
+                                      requires="deepspeed"),
+    "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter", requires="megatron.core"),
+    "transformers": Builtin("conformance.adapters.transformers_ep:TransformersAdapter",
+                            requires="transformers.distributed.expert_parallel"),
+    "olmo_core": Builtin("conformance.adapters.olmo_core:OlmoCoreAdapter", requires="olmo_core"),
+    "olmo_core-dropless": Builtin("conformance.adapters.olmo_core:OlmoCoreDroplessAdapter", requires="olmo_core"),
+    "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter",
+                                          requires="deepspeed"),
 }
 
 
@@ -45,3 +50,28 @@ def checkpoint_builtins() -> dict[str, str]:
 
 def functions_builtins() -> dict[str, str]:
     return {name: b.functions for name, b in BUILTINS.items() if b.functions}
+
+
+def installed(name: str) -> bool:
+    """Whether the framework of built-in ``name`` is importable here (its ``requires`` module is found)."""
+    import importlib.util
+
+    required = BUILTINS[name].requires
+    if required is None:
+        return True
+    try:
+        return importlib.util.find_spec(required) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def main() -> None:
+    """``python -m conformance.adapters``: one line per built-in whose framework is installed, ``NAME KIND``
+    (``checkpoint``, or ``functions`` for a framework's own), for ci/conformance.sh to walk."""
+    for name, builtin in BUILTINS.items():
+        if not installed(name):
+            continue
+        if builtin.checkpoint:
+            print(name, "checkpoint")
+        if builtin.functions and builtin.requires:  # a framework's own functions module
+            print(name, "functions")
