@@ -99,8 +99,9 @@ def _fill(param: torch.Tensor, std: float, *key: object, mean: float = 0.0) -> N
             param.copy_(mean + _normal(tuple(param.shape), std, torch.float32, *key))
 
 
-def _act(activation: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    return F.silu(gate) * up if activation == "swiglu" else F.gelu(up)
+def _act(up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU when the expert has a gate, GELU otherwise."""
+    return F.gelu(up) if gate is None else F.silu(gate) * up
 
 
 class ExpertMLP(nn.Module):
@@ -118,7 +119,7 @@ class ExpertMLP(nn.Module):
         # Local weights: under expert tensor parallelism they are this rank's shard of the hidden
         # axis, and the output a partial sum that MoEMLP reduces over etp.
         gate = F.linear(x, _local(self.gate.weight)) if self.activation == "swiglu" else None
-        return F.linear(_act(self.activation, F.linear(x, _local(self.up.weight)), gate), _local(self.down.weight))
+        return F.linear(_act(F.linear(x, _local(self.up.weight)), gate), _local(self.down.weight))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -250,8 +251,8 @@ class MoEMLP(nn.Module):
     def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "unpacked":
             return self.experts[i](x)
-        gate = F.linear(x, _local(self.gate_w)[i]) if self.activation == "swiglu" else None
-        return F.linear(_act(self.activation, F.linear(x, _local(self.up_w)[i]), gate), _local(self.down_w)[i])
+        gate = F.linear(x, self.expert_weight(i, "gate")) if self.activation == "swiglu" else None
+        return F.linear(_act(F.linear(x, self.expert_weight(i, "up")), gate), self.expert_weight(i, "down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])

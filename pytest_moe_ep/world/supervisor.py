@@ -175,7 +175,7 @@ class Supervisor:
             import multiprocessing as mp
             from multiprocessing import forkserver, resource_tracker
 
-            helpers = [(resource_tracker._resource_tracker, "_fd", "_pid")]
+            helpers: list[tuple[Any, str, str]] = [(resource_tracker._resource_tracker, "_fd", "_pid")]
             if self.start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
                 self._ctx = mp.get_context("forkserver")
                 self._ctx.set_forkserver_preload(list(self.preload))
