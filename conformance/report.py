@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pytest_moe_ep.world.diagnosis import shorten
+from pytest_moe_ep.text import shorten
 
 SCHEMA_VERSION = 2
 RECORD = "moe_ep_record"

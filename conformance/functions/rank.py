@@ -19,7 +19,7 @@ from conformance.functions.cells import (
     load_functions,
     parse_placements,
 )
-from pytest_moe_ep.world.diagnosis import shorten
+from pytest_moe_ep.text import shorten
 
 __all__ = ["SHOWN", "check_functions"]
 

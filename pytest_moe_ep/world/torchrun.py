@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypedDict, cast
 
 from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
-from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, WorldTimeout
+from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, Section, WorldTimeout
 from pytest_moe_ep.world.protocol import FunctionRef, RankError, function_ref
 from pytest_moe_ep.world.wire import dumps, loads
 
@@ -118,7 +118,7 @@ class TorchrunWorld:
         if len(set(names.values())) != 1:
             listing = "\n".join(f"rank {r}: {n}" for r, n in sorted(names.items()))
             raise OutOfStep(cause=f"ranks are out of step at call {seq}", at_fault=sorted(names),
-                            sections=[("calls", listing)], **world)
+                            sections=[Section("calls", listing, tuple(sorted(names)))], **world)
         try:
             value, error = fn.resolve()(*args, **(kwargs or {})), None
             dumps(value)
@@ -129,7 +129,7 @@ class TorchrunWorld:
         except ValueError as exc:
             raise RankFailure(cause=f"failed: {exc}", **world) from None
         errors = {r: e for r, (_, e) in outcomes.items() if e is not None}
-        sections = [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())]
+        sections = [Section(f"rank {r} traceback", e.traceback, (r,)) for r, e in sorted(errors.items())]
         if missing:
             raise WorldTimeout(cause=f"hung: passed its {timeout_s:g}s deadline; suspect rank(s) "
                                f"{', '.join(map(str, missing))} (no outcome reported)", at_fault=missing,
