@@ -1,6 +1,6 @@
 """Experts under their global identity in a DCP state dict, in one form for both layer kinds.
 
-After :func:`reference_impl.moe.apply_expert_parallel` every EP rank names and shapes its experts
+After :func:`reference_impl.parallelize.apply_expert_parallel` every EP rank names and shapes its experts
 as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank, and a
 packed weight has ``num_local_experts`` rows under the same name on every rank.
 torch.distributed.checkpoint (DCP) writes one copy per name and offset, so a checkpoint of those
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from reference_impl.moe import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
+from reference_impl.model import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
 from reference_impl.regions import local_region
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows", "moe_layers",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from reference_impl.moe import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
+from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
 
 __all__ = ["GlobalRegion", "RegionError", "global_regions", "local_region", "set_deterministic_grads"]
 
