@@ -181,7 +181,10 @@ def capabilities_of(adapter: Any) -> Capabilities:
     found = adapter.capabilities
     if isinstance(found, Capabilities):
         return found
-    get = found.get if isinstance(found, Mapping) else lambda k, d=None: getattr(found, k, d)
+
+    def get(key: str, default: Any = None) -> Any:
+        return found.get(key, default) if isinstance(found, Mapping) else getattr(found, key, default)
+
     missing = [f for f in _CAPABILITY_FIELDS if get(f, None) is None]
     if missing:
         raise AdapterError(f"adapter capabilities lack {', '.join(missing)}")

@@ -29,7 +29,7 @@ from conformance.inspection import (
     pattern,
     read_checkpoint,
 )
-from pytest_moe_ep.world.diagnosis import shorten
+from pytest_moe_ep.text import shorten
 
 __all__ = ["main"]
 PROG = "moe-ep-inspect"

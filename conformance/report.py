@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.matrix import guarantee
-from pytest_moe_ep.world.diagnosis import shorten
+from pytest_moe_ep.text import shorten
 
 SCHEMA_VERSION = 3
 READS = (1, 2, SCHEMA_VERSION)

@@ -8,7 +8,7 @@ options in :mod:`conformance.plugin`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -31,7 +31,11 @@ TIMEOUT = pytest.StashKey[float]()
 DISTRIBUTED_ATTR = "moe_ep_distributed"
 
 
-def ini_and_option(parser: pytest.Parser, name: str, help: str, *, type: str = "string",
+#: the ini value types this project registers (a subset of what ``Parser.addini`` takes).
+IniType = Literal["string", "bool", "int", "float", "args", "linelist"]
+
+
+def ini_and_option(parser: pytest.Parser, name: str, help: str, *, type: IniType = "string",
                    default: Any = None, choices: tuple[str, ...] | None = None) -> None:
     """Register the ini value ``moe_ep_<name>`` and the option ``--moe-ep-<name>`` that overrides it."""
     parser.addini(f"moe_ep_{name}", help, type=type, default=default)

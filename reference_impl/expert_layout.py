@@ -1,6 +1,6 @@
 """Experts under their global identity in a DCP state dict, in one form for both layer kinds.
 
-After :func:`reference_impl.moe.apply_expert_parallel` every EP rank names and shapes its experts
+After :func:`reference_impl.parallelize.apply_expert_parallel` every EP rank names and shapes its experts
 as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank, and a
 packed weight has ``num_local_experts`` rows under the same name on every rank.
 torch.distributed.checkpoint (DCP) writes one copy per name and offset, so a checkpoint of those
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from reference_impl.moe import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
+from reference_impl.model import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
 from reference_impl.regions import local_region
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows", "moe_layers",
@@ -100,15 +100,23 @@ def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tens
     rows = [local[i] for i in range(local.shape[0])]
     if isinstance(tensor, DTensor):
         mesh, placements = tensor.device_mesh, tensor.placements
-        keep = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1]
-        strided = [p for i, p in enumerate(placements) if i in keep and isinstance(p, _StridedShard)]
+        # mesh dim -> its shard of an inner axis, for the dims that split a row
+        keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1}
+        strided = [p for p in keep.values() if isinstance(p, _StridedShard)]
         if strided:
             raise ValueError(f"MoE layer {moe.name!r}: a packed weight placed {tuple(placements)} has a strided "
                              f"shard of an inner axis; its rows are not contiguous shards of one expert")
         if keep:
             names = mesh.mesh_dim_names
-            sub = mesh if len(keep) == mesh.ndim else mesh[tuple(names[i] for i in keep)]
-            shards = [Shard(placements[i].dim - 1) for i in keep]
+            if len(keep) == mesh.ndim:
+                sub = mesh
+            elif names is None:
+                raise ValueError(f"MoE layer {moe.name!r}: a packed weight placed {tuple(placements)} on a mesh "
+                                 "without dim names; its rows need the submesh of the dims that split them, so "
+                                 "create the mesh with mesh_dim_names")
+            else:
+                sub = mesh[tuple(names[i] for i in keep)]
+            shards = [Shard(p.dim - 1) for p in keep.values()]
             shape = tuple(tensor.shape[1:])
             rows = [DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
                                        stride=_contiguous_stride(shape)) for row in rows]
@@ -182,8 +190,8 @@ class ExpertLayout:
                 raise ValueError(f"{key!r}: its mesh {value.device_mesh} and the ep mesh {moe.ep_mesh} of MoE "
                                  f"layer {moe.name!r} do not come from one device mesh with named dims")
             placement_of = {**dict(zip(names, value.placements, strict=True)), ep_name: Shard(0)}
-            early = [n for n in names if order.index(n) < order.index(ep_name)
-                     and isinstance(placement_of[n], Shard) and placement_of[n].dim == 0]
+            split_rows = {n for n, p in placement_of.items() if isinstance(p, Shard) and p.dim == 0}
+            early = [n for n in names if order.index(n) < order.index(ep_name) and n in split_rows]
             if early:
                 raise ValueError(f"{key!r}: mesh dims {early} split the expert rows but come before {ep_name!r} in "
                                  f"the device mesh {order}; DTensor would nest them first")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from reference_impl.moe import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
+from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
 
 __all__ = ["GlobalRegion", "RegionError", "global_regions", "local_region", "set_deterministic_grads"]
 
@@ -90,10 +90,10 @@ class GlobalRegion:
 def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
     """Every parameter of ``model`` with its ep=1 name, ep=1 shape and the region this rank holds."""
     owners: dict[int, MoEMLP] = {}
-    for _, moe in moe_layers(model):
-        for p in moe.parameters():
-            owners[id(p)] = moe
-    prefixes = {id(moe): name for name, moe in moe_layers(model)}
+    for _, layer in moe_layers(model):
+        for p in layer.parameters():
+            owners[id(p)] = layer
+    prefixes = {id(layer): name for name, layer in moe_layers(model)}
     for fqn, p in named_parameters(model):
         local, found = local_region(p)
         shape = list(p.shape)

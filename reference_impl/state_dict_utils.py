@@ -20,6 +20,7 @@ raises ``ValueError`` or ``TypeError`` saying what was wrong and what was expect
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ def _is_expert_shard(placement: Placement) -> bool:
 # ------------------------------------------------------------------------------- small helpers
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a DTensor, i.e. its local tensor may hold only part of the experts."""
     return isinstance(tensor, DTensor)
 
@@ -238,7 +239,7 @@ def split_experts_weights_dtensor_aware(
             placement = Shard(placement.dim - 1)
         new_placements.append(placement)
     shape, stride = weight.shape[1:], weight.stride()[1:]
-    experts = [
+    experts: list[torch.Tensor] = [
         DTensor.from_local(local[i], submesh, new_placements, shape=shape, stride=stride)
         for i in range(len(ids))
     ]

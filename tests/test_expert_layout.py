@@ -378,7 +378,7 @@ def test_reference_impl_has_no_import_circle_and_one_wrapper_list() -> None:
     circles = [m for m in graph if reaches(m, m, set())]
     assert not circles, f"import circle through {circles}: {graph}"
     defining = [p.stem for p in root.glob("*.py") if '"_checkpoint_wrapped_module"' in p.read_text()]
-    assert defining == ["moe"], f"the wrapper-name list is written in {defining}"
+    assert defining == ["model"], f"the wrapper-name list is written in {defining}"
 
 
 @pytest.mark.moe_ep_world(WORLD)

@@ -21,7 +21,7 @@ from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
-from pytest_moe_ep.world.diagnosis import shorten
+from pytest_moe_ep.text import shorten
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding, paused_gc
-from pytest_moe_ep.world.diagnosis import shorten
+from pytest_moe_ep.text import shorten
 
 __all__ = ["index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
 

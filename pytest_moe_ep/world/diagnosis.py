@@ -15,9 +15,13 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
+from enum import Enum
 
-from pytest_moe_ep.world.engine import RankFailure, RankOutput, WorldError, WorldTimeout
+from pytest_moe_ep.text import first_line, shorten
+from pytest_moe_ep.world.engine import RankFailure, RankOutput, Section, WorldError, WorldTimeout
 from pytest_moe_ep.world.protocol import RankError
+
+__all__ = ["Observed", "RankState", "RankStatus", "diagnose", "shorten", "suspects"]
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
 _HEADER = re.compile(r"^main thread (0x[0-9a-f]+)$", re.MULTILINE)
@@ -56,11 +60,32 @@ def raised_in_collective(traceback_text: str) -> bool:
     return any("torch/distributed/" in line for line in _frames(traceback_text)[-3:])
 
 
+class RankStatus(str, Enum):
+    """What one rank was doing when its call failed; the value is the word the report prints."""
+
+    RETURNED = "returned"
+    RAISED = "raised"
+    RAISED_IN_COLLECTIVE = "raised in a collective"
+    DEAD = "dead"
+    IN_COLLECTIVE = "in a collective"
+    OUTSIDE_COLLECTIVE = "outside any collective"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: the ranks that waited for others: in a collective, or in one when the process group's timeout fired.
+_WAITING = (RankStatus.IN_COLLECTIVE, RankStatus.RAISED_IN_COLLECTIVE)
+
+
 @dataclass(frozen=True)
 class RankState:
     rank: int
-    #: "returned", "raised", "raised in a collective", "dead", "in a collective" or "outside any collective"
-    state: str
+    state: RankStatus
+    #: the rank's own story: its error's headline, or how it died ("died of signal SIGKILL ...").
     detail: str = ""
 
 
@@ -71,12 +96,13 @@ def suspects(states: list[RankState]) -> list[int]:
     collective fail or block because of it are victims.  Only when nobody else is to blame do ranks
     that raised inside a collective, or that left the call while others wait in one, count.
     """
-    for group in (("dead", "raised", "outside any collective"), ("raised in a collective",)):
+    direct = (RankStatus.DEAD, RankStatus.RAISED, RankStatus.OUTSIDE_COLLECTIVE)
+    for group in (direct, (RankStatus.RAISED_IN_COLLECTIVE,)):
         found = [s.rank for s in states if s.state in group]
         if found:
             return found
-    waiting = [s.rank for s in states if s.state == "in a collective"]
-    left = [s.rank for s in states if s.state == "returned"]
+    waiting = [s.rank for s in states if s.state is RankStatus.IN_COLLECTIVE]
+    left = [s.rank for s in states if s.state is RankStatus.RETURNED]
     return left if (waiting and left) else waiting
 
 
@@ -104,15 +130,6 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def shorten(text: str, limit: int = 240) -> str:
-    """One line of at most ``limit`` characters, cut at a word boundary."""
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    cut = text[: limit - 3].rsplit(" ", 1)[0]
-    return f"{cut}..."
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -126,10 +143,9 @@ def _grouped_details(states: list[RankState], at_fault: list[int], errors: dict[
             continue
         if s.rank in errors:
             e = errors[s.rank]
-            first = e.message.strip().splitlines()[0] if e.message.strip() else ""
-            key = f"raised {e.type_name}: {first}".rstrip(": ")
-        elif s.state == "dead":
-            key = s.detail.split(" ", 2)[2] if s.detail.startswith(f"rank {s.rank} ") else s.detail
+            key = f"raised {e.type_name}: {first_line(e.message)}".rstrip(": ")
+        elif s.state is RankStatus.DEAD:
+            key = s.detail
         else:
             where = locations.get(s.rank)
             key = f"was still running, {s.state}" + (f" at {where}" if where else "")
@@ -159,25 +175,25 @@ def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str])
     states: list[RankState] = []
     for r in range(seen.world_size):
         if r in seen.errors:
-            kind = "raised in a collective" if raised_in_collective(seen.errors[r].traceback) else "raised"
-            states.append(RankState(r, kind, seen.errors[r].headline()))
+            raised = (RankStatus.RAISED_IN_COLLECTIVE if raised_in_collective(seen.errors[r].traceback)
+                      else RankStatus.RAISED)
+            states.append(RankState(r, raised, seen.errors[r].headline()))
         elif r in seen.dead:
-            states.append(RankState(r, "dead", f"rank {r} {describe_exit(seen.dead[r])}"))
+            states.append(RankState(r, RankStatus.DEAD, describe_exit(seen.dead[r])))
         elif r in seen.returned:
-            states.append(RankState(r, "returned"))
+            states.append(RankState(r, RankStatus.RETURNED))
         elif r in seen.stacks:
-            where = "in a collective" if in_collective(seen.stacks[r]) else "outside any collective"
+            where = RankStatus.IN_COLLECTIVE if in_collective(seen.stacks[r]) else RankStatus.OUTSIDE_COLLECTIVE
             states.append(RankState(r, where))
     at_fault = suspects(states)
     locations = {r: location(seen.stacks[r]) for r in at_fault if r in seen.stacks}
-    stuck = [s.rank for s in states if s.state == "outside any collective"]
+    stuck = [s.rank for s in states if s.state is RankStatus.OUTSIDE_COLLECTIVE]
     # The process group's timeout fired on the ranks waiting for a rank stuck in its own code: a hang.
     pg_timeout_hang = bool(stuck) and all(
-        s.state in ("raised in a collective", "outside any collective", "in a collective", "returned")
-        for s in states) and any(s.state == "raised in a collective" for s in states)
+        s.state in (*_WAITING, RankStatus.OUTSIDE_COLLECTIVE, RankStatus.RETURNED) for s in states
+    ) and any(s.state is RankStatus.RAISED_IN_COLLECTIVE for s in states)
     hung = seen.timed_out or pg_timeout_hang
-    waiting = [s.rank for s in states if s.state in ("in a collective", "raised in a collective")
-               and s.rank not in at_fault]
+    waiting = [s.rank for s in states if s.state in _WAITING and s.rank not in at_fault]
     if hung:
         how = (f"passed its {seen.timeout_s:g}s deadline" if seen.timed_out
                else "timed out in a collective waiting for a stuck rank")
@@ -187,35 +203,41 @@ def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str])
     else:
         cause = f"failed on rank(s) {', '.join(map(str, at_fault))}: " \
                 f"{_grouped_details(states, at_fault, seen.errors, locations)}"
-    sections: list[tuple[str, str]] = [
-        ("ranks", "\n".join(f"rank {s.rank}: {s.state}" + (" <- suspect" if s.rank in at_fault else "")
-                            for s in states))]
-    # One full traceback per distinct error of the ranks at fault, and only their stacks; the rest
-    # -- victims, and ranks that raised the same error at the same place -- in a line each.
-    shown: dict[tuple[str, ...], int] = {}
-    same: dict[int, list[int]] = {}
-    for r in range(seen.world_size):
-        if r in seen.errors and r in at_fault:
-            first = shown.setdefault(_signature(seen.errors[r]), r)
-            if first == r:
-                sections.append((f"rank {r} traceback", seen.errors[r].traceback or seen.errors[r].headline()))
-            else:
-                same.setdefault(first, []).append(r)
-        elif r in seen.errors:
-            sections.append((f"rank {r} (victim)", seen.errors[r].headline()))
-        if r in seen.dead:
-            sections.append((f"rank {r} {describe_exit(seen.dead[r])}",
-                             crashes.get(r) or "(no Python stack recorded)"))
-        if r in seen.stacks and r in at_fault:
-            sections.append((f"rank {r} stack when given up (suspect)", seen.stacks[r]))
-        elif r in seen.stacks:
-            where = "waiting in a collective" if in_collective(seen.stacks[r]) else "running"
-            sections.append((f"rank {r} (victim)", f"{where} at {location(seen.stacks[r])}"))
-    for first, ranks in same.items():
-        at = next(i for i, (title, _) in enumerate(sections) if title == f"rank {first} traceback") + 1
-        sections.insert(at, (f"{_ranks(ranks)}: the same error at the same place as rank {first}",
-                             "\n".join(seen.errors[r].headline() for r in ranks)))
     cls = WorldTimeout if hung else RankFailure
     return cls(fn=seen.fn, world_size=seen.world_size, backend=seen.backend, cause=cause, at_fault=at_fault,
                waiting=waiting, locations=locations, errors=dict(seen.errors),
-               states={s.rank: s.state for s in states}, sections=sections, outputs=outputs)
+               states={s.rank: s.state.value for s in states}, sections=_sections(seen, states, at_fault, crashes),
+               outputs=outputs)
+
+
+def _sections(seen: Observed, states: list[RankState], at_fault: list[int], crashes: dict[int, str]) -> list[Section]:
+    """Every rank's state, then one full traceback per distinct error of the ranks at fault, and only their
+    stacks; the rest -- victims, and ranks that raised the same error at the same place -- in a line each."""
+    first_with: dict[tuple[str, ...], int] = {}
+    same: dict[int, list[int]] = {}  # the first rank at fault with an error -> later ranks with that error
+    for r in sorted(set(seen.errors) & set(at_fault)):
+        first = first_with.setdefault(_signature(seen.errors[r]), r)
+        if first != r:
+            same.setdefault(first, []).append(r)
+    folded = {r for ranks in same.values() for r in ranks}
+    listing = [f"rank {s.rank}: {s.state.value}" + (" <- suspect" if s.rank in at_fault else "") for s in states]
+    sections = [Section("ranks", "\n".join(listing), tuple(s.rank for s in states))]
+    for r in range(seen.world_size):
+        if r in seen.errors and r in at_fault:
+            if r not in folded:
+                sections.append(Section(f"rank {r} traceback", seen.errors[r].traceback or seen.errors[r].headline(),
+                                        (r,)))
+            if r in same:
+                sections.append(Section(f"{_ranks(same[r])}: the same error at the same place as rank {r}",
+                                        "\n".join(seen.errors[o].headline() for o in same[r]), tuple(same[r])))
+        elif r in seen.errors:
+            sections.append(Section(f"rank {r} (victim)", seen.errors[r].headline(), (r,)))
+        if r in seen.dead:
+            sections.append(Section(f"rank {r} {describe_exit(seen.dead[r])}",
+                                    crashes.get(r) or "(no Python stack recorded)", (r,)))
+        if r in seen.stacks and r in at_fault:
+            sections.append(Section(f"rank {r} stack when given up (suspect)", seen.stacks[r], (r,)))
+        elif r in seen.stacks:
+            where = "waiting in a collective" if in_collective(seen.stacks[r]) else "running"
+            sections.append(Section(f"rank {r} (victim)", f"{where} at {location(seen.stacks[r])}", (r,)))
+    return sections

@@ -9,7 +9,7 @@ nobody parses an English message.  Importing this module does not import torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -21,6 +21,7 @@ __all__ = [
     "Engine",
     "RankFailure",
     "RankOutput",
+    "Section",
     "WorldError",
     "WorldStartError",
     "WorldTimeout",
@@ -41,6 +42,22 @@ class CallResult:
     outputs: list[RankOutput]
 
 
+@dataclass(frozen=True)
+class Section:
+    """One titled block of :meth:`WorldError.report`, and the ranks it is about (none: the whole world's).
+
+    It unpacks as ``(title, body)``, the plain pair a section was before it knew its ranks, so code
+    that reads the ranks finds them here instead of in the title.
+    """
+
+    title: str
+    body: str
+    ranks: tuple[int, ...] = ()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((self.title, self.body))
+
+
 @dataclass
 class WorldError(Exception):
     """A call failed.  The fields say how; :attr:`headline` and :meth:`report` say it in words.
@@ -49,7 +66,8 @@ class WorldError(Exception):
     ValueError: ..."), what a caller that names the call itself shows.  ``at_fault`` are the ranks
     to blame, most direct first; ``waiting`` the ranks that were only blocked in a collective by
     them; ``locations`` where a rank at fault was stuck (``file:line in function``) when the call
-    hung; ``errors`` the exception each rank raised; ``states`` what each rank was doing.
+    hung; ``errors`` the exception each rank raised; ``states`` what each rank was doing (the value of
+    a :class:`~pytest_moe_ep.world.diagnosis.RankStatus`); ``sections`` the report's titled blocks.
     """
 
     fn: str
@@ -61,7 +79,7 @@ class WorldError(Exception):
     locations: dict[int, str] = field(default_factory=dict)
     errors: dict[int, RankError] = field(default_factory=dict)
     states: dict[int, str] = field(default_factory=dict)
-    sections: list[tuple[str, str]] = field(default_factory=list)
+    sections: list[Section] = field(default_factory=list)
     outputs: list[RankOutput] = field(default_factory=list)
     #: "start", "failed", "hang" or "out-of-step"
     kind: ClassVar[str] = "failed"

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_moe_ep.text import first_line
+
 __all__ = [
     "Call",
     "FunctionRef",
@@ -106,8 +108,7 @@ class RankError:
     traceback: str
 
     def headline(self) -> str:
-        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
-        return f"rank {self.rank} raised {self.type_name}: {first}".rstrip(": ")
+        return f"rank {self.rank} raised {self.type_name}: {first_line(self.message)}".rstrip(": ")
 
 
 @dataclass(frozen=True)

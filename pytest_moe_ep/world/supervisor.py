@@ -32,7 +32,7 @@ from typing import Any
 
 from pytest_moe_ep.world.backend import GpuLease, lease_gpus, resolve_backend
 from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, main_thread_stack
-from pytest_moe_ep.world.engine import CallResult, RankOutput, WorldError, WorldStartError
+from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
 from pytest_moe_ep.world.workdir import make_workdir, remove
@@ -175,7 +175,7 @@ class Supervisor:
             import multiprocessing as mp
             from multiprocessing import forkserver, resource_tracker
 
-            helpers = [(resource_tracker._resource_tracker, "_fd", "_pid")]
+            helpers: list[tuple[Any, str, str]] = [(resource_tracker._resource_tracker, "_fd", "_pid")]
             if self.start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
                 self._ctx = mp.get_context("forkserver")
                 self._ctx.set_forkserver_preload(list(self.preload))
@@ -243,12 +243,12 @@ class Supervisor:
     def _await_ready(self, world: World) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         pending = set(range(world.world_size))
-        problems: list[tuple[str, str]] = []
+        problems: list[Section] = []
         while pending and not problems:
             ready = wait([world.conns[r] for r in pending] + [world.processes[r].sentinel for r in pending],
                          timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                problems.append(("start-up", f"ranks {sorted(pending)} not ready after {START_TIMEOUT_S:.0f}s"))
+                problems.append(Section("start-up", f"ranks {sorted(pending)} not ready after {START_TIMEOUT_S:.0f}s"))
             for r in list(pending):
                 if world.conns[r] in ready or world.conns[r].poll():
                     try:
@@ -259,11 +259,11 @@ class Supervisor:
                         pending.discard(r)
                         continue
                     if isinstance(msg, Result) and msg.error:
-                        problems.append((f"rank {r} traceback", msg.error.traceback))
+                        problems.append(Section(f"rank {r} traceback", msg.error.traceback, (r,)))
                         continue
                 if world.processes[r].sentinel in ready:
                     world.processes[r].join(1.0)
-                    problems.append((f"rank {r}", describe_exit(world.processes[r].exitcode)))
+                    problems.append(Section(f"rank {r}", describe_exit(world.processes[r].exitcode), (r,)))
         if problems:
             outputs = []
             for spec in world.specs:
@@ -271,9 +271,10 @@ class Supervisor:
                 files.offsets = [0, 0]
                 outputs.append(RankOutput(files.read(0), files.read(1)))
             world.kill()
-            at_fault = sorted({int(t.split()[1]) for t, _ in problems if t.startswith("rank ")})
+            at_fault = sorted({r for problem in problems for r in problem.ranks})
+            first = problems[0]
             raise WorldStartError(fn="start-up", world_size=world.world_size, backend=world.backend,
-                                  cause=f"failed to start: {problems[0][0]}: {problems[0][1].strip().splitlines()[-1]}",
+                                  cause=f"failed to start: {first.title}: {first.body.strip().splitlines()[-1]}",
                                   at_fault=at_fault, sections=problems, outputs=outputs)
 
     # -- calls ----------------------------------------------------------------------------------

@@ -28,14 +28,23 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
-from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, WorldTimeout
+from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, Section, WorldTimeout
 from pytest_moe_ep.world.protocol import FunctionRef, RankError, function_ref
 from pytest_moe_ep.world.wire import dumps, loads
 
 PREFIX = "pytest-moe-ep/"
+
+
+class _CallFields(TypedDict):
+    """The :class:`~pytest_moe_ep.world.engine.WorldError` fields every failure of one call shares."""
+
+    fn: str
+    world_size: int
+    backend: str
+    outputs: list[RankOutput]
 
 
 class TorchrunWorld:
@@ -71,7 +80,8 @@ class TorchrunWorld:
 
         ``ValueError`` when a rank's entry is not what :func:`~.wire.dumps` writes.
         """
-        self.store.set(f"{key}/{self.rank}", dumps(value))
+        # The stub types the value as str; the binding takes bytes, which dumps returns.
+        self.store.set(f"{key}/{self.rank}", cast(str, dumps(value)))
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
         while True:
@@ -100,15 +110,15 @@ class TorchrunWorld:
         timeout_s = timeout or self.timeout_s
         seq = next(self.seq)
         names, missing = self._exchange(f"call{seq}/name", str(fn), timeout_s)
-        world = {"fn": str(fn), "world_size": self.world_size, "backend": f"torchrun {self.backend}",
-                 "outputs": self._no_output()}
+        world = _CallFields(fn=str(fn), world_size=self.world_size, backend=f"torchrun {self.backend}",
+                            outputs=self._no_output())
         if missing:
             raise WorldTimeout(cause=f"hung: rank(s) {', '.join(map(str, missing))} never reached call {seq}",
                                at_fault=missing, waiting=sorted(names), **world)
         if len(set(names.values())) != 1:
             listing = "\n".join(f"rank {r}: {n}" for r, n in sorted(names.items()))
             raise OutOfStep(cause=f"ranks are out of step at call {seq}", at_fault=sorted(names),
-                            sections=[("calls", listing)], **world)
+                            sections=[Section("calls", listing, tuple(sorted(names)))], **world)
         try:
             value, error = fn.resolve()(*args, **(kwargs or {})), None
             dumps(value)
@@ -119,7 +129,7 @@ class TorchrunWorld:
         except ValueError as exc:
             raise RankFailure(cause=f"failed: {exc}", **world) from None
         errors = {r: e for r, (_, e) in outcomes.items() if e is not None}
-        sections = [(f"rank {r} traceback", e.traceback) for r, e in sorted(errors.items())]
+        sections = [Section(f"rank {r} traceback", e.traceback, (r,)) for r, e in sorted(errors.items())]
         if missing:
             raise WorldTimeout(cause=f"hung: passed its {timeout_s:g}s deadline; suspect rank(s) "
                                f"{', '.join(map(str, missing))} (no outcome reported)", at_fault=missing,

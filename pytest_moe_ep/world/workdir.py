@@ -136,7 +136,7 @@ def sweep(tmpdir: str | None = None) -> list[str]:
     moment) is left alone.
     """
     base = tmpdir or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(base))
     except OSError:

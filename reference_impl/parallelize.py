@@ -1,0 +1,119 @@
+"""The expert-parallel split of :mod:`reference_impl.model`, expert tensor parallelism, and FSDP on top.
+
+:func:`apply_expert_parallel` keeps only this rank's experts, exactly as frameworks do, and that is
+the bug this project is about: afterwards a rank names and shapes its experts as if they were the
+layer's only ones (``experts.0`` is global expert ``start``; a packed weight has
+``num_local_experts`` rows), so a DCP checkpoint of the raw state dict keeps one rank's experts in
+place of all of them.  :mod:`reference_impl.expert_layout` is the fix.  Which experts a rank keeps
+comes from :func:`reference_impl.layout.expert_range`, the one layout rule.
+
+:func:`apply_expert_parallel` also applies expert tensor parallelism (``etp``): each expert's
+weights sharded over the ``etp`` mesh dim on the hidden axis, the forward still the ep=1 one.
+:func:`apply_fsdp` composes FSDP2 (or HSDP) on top, sharding each rank's experts over ``dp_shard``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from reference_impl.layout import expert_range
+from reference_impl.model import MoEMLP, moe_modules
+
+__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp"]
+
+
+#: the tensor axis that expert tensor parallelism splits, per expert weight: the hidden axis
+#: (``up``/``gate`` column-parallel, ``down`` row-parallel); packed weights add the expert axis.
+HIDDEN_AXIS = {"gate": 0, "up": 0, "down": 1}
+
+
+def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """Keep only this EP rank's experts in every :class:`MoEMLP` of ``model``, in place.
+
+    Which experts: :func:`reference_impl.layout.expert_range` over ``device_mesh["ep"]`` (ranks
+    past the last expert hold none).  The EP rank is the rank's coordinate on the ``ep`` dim,
+    never its global rank, so EP groups of strided and of consecutive ranks both work.  Unpacked
+    layers keep a ``ModuleList`` of their experts renumbered from 0; packed layers keep their rows
+    as new Parameters (copies, so the full weights can be freed).
+
+    With an ``etp`` dim of size > 1 (expert tensor parallelism) every expert weight also becomes a
+    DTensor Parameter sharded over ``device_mesh["etp"]`` on its hidden axis (:data:`HIDDEN_AXIS`;
+    ``up``/``gate`` column-parallel, ``down`` row-parallel), as DTensor's ``Shard`` splits it; the
+    forward sums the partial outputs over etp.  Without ``ep``/``etp`` dims, or with both of size
+    1, nothing changes.
+    """
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    ep_mesh = device_mesh["ep"] if "ep" in names else None
+    etp_mesh = device_mesh["etp"] if "etp" in names else None
+    ep = ep_mesh.size() if ep_mesh is not None else 1
+    etp = etp_mesh.size() if etp_mesh is not None else 1
+    if ep == 1 and etp == 1:
+        return model
+    for moe in moe_modules(model):
+        if moe.ep_world_size != 1 or moe.etp_world_size != 1:
+            raise ValueError(f"MoE layer {moe.name!r} is already split over {moe.ep_world_size} EP and "
+                             f"{moe.etp_world_size} ETP ranks")
+        if ep > 1:
+            assert ep_mesh is not None
+            ep_rank = ep_mesh.get_local_rank()
+            start, end = expert_range(moe.num_experts, ep, ep_rank)
+            if moe.kind == "unpacked":
+                moe.experts = nn.ModuleList(list(moe.experts)[start:end])
+            else:
+                for weight in moe.packed_weights():
+                    full = getattr(moe, weight)
+                    setattr(moe, weight, nn.Parameter(full.detach()[start:end].clone(),
+                                                      requires_grad=full.requires_grad))
+            moe.ep_world_size, moe.ep_rank, moe.ep_mesh = ep, ep_rank, ep_mesh
+            moe.local_expert_start, moe.num_local_experts = start, end - start
+        if etp > 1:
+            _split_hidden(moe, etp_mesh)
+    return model
+
+
+def _split_hidden(moe: MoEMLP, etp_mesh: Any) -> None:
+    """Shard every expert weight of ``moe`` over ``etp_mesh`` on its hidden axis (no communication)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(full: torch.Tensor, axis: int) -> nn.Parameter:
+        # Every rank holds the same full weights, so each takes its own shard (src_data_rank=None).
+        local = distribute_tensor(full.detach(), etp_mesh, [Shard(axis)], src_data_rank=None)
+        return nn.Parameter(local, requires_grad=full.requires_grad)
+
+    if moe.kind == "unpacked":
+        for expert in moe.experts:
+            for linear, axis in HIDDEN_AXIS.items():
+                module = getattr(expert, linear, None)
+                if module is not None:
+                    module.weight = shard(module.weight, axis)
+    else:
+        for weight in moe.packed_weights():
+            setattr(moe, weight, shard(getattr(moe, weight), HIDDEN_AXIS[weight[:-2]] + 1))
+    moe.etp_world_size, moe.etp_mesh = etp_mesh.size(), etp_mesh
+
+
+def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """FSDP2 over ``device_mesh["dp_shard"]`` (HSDP with ``dp_replicate`` > 1): each :class:`MoEMLP`, then the model.
+
+    Apply it after :func:`apply_expert_parallel`: each rank's experts are then sharded over
+    dp_shard (FSDP2 pads uneven dim-0 shards, ranks may hold zero rows), and expert weights that
+    expert tensor parallelism made DTensors over ``etp`` become 2-D (FSDP x ETP) DTensors.
+    Parameters outside the experts are sharded over dp_shard and replicated over ep and etp, which
+    a checkpoint stores once.  With a ``dp_replicate`` dim of size > 1 the mesh is
+    ``("dp_replicate", "dp_shard")``, which FSDP2 applies as HSDP: replicate x shard.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    if "dp_shard" not in names:
+        raise ValueError(f"apply_fsdp needs a mesh with a 'dp_shard' dimension, got {device_mesh}")
+    hsdp = "dp_replicate" in names and device_mesh["dp_replicate"].size() > 1
+    dp_mesh = device_mesh[("dp_replicate", "dp_shard")] if hsdp else device_mesh["dp_shard"]
+    for moe in list(moe_modules(model)):
+        if moe is not model:
+            fully_shard(moe, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
