@@ -141,3 +141,19 @@ def test_training_state_scalars_and_build_results() -> None:
         built([1, 2])
     with pytest.raises(AdapterError, match="mapping"):
         built((1, None, 3))
+
+
+def test_experts_flattened_into_one_axis_are_read_as_plain_tensors() -> None:
+    """OLMo-core's form: ``w1`` of shape ``[E * rows, hidden]``; no false 'expert axis has E*rows rows' finding."""
+    state = _truth()
+    flat = {f"blocks.{layer}.experts.mlp.w1": torch.cat([state[(layer, e, "up")] for e in range(E)])
+            for layer in range(2)}
+    index = index_state_dict(flat, "truth")
+    assert any(f.problem == "extent_mismatch" for f in inspect_index(index, num_experts=E).findings)  # by name
+    learned = learn_expert_keys(index, owners_of(state)[0])
+    assert learned["blocks.0.experts.mlp.w1"].kind == "blocks"
+    patterns = (*learned_patterns(learned), *DEFAULT_PATTERNS)
+    found = {f.problem for f in inspect_index(index, num_experts=E, patterns=patterns).findings}
+    assert found == {"no_expert_keys"}  # no expert axis to read; the matrix compares these keys by value
+    swapped = dict(flat, **{"blocks.1.experts.mlp.w1": flat["blocks.0.experts.mlp.w1"]})
+    assert compare_indexes(index_state_dict(swapped, "ep2"), index, values=True, patterns=patterns)
