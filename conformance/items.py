@@ -1,6 +1,6 @@
 """One pytest Item per matrix cell, run through the world engine (controller side).
 
-Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4c``, so ``-k``,
+Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4``, so ``-k``,
 ``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
 runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
 matrix runs on.  Each cell attaches its report record (see :mod:`conformance.report`).  A cell

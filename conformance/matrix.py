@@ -69,7 +69,7 @@ class Cell:
 
     @property
     def node_name(self) -> str:
-        """The readable part of the node id, e.g. ``checkpoint::unpacked::model+optim::fsdp::ep2->ep4c``."""
+        """The readable part of the node id, e.g. ``checkpoint::unpacked::model+optim::fsdp::ep2c->ep4``."""
         pair = f"{self.save.fragment}->{self.load.fragment}"
         experts = [] if self.num_experts == PLAIN_EXPERTS else [f"E{self.num_experts}"]
         if self.legacy:

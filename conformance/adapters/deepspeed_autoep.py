@@ -91,11 +91,7 @@ from conformance.adapters._deepspeed_universal import convert_once, load_univers
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
-LR = 1e-2
 WEIGHT_DECAY = 0.01
-#: the kinds of optimizer param group, named the same at every EP degree (DeepSpeed names the
-#: expert group ``ep_size_<ep>``).
-GROUP_KINDS = ("dense", "expert")
 
 
 @cache
@@ -186,7 +182,7 @@ def _dense_name(name: str) -> str:
 
 
 def _lr(spec: Spec) -> float:
-    return float(getattr(spec, "lr", LR))  # ``Spec.lr`` comes with the layout issue; 1e-2 until then
+    return float(spec.lr)
 
 
 def _ep_order(spec: Spec) -> str:

@@ -98,7 +98,6 @@ FORWARD_NOT_RUN = (
     "groups captured at build, which the adapter destroys at the end of each load")
 #: and for the packed kind, before any of that.
 GROUPED_MLP_NOT_RUN = "GroupedMLP.forward calls grouped_gemm's gg.ops.gmm (a CUDA-only package, not installed)"
-LR = 1e-2
 WEIGHT_DECAY = 0.01
 # -- the model -----------------------------------------------------------------------------------------
 @cache
@@ -283,7 +282,7 @@ class MegatronAdapter:
         _fill(model, seed)
         if spec.optimizer_steps <= 0:
             return model, None
-        optimizer = _optimizer(model, view, getattr(spec, "lr", LR))  # Spec.lr: coming with the layout issue
+        optimizer = _optimizer(model, view, spec.lr)
         for step in range(spec.optimizer_steps):
             self.step(model, optimizer, seed, step)
         return model, optimizer
