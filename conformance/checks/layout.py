@@ -42,8 +42,9 @@ class LayoutMismatch(Exception):
                          for e, (a, b) in enumerate(self.expected) if b > a)
         got = ", ".join(f"rank {r}: {_span(ids)}" for r, ids in enumerate(self.held))
         groups = ", ".join(map(str, self.layout.ep_groups()))
+        order = f"{self.layout.ep_order} " if self.layout.order_matters else ""
         return (f"the {self.side} side's experts are not where the cell's layout puts them: {self.formed}; the "
-                f"layout {self.layout.describe()} (EP groups {groups}) gives {want}, and the framework's ranks "
+                f"layout {self.layout.fragment} ({order}EP groups {groups}) gives {want}; the framework's ranks "
                 f"hold {got} (E={self.num_experts})")
 
 
