@@ -70,6 +70,16 @@ class Knowledge:
 _KNOWLEDGE: dict[str, Knowledge] = {}
 
 
+def known(truth_path: str) -> Knowledge | None:
+    """What this process already knows of ``truth_path`` (rank 0 learned it; the others were sent it)."""
+    return _KNOWLEDGE.get(truth_path)
+
+
+def remember(truth_path: str, found: Knowledge) -> None:
+    """Keep what rank 0 learned, on a rank that did not learn it itself."""
+    _KNOWLEDGE[truth_path] = found
+
+
 def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], dict[Any, Any]],
               declared: tuple[KeyPattern, ...] = ()) -> Knowledge:
     """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground truth's tensors."""

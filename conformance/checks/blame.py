@@ -97,7 +97,9 @@ def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, la
 
     ``findings``: the checkpoint check's (save and truth); ``checked``: "" when that check ran, else why not.
     """
-    raised = translate(exc, layout, num_experts, patterns, rank) or one_line(exc)
+    inner = _failures(exc)
+    raised = translate(exc, layout, num_experts, patterns, rank) or (
+        f"{one_line(inner[0][1])} (DCP, rank {inner[0][0]})" if inner and inner[0][0] is not None else one_line(exc))
     full = f"the framework's error in full: {type(exc).__name__}: {exc}"
     if findings:
         more = f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else ""

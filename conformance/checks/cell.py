@@ -144,15 +144,17 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
     del b
     dist.barrier()
-    found: list[Any] = [()]
+    found: list[Any] = [(), None]
     if dist.get_rank() == 0 and plan.truth_path and not cell.legacy:
         t2 = time.perf_counter()
         known = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, 0),
                                    artifact.declared_patterns(adapter, plan.expert_keys))
-        found[0] = tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
-                                                      known.patterns))
+        found = [tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
+                                                    known.patterns)), known]
         verdict.timings["inspect"] = time.perf_counter() - t2
     dist.broadcast_object_list(found, src=0)
+    if found[1] is not None and plan.truth_path:  # every rank reads a load's error with the same expert keys
+        artifact.remember(plan.truth_path, found[1])
     return tuple(found[0])
 
 
@@ -185,9 +187,9 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     if not plan.truth_path and not cell.legacy:
         checked = verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
     elif rank == 0 and plan.truth_path:
-        note = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, save_spec, rank)).note
-        if note:
-            verdict.skipped["checkpoint attribution"] = note
+        known = artifact.known(plan.truth_path)
+        if known is not None and known.note:
+            verdict.skipped["checkpoint attribution"] = known.note
 
     truth = ground_truth(adapter, load_spec, rank)
     side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + 1 if optim else 0,
@@ -232,13 +234,10 @@ class _Evidence:
     spec: Spec
 
     def failure(self, exc: BaseException, rank: int) -> LoadFailed:
-        patterns: tuple[Any, ...] = ()
-        if self.plan.truth_path:
-            try:
-                patterns = artifact.knowledge(self.adapter, self.plan.truth_path,
-                                              _truth_state(self.adapter, self.spec, rank)).patterns
-            except Exception:  # the translation is a courtesy; the framework's own error is still shown whole
-                patterns = ()
+        """No new work here (every rank must raise at once): the expert keys rank 0 learned and sent, if any."""
+        known = artifact.known(self.plan.truth_path) if self.plan.truth_path else None
+        patterns = known.patterns if known is not None else artifact.declared_patterns(self.adapter,
+                                                                                       self.plan.expert_keys)
         return load_failed(exc, findings=self.findings, checked=self.checked, layout=self.cell.load,
                            num_experts=self.cell.num_experts, patterns=patterns, rank=rank)
 
