@@ -127,7 +127,7 @@ def test_a_load_bug_after_a_correct_save_is_blamed_on_the_load_in_expert_terms(p
         assert cells[cell_id]["status"] == "error", cells[cell_id]
         assert "raised LoadFailed: the load at ep=" in first, (cell_id, first)
         assert re.search(r"rank \d, layer \d, 'model\.layers\.\d\.mlp\.(gate|up|down)_w': the model offers "
-                         r"\d rows for the checkpoint's 4 experts: the load does not map the saved global rows to "
+                         r"\d rows for the checkpoint's \d experts: the load does not map the saved global rows to "
                          r"this rank's experts? \d", first), (cell_id, first)
         assert "the checkpoint differs" not in first and "so the load is wrong" in first, (cell_id, first)
         assert "Size mismatch between saved" in json.dumps(cells[cell_id].get("errors", {})), cells[cell_id]

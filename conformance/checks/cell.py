@@ -144,18 +144,32 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
     del b
     dist.barrier()
-    found: list[Any] = [(), None]
+    found: list[Any] = [()]
     if dist.get_rank() == 0 and plan.truth_path and not cell.legacy:
         t2 = time.perf_counter()
         known = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, 0),
                                    artifact.declared_patterns(adapter, plan.expert_keys))
-        found = [tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
-                                                    known.patterns)), known]
+        found[0] = tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
+                                                      known.patterns))
         verdict.timings["inspect"] = time.perf_counter() - t2
     dist.broadcast_object_list(found, src=0)
-    if found[1] is not None and plan.truth_path:  # every rank reads a load's error with the same expert keys
-        artifact.remember(plan.truth_path, found[1])
     return tuple(found[0])
+
+
+def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> artifact.Knowledge:
+    """What rank 0 knows of the truth checkpoint's expert keys (learned now if this process has not yet), on every
+    rank: a load that raises is then read with the same keys everywhere, with no new work while ranks raise."""
+    import torch.distributed as dist
+
+    assert plan.truth_path is not None
+    sent: list[Any] = [None]
+    if rank == 0:
+        sent[0] = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, rank),
+                                     artifact.declared_patterns(adapter, plan.expert_keys))
+    dist.broadcast_object_list(sent, src=0)
+    if rank != 0:
+        artifact.remember(plan.truth_path, sent[0])
+    return sent[0]
 
 
 def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan) -> RankVerdict:
@@ -186,9 +200,9 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     checked = ""
     if not plan.truth_path and not cell.legacy:
         checked = verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
-    elif rank == 0 and plan.truth_path:
-        known = artifact.known(plan.truth_path)
-        if known is not None and known.note:
+    elif plan.truth_path:
+        known = _share_knowledge(adapter, plan, save_spec, rank)
+        if rank == 0 and known.note:
             verdict.skipped["checkpoint attribution"] = known.note
 
     truth = ground_truth(adapter, load_spec, rank)
