@@ -315,6 +315,9 @@ class WithScheduler(ReferenceAdapter):
         super().step(model, optimizer, seed, step)
         state["scheduler"].step()
 
+    def scalars(self, model: Any, optimizer: Any, state: Any = None) -> dict[str, Any]:
+        return super().scalars(model, optimizer)  # the scheduler's own scalars the harness adds from ``state``
+
     def save(self, model: Any, optimizer: Any, path: str, state: Any = None) -> None:
         import torch
         import torch.distributed as dist
