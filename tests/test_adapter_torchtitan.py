@@ -133,5 +133,6 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
         assert "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh" in detail, detail
     for cell_id in E6:
         detail = cells[cell_id]["detail"]
-        assert "rank 3 raised RuntimeError: torchtitan gave ep rank 3 of 4 a plain expert tensor of 2 rows starting " \
-               "at global expert 6, past the 6 experts" in detail, detail
+        assert re.search(r"rank 3 raised BuildFailed: the framework refused the (save|load) side's build at ep=4, "
+                         r".*RuntimeError: torchtitan gave ep rank 3 of 4 a plain expert tensor of 2 rows starting "
+                         r"at global expert 6, past the 6 experts", detail), detail
