@@ -86,8 +86,8 @@ def test_the_global_rank_as_ep_rank_is_caught_where_ep_groups_are_strided(pytest
         assert re.search(r"raised LayoutMismatch: the (save|load) side's experts are not where the cell's layout "
                          r"puts them: the framework formed consecutive EP groups \[0, 1\], \[2, 3\]; the layout "
                          r"ep2 \(strided EP groups \[0, 2\], \[1, 3\]\) gives experts 0\.\.\d to ranks 0, 1; experts "
-                         r"\d\.\.\d to ranks 2, 3; the framework's ranks hold rank 0: 0\.\.\d, rank 1: \d\.\.\d", first), \
-            (cell_id, first)
+                         r"\d\.\.\d to ranks 2, 3; the framework's ranks hold rank 0: 0\.\.\d, rank 1: \d\.\.\d",
+                         first), (cell_id, first)
 
 
 def test_a_legacy_load_that_fails_without_a_declared_refusal_is_not_a_refusal(pytester: pytest.Pytester) -> None:
