@@ -213,9 +213,8 @@ def test_kill_9_with_a_report_log_rebuilds_every_finished_cell(pytester: pytest.
     assert doc["backend"] == "gloo" and doc["world_size"] == 2 and doc["adapter"]["name"] == "reference"
     assert "**Incomplete: the run's log ends before the session did.**" in (tmp_path / "rebuilt" / MD_NAME).read_text()
     assert not alive, f"processes of the run alive after kill -9: {alive}"
-    if left:  # a finding of the world engine, left to it (see the issue 22 leaving note); the next session sweeps it
-        pytest.xfail(f"kill -9 between cells left the work directory {left}: the ranks were gone before their "
-                     "lifeline removed it")
+    # The session's reaper removes the work directory even when the kernel killed the ranks with the fork server.
+    assert not left, f"kill -9 between cells left the work directory {left}"
 
 
 # -- a crash while the report is written ---------------------------------------------------------

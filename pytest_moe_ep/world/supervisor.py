@@ -35,7 +35,7 @@ from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, mai
 from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
-from pytest_moe_ep.world.workdir import make_workdir, remove
+from pytest_moe_ep.world.workdir import make_workdir, remove, start_reaper, stop_reaper
 
 #: modules the forkserver imports once, so every rank starts with them loaded.  torch._dynamo is
 #: here because FSDP2 and DCP import it on first use, which costs a fresh rank seconds.
@@ -154,6 +154,8 @@ class Supervisor:
         self.default_timeout_s = default_timeout_s
         self.preload = tuple(PRELOAD) + tuple(preload)
         self._workdir = workdir
+        #: removes the work directory if this process is killed before :meth:`shutdown` (see ``workdir.py``).
+        self._reaper: Any = None
         self._ctx: Any = None
         #: multiprocessing's fork server and resource tracker, when this supervisor started them.
         self._helpers: list[tuple[Any, str, str]] = []
@@ -168,6 +170,7 @@ class Supervisor:
     def workdir(self) -> str:
         if self._workdir is None:
             self._workdir = make_workdir()
+            self._reaper = start_reaper(self._workdir)
         return self._workdir
 
     def _context(self) -> Any:
@@ -403,6 +406,8 @@ class Supervisor:
         if self._workdir and os.path.isdir(self._workdir):
             remove(self._workdir)
             self._workdir = None
+        stop_reaper(self._reaper)
+        self._reaper = None
 
     def describe(self) -> str:
         return f"start={self.start_method}"

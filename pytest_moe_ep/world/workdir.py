@@ -4,9 +4,12 @@ Everything a local world writes -- rank logs and stack files, the rendezvous sto
 checkpoints -- lives in one directory ``pytest-moe-ep-*`` in the temp directory, mode 0700.  Its
 ``owner`` file names the pytest process by pid, start time and boot, and each rank records itself
 the same way (``gen*/rank*.pid``): a pid alone may have been reused, all three together prove the
-process is gone.  So after a ``kill -9`` of pytest its ranks remove the directory (see
-:func:`abandon`), and whatever they could not remove, the next session sweeps (:func:`sweep`).
-Nothing here imports torch.
+process is gone.  After a ``kill -9`` of pytest, the session's reaper (:func:`start_reaper`, a small
+process of its own that only waits for pytest to die) stops the ranks and removes the directory;
+the ranks' own lifeline tries the same (:func:`abandon`), and whatever neither could remove, the next
+session sweeps (:func:`sweep`).  The reaper is needed because the ranks cannot be relied on to do it:
+when pytest dies its fork server dies too, and the kernel may kill the ranks before their lifeline
+runs.  Nothing here imports torch, so the reaper runs this file alone, in a bare interpreter.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import contextlib
 import glob
 import json
 import os
+import select
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -153,3 +159,54 @@ def sweep(tmpdir: str | None = None) -> list[str]:
         if owner is not None and not owner.alive() and remove(entry.path):
             removed.append(entry.path)
     return removed
+
+
+def start_reaper(workdir: str) -> subprocess.Popen[bytes]:
+    """A process that removes ``workdir`` (stopping its ranks first) once this process dies without doing so.
+
+    The owner stops it (:func:`stop_reaper`) after removing the directory itself; if the owner is
+    killed, the reaper outlives it by the moment ``remove`` takes, then exits.
+    """
+    return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--reap", str(os.getpid()),
+                             workdir], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def stop_reaper(reaper: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
+    """Stop and reap the reaper (the owner removed the directory itself); killed if it does not exit."""
+    if reaper is None or reaper.poll() is not None:
+        return
+    reaper.terminate()
+    try:
+        reaper.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Return once process ``pid`` is gone: a pidfd where the kernel has them, else polling its identity."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):
+        owner = Identity.of(pid)
+        while owner is not None and owner.alive():
+            time.sleep(0.2)
+        return
+    select.select([fd], [], [])
+    os.close(fd)
+
+
+def _reap(owner_pid: int, workdir: str) -> None:
+    # Ctrl-C reaches the whole foreground process group: it is the owner's to handle, and the owner's
+    # shutdown then stops this process.  SIGTERM (the owner's stop_reaper) ends it at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _wait_for_exit(owner_pid)
+    if os.path.isdir(workdir):
+        remove(workdir)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
+    _reap(int(sys.argv[2]), sys.argv[3])
