@@ -181,6 +181,28 @@ def _row_digests(t: Any) -> list[Digest]:
     return [digest(flat[r]) for r in range(flat.shape[0])]
 
 
+#: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth checkpoint is
+#: compared with every checkpoint saved from its model, and read once, not once per cell.
+_SEEN: dict[tuple[str, tuple[Any, ...]], dict[str, tuple[Any, list[Digest] | None]]] = {}
+_SEEN_MAX = 64
+
+
+def _stamp(index: CheckpointIndex) -> tuple[Any, ...] | None:
+    """A DCP checkpoint's files as found (name, inode, size, mtime of each): an unchanged stamp is an unchanged
+    checkpoint, a rewritten or edited file a new one.  ``None`` for other formats (nothing is kept for them)."""
+    import os
+
+    if index.format != "dcp":
+        return None
+    try:
+        with os.scandir(index.path) as entries:
+            found = sorted((e.name, (st := e.stat(follow_symlinks=False)).st_ino, st.st_size, st.st_mtime_ns)
+                           for e in entries)
+    except OSError:
+        return None
+    return tuple(found)
+
+
 def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, KeyInfo], memory_bytes: int
                   ) -> tuple[dict[str, Any], dict[str, list[Digest]]]:
     """Each key's digest (or non-tensor value) and the digests of each packed key's rows."""
@@ -188,16 +210,19 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
 
     if index.reader is None:
         raise ValueError(f"{index.path}: this index has no reader; values cannot be compared")
-    whole: dict[str, Any] = {}
-    rows: dict[str, list[Digest]] = {}
-    for batch in _batches(index, keys, memory_bytes):
+    stamp = _stamp(index)
+    seen = _SEEN.setdefault((index.path, stamp), {}) if stamp is not None else {}
+    if len(_SEEN) > _SEEN_MAX:
+        _SEEN.pop(next(iter(_SEEN)))
+    wanted = [k for k in keys if k not in seen or (infos[k].kind == "packed" and seen[k][1] is None)]
+    for batch in _batches(index, wanted, memory_bytes):
         for key, value in index.reader(batch).items():
             if isinstance(value, torch.Tensor):
-                whole[key] = digest(value)
-                if infos[key].kind == "packed":
-                    rows[key] = _row_digests(value)
+                seen[key] = (digest(value), _row_digests(value) if infos[key].kind == "packed" else None)
             else:
-                whole[key] = value
+                seen[key] = (value, None)
+    whole = {k: seen[k][0] for k in keys if k in seen}
+    rows = {k: rows for k in keys if infos[k].kind == "packed" and k in seen and (rows := seen[k][1]) is not None}
     return whole, rows
 
 
