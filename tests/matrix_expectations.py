@@ -72,3 +72,16 @@ def assert_even_cells_pass(cells: dict[str, dict[str, Any]]) -> None:
         assert (cell["kind"], cell["state"], cell["fsdp"], cell["save_ep"], cell["load_ep"], cell["num_experts"]) == (
             "packed", state, fsdp, s, t, 4)
         assert BIT_FOR_BIT in cell["detail"], cell
+
+
+def assert_slice_as_found(doc: dict[str, Any], expected: dict[str, set[str]]) -> dict[str, dict[str, Any]]:
+    """A ``-k`` slice of an as-found matrix: every cell that ran has the status the whole matrix's test expects
+    of it (``expected``: status -> every cell id of the full run with that status), and the slice holds at
+    least one cell of each status it was chosen for.  Returns the slice's cells by id."""
+    cells, statuses, _ = by_status(doc)
+    ran = set(cells) - statuses.get("n/a", set())
+    for status, ids in expected.items():
+        assert ids & ran, f"the slice holds no {status} cell: choose another -k"
+        got = statuses.get(status, set())
+        assert got == ids & ran, {i: (cells[i]["status"], cells[i]["detail"][:300]) for i in got ^ (ids & ran)}
+    return cells

@@ -42,6 +42,7 @@ NOT_APPLICABLE = {
 }
 
 
+@pytest.mark.slow
 def test_deepspeed_matrix_as_found(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the adapter sets it too; explicit for the rank fork server
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)  # the compiled shm op; see matrix_expectations

@@ -70,6 +70,7 @@ def test_zero1_universal_and_native_loads(pytester: pytest.Pytester) -> None:
     assert NO_STEP_CONVERSION in detail, detail
 
 
+@pytest.mark.slow
 def test_zero2_universal_and_native_loads(pytester: pytest.Pytester) -> None:
     cells, statuses, _ = run_cells(pytester, "DeepSpeedAutoEPZero2Adapter",
                                    "not unpacked and not fsdp and not E6 and not legacy and model+optim and "

@@ -33,7 +33,7 @@ import importlib.util
 import json
 
 import pytest
-from matrix_expectations import BIT_FOR_BIT, by_status, pair, run_report
+from matrix_expectations import BIT_FOR_BIT, assert_slice_as_found, by_status, pair, run_report
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (ci/install_megatron.sh installs megatron-core==0.16.0)",
@@ -120,6 +120,7 @@ def pytest_collection_modifyitems(items):
 '''
 
 
+@pytest.mark.slow
 def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
     groups_dir = pytester.path / "groups"
     pytester.makepyfile(test_groups=GROUPS_TEST.format(out=str(groups_dir)))
@@ -172,6 +173,20 @@ def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
         assert after["groups"] == before["groups"], f"rank {r}: process groups left behind: {after} vs {before}"
         assert not after["megatron"], f"rank {r}: Megatron's parallel state is still initialised"
 
+
+
+def test_megatron_cells_saved_at_ep2_as_found(pytester: pytest.Pytester) -> None:
+    """The suite's slice of the whole as-found run (``slow``): saved at ep=2, loaded at ep 1 or 2 -- model cells
+    pass, model+optimizer cells fail on the renamed (``chained_N.``) keys or error on the load, legacy refused."""
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={ADAPTER}",
+                        "-k", "save_ep2 and not load_ep4")
+    cells = assert_slice_as_found(doc, {"pass": MODEL | OPTIM_PASS | LEGACY, "fail": OPTIM_FAIL,
+                                        "error": set(OPTIM_ERROR)})
+    for cell_id, cell in cells.items():
+        if cell_id in OPTIM_FAIL:
+            assert cell["detail"].startswith("[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state."), cell
+        elif cell_id in MODEL:
+            assert BIT_FOR_BIT in cell["detail"], cell
 
 
 def _live_groups() -> set[object]:

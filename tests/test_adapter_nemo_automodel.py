@@ -143,6 +143,7 @@ CREATE_DTENSOR_SHAPES = {  # cell -> (local rows of dim 1, placements text, glob
 }
 
 
+@pytest.mark.slow
 def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_not_zero(
         pytester: pytest.Pytester) -> None:
     result, doc = run(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=nemo_automodel")

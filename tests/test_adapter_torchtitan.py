@@ -59,6 +59,7 @@ GLOO_LIST_ALL_TO_ALL = "list all_to_all of uneven per-rank chunks, which Process
 FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
 
 
+@pytest.mark.slow
 def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Pytester) -> None:
     result, doc = run_matrix(pytester, "torchtitan")
     cells, statuses, na = by_status(doc)
@@ -92,6 +93,7 @@ def test_torchtitan_forward_catches_router_rows_swapped_after_the_load(pytester:
                                                    "ground truth's") for r, line in enumerate(lines)), lines
 
 
+@pytest.mark.slow
 def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pytester) -> None:
     result, doc = run_matrix(pytester, "torchtitan-local")
     cells, statuses, na = by_status(doc)
