@@ -47,9 +47,15 @@ class CellError(Exception):
 
 
 def _torch_version() -> str:
-    import torch
+    """The torch the ranks run (this interpreter's), from its metadata: the controller need not import torch."""
+    from importlib import metadata
 
-    return str(torch.__version__)  # a str subclass that execnet (xdist) cannot send
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path
+        import torch
+
+        return str(torch.__version__)  # a str subclass that execnet (xdist) cannot send
 
 
 class MatrixCollector(pytest.Collector):

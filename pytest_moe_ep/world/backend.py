@@ -27,8 +27,20 @@ def check_backend_name(backend: str) -> str:
     return backend
 
 
+#: present wherever the NVIDIA kernel driver is loaded; without it no torch build can see a CUDA device.
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"
+
+
 def cuda_devices() -> int:
-    """How many CUDA devices this process sees (0 without CUDA); never initialises a context."""
+    """How many CUDA devices this process sees (0 without CUDA); never initialises a context.
+
+    On a machine without the NVIDIA driver the answer is 0 without importing torch: the controller then
+    never imports it (a few seconds of every run, paid before the first world could start).
+    """
+    import os
+
+    if not os.path.exists(NVIDIA_DRIVER):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
