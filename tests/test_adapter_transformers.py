@@ -90,3 +90,25 @@ def test_a_skipped_optimizer_load_is_caught_through_the_transformers_adapter(pyt
     assert cell["id"] == CELL.format(mode="fsdp", experts="", pair="ep2c->ep4")
     assert cell["status"] == "fail", cell
     assert "[scalars]" in cell["detail"] and "'step' = [3.0] after the load, expected [2.0]" in cell["detail"], cell
+
+
+@pytest.mark.moe_ep_world(4)
+def test_a_second_build_of_a_layout_forms_no_new_process_groups() -> None:
+    """Builds reuse the meshes transformers formed for the same shape (a full tier once reached ~250 gloo threads
+    per rank); a new shape still gets its own meshes, formed by transformers."""
+    from torch.distributed.distributed_c10d import _world
+
+    from conformance.adapter import Spec
+    from conformance.adapters.transformers_ep import TransformersAdapter
+    from conformance.layout import ParallelLayout
+
+    adapter = TransformersAdapter()
+    ep2 = ParallelLayout.for_world(4, 2, ep_order="consecutive")
+    spec = Spec(kind="packed", num_experts=4, fsdp=True, layout=ep2)
+    adapter.build(spec, ep2.build_mesh(), 0)
+    groups = len(_world.pg_map)
+    adapter.build(spec, ep2.build_mesh(), 1)
+    assert len(_world.pg_map) == groups, "the second build of the same layout formed new process groups"
+    ep4 = ParallelLayout.for_world(4, 4)
+    adapter.build(Spec(kind="packed", num_experts=4, fsdp=True, layout=ep4), ep4.build_mesh(), 0)
+    assert len(_world.pg_map) > groups, "a new layout must get transformers' own meshes"

@@ -49,13 +49,16 @@ Workarounds (none changes what is checked):
   so every build with a mesh composes FSDP2 -- at ep=1 it is ``DistributedConfig(fsdp_size=world)``, which
   stores the same global tensors.
 * transformers' per-build load report and progress bar are silenced (``logging.set_verbosity_error``).
-* Every build creates transformers' meshes anew (``init_device_mesh``: new process groups per build), as a
-  user's training script does once; the suite's cached meshes are not substituted, so the groups transformers
-  forms are the ones checked.
+* transformers forms its own meshes in every build (``init_device_mesh``), and they are the ones checked: the
+  suite's meshes are not substituted.  Within one rank process a second build of the same shape reuses the
+  mesh the first one formed (:func:`_reused_meshes`), as one training script forms it once: the same world,
+  shape and names give the same groups, and without it every build added process groups (each with its gloo
+  threads) until a full tier ran ~250 threads per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -106,7 +109,8 @@ class TransformersAdapter:
         kwargs: dict[str, Any] = {"config": _config(spec), "state_dict": {}, "dtype": getattr(torch, spec.dtype)}
         if mesh is not None:
             kwargs["distributed_config"] = _distributed_config(spec)
-        model = Qwen3MoeForCausalLM.from_pretrained(None, **kwargs)
+        with _reused_meshes():
+            model = Qwen3MoeForCausalLM.from_pretrained(None, **kwargs)
         _fill(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
         if spec.optimizer_steps <= 0:
             return model, None
@@ -184,6 +188,31 @@ class TransformersAdapter:
 
 
 # -- the model -------------------------------------------------------------------------------------
+#: the meshes transformers formed in this rank process, by ``init_device_mesh``'s arguments.
+_MESHES: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def _reused_meshes() -> Iterator[None]:
+    """``torch.distributed.init_device_mesh`` (which transformers calls) answered once per distinct arguments in
+    this process; re-flattening a reused mesh under the same name is a no-op in torch."""
+    import torch.distributed as dist
+
+    original = dist.init_device_mesh
+
+    def init_device_mesh(*args: Any, **kwargs: Any) -> Any:
+        key = repr((args, sorted(kwargs.items())))
+        if key not in _MESHES:
+            _MESHES[key] = original(*args, **kwargs)
+        return _MESHES[key]
+
+    dist.init_device_mesh = init_device_mesh
+    try:
+        yield
+    finally:
+        dist.init_device_mesh = original
+
+
 def _config(spec: Spec) -> Any:
     """A tiny Qwen3-MoE at the suite's sizes: every layer sparse, no router aux loss, untied head."""
     from transformers import Qwen3MoeConfig
