@@ -517,3 +517,43 @@ class EtpShardTransposed(ReferenceAdapter):
                         local = p.to_local()
                         if local.shape[-1] == local.shape[-2]:
                             local.copy_(local.transpose(-1, -2).clone())
+
+
+class EtpPeerFreedAfterLoad(ReferenceAdapter):
+    """After the load the expert-TP peer (etp rank 1) no longer holds its expert weight shards: the load treats it
+    as a replica of etp rank 0, zeroes its shards and drops them from what it reports (moments stay).  Every EP
+    coordinate still holds its experts (the layout check passes) and etp rank 0's shards are right (values pass):
+    only ``missing``'s per-replica coverage of the expert-TP shards sees shard 1 of every expert weight gone."""
+
+    name = "seeded-etp-peer-freed-after-load"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from reference_impl.moe import moe_layers
+
+        super().load(model, optimizer, path)
+        freed = set()
+        with torch.no_grad():
+            for _, moe in moe_layers(model):
+                experts = moe.experts.parameters() if moe.kind == "unpacked" else (getattr(moe, w)
+                                                                                    for w in moe.packed_weights())
+                for p in experts:
+                    names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+                    if "etp" in names and p.device_mesh.get_local_rank("etp") == 1:
+                        p.to_local().zero_()
+                        freed.add(_storage(p))
+        model._seeded_freed = freed
+
+    def expert_tensors(self, model: Any, optimizer: Any) -> Any:
+        freed = getattr(model, "_seeded_freed", set())
+        return (entry for entry in super().expert_tensors(model, optimizer) if _storage(entry[3]) not in freed)
+
+
+def _storage(t: Any) -> int:
+    """The address of the storage under ``t`` (a DTensor's local shard's): a packed weight's expert rows share it."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return int(local.untyped_storage().data_ptr())

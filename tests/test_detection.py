@@ -204,6 +204,18 @@ def test_a_replica_missing_an_etp_shard_is_named() -> None:
     assert _gap((64, 32), [((0, 32), (0, 32)), ((32, 64), (0, 32))], 2) == ""
 
 
+def test_a_replica_whose_etp_peer_lost_its_shards_is_caught_by_missing(pytester: pytest.Pytester) -> None:
+    """The world-level control of ``missing``'s expert-TP coverage: etp rank 1's expert weight shards are gone
+    after the load, while every EP coordinate still holds its experts and etp rank 0's shards are right."""
+    cells = run_default_tier(pytester, "EtpPeerFreedAfterLoad", "not legacy and (etp2 or hsdp2)")
+    wrong = {i for i, c in ran(cells).items() if c["load_layout"] == "ep2.etp2"}
+    assert wrong and set(failing(cells)) == wrong
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"\[missing\] after the load the ranks \[[\d, ]+\] \(one replica\) hold only part of "
+                        r"'(gate|up|down)' of layer \d, experts [\d.]+: no rank holds axis \d rows \d+\.\.\d+ of "
+                        r"\d+: the expert-TP shard 1 of 2", first), (cell_id, first)
+
+
 def test_an_etp_shard_on_the_wrong_axis_is_named(pytester: pytest.Pytester) -> None:
     cells = run_default_tier(pytester, "EtpShardTransposed", "not legacy and (etp2 or hsdp2)")
     wrong = {i for i, c in ran(cells).items() if not c["legacy"] and c["load_layout"] == "ep2.etp2"}
