@@ -35,7 +35,7 @@ from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, mai
 from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
-from pytest_moe_ep.world.workdir import make_workdir, remove, start_reaper, stop_reaper
+from pytest_moe_ep.world.workdir import make_workdir, note_leftover, remove, start_reaper, stop_reaper
 
 #: modules the forkserver imports once, so every rank starts with them loaded.  torch._dynamo is
 #: here because FSDP2 and DCP import it on first use, which costs a fresh rank seconds.
@@ -156,6 +156,7 @@ class Supervisor:
         self._workdir = workdir
         #: removes the work directory if this process is killed before :meth:`shutdown` (see ``workdir.py``).
         self._reaper: Any = None
+        self._mp_tempdir: str | None = None
         self._ctx: Any = None
         #: multiprocessing's fork server and resource tracker, when this supervisor started them.
         self._helpers: list[tuple[Any, str, str]] = []
@@ -187,6 +188,7 @@ class Supervisor:
                 self._ctx = mp.get_context("spawn")
             # Ours to stop at shutdown only if not running yet: another user of multiprocessing may need them.
             self._helpers = [h for h in reversed(helpers) if getattr(h[0], h[2], 0) is None]
+            self._mp_tempdir = _mp_tempdir()
         return self._ctx
 
     def add_preload(self, modules: Sequence[str]) -> None:
@@ -238,6 +240,10 @@ class Supervisor:
             world.processes.append(proc)
             world.conns.append(parent)
             world.specs.append(spec)
+        created = _mp_tempdir()
+        if created and created != self._mp_tempdir:  # our fork server made it: the reaper removes it after a kill -9
+            note_leftover(self.workdir, created)
+            self._mp_tempdir = created
         self._await_ready(world)
         world.started_s = time.perf_counter() - t0
         self.starts += 1
@@ -418,6 +424,14 @@ class Supervisor:
 
     def agree_on_exit(self, status: int) -> int:
         return status
+
+
+def _mp_tempdir() -> str | None:
+    """multiprocessing's own temporary directory in this process (``pymp-*``), if it made one yet."""
+    from multiprocessing import process
+
+    found = getattr(process.current_process(), "_config", {}).get("tempdir")  # where multiprocessing.util caches it
+    return found if isinstance(found, str) else None
 
 
 def _stop_helper(owner: Any, fd_attr: str, pid_attr: str, timeout_s: float = HELPER_EXIT_S) -> None:

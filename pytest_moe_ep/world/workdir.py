@@ -132,7 +132,7 @@ def abandon(workdir: str) -> None:
         os.close(os.open(os.path.join(workdir, ABANDONED), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError:  # another rank is removing it, or it is gone
         return
-    remove(workdir)
+    remove_session(workdir)
 
 
 def sweep(tmpdir: str | None = None) -> list[str]:
@@ -199,13 +199,43 @@ def _wait_for_exit(pid: int) -> None:
     os.close(fd)
 
 
+#: in the work directory: other temporary directories the session created (multiprocessing's ``pymp-*``, which
+#: holds the fork server's socket), removed with it after a kill -9; multiprocessing removes them at a normal exit.
+LEFTOVERS = "leftovers"
+
+
+def note_leftover(workdir: str, path: str) -> None:
+    """Have the reaper remove ``path`` too if the owner dies without cleaning up."""
+    with open(os.path.join(workdir, LEFTOVERS), "a") as f:
+        f.write(path + "\n")
+
+
+def _noted_leftovers(workdir: str) -> list[str]:
+    """The noted paths that are still this user's ``pymp-*`` directories (nothing else is ever removed)."""
+    try:
+        with open(os.path.join(workdir, LEFTOVERS)) as f:
+            paths = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []
+    return [p for p in paths if os.path.basename(p).startswith("pymp-") and os.path.isdir(p)
+            and not os.path.islink(p) and os.stat(p).st_uid == os.getuid()]
+
+
 def _reap(owner_pid: int, workdir: str) -> None:
     # Ctrl-C reaches the whole foreground process group: it is the owner's to handle, and the owner's
     # shutdown then stops this process.  SIGTERM (the owner's stop_reaper) ends it at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _wait_for_exit(owner_pid)
     if os.path.isdir(workdir):
-        remove(workdir)
+        remove_session(workdir)
+
+
+def remove_session(workdir: str) -> None:
+    """What is left of a dead owner's session: the work directory (ranks stopped first) and the noted leftovers."""
+    extra = _noted_leftovers(workdir)
+    remove(workdir)
+    for path in extra:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
