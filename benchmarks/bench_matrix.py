@@ -11,7 +11,11 @@ from this one run:
   inside the adapter's own members (build, save, load, step, forward, scalars), from each cell's
   record (``timings.adapter``), and over the rank-side total (what the engine adds).
 
-    python benchmarks/bench_matrix.py [--skip-full] [--skip-8]
+    python benchmarks/bench_matrix.py [--skip-full] [--skip-8] [--against DIR]
+
+``--against DIR`` also runs the default tier of another checkout (``git worktree add DIR <commit>``) right
+after this one's and prints the ratio: on a shared machine whose speed drifts between days, that ratio is the
+figure to compare with a target set on another day.
 
 Targets (issue 14, 2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.
 """
@@ -33,14 +37,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_matrix(tier: str, world_size: int, *extra: str) -> dict[str, Any]:
-    """One ``pytest --moe-ep-matrix`` subprocess: its wall time and its report's cells."""
+def run_matrix(tier: str, world_size: int, *extra: str, root: Path = ROOT) -> dict[str, Any]:
+    """One ``pytest --moe-ep-matrix`` subprocess (of the checkout at ``root``): its wall time and report's cells."""
     with tempfile.TemporaryDirectory(prefix="bench-matrix-") as out:
         args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--moe-ep-matrix={tier}",
                 f"--moe-ep-world-size={world_size}", f"--moe-ep-report={out}", *extra]
         t0 = time.perf_counter()
         proc = subprocess.run(args, cwd=out, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": str(root)})
         wall = time.perf_counter() - t0
         report = Path(out) / "moe-ep-conformance.json"
         if not report.exists():
@@ -72,11 +76,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-full", action="store_true", help="skip the full tier (minutes)")
     parser.add_argument("--skip-8", action="store_true", help="skip world size 8")
+    parser.add_argument("--against", type=Path, help="another checkout whose default tier to time in the same run")
     args = parser.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f}")
     shared = run_matrix("default", 4)
     print(describe("default tier, 4 ranks", shared, 20))
+    if args.against:
+        other = run_matrix("default", 4, root=args.against.resolve())
+        print(describe(f"default tier, 4 ranks, {args.against}", other))
+        print(f"{'':<34} this checkout / {args.against}: {shared['wall'] / other['wall']:.2f}x wall, "
+              f"{len(shared['cells'])} / {len(other['cells'])} cells")
     unshared = run_matrix("default", 4, "-o", "moe_ep_share_saves=false")
     print(describe("default tier, 4 ranks, no sharing", unshared))
     reused = sum(c.get("shared_save", False) for c in shared["cells"])

@@ -54,3 +54,20 @@ def test_readme_is_short_and_every_docs_page_it_names_exists() -> None:
     assert len(readme.splitlines()) <= 250
     for page in re.findall(r"\]\((docs/[\w/.-]+)\)", readme):
         assert (ROOT / page).exists(), page
+
+
+def test_the_status_index_says_which_tier_each_report_ran(tmp_path: Path) -> None:
+    """ci/conformance.sh's table: a default-tier report must not read as the full tier's counts."""
+    from conformance.report import INDEX_END, INDEX_START, write_index, write_report
+
+    cell = {"id": "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2", "status": "pass", "detail": "",
+            "suite": "checkpoint", "adapter": "a"}
+    write_report(tmp_path / "full", [cell], backend="gloo", world_size=4, tier="full")
+    write_report(tmp_path / "default", [cell], backend="gloo", world_size=4, tier="default")
+    page = tmp_path / "page.md"
+    page.write_text(f"head\n{INDEX_START}\nold\n{INDEX_END}\ntail\n")
+    text = write_index(tmp_path, page)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
+            if line.startswith("| ") and "`" in line}
+    assert [r[1] for r in rows.values()] == ["default", "full"], rows
+    assert page.read_text().startswith("head\n") and "old" not in page.read_text()
