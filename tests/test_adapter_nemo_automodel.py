@@ -184,6 +184,7 @@ def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(pyteste
                                                    "ground truth's") for r, line in enumerate(lines)), lines
 
 
+@pytest.mark.slow
 def test_nemo_automodel_functions_suite_outcome(pytester: pytest.Pytester) -> None:
     result, doc = run(pytester, "--moe-ep-functions=nemo_automodel")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]

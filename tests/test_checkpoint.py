@@ -130,10 +130,14 @@ def roundtrip(path: Path, config: MoEConfig, fsdp: bool, save_ep: int, load_eps:
         assert_matches_reference(model, optimizer, load_config, f"{case}, loaded at ep={load_ep}")
 
 
+#: (activation, fsdp): GELU experts (no gate weight) without FSDP only -- FSDP shards every weight alike.
+VARIANTS = [pytest.param("swiglu", False, id="swiglu-plain"), pytest.param("swiglu", True, id="swiglu-fsdp"),
+            pytest.param("gelu", False, id="gelu-plain")]
+
+
 @pytest.mark.moe_ep_world(WORLD)
 @pytest.mark.parametrize("save_ep", EPS)
-@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize(("activation", "fsdp"), VARIANTS)
 @pytest.mark.parametrize("kind", ["unpacked", "packed"])
 def test_roundtrip_every_ep_pair(kind: str, activation: str, fsdp: bool, save_ep: int,
                                  moe_ep_shared_dir: Path) -> None:

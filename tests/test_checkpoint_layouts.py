@@ -81,11 +81,15 @@ def roundtrip(path: Path, layouts: dict[str, ParallelLayout], save: str, kind: s
     return len(layouts)
 
 
+#: each save layout once, the saving kind and FSDP varying over them (kind, fsdp: every combination occurs): both
+#: kinds save one checkpoint form (test_both_kinds_save_the_same_checkpoint_form), and every save is loaded at
+#: every layout into both kinds, with and without FSDP.
+SAVES_4 = [(save, ("unpacked", "packed")[i % 2], (i // 2) % 2 == 1) for i, save in enumerate(LAYOUTS_4)]
+
+
 @pytest.mark.moe_ep_world(4)
-@pytest.mark.parametrize("save", list(LAYOUTS_4))
-@pytest.mark.parametrize("kind", ["unpacked", "packed"])
-def test_every_layout_pair_on_4_ranks(kind: str, save: str, moe_ep_shared_dir: Path) -> None:
-    fsdp = list(LAYOUTS_4).index(save) % 2 == 1
+@pytest.mark.parametrize(("save", "kind", "fsdp"), SAVES_4, ids=[f"{s}-{k}" for s, k, _ in SAVES_4])
+def test_every_layout_pair_on_4_ranks(save: str, kind: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
     assert roundtrip(moe_ep_shared_dir / "ckpt", LAYOUTS_4, save, kind, fsdp, num_experts=6) == len(LAYOUTS_4)
 
 
