@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from conformance.report import MD_NAME, RECORD, SELECTION, compact_matrix, not_run, write_report
+from conformance.report import MD_NAME, RECORD, SELECTION, not_run, terminal_summary, write_report
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
 
 if TYPE_CHECKING:
@@ -306,8 +306,10 @@ class MatrixSession:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         records = self.records + self.interrupted
         if records and self._writes_report():
+            env = self._environment()
             terminalreporter.section("moe-ep conformance matrix")
-            terminalreporter.write_line(compact_matrix(records))
+            terminalreporter.write_line(terminal_summary(records, verbose=self.config.get_verbosity() > 0,
+                                                         tier=env["tier"], full_cells=env["full_cells"]))
             missing = not_run(self.selected, records)
             if missing:
                 terminalreporter.write_line(f"{len(missing)} selected cell(s) not run: the report lists them")
