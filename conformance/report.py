@@ -253,13 +253,12 @@ def terminal_summary(records: list[dict[str, Any]], *, verbose: bool = False, ti
     counts = kind_state_counts(records)
     if counts:
         parts.append(f"checkpoint cells by kind and state\n{counts}")
+    checkpoint = [r for r in records if r.get("suite") == "checkpoint"]
     if tier:
-        parts.append(coverage_line(tier, sum(1 for r in records if r.get("suite") == "checkpoint"), full_cells,
-                                   code=""))
-    wanted = {_table_group(r) for r in records if r.get("suite") == "checkpoint" and r["status"] in NOT_GREEN}
-    shown = [r for r in records if verbose or _table_group(r) in wanted]
-    tables = checkpoint_tables(shown)
-    hidden = len(checkpoint_tables(records)) - len(tables)
+        parts.append(coverage_line(tier, len(checkpoint), full_cells, code=""))
+    wanted = {_table_group(r) for r in checkpoint if r["status"] in NOT_GREEN}
+    tables = checkpoint_tables([r for r in checkpoint if verbose or _table_group(r) in wanted])
+    hidden = len(checkpoint_tables(checkpoint)) - len(tables)
     if tables:
         parts.append(LEGEND)
     parts += [f"{title}\n{table}" for title, table in tables]
