@@ -27,7 +27,7 @@ from conformance.matrix import Cell
 from conformance.record import CellRecord, environment, function_record
 from conformance.report import INTERRUPTED, RECORD
 from conformance.saves import Saves, disk_problem, save_key
-from conformance.summary import summarize
+from conformance.summary import summarize, summarize_functions
 from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
 from pytest_moe_ep.world.engine import WorldError
@@ -195,13 +195,7 @@ class FunctionsCellItem(MatrixItem):
         for r in records:  # one record per function; the item's own record summarises them
             self.user_properties.append((RECORD, json.dumps(function_record(self.record, r, _torch_version()))))
         self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
-        failed = [r for r in records if r["status"] != "pass"]
-        if not failed:
-            return "pass", f"{len(records)} functions agree with the reference"
-        lines = [f"{len(failed)} of {len(records)} functions disagree with the reference on "
-                 f"mesh {self.cell.mesh} {self.cell.placements}, k={self.cell.k}:"]
-        lines += [f"  {r['function']}: {r['detail']} ({r.get('count', 1)} case(s))" for r in failed]
-        return "fail", "\n".join(lines)
+        return summarize_functions(self.cell, records)
 
     def _finish(self, status: str, detail: str, started: float) -> None:
         # The per-function records carry the report; the item's own record is dropped from it.
