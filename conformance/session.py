@@ -3,7 +3,7 @@
 :mod:`conformance.plugin` registers one :class:`MatrixSession` in ``pytest_configure``; its hooks add
 the cells to the collection, collect every cell's record from the test reports (xdist's controller
 sees all of them) and write the report.  Everything the session needs is resolved and checked in
-:meth:`MatrixSession.from_config`, before any world starts: a bad adapter, functions module, world
+:meth:`MatrixSession.from_config`, before any world starts: a bad adapter, tier, functions module, world
 size, expert count or report directory is a usage error (exit 4), not a crash after the run.
 
 A session cut short still writes its report: on Ctrl-C or SIGTERM (see :mod:`pytest_moe_ep.signals`)
@@ -62,13 +62,14 @@ def _adapter(config: pytest.Config) -> tuple[Any, Members]:
 class Tier:
     """``--moe-ep-matrix``'s value, parsed once (a bad one is a usage error before any world starts)."""
 
-    #: as given (``default``, ``full``, ``1,2,4``), and as the report names it.
+    #: as given on the command line (``default``, ``full``, ``1,2,4``, or empty: ``default``).
     given: str
     #: ``default``, ``full`` or ``eps``.
     name: str
 
     @property
     def reported(self) -> str:
+        """The report's name for it: the EP degrees as given, else ``default`` or ``full``."""
         return self.given if self.name == "eps" else self.name
 
 
