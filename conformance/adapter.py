@@ -99,6 +99,7 @@ __all__ = [
     "Built",
     "Capabilities",
     "CheckpointAdapter",
+    "Members",
     "NotApplicable",
     "OptionalMembers",
     "Spec",
@@ -108,6 +109,7 @@ __all__ = [
     "installed_version",
     "load_adapter",
     "local_region",
+    "members_of",
     "missing_members",
     "run_steps",
     "state_scalars",
@@ -238,13 +240,69 @@ def load_adapter(spec: str) -> Any:
     return found() if isinstance(found, type) else found
 
 
-def check_adapter(adapter: Any, origin: str) -> Capabilities:
-    """Refuse an adapter that lacks members or cannot be sent to ranks; its capabilities otherwise."""
+@dataclass(frozen=True)
+class Members:
+    """What :func:`check_adapter` found an adapter to have, resolved once: its capabilities, which optional
+    callables it has and its optional values.  The checks read this instead of probing the adapter; they still
+    call the members on the adapter itself (so a wrapper around it sees each call).  Plain data: it travels to
+    the ranks with the cell."""
+
+    #: ``module.qualname`` of the adapter's class: what the ranks cache its ground truths under.
+    of: str
+    capabilities: Capabilities
+    step: bool = False
+    scalars: bool = False
+    forward: bool = False
+    read_checkpoint: bool = False
+    check_saved: bool = False
+    save_legacy: bool = False
+    ep_dependent_keys: tuple[str, ...] = ()
+    refusal_errors: tuple[type[BaseException], ...] = ()
+    preload: tuple[str, ...] = ()
+    expert_keys: tuple[str, ...] = ()
+
+    def unreadable(self) -> str:
+        """Why the checkpoint check cannot read this adapter's checkpoints ("" when it can)."""
+        if self.capabilities.format == "dcp" or self.read_checkpoint:
+            return ""
+        return (f"the adapter's checkpoint format ({self.capabilities.format}) is not DCP and it has no "
+                "read_checkpoint(path)")
+
+
+#: the optional members that are values (sequences), not callables.
+_OPTIONAL_VALUES = ("ep_dependent_keys", "refusal_errors", "preload", "expert_keys")
+
+
+def members_of(adapter: Any) -> Members:
+    """The adapter's :class:`Members`: the one place the optional members are looked up."""
+    kind = type(adapter)
+
+    def has(name: str) -> bool:
+        return callable(getattr(adapter, name, None))
+
+    def values(name: str) -> tuple[Any, ...]:
+        return tuple(getattr(adapter, name, ()) or ())
+
+    return Members(f"{kind.__module__}.{kind.__qualname__}", capabilities_of(adapter), step=has("step"),
+                   scalars=has("scalars"), forward=has("forward"), read_checkpoint=has("read_checkpoint"),
+                   check_saved=has("check_saved"), save_legacy=has("save_legacy"),
+                   ep_dependent_keys=values("ep_dependent_keys"), refusal_errors=values("refusal_errors"),
+                   preload=values("preload"), expert_keys=values("expert_keys"))
+
+
+def check_adapter(adapter: Any, origin: str) -> Members:
+    """Refuse an adapter that lacks members or cannot be sent to ranks; what it has otherwise."""
     missing = missing_members(adapter)
     if missing:
         raise AdapterError(f"adapter {origin} is missing: {', '.join(missing)} (required: "
                            f"{', '.join(REQUIRED_MEMBERS)}; optional: {', '.join(OPTIONAL_MEMBERS)})")
-    for regex in getattr(adapter, "expert_keys", ()) or ():
+    for name in _OPTIONAL_VALUES:
+        found = getattr(adapter, name, ()) or ()
+        if isinstance(found, (str, bytes)) or not isinstance(found, Iterable):
+            raise AdapterError(f"adapter {origin}: {name} must be a sequence, got {type(found).__name__} "
+                               f"{found!r}")
+    members = members_of(adapter)
+    for regex in members.expert_keys:
         try:
             re.compile(regex)
         except (re.error, TypeError) as exc:
@@ -255,7 +313,7 @@ def check_adapter(adapter: Any, origin: str) -> Capabilities:
     except Exception as exc:  # any pickling failure means the same: ranks cannot receive it
         raise AdapterError(f"adapter {origin} cannot be sent to rank processes ({exc}); define its class at "
                            "module level and keep framework objects out of its attributes") from exc
-    return capabilities_of(adapter)
+    return members
 
 
 def world_device(mesh: Any) -> Any:

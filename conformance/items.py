@@ -3,9 +3,11 @@
 Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4``, so ``-k``,
 ``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
 runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
-matrix runs on.  Each cell attaches its report record (see :mod:`conformance.report`).  A cell
-stopped by Ctrl-C or SIGTERM hands its record, status ``interrupted``, to the session directly: pytest
-makes no report for it.  A save that fails for want of disk space or permission is an ``error`` whose
+matrix runs on.  Each cell attaches its report record (a :class:`~conformance.record.CellRecord`).  The
+session hands every item a :class:`CellContext` when it collects them: what a cell needs of the session,
+so an item never looks the session up (and this module never imports it).  A cell stopped by Ctrl-C or
+SIGTERM hands its record, status ``interrupted``, to the context's ``interrupted`` list: pytest makes no
+report for it.  A save that fails for want of disk space or permission is an ``error`` whose
 first line says where, how much space was free and on which rank (:func:`conformance.saves.disk_problem`).
 """
 
@@ -13,18 +15,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from conformance.adapter import Spec, installed_version
+from conformance.adapter import Members, Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.matrix import Cell
+from conformance.record import CellRecord, environment, function_record
 from conformance.report import INTERRUPTED, RECORD
-from conformance.saves import disk_problem, save_key
-from conformance.summary import summarize
+from conformance.saves import Saves, disk_problem, save_key
+from conformance.summary import summarize, summarize_functions
 from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
 from pytest_moe_ep.world.engine import WorldError
@@ -32,6 +35,21 @@ from pytest_moe_ep.world.protocol import FunctionRef
 
 RUN_CELL = FunctionRef("conformance.checks.cell", "run_cell")
 CHECK_FUNCTIONS = FunctionRef("conformance.functions.rank", "check_functions")
+
+
+@dataclass
+class CellContext:
+    """What every cell item needs of its session, handed to it at collection."""
+
+    world_size: int
+    #: the backend the cells run on (``auto`` resolved), asked for when the first record is finished.
+    backend_used: Callable[[], str]
+    #: checkpoint cells: the shared saves, what ``check_adapter`` resolved, ``--moe-ep-expert-key``.
+    saves: Saves | None = None
+    members: Members | None = None
+    expert_keys: tuple[str, ...] = ()
+    #: the record of a cell stopped by Ctrl-C or SIGTERM (pytest makes no report for it).
+    interrupted: list[dict[str, Any]] = field(default_factory=list)
 
 
 class CellFailed(Exception):
@@ -68,20 +86,22 @@ class MatrixCollector(pytest.Collector):
 class MatrixItem(pytest.Item):
     """Common machinery: records, n/a skips, failure display."""
 
-    def __init__(self, *, record: dict[str, Any], na: str = "", **kwargs: Any) -> None:
+    def __init__(self, *, context: CellContext, suite: str, adapter: str, adapter_version: str,
+                 fields: dict[str, Any], na: str = "", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         setattr(self, DISTRIBUTED_ATTR, True)
-        self.record = {"id": self.nodeid, **record}
+        self.context = context
+        self.record = CellRecord(self.nodeid, suite, adapter, adapter_version, fields)
         self.na = na
 
     def _finish(self, status: str, detail: str, started: float) -> None:
-        self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3),
-                           torch=_torch_version(), **self._environment())
-        self.user_properties.append((RECORD, json.dumps(self.record)))
+        self.record.finish(status, detail, time.perf_counter() - started)
+        self._attach()
 
-    def _environment(self) -> dict[str, Any]:
-        """World size and backend in every record, so a report rebuilt from a log has them."""
-        return {"world_size": self.world_size, "backend": self.matrix.backend_used()}
+    def _attach(self) -> None:
+        """The record, with where it ran, on the item's reports."""
+        self.record.environment = environment(_torch_version(), self.world_size, self.context.backend_used())
+        self.user_properties.append((RECORD, json.dumps(self.record.to_dict())))
 
     def runtest(self) -> None:
         started = time.perf_counter()
@@ -95,14 +115,14 @@ class MatrixItem(pytest.Item):
             raise
         except WorldError as exc:  # the cause alone: the node id already names the call
             if exc.errors:  # each distinct error in full, for whoever reads the JSON record
-                self.record["errors"] = {str(r): e.message for r, e in sorted(exc.errors.items())
+                self.record.errors = {str(r): e.message for r, e in sorted(exc.errors.items())
                                          if e.message not in {x.message for q, x in exc.errors.items() if q < r}}
             self._finish("error", exc.cause, started)
             raise CellError(exc) from None
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
             self._finish(INTERRUPTED, f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "),
                          started)
-            self.matrix.interrupted.append(dict(self.record))
+            self.context.interrupted.append(self.record.to_dict())
             raise
         except BaseException as exc:
             self._finish("error", f"{type(exc).__name__}: {exc}".splitlines()[0], started)
@@ -125,15 +145,8 @@ class MatrixItem(pytest.Item):
         return self.path, None, self.nodeid
 
     @property
-    def matrix(self) -> Any:
-        """The :class:`~conformance.session.MatrixSession` that made this item."""
-        from conformance.session import MatrixSession
-
-        return self.config.pluginmanager.get_plugin(MatrixSession.NAME)
-
-    @property
     def world_size(self) -> int:
-        return self.matrix.world_size
+        return self.context.world_size
 
     @property
     def backend(self) -> str:
@@ -142,18 +155,18 @@ class MatrixItem(pytest.Item):
 
 class CheckpointCellItem(MatrixItem):
     def __init__(self, *, cell: Cell, adapter: Any, base: Spec, **kwargs: Any) -> None:
-        record = {"suite": "checkpoint", "adapter": adapter.name, "adapter_version": str(adapter.version),
-                  **cell.record()}
-        super().__init__(record=record, na=cell.na, **kwargs)
+        super().__init__(suite="checkpoint", adapter=adapter.name, adapter_version=str(adapter.version),
+                         fields=cell.record(), na=cell.na, **kwargs)
         self.cell, self.adapter, self.base = cell, adapter, base
         self.extra_keyword_matches.update(cell.keywords())
 
     def check(self) -> tuple[str, str]:
-        saves = self.matrix.saves
-        plan = replace(saves.plan(self.cell), expert_keys=self.matrix.expert_keys)
+        saves, members = self.context.saves, self.context.members
+        assert saves is not None and members is not None, "checkpoint cells come with the session's saves"
+        plan = saves.plan(self.cell, self.context.expert_keys)
         ok = False
         try:
-            result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, plan), {},
+            result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, plan, members), {},
                                    world_size=self.world_size, backend=self.backend)
             ok = True
         except WorldError as exc:  # measured before finished() removes the partial save
@@ -166,17 +179,17 @@ class CheckpointCellItem(MatrixItem):
         verdicts: list[RankVerdict] = result.values
         phases = [k for k in ("build", "save", "inspect", "load", "adapter", "total")
                   if any(k in v.timings for v in verdicts)]
-        self.record["timings"] = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
-        self.record["shared_save"] = not plan.save
-        self.record["skipped_checks"] = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))
+        self.record.timings = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
+        self.record.shared_save = not plan.save
+        self.record.skipped_checks = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))
         return summarize(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
 
 
 class FunctionsCellItem(MatrixItem):
     def __init__(self, *, cell: Any, module: str, na: str = "", **kwargs: Any) -> None:
-        record = {"suite": "functions", "adapter": module, "adapter_version": installed_version(module),
-                  "function": "*", "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
-        super().__init__(record=record, na=na, **kwargs)
+        fields = {"function": "*", "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
+        super().__init__(suite="functions", adapter=module, adapter_version=installed_version(module),
+                         fields=fields, na=na, **kwargs)
         self.cell, self.module = cell, module
 
     def check(self) -> tuple[str, str]:
@@ -186,35 +199,25 @@ class FunctionsCellItem(MatrixItem):
                               backend=self.backend)
         records = merge_rank_records(result.values)
         for r in records:  # one record per function; the item's own record summarises them
-            self.user_properties.append((RECORD, json.dumps({
-                "id": f"{self.nodeid}::{r['function']}", "adapter": self.module,
-                "adapter_version": self.record["adapter_version"], "duration_s": 0.0, "torch": _torch_version(),
-                **r})))
-        self.record["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
-        failed = [r for r in records if r["status"] != "pass"]
-        if not failed:
-            return "pass", f"{len(records)} functions agree with the reference"
-        lines = [f"{len(failed)} of {len(records)} functions disagree with the reference on "
-                 f"mesh {self.cell.mesh} {self.cell.placements}, k={self.cell.k}:"]
-        lines += [f"  {r['function']}: {r['detail']} ({r.get('count', 1)} case(s))" for r in failed]
-        return "fail", "\n".join(lines)
+            self.user_properties.append((RECORD, json.dumps(function_record(self.record, r, _torch_version()))))
+        self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
+        return summarize_functions(self.cell, records)
 
     def _finish(self, status: str, detail: str, started: float) -> None:
         # The per-function records carry the report; the item's own record is dropped from it.
-        self.record.update(status=status, detail=detail, duration_s=round(time.perf_counter() - started, 3))
+        self.record.finish(status, detail, time.perf_counter() - started)
         if status in ("n/a", "error", INTERRUPTED):
-            self.record["function"] = "*"
-            self.record.update(torch=_torch_version(), **self._environment())
-            self.user_properties.append((RECORD, json.dumps(self.record)))
+            self._attach()
 
 
-def collect_items(parent: pytest.Collector, *, adapter: Any, cells: list[Cell], functions: Any,
-                  functions_cells: list[Any]) -> Iterator[MatrixItem]:
+def collect_items(parent: pytest.Collector, context: CellContext, *, adapter: Any, cells: list[Cell],
+                  functions: Any, functions_cells: list[Any]) -> Iterator[MatrixItem]:
     """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it is n/a)."""
     if adapter is not None:
         for cell in sorted(cells, key=save_key):  # the loads of one save run one after another
-            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, cell=cell, adapter=adapter, base=Spec())
+            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, context=context, cell=cell,
+                                                 adapter=adapter, base=Spec())
     if functions is not None:
         for fcell in functions_cells:
-            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, cell=fcell, module=functions.module,
-                                                na=functions.na)
+            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, context=context, cell=fcell,
+                                                module=functions.module, na=functions.na)

@@ -107,6 +107,12 @@ def not_run(selected: Iterable[str], records: Iterable[dict[str, Any]]) -> list[
     return sorted(set(selected) - done)
 
 
+def coverage_line(tier: str, cells: int, full_cells: int | None, code: str = "`") -> str:
+    """What a tier's run covered and what its green run means (``code`` quotes the tier's name)."""
+    of = f" of the full tier's {full_cells}" if full_cells else ""
+    return f"Tier {code}{tier}{code}: {cells} checkpoint cells{of}: {guarantee(tier)}."
+
+
 def _group_key(r: dict[str, Any]) -> tuple[Any, ...]:
     return (r.get("kind", ""), r.get("state", ""), "fsdp" if r.get("fsdp") else "ep-only", r.get("num_experts", 0))
 
@@ -167,9 +173,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += _incomplete_lines(report)
     coverage = report.get("coverage") or {}
     if report.get("tier"):
-        of = f" of the full tier's {coverage['full_tier_cells']}" if coverage.get("full_tier_cells") else ""
-        lines += [f"Tier `{report['tier']}`: {coverage.get('cells', 0)} checkpoint cells{of}: "
-                  f"{guarantee(report['tier'])}.", ""]
+        lines += [coverage_line(report["tier"], coverage.get("cells", 0), coverage.get("full_tier_cells")), ""]
     tables = checkpoint_tables(report["cells"])
     if tables:
         lines += [LEGEND, ""]
@@ -216,15 +220,58 @@ def _incomplete_lines(report: dict[str, Any]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
-def compact_matrix(records: list[dict[str, Any]]) -> str:
-    """The terminal summary: the same tables, without the Markdown around them."""
-    parts = [f"{title}\n{table}" for title, table in checkpoint_tables(records)]
-    table = functions_table(records)
-    if table:
-        parts.append(f"expert-slice functions\n{table}")
-    parts.append(", ".join(f"{n} {s}" for s, n in _summary(records).items()))
-    if parts[:-1]:
-        parts.insert(0, LEGEND)
+#: what a cell that needs a look at its table ended as.
+NOT_GREEN = ("fail", "error", INTERRUPTED)
+
+
+def _table_group(r: dict[str, Any]) -> tuple[Any, ...]:
+    """The table a checkpoint record is shown in (see :func:`checkpoint_tables`)."""
+    return ("legacy",) if r.get("legacy") else _group_key(r)
+
+
+def kind_state_counts(records: Iterable[dict[str, Any]]) -> str:
+    """Checkpoint cells counted by status per kind and state (legacy cells a row of their own)."""
+    from tabulate import tabulate
+
+    counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for r in records:
+        if r.get("suite") == "checkpoint":
+            counts[(str(r.get("kind", "")), "legacy" if r.get("legacy") else str(r.get("state", "")))][r["status"]] += 1
+    if not counts:
+        return ""
+    statuses = [*STATUSES, *((INTERRUPTED,) if any(c[INTERRUPTED] for c in counts.values()) else ())]
+    rows = [[kind, state, *(c[s] for s in statuses)] for (kind, state), c in sorted(counts.items())]
+    return tabulate(rows, headers=["kind", "state", *statuses], tablefmt="github")
+
+
+def terminal_summary(records: list[dict[str, Any]], *, verbose: bool = False, tier: str | None = None,
+                     full_cells: int | None = None) -> str:
+    """The terminal summary: counts per kind and state, the tier's coverage, the tables that hold a cell that
+    failed, erred or was interrupted -- every table with ``verbose`` -- and the counts.  The Markdown report
+    always has every table."""
+    parts = []
+    counts = kind_state_counts(records)
+    if counts:
+        parts.append(f"checkpoint cells by kind and state\n{counts}")
+    checkpoint = [r for r in records if r.get("suite") == "checkpoint"]
+    if tier:
+        parts.append(coverage_line(tier, len(checkpoint), full_cells, code=""))
+    wanted = {_table_group(r) for r in checkpoint if r["status"] in NOT_GREEN}
+    tables = checkpoint_tables([r for r in checkpoint if verbose or _table_group(r) in wanted])
+    hidden = len(checkpoint_tables(checkpoint)) - len(tables)
+    if tables:
+        parts.append(LEGEND)
+    parts += [f"{title}\n{table}" for title, table in tables]
+    functions = [r for r in records if r.get("suite") == "functions"]
+    if functions:
+        if verbose or any(r["status"] in NOT_GREEN for r in functions):
+            parts.append(f"expert-slice functions\n{functions_table(functions)}")
+        else:
+            parts.append(f"expert-slice functions: {counts_line(_summary(functions))}")
+    line = ", ".join(f"{n} {s}" for s, n in _summary(records).items())
+    if hidden:
+        line += f" ({plural(hidden, 'more table')} of save x load layouts with -v; the Markdown report has them all)"
+    parts.append(line)
     return "\n\n".join(parts)
 
 

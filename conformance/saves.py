@@ -25,9 +25,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.checks import CellPlan
-from conformance.checks.artifact import not_applicable
+from conformance.adapter import Members, members_of
 from conformance.matrix import Cell
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """What the controller decided for this cell's files (sent to the ranks with the cell)."""
+
+    #: the checkpoint this cell loads, and whether this cell writes it (the first of its readers).
+    path: str
+    save: bool = True
+    #: the ep=1 truth checkpoint of the save side's model (None: no checkpoint check), and whether to write it.
+    truth_path: str | None = None
+    save_truth: bool = False
+    #: the checkpoint check's findings, from the cell that wrote a shared save (and the truth checkpoint's).
+    findings: tuple[str, ...] = ()
+    truth_findings: tuple[str, ...] = ()
+    #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth teaches.
+    expert_keys: tuple[str, ...] = ()
 
 
 def save_key(cell: Cell) -> tuple[Any, ...]:
@@ -115,25 +131,32 @@ class Saves:
     share: bool = True
     saves: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
     truths: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
+    #: what :func:`~conformance.adapter.check_adapter` resolved of the adapter (resolved here when not given).
+    members: Members | None = None
+    #: whether cells get a truth checkpoint: the checkpoint check can read this adapter's checkpoints.
+    truths_wanted: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        self.truths_wanted = not (self.members or members_of(self.adapter)).unreadable()
 
     def count_readers(self, cells: list[Cell]) -> None:
         readers = Counter(_key(c, self.share) for c in cells if not c.na)
         for key, n in readers.items():
             self.saves.setdefault(key, _Entry()).readers_left = n
 
-    def plan(self, cell: Cell) -> CellPlan:
+    def plan(self, cell: Cell, expert_keys: tuple[str, ...] = ()) -> CellPlan:
         entry = self.saves.setdefault(_key(cell, self.share), _Entry(readers_left=1))
         if entry.path is None:
             entry.path = str(self.engine.shared_dir(cell.node_name))
         truth_path, save_truth = None, False
-        if not cell.legacy and not not_applicable(self.adapter):
+        if not cell.legacy and self.truths_wanted:
             truth = self.truths.setdefault(truth_key(cell), _Entry())
             if truth.path is None:
                 truth.path = str(self.engine.shared_dir(f"truth-{cell.node_name}"))
             truth_path, save_truth = truth.path, not truth.written
         truth_findings = self.truths[truth_key(cell)].findings if truth_path else ()
         return CellPlan(entry.path, save=not entry.written, truth_path=truth_path, save_truth=save_truth,
-                        findings=entry.findings, truth_findings=truth_findings)
+                        findings=entry.findings, truth_findings=truth_findings, expert_keys=expert_keys)
 
     def finished(self, cell: Cell, plan: CellPlan, verdict: Any) -> None:
         """After the cell's world call: ``verdict`` is rank 0's, ``None`` when the call failed."""

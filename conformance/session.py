@@ -3,7 +3,7 @@
 :mod:`conformance.plugin` registers one :class:`MatrixSession` in ``pytest_configure``; its hooks add
 the cells to the collection, collect every cell's record from the test reports (xdist's controller
 sees all of them) and write the report.  Everything the session needs is resolved and checked in
-:meth:`MatrixSession.from_config`, before any world starts: a bad adapter, functions module, world
+:meth:`MatrixSession.from_config`, before any world starts: a bad adapter, tier, functions module, world
 size, expert count or report directory is a usage error (exit 4), not a crash after the run.
 
 A session cut short still writes its report: on Ctrl-C or SIGTERM (see :mod:`pytest_moe_ep.signals`)
@@ -20,12 +20,16 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from conformance.report import MD_NAME, RECORD, SELECTION, compact_matrix, not_run, write_report
+from conformance.report import MD_NAME, RECORD, SELECTION, not_run, terminal_summary, write_report
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
+
+if TYPE_CHECKING:
+    from conformance.adapter import Members
+    from conformance.items import CellContext
 
 MATRIX = "moe-ep-matrix"
 
@@ -34,8 +38,9 @@ def _usage(message: str) -> pytest.UsageError:
     return pytest.UsageError(f"pytest-moe-ep: {message}")
 
 
-def _adapter(config: pytest.Config) -> Any:
-    """The checkpoint adapter: command line, else the hook, else the ini value, else ``reference``."""
+def _adapter(config: pytest.Config) -> tuple[Any, Members]:
+    """The checkpoint adapter (command line, else the hook, else the ini value, else ``reference``) and what
+    :func:`~conformance.adapter.check_adapter` resolved of it."""
     from conformance.adapter import AdapterError, check_adapter, load_adapter
 
     given = config.getoption("moe_ep_adapter")
@@ -47,10 +52,36 @@ def _adapter(config: pytest.Config) -> Any:
             given = given or config.getini("moe_ep_adapter") or "reference"
             origin = repr(given)
             adapter = load_adapter(given)
-        check_adapter(adapter, origin)
+        members = check_adapter(adapter, origin)
     except AdapterError as exc:
         raise _usage(str(exc)) from exc
-    return adapter
+    return adapter, members
+
+
+@dataclass(frozen=True)
+class Tier:
+    """``--moe-ep-matrix``'s value, parsed once (a bad one is a usage error before any world starts)."""
+
+    #: as given on the command line (``default``, ``full``, ``1,2,4``, or empty: ``default``).
+    given: str
+    #: ``default``, ``full`` or ``eps``.
+    name: str
+
+    @property
+    def reported(self) -> str:
+        """The report's name for it: the EP degrees as given, else ``default`` or ``full``."""
+        return self.given if self.name == "eps" else self.name
+
+
+def _tier(given: str | None, world_size: int) -> Tier | None:
+    from conformance.matrix import MatrixError, parse_tier
+
+    if given is None:
+        return None
+    try:
+        return Tier(given, parse_tier(given, world_size)[0])
+    except MatrixError as exc:
+        raise _usage(str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -134,17 +165,19 @@ class MatrixSession:
 
     config: pytest.Config
     world_size: int
-    tier: str | None
+    tier: Tier | None
     adapter: Any
+    #: what ``check_adapter`` resolved of ``adapter`` (``None`` without one).
+    members: Members | None
     functions: FunctionsTarget | None
     report_dir: Path | None
     num_experts: tuple[int, ...]
     records: list[dict[str, Any]] = field(default_factory=list)
-    saves: Any = None
     #: ``--moe-ep-expert-key`` regexes (the adapter's own ``expert_keys`` travel with the adapter).
     expert_keys: tuple[str, ...] = ()
-    #: the running cell's record when the session was interrupted (pytest makes no report for it).
-    interrupted: list[dict[str, Any]] = field(default_factory=list)
+    #: what the items get of the session, made when they are collected (its ``interrupted`` list: the running
+    #: cell's record when the session was interrupted, for which pytest makes no report).
+    context: CellContext | None = None
     #: node ids of the final selection's cells (after ``-k``); under xdist, what the workers collected.
     selected: list[str] = field(default_factory=list)
     selection_sent: bool = False
@@ -155,10 +188,15 @@ class MatrixSession:
     @classmethod
     def from_config(cls, config: pytest.Config) -> MatrixSession:
         world_size = number(config, "world_size", int, 1)
-        tier = config.getoption("moe_ep_matrix")
-        adapter = _adapter(config) if tier is not None else None
-        return cls(config, world_size, tier, adapter, _functions(config.getoption("moe_ep_functions")),
-                   _report_dir(config.getoption("moe_ep_report")), _experts(config), expert_keys=_expert_keys(config))
+        given = config.getoption("moe_ep_matrix")
+        adapter, members = _adapter(config) if given is not None else (None, None)
+        return cls(config, world_size, _tier(given, world_size), adapter, members,
+                   _functions(config.getoption("moe_ep_functions")), _report_dir(config.getoption("moe_ep_report")),
+                   _experts(config), expert_keys=_expert_keys(config))
+
+    @property
+    def interrupted(self) -> list[dict[str, Any]]:
+        return self.context.interrupted if self.context is not None else []
 
     # -- collection -------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
@@ -172,33 +210,32 @@ class MatrixSession:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
-        from conformance.adapter import capabilities_of
         from conformance.functions.cells import functions_cells
-        from conformance.items import MatrixCollector, collect_items
+        from conformance.items import CellContext, MatrixCollector, collect_items
         from conformance.matrix import MatrixError, checkpoint_cells
+        from conformance.saves import Saves
 
+        engine = config.stash[ENGINE]
+        context = self.context = CellContext(self.world_size, self.backend_used, expert_keys=self.expert_keys)
         cells = []
-        if self.adapter is not None:
+        if self.adapter is not None and self.members is not None and self.tier is not None:
             try:
-                cells = checkpoint_cells(capabilities_of(self.adapter), self.tier, self.world_size,
-                                         self.num_experts, has_legacy=callable(getattr(self.adapter, "save_legacy",
-                                                                                       None)))
+                cells = checkpoint_cells(self.members.capabilities, self.tier.given, self.world_size,
+                                         self.num_experts, has_legacy=self.members.save_legacy)
             except MatrixError as exc:
                 raise _usage(str(exc)) from exc
-        engine = config.stash[ENGINE]
+            context.saves = Saves(engine, self.adapter, share=bool(config.getini("moe_ep_share_saves")),
+                                  members=self.members)
+            context.members = self.members
         modules = ["conformance.checks", "conformance.inspection", "reference_impl.checkpoint",
                    "conformance.functions.rank"]
-        if self.adapter is not None:
-            modules += [type(self.adapter).__module__, *getattr(self.adapter, "preload", ())]
+        if self.adapter is not None and self.members is not None:
+            modules += [type(self.adapter).__module__, *self.members.preload]
         engine.add_preload(modules)
         collector = MatrixCollector.from_parent(session, name=MATRIX, nodeid=MATRIX)
         fcells = functions_cells() if self.functions is not None else []
-        cell_items = list(collect_items(collector, adapter=self.adapter, cells=cells, functions=self.functions,
-                                        functions_cells=fcells))
-        if self.adapter is not None:
-            from conformance.saves import Saves
-
-            self.saves = Saves(engine, self.adapter, share=bool(config.getini("moe_ep_share_saves")))
+        cell_items = list(collect_items(collector, context, adapter=self.adapter, cells=cells,
+                                        functions=self.functions, functions_cells=fcells))
         # Report the cells as collected, so "collected N items" and -k's counts include them.
         config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, cell_items))
         items.extend(cell_items)
@@ -207,8 +244,8 @@ class MatrixSession:
         """The final selection (after ``-k``): how many cells read each checkpoint."""
         from conformance.items import CheckpointCellItem, MatrixItem
 
-        if self.saves is not None:
-            self.saves.count_readers([i.cell for i in session.items if isinstance(i, CheckpointCellItem)])
+        if self.context is not None and self.context.saves is not None:
+            self.context.saves.count_readers([i.cell for i in session.items if isinstance(i, CheckpointCellItem)])
         self.selected = [i.nodeid for i in session.items if isinstance(i, MatrixItem)]
 
     @pytest.hookimpl(optionalhook=True)
@@ -251,12 +288,11 @@ class MatrixSession:
 
     def _environment(self) -> dict[str, Any]:
         """What the report says besides the cells: backend, world size, tier and coverage, the selection."""
-        from conformance.matrix import full_size, parse_tier
+        from conformance.matrix import full_size
 
-        tier = parse_tier(self.tier, self.world_size)[0] if self.tier is not None else None
         return {"backend": self.backend_used(), "world_size": self.world_size,
-                "tier": self.tier if tier == "eps" else tier,
-                "full_cells": full_size(self.world_size, self.num_experts) if tier else None,
+                "tier": self.tier.reported if self.tier is not None else None,
+                "full_cells": full_size(self.world_size, self.num_experts) if self.tier is not None else None,
                 "ids": self.selected}
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -271,8 +307,10 @@ class MatrixSession:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         records = self.records + self.interrupted
         if records and self._writes_report():
+            env = self._environment()
             terminalreporter.section("moe-ep conformance matrix")
-            terminalreporter.write_line(compact_matrix(records))
+            terminalreporter.write_line(terminal_summary(records, verbose=self.config.get_verbosity() > 0,
+                                                         tier=env["tier"], full_cells=env["full_cells"]))
             missing = not_run(self.selected, records)
             if missing:
                 terminalreporter.write_line(f"{len(missing)} selected cell(s) not run: the report lists them")

@@ -1,4 +1,5 @@
-"""A cell's outcome in words, from every rank's verdict: the first line is the diagnosis.
+"""A cell's outcome in words, from every rank's verdict (or, for a functions cell, every function's merged
+record): the first line is the diagnosis.
 
 The first line is what the report's failure list, the index and the README table show, so it names
 the rank, layer, expert and tensor (or the checkpoint key and experts) and ends with the cell's
@@ -6,6 +7,8 @@ context; the lines after it add the other ranks and the other checks, each prefi
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from conformance.checks import CHECKS, Mismatch, RankVerdict
 from conformance.matrix import Cell
@@ -72,4 +75,15 @@ def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[st
     values_first = any(m.check == "values" for v in verdicts for m in v.mismatches)
     lines = mismatches + problems if values_first else problems + mismatches
     lines[0] = f"{lines[0]} {context}"
+    return "fail", "\n".join(lines)
+
+
+def summarize_functions(cell: Any, records: list[dict[str, Any]]) -> tuple[str, str]:
+    """``(status, detail)`` of a functions cell from its functions' merged records (one per function)."""
+    failed = [r for r in records if r["status"] != "pass"]
+    if not failed:
+        return "pass", f"{len(records)} functions agree with the reference"
+    lines = [f"{len(failed)} of {len(records)} functions disagree with the reference on "
+             f"mesh {cell.mesh} {cell.placements}, k={cell.k}:"]
+    lines += [f"  {r['function']}: {r['detail']} ({r.get('count', 1)} case(s))" for r in failed]
     return "fail", "\n".join(lines)

@@ -157,3 +157,38 @@ def test_experts_flattened_into_one_axis_are_read_as_plain_tensors() -> None:
     assert found == {"no_expert_keys"}  # no expert axis to read; the matrix compares these keys by value
     swapped = dict(flat, **{"blocks.1.experts.mlp.w1": flat["blocks.0.experts.mlp.w1"]})
     assert compare_indexes(index_state_dict(swapped, "ep2"), index, values=True, patterns=patterns)
+
+
+def test_check_adapter_resolves_the_optional_members_once_and_refuses_a_bare_value() -> None:
+    """``check_adapter`` gives the checks one :class:`Members`; a bare string or class where a sequence belongs
+    (``refusal_errors = ValueError``) is refused naming the member, not a crash on a rank later."""
+    from conformance.adapter import check_adapter
+    from conformance.adapters.reference import ReferenceAdapter
+
+    members = check_adapter(ReferenceAdapter(), "reference")
+    assert members.of == "conformance.adapters.reference.ReferenceAdapter"
+    assert members.step and members.scalars and members.forward and members.check_saved and members.save_legacy
+    assert not members.read_checkpoint and members.refusal_errors == () and members.preload == ()
+    assert members.unreadable() == "" and members.capabilities.format == "dcp"
+
+    class BareRefusal(ReferenceAdapter):
+        refusal_errors = ValueError
+
+    with pytest.raises(AdapterError, match="refusal_errors must be a sequence, got type"):
+        check_adapter(BareRefusal(), "bare")
+
+
+def test_cell_record_keeps_the_report_schema_and_its_key_order() -> None:
+    """The record the README documents, built by one type: the keys (and order) the report always had."""
+    from conformance.record import CellRecord, environment
+
+    record = CellRecord("moe-ep-matrix::checkpoint::x", "checkpoint", "reference", "0.1.0", {"kind": "packed"})
+    record.timings, record.shared_save, record.skipped_checks = {"total": 1.0}, True, {}
+    record.finish("pass", "ok", 1.23456)
+    record.environment = environment("2.13.0", 4, "gloo")
+    assert list(record.to_dict()) == ["id", "suite", "adapter", "adapter_version", "kind", "timings", "shared_save",
+                                      "skipped_checks", "status", "detail", "duration_s", "torch", "world_size",
+                                      "backend"]
+    assert record.to_dict()["duration_s"] == 1.235
+    errored = CellRecord("i", "checkpoint", "a", "1", {}, errors={"1": "boom"})
+    assert "timings" not in errored.to_dict() and errored.to_dict()["errors"] == {"1": "boom"}

@@ -89,7 +89,16 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"] for c in legacy)
     md = (out / "moe-ep-conformance.md").read_text()
     assert "| save ep2 " in md and "## Environment" in md and "Tier `default`" in md
-    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*"])
+    # A passing run's terminal summary is compact: counts per kind and state, the coverage, the report's path;
+    # the save x load tables only with -v (and always in the Markdown report).
+    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state",
+                                 "| kind * | state * | * pass | * fail | * error | * n/a |",
+                                 f"Tier default: {len(cells)} checkpoint cells of the full tier's *",
+                                 f"{len(cells)} pass, 0 fail, 0 error, 0 n/a (* more tables of save x load layouts "
+                                 "with -v; the Markdown report has them all)",
+                                 f"report: {out / 'moe-ep-conformance.md'} (and .json)"])
+    summary = result.stdout.str().split("moe-ep conformance matrix")[-1]
+    assert "| save ep" not in summary and len(summary.splitlines()) < 30, summary
 
 
 def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(pytester: pytest.Pytester) -> None:
@@ -107,6 +116,23 @@ def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(pytester: p
     same_ep = next(c for c in cells if c["id"] == "moe-ep-matrix::checkpoint::unpacked::model::ep-only::ep2->ep2")
     assert same_ep["status"] in ("fail", "error")
     assert "expert" in same_ep["detail"]
+    # Without -v the terminal shows the tables that hold a red cell, not the others.
+    result.stdout.fnmatch_lines(["unpacked · model · ep-only · E=4", "|*load ep1*load ep2*|", "|*",
+                                 "| save ep1 *pass*", "| save ep2 *"])
+
+
+def test_verbose_terminal_summary_shows_every_table(pytester: pytest.Pytester) -> None:
+    """With -v a passing run's summary adds every save x load table (one cell here, on a 2-rank world)."""
+    result = run(pytester, "--moe-ep-matrix=1", "--moe-ep-world-size=2", "-v",
+                 "-k", "kind_unpacked and not optim and ep-only")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state", "*",
+                                 "| unpacked*| model*|*1 |*0 |*0 |*0 |",
+                                 "Tier 1: 1 checkpoint cells of the full tier's *: the plain layouts at those EP*",
+                                 "A blank table cell is a (save, load) layout pair*",
+                                 "unpacked · model · ep-only · E=4", "|*| load ep1 *|", "|*", "| save ep1 | pass *|",
+                                 "1 pass, 0 fail, 0 error, 0 n/a"])
+    assert "more table" not in result.stdout.str()
 
 
 def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(pytester: pytest.Pytester) -> None:

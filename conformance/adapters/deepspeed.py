@@ -76,7 +76,6 @@ from conformance.adapters._deepspeed_common import deepspeed as _deepspeed
 from conformance.adapters._deepspeed_common import installed_version, use_expert_groups
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-LR = 1e-2
 WEIGHT_DECAY = 0.01
 #: torch's RNG seed for every forward check: DeepSpeed's top-2 gate samples the second expert with Gumbel
 #: noise from the global RNG (``top2_2nd_expert_sampling``, on by default), which each rank draws for its
@@ -223,7 +222,7 @@ class DeepSpeedAdapter:
             _fill(model, seed)
             if steps <= 0:
                 return model, None
-            optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=LR,
+            optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=spec.lr,
                                           weight_decay=WEIGHT_DECAY)
             for step in range(steps):
                 _set_grads(model, seed, step)
@@ -244,7 +243,7 @@ class DeepSpeedAdapter:
         }
         if steps > 0:
             config["optimizer"] = {"type": "AdamW",
-                                   "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}}
+                                   "params": {"lr": spec.lr, "weight_decay": WEIGHT_DECAY, "torch_adam": True}}
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=list(model.parameters()) if steps > 0 else None, config=config)
         _fill(engine, seed)

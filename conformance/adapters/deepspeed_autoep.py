@@ -181,10 +181,6 @@ def _dense_name(name: str) -> str:
     return name.replace("mlp.gate.", "mlp.router.gate.")
 
 
-def _lr(spec: Spec) -> float:
-    return float(spec.lr)
-
-
 def _ep_order(spec: Spec) -> str:
     """The EP order a ``Spec.layout`` asks for (DeepSpeed's default, consecutive, without one).
 
@@ -256,7 +252,7 @@ def _truth(spec: Spec, seed: int) -> tuple[Any, Any]:
     auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
     if spec.optimizer_steps <= 0:
         return model, None
-    optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=_lr(spec),
+    optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=spec.lr,
                                   weight_decay=WEIGHT_DECAY)
     for step in range(spec.optimizer_steps):
         for p, grad in _gradients(model, seed, step):
@@ -319,7 +315,7 @@ class DeepSpeedAutoEPAdapter:
             # EP group; "data before expert parallel" strides them (ranks r, r + world/ep, ...).
             "use_data_before_expert_parallelism": strided,
             "optimizer": {"type": "AdamW",
-                          "params": {"lr": _lr(spec), "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+                          "params": {"lr": spec.lr, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
             # the default clip to 1.0 sums a norm over every rank's experts: rounding depends on the EP degree.
             "gradient_clipping": 0.0,
             "steps_per_print": 1 << 30,

@@ -78,7 +78,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
 from conformance.adapters.megatron_cpu import (
     megatron_on_cpu,
     one_rank_view,
@@ -88,7 +88,6 @@ from conformance.adapters.megatron_cpu import (
 )
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 #: why Megatron's own MoELayer forward does not run here (found trying it on the ground truth, issue 21).
 FORWARD_NOT_RUN = (
     "Megatron's MoELayer forward does not run on this CPU/gloo set-up: on the ground truth's one-rank "
@@ -345,7 +344,7 @@ class MegatronAdapter:
         for layer, moe in enumerate(model.moe_layers()):
             for g, name, p, view in _expert_views(moe):
                 yield layer, g, name, view(p.data)
-                for moment in MOMENTS:
+                for moment in ADAM_MOMENTS:
                     if moment in state.get(p, {}):
                         yield layer, g, f"{name}.{moment}", view(state[p][moment])
 
@@ -353,7 +352,7 @@ class MegatronAdapter:
         state = _state(optimizer)
         for layer, name, p in _dense(model):
             yield layer, None, name, p
-            for moment in MOMENTS:
+            for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
 

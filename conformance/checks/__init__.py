@@ -7,6 +7,7 @@ One module per promise of the matrix:
 - :mod:`.completeness` -- nothing goes missing, per replica group (``missing``);
 - :mod:`.resume` -- optimizer scalars, the forward and the next step (``scalars``, ``forward``, ``resume``);
 - :mod:`.layout` -- the framework formed the cell's EP groups (a mismatch is an ``error``);
+- :mod:`.refusal` -- a legacy (lossy) checkpoint is refused (``refusal``);
 - :mod:`.blame` -- a load that raises is blamed on the side the evidence shows wrong;
 
 with :mod:`.truth` (the ground truth, cached per spec), :mod:`.verdict` (what a rank reports) and

@@ -24,37 +24,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from conformance.adapter import capabilities_of
-
 if TYPE_CHECKING:
     from conformance.inspection import KeyPattern
 
 
 def read_index(adapter: Any, path: str) -> Any:
-    """The checkpoint's index, or ``None`` when this adapter's format cannot be read here."""
+    """The checkpoint's index, or ``None`` when this adapter's format cannot be read here.
+
+    ``adapter`` here and below is the cell's: its ``members`` are what the controller resolved of it."""
     from conformance.inspection import index_state_dict, read_dcp
 
-    if capabilities_of(adapter).format == "dcp":
+    members = adapter.members
+    if members.capabilities.format == "dcp":
         return read_dcp(path)
-    reader = getattr(adapter, "read_checkpoint", None)
-    if callable(reader):
-        return index_state_dict(reader(path), path, format=capabilities_of(adapter).format)
+    if members.read_checkpoint:
+        return index_state_dict(adapter.read_checkpoint(path), path, format=members.capabilities.format)
     return None
-
-
-def not_applicable(adapter: Any) -> str:
-    """Why the checkpoint check cannot run for ``adapter`` ("" when it can)."""
-    if capabilities_of(adapter).format == "dcp" or callable(getattr(adapter, "read_checkpoint", None)):
-        return ""
-    return (f"the adapter's checkpoint format ({capabilities_of(adapter).format}) is not DCP and it has no "
-            "read_checkpoint(path)")
 
 
 def declared_patterns(adapter: Any, extra: Sequence[str] = ()) -> tuple[KeyPattern, ...]:
     """The expert-key regexes the adapter declares (``expert_keys``) and the user gives (``--moe-ep-expert-key``)."""
     from conformance.inspection import pattern
 
-    return tuple(pattern(r, "declared") for r in (*(getattr(adapter, "expert_keys", ()) or ()), *extra))
+    return tuple(pattern(r, "declared") for r in (*adapter.members.expert_keys, *extra))
 
 
 @dataclass(frozen=True)
@@ -130,7 +122,7 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
     index, truth = read_index(adapter, path), read_index(adapter, truth_path)
     found = [str(f) for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
              if f.problem != "no_expert_keys"]
-    ignore = tuple(getattr(adapter, "ep_dependent_keys", ()) or ())
+    ignore = adapter.members.ep_dependent_keys
     found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
                                               names=("checkpoint", "ep=1 checkpoint"))]
     return list(dict.fromkeys(found))

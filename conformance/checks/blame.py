@@ -33,6 +33,14 @@ class LoadFailed(Exception):
         super().__init__(f"{headline}\n{full}")
 
 
+def load_errors() -> tuple[type[BaseException], ...]:
+    """What a failed load (or build, or save) raises: any Exception, and DCP's CheckpointException (a
+    BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def one_line(exc: BaseException, limit: int = 400) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"

@@ -8,9 +8,8 @@ engine).  In order:
    (one save feeds every load of it); the cell that writes it also inspects it (``checkpoint``);
 3. the load side at its layout with seed B, one more optimizer step and another learning rate, and
    a check that it differs from the truth -- otherwise a load that does nothing would pass;
-4. the load; a legacy cell passes only on a real refusal (``check_saved`` or a declared
-   ``refusal_errors``), and a load that raises elsewhere names the checkpoint's problems in expert
-   terms before the framework's own message;
+4. the load; a legacy cell passes only on a real refusal (:mod:`.refusal`), and a load that raises
+   elsewhere names the checkpoint's problems in expert terms before the framework's own message;
 5. ``values``, ``missing`` (per replica group), ``scalars``, ``forward`` and ``resume``.
 """
 
@@ -20,45 +19,32 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import AdapterError, Built, Spec, built, capabilities_of
-from conformance.checks import artifact, completeness, resume, save_plan
-from conformance.checks.blame import LoadFailed, load_failed, one_line
+from conformance.adapter import AdapterError, Built, Members, Spec, built
+from conformance.checks import artifact, completeness, refusal, resume, save_plan
+from conformance.checks.blame import LoadFailed, load_errors, load_failed, one_line
 from conformance.checks.layout import check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
 from conformance.checks.values import canonical, compare, equal, expected
 from conformance.checks.verdict import RankVerdict
 from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
+from conformance.saves import CellPlan
+
+__all__ = ["LOAD_LR_FACTOR", "BuildFailed", "CellPlan", "load_errors", "run_cell"]
 
 #: the load side's learning rate is this times the save's, so an lr the load does not restore shows.
 LOAD_LR_FACTOR = 3.0
 
 
-@dataclass(frozen=True)
-class CellPlan:
-    """What the controller decided for this cell's files."""
-
-    #: the checkpoint this cell loads, and whether this cell writes it (the first of its readers).
-    path: str
-    save: bool = True
-    #: the ep=1 truth checkpoint of the save side's model (None: no checkpoint check), and whether to write it.
-    truth_path: str | None = None
-    save_truth: bool = False
-    #: the checkpoint check's findings, from the cell that wrote a shared save (and the truth checkpoint's).
-    findings: tuple[str, ...] = ()
-    truth_findings: tuple[str, ...] = ()
-    #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth teaches.
-    expert_keys: tuple[str, ...] = ()
-
-
 class _Timed:
-    """The adapter, with the time spent in its members added up (``timings["adapter"]``), so the report can
-    tell the framework's own work from the harness's."""
+    """The adapter as the checks see it: the time spent in its members added up (``timings["adapter"]``), so
+    the report can tell the framework's own work from the harness's, and ``members``, what the controller's
+    :func:`~conformance.adapter.check_adapter` resolved of it."""
 
     MEMBERS = frozenset({"build", "save", "save_legacy", "load", "check_saved", "step", "scalars", "forward"})
 
-    def __init__(self, adapter: Any, timings: dict[str, float]) -> None:
-        self.__wrapped__, self._timings = adapter, timings
+    def __init__(self, adapter: Any, timings: dict[str, float], members: Members) -> None:
+        self.__wrapped__, self._timings, self.members = adapter, timings, members
 
     def __getattr__(self, name: str) -> Any:
         found = getattr(self.__wrapped__, name)
@@ -96,7 +82,7 @@ def _build(adapter: Any, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
 def _saved_optimizer(adapter: Any, b: Built, optim: bool) -> Any:
     """The optimizer ``save``/``load`` get: the state's, or in model-only cells the step-0 one if the framework's
     checkpoint always holds one (``capabilities.model_saves_optimizer``), else ``None``."""
-    return b.optimizer if optim or capabilities_of(adapter).model_saves_optimizer else None
+    return b.optimizer if optim or adapter.members.capabilities.model_saves_optimizer else None
 
 
 def _truth_state(adapter: Any, spec: Spec, rank: int) -> Any:
@@ -172,15 +158,15 @@ def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> art
     return sent[0]
 
 
-def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan) -> RankVerdict:
+def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Members) -> RankVerdict:
     """The whole experiment of ``cell`` on this rank; its verdict goes back to the controller."""
     import torch.distributed as dist
 
     started = time.perf_counter()
     rank = dist.get_rank()
-    verdict = RankVerdict(rank, shared_save=not plan.save)
+    verdict = RankVerdict(rank)
     try:
-        return _run(_Timed(adapter, verdict.timings), cell, base, plan, rank, verdict)
+        return _run(_Timed(adapter, verdict.timings, members), cell, base, plan, rank, verdict)
     finally:
         verdict.timings["total"] = time.perf_counter() - started
 
@@ -199,7 +185,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
             verdict.problem("checkpoint", f"checkpoint: {finding}")
     checked = ""
     if not plan.truth_path and not cell.legacy:
-        checked = verdict.skipped["checkpoint"] = artifact.not_applicable(adapter)
+        checked = verdict.skipped["checkpoint"] = adapter.members.unreadable()
     elif plan.truth_path:
         known = _share_knowledge(adapter, plan, save_spec, rank)
         if rank == 0 and known.note:
@@ -221,14 +207,19 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
                         "must derive every expert's values from its seed")
 
     t3 = time.perf_counter()
+    if cell.legacy:  # decided by the refusal; a load that succeeded shows its damage in the values
+        if refusal.load_legacy(adapter, b, _saved_optimizer(adapter, b, optim), plan.path, verdict):
+            verdict.timings["load"] = time.perf_counter() - t3
+            compare(rank, canonical(adapter, model, optimizer, rank, verdict), truth.state, before, verdict)
+        return verdict  # the later checks' collectives may not pair after a lossy load
     evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
-    if not _load(adapter, cell, b, _saved_optimizer(adapter, b, optim), plan.path, evidence, verdict):
-        return verdict
+    try:
+        adapter.load(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+    except load_errors() as exc:
+        raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3
     got = canonical(adapter, model, optimizer, rank, verdict)
     compare(rank, got, truth.state, before, verdict)
-    if cell.legacy:  # refusal already failed; the values above show the damage, collectives may not pair
-        return verdict
     completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
     resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
     resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)
@@ -254,38 +245,3 @@ class _Evidence:
                                                                                        self.plan.expert_keys)
         return load_failed(exc, findings=self.findings, checked=self.checked, layout=self.cell.load,
                            num_experts=self.cell.num_experts, patterns=patterns, rank=rank)
-
-
-def load_errors() -> tuple[type[BaseException], ...]:
-    """What a failed load raises: any Exception, and DCP's CheckpointException (a BaseException)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-def _load(adapter: Any, cell: Cell, b: Built, optimizer: Any, path: str, evidence: _Evidence,
-          verdict: RankVerdict) -> bool:
-    """The framework's load; ``False`` when the cell is decided (a legacy refusal, or its absence)."""
-    refusals = tuple(getattr(adapter, "refusal_errors", ()) or ())
-    check_saved = getattr(adapter, "check_saved", None)
-    if cell.legacy and callable(check_saved):
-        try:
-            check_saved(b.model, path)
-        except load_errors() as exc:  # the framework's own guard refused before loading: that is the point
-            verdict.refused = f"refused by check_saved: {one_line(exc)}"
-            return False
-    try:
-        adapter.load(b.model, optimizer, path, **b.extra)
-    except load_errors() as exc:
-        if cell.legacy:
-            if refusals and isinstance(exc, refusals):
-                verdict.refused = f"refused by the load: {one_line(exc)}"
-            else:
-                declared = ", ".join(t.__name__ for t in refusals) or "none declared"
-                verdict.not_refused = (f"not refused: the load failed with {one_line(exc)} (the adapter's refusal "
-                                       f"errors: {declared})")
-            return False
-        raise evidence.failure(exc, verdict.rank) from exc
-    if cell.legacy:
-        verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"
-    return True

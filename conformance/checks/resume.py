@@ -41,8 +41,7 @@ def _scalar_lines(got: dict[str, Any], want: dict[str, Any], when: str) -> list[
 def all_scalars(adapter: Any, b: Built, optimizer: Any) -> dict[str, Any] | None:
     """The adapter's ``scalars`` and the training state's (:func:`~conformance.adapter.state_scalars`); ``None``
     when there are neither."""
-    scalars = getattr(adapter, "scalars", None)
-    found = dict(scalars(b.model, optimizer, **b.extra)) if callable(scalars) else None
+    found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.scalars else None
     extra = state_scalars(b.state)
     if extra:
         found = {**(found or {}), **extra}
@@ -62,12 +61,11 @@ def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, 
     """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
     import torch
 
-    forward = getattr(adapter, "forward", None)
-    if not callable(forward) or truth.output is None:
+    if not adapter.members.forward or truth.output is None:
         verdict.skipped["forward"] = truth.output_not_applicable or "the adapter has no forward(model, batch)"
         return
     try:
-        out = forward(model, batch_for(spec)).detach().cpu()
+        out = adapter.forward(model, batch_for(spec)).detach().cpu()
     except NotApplicable as exc:
         verdict.skipped["forward"] = f"the framework's forward cannot run in this cell: {exc}"
         return
@@ -84,13 +82,12 @@ def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, 
 def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Truth, before: Held, rank: int,
                     verdict: RankVerdict) -> None:
     """One more step (a collective under FSDP2), then every tensor against the truth's next state."""
-    step = getattr(adapter, "step", None)
     if optimizer is None:
         return
-    if not callable(step) or truth.next_state is None:
+    if not adapter.members.step or truth.next_state is None:
         verdict.skipped["resume"] = "the adapter has no step(model, optimizer, seed, step)"
         return
-    step(b.model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
+    adapter.step(b.model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
     after = canonical(adapter, b.model, optimizer, rank)
     resumed = RankVerdict(rank)
     compare(rank, after, truth.next_state, before, resumed)

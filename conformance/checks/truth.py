@@ -50,10 +50,10 @@ _TRUTHS: dict[tuple[Any, ...], Truth] = {}
 
 
 def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
-    """The ep=1 build with seed A, on this rank alone (no communication); cached."""
+    """The ep=1 build with seed A, on this rank alone (no communication); cached per adapter class, version and
+    spec.  ``adapter`` is the cell's (its ``members`` resolved by the controller)."""
     spec = truth_spec(spec)
-    kind = type(getattr(adapter, "__wrapped__", adapter))
-    key = (kind.__module__, kind.__qualname__, str(adapter.version), spec)
+    key = (adapter.members.of, str(adapter.version), spec)
     if key not in _TRUTHS:
         if len(_TRUTHS) >= 32:
             _TRUTHS.clear()
@@ -74,15 +74,13 @@ def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
     truth = Truth(_flat(canonical(adapter, model, optimizer, rank)))
     if optimizer is not None:
         truth.scalars = all_scalars(adapter, b, optimizer)
-    step = getattr(adapter, "step", None)
-    if optimizer is not None and callable(step):
-        step(model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
+    if optimizer is not None and adapter.members.step:
+        adapter.step(model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
         truth.next_state = _flat(canonical(adapter, model, optimizer, rank))
         truth.next_scalars = all_scalars(adapter, b, optimizer)
-    forward = getattr(adapter, "forward", None)
-    if callable(forward):  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
+    if adapter.members.forward:  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
         try:
-            truth.output = forward(model, batch_for(spec)).detach().cpu().clone()
+            truth.output = adapter.forward(model, batch_for(spec)).detach().cpu().clone()
         except NotApplicable as exc:
             truth.output_not_applicable = f"the framework's forward cannot run on the ep=1 ground truth: {exc}"
     return truth

@@ -2,7 +2,7 @@
 
 Everything here crosses the rank's pipe, so it is plain data.  A :class:`Problem` names the check
 that found it (one per promise of the matrix) and, where it can, the rank, layer, expert and tensor
-or checkpoint key; the controller sorts, folds and prints them (:mod:`conformance.items`).
+or checkpoint key; the controller sorts, folds and prints them (:mod:`conformance.summary`).
 """
 
 from __future__ import annotations
@@ -61,8 +61,6 @@ class RankVerdict:
     #: checks that did not apply to this cell, with the reason (e.g. the adapter has no ``step``).
     skipped: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    #: the save this cell loaded was written by an earlier cell.
-    shared_save: bool = False
     #: the checkpoint check's findings (from the cell that wrote the checkpoint), for later readers.
     findings: tuple[str, ...] = ()
     #: the truth checkpoint's findings, from the cell that wrote it.

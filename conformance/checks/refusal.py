@@ -1,0 +1,41 @@
+"""A legacy cell's check (``refusal``): the framework refuses a lossy checkpoint instead of loading it.
+
+The legacy save (``save_legacy``, the framework's own old save) holds each EP rank's experts under local
+names, so a load at another layout gives ranks other experts' values.  The cell passes only on a real
+refusal: the framework's guard ``check_saved`` raising before the load, or the load raising one of the
+adapter's declared ``refusal_errors``.  Any other error is not a refusal (a crash is no guard), and a load
+that succeeds is the silent corruption the cell exists to catch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.adapter import Built
+from conformance.checks.blame import load_errors, one_line
+from conformance.checks.verdict import RankVerdict
+
+
+def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: RankVerdict) -> bool:
+    """Try to load the legacy checkpoint at ``path``; ``True`` only when it loaded (not refused: the values
+    show the damage), with ``verdict.refused`` or ``verdict.not_refused`` saying which."""
+    members = adapter.members
+    if members.check_saved:
+        try:
+            adapter.check_saved(b.model, path)
+        except load_errors() as exc:  # the framework's own guard refused before loading: that is the point
+            verdict.refused = f"refused by check_saved: {one_line(exc)}"
+            return False
+    refusals = members.refusal_errors
+    try:
+        adapter.load(b.model, optimizer, path, **b.extra)
+    except load_errors() as exc:
+        if refusals and isinstance(exc, refusals):
+            verdict.refused = f"refused by the load: {one_line(exc)}"
+        else:
+            declared = ", ".join(t.__name__ for t in refusals) or "none declared"
+            verdict.not_refused = (f"not refused: the load failed with {one_line(exc)} (the adapter's refusal "
+                                   f"errors: {declared})")
+        return False
+    verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"
+    return True
