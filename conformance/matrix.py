@@ -285,10 +285,11 @@ def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None
     return "eps", eps
 
 
-def checkpoint_cells(caps: Capabilities, tier: str | None, world_size: int, num_experts: tuple[int, ...], *,
-                     has_legacy: bool = True) -> list[Cell]:
-    """The cells of ``tier`` for an adapter with ``caps``, each with its n/a reason (if any)."""
-    name, eps = parse_tier(tier, world_size)
+def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None] | None, world_size: int,
+                     num_experts: tuple[int, ...], *, has_legacy: bool = True) -> list[Cell]:
+    """The cells of ``tier`` (as given, or as :func:`parse_tier` parsed it) for an adapter with ``caps``, each with
+    its n/a reason (if any)."""
+    name, eps = tier if isinstance(tier, tuple) else parse_tier(tier, world_size)
     if eps is None:
         everything = full_product(world_size, num_experts)
     else:

@@ -66,6 +66,8 @@ class Tier:
     given: str
     #: ``default``, ``full`` or ``eps``.
     name: str
+    #: the EP degrees of an ``eps`` tier (``None`` for the named tiers).
+    eps: list[int] | None = None
 
     @property
     def reported(self) -> str:
@@ -79,7 +81,7 @@ def _tier(given: str | None, world_size: int) -> Tier | None:
     if given is None:
         return None
     try:
-        return Tier(given, parse_tier(given, world_size)[0])
+        return Tier(given, *parse_tier(given, world_size))
     except MatrixError as exc:
         raise _usage(str(exc)) from exc
 
@@ -220,7 +222,7 @@ class MatrixSession:
         cells = []
         if self.adapter is not None and self.members is not None and self.tier is not None:
             try:
-                cells = checkpoint_cells(self.members.capabilities, self.tier.given, self.world_size,
+                cells = checkpoint_cells(self.members.capabilities, (self.tier.name, self.tier.eps), self.world_size,
                                          self.num_experts, has_legacy=self.members.save_legacy)
             except MatrixError as exc:
                 raise _usage(str(exc)) from exc
