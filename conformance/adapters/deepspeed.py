@@ -1,65 +1,30 @@
-"""The built-in ``deepspeed`` adapter: DeepSpeed's native MoE and its engine checkpoint.
+"""The built-in ``deepspeed`` adapter: DeepSpeed 0.19.8's native MoE and its engine checkpoint.
 
-What it drives (DeepSpeed 0.19.8; all of it DeepSpeed's own code):
-
-* the model: ``num_layers`` blocks, each a ``LayerNorm`` and a ``deepspeed.moe.layer.MoE``
-  (``num_experts=E``, ``ep_size=ep``, ``k=top_k``; the shared expert is DeepSpeed's residual MoE,
-  ``use_residual=True``: an always-on ``mlp`` mixed in by a learned ``coefficient``).  The expert is a
-  small SwiGLU (or GELU) MLP that ``Experts`` deep-copies into its ``nn.ModuleList`` of local
-  experts: the "unpacked" layer kind.  Native MoE has no packed kind (DeepSpeed's fused-weight
-  layers belong to AutoEP, which the ``deepspeed-autoep`` adapters drive: ``deepspeed_autoep.py``);
-* ``deepspeed.initialize`` (ZeRO stage 0, fp32) wraps it in a ``DeepSpeedEngine``, which creates the
-  expert-parallel and expert-data-parallel groups from ``ep_size`` (consecutive ranks form an EP
-  group; the harness mesh is used for its ``ep`` size only) and, in model+optimizer cells, its
-  optimizer from the config: ``AdamW`` with ``torch_adam`` over the groups
-  ``configure_moe_param_groups`` makes (expert and dense parameters apart).  ``engine.step()``
-  applies :func:`conformance.synthetic_grad` gradients set on ``.grad``;
-* ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (tag from ``latest``) are the checkpoint
-  path: one ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` per layer and *global* expert
-  (written by expert-data-parallel rank 0, local ids renamed to global ones), the dense weights in
-  ``mp_rank_00_model_states.pt``, and the optimizer in ``expp_rank_<r>_mp_rank_00_optim_states.pt``,
-  one file per EP rank.  ``format`` is ``"deepspeed"``: ``read_checkpoint`` gives these files in global
-  form (``_deepspeed_checkpoint.read_native``), so the ``checkpoint`` check compares each save with the ep=1
-  save; ``forward`` is the engine's own (gate, ``_AllToAll`` dispatch, experts) under :data:`FORWARD_SEED`.
-
-A local expert's global id follows DeepSpeed's rule, the one its save and load use:
-``expp_rank * num_local_experts + local_id``, ``expp_rank = groups._get_expert_parallel_rank``.
-DeepSpeed starts every expert as a copy of one template, so all weights are overwritten with
-:func:`conformance.synthetic_weight` (experts keyed by that global id, the rest by layer and name).
-
-The ground truth (``build(spec, None, seed)``) is the same model at ``ep_size=1`` without an engine
-(``MoE`` needs no process group until the engine calls ``set_deepspeed_parallelism``), stepped by
-``torch.optim.AdamW`` over the same ``configure_moe_param_groups``: what the engine's fp32 ZeRO-0
-``step()`` runs, minus a data-parallel gradient average that identical synthetic gradients make moot.
+It drives DeepSpeed's own code: blocks of a ``LayerNorm`` and a ``deepspeed.moe.layer.MoE``
+(unpacked experts; the shared expert is its residual MoE), ``deepspeed.initialize`` (ZeRO-0, fp32,
+``torch_adam`` AdamW over ``configure_moe_param_groups``), ``engine.save_checkpoint`` /
+``load_checkpoint``, and the engine's forward (gate, ``_AllToAll`` dispatch, experts) under
+:data:`FORWARD_SEED`.  Experts are filled by DeepSpeed's global id (``expp_rank * num_local_experts +
+local_id``); ``read_checkpoint`` is ``_deepspeed_checkpoint.read_native``.  The ground truth is the same
+model at ``ep_size=1`` without an engine, stepped by ``torch.optim.AdamW`` over the same groups.
 
 Settings and workarounds, none of which changes what is checked:
 
 * ``gradient_clipping: 0``: DeepSpeed clips to a global norm of 1.0 by default, a norm summed over
   every rank's experts whose rounding depends on the EP degree -- it would test the clip, not the
   checkpoint.
-* ``DS_ACCELERATOR=cpu`` is set (unless set already) when this module is imported (by
-  ``_deepspeed_common``, shared with the ``deepspeed-autoep`` adapters), which the rank fork server
-  does before it imports ``deepspeed`` (``preload``): DeepSpeed picks its accelerator at
-  import, and the CPU accelerator speaks gloo, the world's backend.  ``deepspeed.initialize`` then
-  joins the world's default process group (``init_distributed`` wraps an initialised
-  ``torch.distributed``).  CPU/gloo only: on an NCCL world the CUDA accelerator would step with
-  other kernels than the CPU ground truth.
-* Persistent world: DeepSpeed keeps its expert groups in module globals for the life of the process
-  and names and finds the optimizer file by *the largest EP group ever created*
-  (``groups._get_max_expert_size_name``).  A rank process here runs many cells at several EP
-  degrees, so before each engine is built the adapter leaves only that cell's ``ep_size_<ep>`` groups
-  visible -- what a fresh DeepSpeed job at that degree sees -- and keeps the others (created once per
-  process, in the same order on every rank) aside for reuse (``_deepspeed_common.use_expert_groups``).
-* The CPU accelerator JIT-compiles a shared-memory communication op at the first
-  ``deepspeed.initialize`` of a machine (minutes); ``ci/install_deepspeed.sh`` compiles it at install.
+* ``DS_ACCELERATOR=cpu`` is set (unless set already) on import, by ``_deepspeed_common``, before the
+  rank fork server imports ``deepspeed`` (``preload``): DeepSpeed picks its accelerator at import,
+  and the CPU accelerator speaks gloo, the world's backend.  CPU/gloo only: on NCCL the CUDA
+  accelerator would step with other kernels than the CPU ground truth.
+* Persistent world: DeepSpeed keeps expert groups in module globals for the process's life and
+  names and finds the optimizer file by *the largest EP group ever created*
+  (``groups._get_max_expert_size_name``), so before each engine only that cell's ``ep_size_<ep>``
+  groups stay visible, as a fresh job sees them (``_deepspeed_common.use_expert_groups``).
+* The CPU accelerator JIT-compiles a shared-memory comm op at the first ``deepspeed.initialize``
+  (minutes); ``ci/install_deepspeed.sh`` compiles it at install.
 
-What the matrix finds: model-only cells pass at every EP pair -- the per-global-expert files
-re-shard the weights.  Model+optimizer cells pass when saved and loaded at the same EP degree and
-error at any other: the optimizer is each EP rank's plain ``torch.optim`` ``state_dict`` (moments by
-position among that rank's local experts), so ``load_checkpoint`` reads a file of another layout
-(``ValueError``: a parameter group that doesn't match the size of optimizer's group) or, for an EP
-rank the save did not have, no file (``FileNotFoundError``).  It fails loudly, never loading wrong
-moments.  ``E % ep != 0`` is refused by ``MoE`` itself (``uneven=False``); there is no legacy save.
+What the matrix finds: docs/frameworks/deepspeed.md.
 """
 
 from __future__ import annotations

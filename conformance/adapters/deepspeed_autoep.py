@@ -1,80 +1,33 @@
-"""The ``deepspeed-autoep`` adapters: DeepSpeed AutoEP under ZeRO-1/2 and its universal checkpoint.
+"""The ``deepspeed-autoep`` adapters: DeepSpeed 0.19.8's AutoEP under ZeRO-1/2 and its universal checkpoint.
 
-This is the path DeepSpeed documents for a user who changes the expert-parallel degree (DeepSpeed
-0.19.8; all of it DeepSpeed's own code):
+AutoEP is the path DeepSpeed documents for changing the EP degree; all of it is DeepSpeed's own code.
+A Mixtral-shaped model (fused ``gate_up_proj`` / ``down_proj``, filled by *global* expert id) goes
+through ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "autoep_size": ep,
+"preset_model": "mixtral", "use_grouped_mm": false}`` (consecutive EP groups; ``Spec.layout``'s
+``ep_order="strided"`` is ``use_data_before_expert_parallelism``), ZeRO-1 (``deepspeed-autoep``;
+``deepspeed-autoep-noconvert`` loads without the conversion) or ZeRO-2 (``deepspeed-autoep-zero2``),
+fp32, ``torch_adam`` AdamW.  ``engine.save_checkpoint``; ``engine.load_checkpoint`` at the saved EP
+degree, else ``ds_to_universal`` then ``"load_universal": true`` (``_deepspeed_universal``).  Experts,
+fp32 masters and moments are read with ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``.
+The ground truth is AutoEP's conversion at ep=1 without an engine, stepped by ``torch.optim.AdamW``.
 
-* the model is Mixtral-shaped, as Hugging Face Transformers >= 5 lays it out and as DeepSpeed's own
-  AutoEP tests mock it: ``model.config`` with ``model_type="mixtral"``, ``num_local_experts`` and
-  ``num_experts_per_tok``; ``model.layers.<l>`` holds an ``input_layernorm`` and an ``mlp`` with a
-  ``gate`` Linear (the router) and ``experts`` with fused ``gate_up_proj [E, 2F, H]`` and
-  ``down_proj [E, H, F]``.  Every expert is filled with :func:`conformance.synthetic_weight` by its
-  *global* id before DeepSpeed sees the model, so every EP degree starts from the same global model;
-* ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "autoep_size": ep,
-  "preset_model": "mixtral", "use_grouped_mm": false}`` lets AutoEP find the MoE blocks, create the
-  EP groups (``ep`` consecutive ranks form one) and replace each block by an ``AutoEPMoELayer`` whose
-  ``experts.w1/w2/w3`` are ``[E_local, ...]`` slices of the global experts (the "packed" kind).  AutoEP
-  places experts contiguously: EP rank ``r`` holds ``autoep_experts_for_rank(descriptor, r)``;
-* ZeRO stage 1 (``deepspeed-autoep``; ``deepspeed-autoep-noconvert`` loads it without the
-  conversion below) or 2 (``deepspeed-autoep-zero2``), fp32, AdamW with ``torch_adam: true`` over the
-  engine's own MoE param groups; a step is ``engine.backward`` of a loss whose gradient is exactly
-  the :func:`conformance.synthetic_grad` of every parameter (expert gradients times ep, which ZeRO's
-  expert averaging divides out: :meth:`DeepSpeedAutoEPAdapter.step`), so ZeRO's gradient hooks,
-  reduction and partitioning run, then ``engine.step()``;
-* ``engine.save_checkpoint``.  The load at the same EP degree (read from the checkpoint's own
-  ``ds_config``) is ``engine.load_checkpoint``.  At another degree the saved checkpoint is first
-  converted with ``deepspeed.checkpoint.ds_to_universal.main`` -- in this process, by global rank 0
-  alone, once per saved checkpoint: the result stays inside the saved directory for every later
-  load -- and loaded with ``"checkpoint": {"load_universal": true}`` (``_deepspeed_universal``).
-  ``format`` is ``"deepspeed"``: ``read_checkpoint`` gives the engine checkpoint and its universal
-  conversion in global form (``_deepspeed_checkpoint.read_autoep``), so the ``checkpoint`` check runs;
-  ``forward`` is the engine's own (AutoEP's router, ``_AllToAllV`` dispatch, experts).
-* CPU/gloo only (``DS_ACCELERATOR=cpu``, set by ``_deepspeed_common``): a mesh on another device is
-  refused with the reason;
-* ``Spec.layout`` (when the harness has it): ``ep_order="strided"`` is DeepSpeed's
-  ``use_data_before_expert_parallelism``; ``etp`` must be 1.
+Workarounds, none of which changes what is checked (CPU/gloo only, ``DS_ACCELERATOR=cpu``):
 
-Expert weights and moments are read through DeepSpeed's own accessors, ``safe_get_full_fp32_param``
-and ``safe_get_full_optimizer_state`` (the fp32 master and the Adam moments, gathered over the
-expert-data-parallel group), and the module's own parameter; each expert is yielded under its global
-id.  Names: ``w1``/``w2``/``w3`` (the module parameter), ``.master`` (the fp32 master), ``.exp_avg``,
-``.exp_avg_sq``; dense parameters alike by layer; the optimizer step count of the dense and the
-expert param group as ``optimizer.step[dense|expert]``.
-
-The ground truth (``build(spec, None, seed)``) is the same model converted by AutoEP at ep=1 on this
-rank alone, without an engine (``AutoEP.replace_moe_layers`` needs no process group; the engine binds
-groups later), stepped by ``torch.optim.AdamW`` over ``configure_moe_param_groups`` -- the groups
-and the optimizer the engine makes.  ZeRO-1/2's step is that optimizer over flat fp32 partitions,
-elementwise the same; identical synthetic gradients on every rank make the data-parallel average
-exact.
-
-Workarounds, none of which changes what is checked:
-
-* Re-link of optimizer-state fragments (``runtime/zero/stage_1_and_2.py``:
-  ``DeepSpeedZeroOptimizer._optimizer_step`` calls ``_lazy_init_hp_params_optimizer_state()`` after
-  the *first* param group's step and marks every group linked, before AutoEP's expert group has any
-  state, so ``safe_get_full_optimizer_state`` on an expert raises "exp_avg not found in optimizer
-  state fragment").  Before reading moments the adapter sets ``_hp_optimizer_states_linked = False``
-  and calls ``_lazy_init_hp_params_optimizer_state()`` again: :func:`_relink_optimizer_states`.
+* Re-link of optimizer-state fragments (:func:`_relink_optimizer_states`):
+  ``DeepSpeedZeroOptimizer._optimizer_step`` links them after the *first* param group's step and marks
+  every group linked before AutoEP's expert group has any state, so ``safe_get_full_optimizer_state``
+  on an expert raises "exp_avg not found in optimizer state fragment".
 * ``gradient_clipping: 0``: the default clip to a global norm of 1.0 sums over every rank's experts,
   whose rounding depends on the EP degree -- it would test the clip, not the checkpoint.
+* A step is ``engine.backward`` of a loss whose gradient is the synthetic one, expert gradients times ep,
+  which ZeRO's expert averaging divides out (:meth:`DeepSpeedAutoEPAdapter.step`).
 * Persistent world: before each engine only that cell's expert groups stay visible, as a fresh job
   sees them (``_deepspeed_common.use_expert_groups``).
-* ``ds_to_universal`` runs with one extract and one merge worker (no process pool: rank processes
-  may not fork workers), under a file lock so concurrent loads of one checkpoint convert it once.
+* ``ds_to_universal`` runs in-process on global rank 0 with one extract and one merge worker (rank
+  processes may not fork a pool), under a file lock so concurrent loads convert a checkpoint once.
+* DeepSpeed's and transformers' imports are preloaded into the rank fork server (``preload``).
 
-What the matrix finds (0.19.8, ZeRO-1 and ZeRO-2 alike): every model+optimizer cell passes bit for bit
-at every EP pair -- module weights, fp32 masters, Adam moments and step counts -- through the native
-load at equal EP and the universal checkpoint otherwise; a step after such a load also matches the
-truth's next step, and a checkpoint re-saved after a universal load reloads right (probed).
-Model-only cells pass at equal EP and error at any other: ``ds_to_universal`` refuses a checkpoint
-saved before the first optimizer step ("Missing AutoEP exp_avg fragments for
-model.layers.0.mlp.experts.w1"; it has an fp32 fallback for a missing master, none for a missing
-moment) -- loud.  Without the conversion (:class:`DeepSpeedAutoEPNoConversionAdapter`) model-only
-cells pass everywhere, but model+optimizer cells at another EP are silently wrong.  After a universal
-load the expert param group keeps the saved group's name (``ep_size_2`` in an ep=4 engine:
-``load_hp_checkpoint_state_from_checkpoint_dir`` copies every saved group key but ``params``); no cell
-found it to matter.  ``E % ep != 0`` is refused by AutoEP (``uneven=False``); there is no legacy save,
-no unpacked kind (AutoEP's experts are packed) and no FSDP2 (ZeRO shards instead).
+What the matrix finds: docs/frameworks/deepspeed.md.
 """
 
 from __future__ import annotations
