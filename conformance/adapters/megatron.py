@@ -1,73 +1,32 @@
-"""The built-in ``megatron`` adapter: Megatron-Core's MoE layers and ``dist_checkpointing``, on CPU.
+"""The built-in ``megatron`` adapter: Megatron-Core 0.16.0's MoE layers and ``dist_checkpointing``, on CPU.
 
-What it drives (megatron-core 0.16.0; all of it Megatron's own code):
+It drives Megatron's own code: ``MoELayer``s from ``get_gpt_layer_local_spec(num_experts=E,
+moe_grouped_gemm=...).submodules.mlp`` (fp32, SwiGLU, no biases, the ``allgather`` dispatcher;
+*unpacked* is ``SequentialMLP``, *packed* the legacy ``GroupedMLP``, whose transposed views the adapter
+yields so both kinds compare under the same names), EP from
+``parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)`` over the world's gloo group
+(consecutive EP groups), the optimizer from ``get_megatron_optimizer`` (a ``ChainedOptimizer`` of
+``FP32Optimizer``s around torch's AdamW), and ``dist_checkpointing.save`` / ``load`` of the model's and
+optimizer's ``sharded_state_dict()`` (``torch_dist``).  Weights are overwritten by *global* expert
+identity (``MoELayer.local_expert_indices``).  The ground truth is built without ``parallel_state``,
+through ``pg_collection`` with a private single-rank ``ProcessGroupGloo`` (never registered).
 
-* the model: ``num_layers`` Megatron ``MoELayer``s built from
-  ``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=...).submodules.mlp`` (router, routed
-  experts, and ``SharedExpertMLP`` when the spec has a shared expert), fp32, SwiGLU
-  (``gated_linear_unit``), no biases, the ``allgather`` token dispatcher.  The layer kinds:
-  *unpacked* is ``SequentialMLP`` (one ``linear_fc1``/``linear_fc2`` pair per local expert),
-  *packed* is the legacy ``GroupedMLP`` (``weight1`` ``[dim, n_local * 2 * hidden]``, ``weight2``
-  ``[n_local * hidden, dim]``).  Megatron writes both under the same global keys, so a checkpoint
-  of one kind loads into the other (``cross_kind``);
-* expert parallelism: ``parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)``
-  over the world's default gloo group (tp = pp = cp = 1; Megatron's EP groups are consecutive ranks,
-  whatever the harness mesh's order: the mesh gives the EP degree only).  A rank's experts are
-  ``MoELayer.local_expert_indices``, Megatron's own global ids;
-* the optimizer: Megatron's own ``get_megatron_optimizer`` (``OptimizerConfig`` adam, fp32, no
-  distributed optimizer), a ``ChainedOptimizer`` of ``FP32Optimizer``s (at ep > 1 two: dense and
-  expert parameters; at ep=1 one) around ``torch.optim.AdamW`` (Megatron falls back to torch's Adam without Transformer
-  Engine or Apex).  A step is ``prepare_grads()`` + ``step_with_ready_grads()`` on
-  :func:`conformance.synthetic_grad` gradients: ``ChainedOptimizer.step()`` minus the gradient-norm
-  reduction, which with ``clip_grad=0`` is only reported (and allocates on CUDA).  The model is not
-  wrapped in Megatron's ``DistributedDataParallel`` (its buffers are CUDA-only; it reduces
-  gradients, which the synthetic ones make moot); the model gets the ``ddp_config`` and ``config``
-  attributes the optimizer reads from a wrapped model;
-* the checkpoint: the model's ``sharded_state_dict()`` (one ``MoELayer.sharded_state_dict`` per
-  layer under ``layers.<i>.mlp.``, as ``TransformerBlock`` prefixes its layers) and the optimizer's
-  ``sharded_state_dict(model_sharded_state_dict)``, written by ``dist_checkpointing.save`` and read by
-  ``dist_checkpointing.load`` in the default ``torch_dist`` format (DCP underneath).
+Workarounds, none of which changes what is checked:
 
-Weights are overwritten with :func:`conformance.synthetic_weight` by *global* identity: an expert's
-canonical tensors are ``linear_fc1`` (``[2 * hidden, dim]``, gate rows then up rows, as
-``SequentialMLP`` holds it) and ``linear_fc2`` (``[dim, hidden]``); ``GroupedMLP`` holds their
-transposes in its packed weights, and the adapter yields the transposed views, so both kinds compare
-under the same names.  The rest is ``router.weight`` and ``shared_experts.linear_fc{1,2}.weight`` per
-layer, plus each tensor's Adam moments (``<name>.exp_avg``, ``<name>.exp_avg_sq``).
+* CUDA hard-wires on Megatron's CPU path are bypassed, and process groups cleaned up, by
+  :mod:`conformance.adapters.megatron_cpu` (each bypass named there with the file and function it
+  works around; all scoped to this adapter's calls and restored afterwards).
+* A step is ``prepare_grads()`` + ``step_with_ready_grads()``: ``ChainedOptimizer.step()`` minus the
+  gradient-norm reduction, which with ``clip_grad=0`` is only reported (and allocates on CUDA).
+* The model is not wrapped in Megatron's ``DistributedDataParallel`` (CUDA-only buffers; it reduces
+  gradients, which the synthetic ones make moot); it gets the ``ddp_config`` and ``config`` attributes
+  the optimizer reads from a wrapped model.
+* The save never starts Megatron's spawn ``Manager`` (writer results go through a process-local
+  queue), and every process group Megatron creates for a cell is destroyed at the end of the cell's
+  ``save``/``load`` (``destroy_model_parallel()`` leaves most alive).
+* ``forward`` is n/a in every cell, with the reason: :data:`FORWARD_NOT_RUN`.
 
-The ground truth (``build(spec, None, seed)``): the same layers built with an explicit
-``pg_collection`` (Megatron's process-group-free construction path) in which every group is one
-single-rank ``ProcessGroupGloo`` over a private ``HashStore`` -- a one-rank view that talks to no
-other rank and is never registered with ``torch.distributed`` -- and the optimizer from
-``get_megatron_optimizer(..., pg_collection=...)`` over the same view.  No ``parallel_state``, no
-communication.
-
-CUDA hard-wires on Megatron's CPU path are bypassed, and process groups cleaned up, by
-:mod:`conformance.adapters.megatron_cpu` (each bypass named there with the file and function it
-works around; all scoped to this adapter's calls and restored afterwards).  The save never starts
-Megatron's spawn ``Manager`` (its writer results go through a process-local queue), and every
-process group Megatron creates for a cell is destroyed at the end of the cell's ``save``/``load``.
-
-What the matrix finds (``tests/test_adapter_megatron.py`` asserts it cell by cell): every model-only
-cell passes at every EP pair, for both kinds and between them; model+optimizer cells pass when both EP
-degrees are > 1 (or both 1) and error between ep=1 and ep > 1. Megatron gives expert parameters an
-optimizer of their own only when ``expert_model_parallel_size > 1`` (``allreduce = not expert_parallel``
-in ``tensor_parallel/layers.py`` and ``GroupedMLP``), so ``get_megatron_optimizer`` chains one
-``FP32Optimizer`` at ep=1 and two at ep > 1, and the optimizer's checkpoint keys are
-``optimizer.state.*`` in one case and ``chained_{0,1}.optimizer.state.*`` in the other:
-``dist_checkpointing.load`` raises a ``KeyError`` naming the key it misses -- loud, never wrong values.
-``E % ep != 0`` is refused by Megatron: building E=6 at ep=4 raises a bare ``AssertionError`` ("when
-instantiating MoELayer", from ``assert self.config.num_moe_experts % ep_size == 0`` in
-``BaseMoELayer.__init__``; found with this adapter declaring ``uneven=True``), so ``uneven=False``.
-There is no FSDP2 (Megatron has its own FSDP, not over the harness mesh). The legacy save is
-Megatron-LM's pre-``dist_checkpointing`` format: each expert-parallel rank (of expert-data-parallel rank
-0) ``torch.save``s its plain ``state_dict()`` -- local expert names -- to
-``mp_rank_00_<ep_rank:03d>/model_optim_rng.pt``; ``dist_checkpointing.load`` refuses such a directory
-(``CheckpointingException``: not a distributed checkpoint).
-
-``forward`` is n/a in every cell (it raises :class:`conformance.adapter.NotApplicable` with the reason, which
-each cell's record shows): see :data:`FORWARD_NOT_RUN`.  Expert tensor parallelism
-(``expert_tensor_parallel_size``, the ``etp`` layouts) is not driven: ``capabilities.etp`` is False.
+What the matrix finds: docs/frameworks/megatron.md.
 """
 
 from __future__ import annotations
