@@ -1,63 +1,31 @@
 """The built-in ``nemo_automodel`` adapter: NeMo Automodel 0.7.0 end to end.
 
-What it drives (NeMo's own code; nothing of the EP split or of the checkpoint conversion is
-re-implemented here):
-
-* **Model.**  ``spec.num_layers`` NeMo ``MoE`` layers (``components.moe.layers.MoE``: its ``Gate``,
-  its ``GroupedExperts`` with packed ``gate_and_up_projs [E, dim, 2*inter]`` and
-  ``down_projs [E, inter, dim]``, and a shared-expert ``MLP`` when ``spec.shared_expert``), built
-  from a ``MoEConfig`` with Qwen3-MoE's routing settings and ``BackendConfig(experts="torch",
-  dispatcher="torch", linear="torch")`` -- the backend NeMo uses without TE/DeepEP.  They sit in a
-  decoder's shape, ``model.layers.<i>.mlp`` (no embeddings, attention or head), so that NeMo's
-  parallelizer and Qwen3-MoE's state-dict adapter find them by their usual names.  NeMo's init is
-  not keyed by global expert id, so weights are :func:`conformance.synthetic_weight` (expert rows
-  by global id), set on the whole ep=1 model before it is split.  Layer kind: packed only;
-  SwiGLU only.  The model lives on the world's device (CPU under gloo; cuda under NCCL, which this
-  adapter has not been run with).
-* **Expert parallelism.**  ``components.moe.parallelizer.apply_ep`` (``ExpertParallel``:
-  ``distribute_tensor(..., [Shard(0)])`` of every expert weight over the ``ep`` mesh) on NeMo's
-  MoE mesh layout ``("ep_shard", "ep")`` (ep innermost, as ``mesh_utils._create_moe_mesh`` builds
-  it); at ep=1 there is no MoE mesh, as in NeMo.  NeMo's top-level ``parallelize_model`` asserts
-  ``n_routed_experts % ep == 0`` before calling ``apply_ep``; ``apply_ep`` itself, the state-dict
-  adapter and ``state_dict_utils`` accept any E, and this adapter calls ``apply_ep`` directly, so
-  the uneven cells show what those layers do with E % ep != 0.
-* **FSDP cells.**  ``components.moe.parallelizer.apply_fsdp`` as ``parallelize_model`` calls it:
-  the dense FSDP mesh is ``dp_shard_cp`` (the whole world here), experts are left to EP and, where
-  ``ep_shard > 1``, sharded by NeMo on their dim 1 over ``ep_shard`` (``_moe_shard_placement``); at
-  ep=1 the experts are sharded with their block over ``dp_shard_cp``.  The mixed-precision policy
-  is fp32 throughout (NeMo's default casts parameters to bf16 for compute; storage is unchanged).
-* **Optimizer.**  ``torch.optim.AdamW`` (what NeMo recipes build from ``optimizer:`` configs),
-  stepped with :func:`conformance.synthetic_grad` gradients set on ``.grad`` (no grad clipping).
-* **Checkpoint.**  NeMo's ``Checkpointer`` (``CheckpointingConfig(model_save_format="torch_save",
-  save_consolidated=False)``, built with the MoE mesh as NeMo's recipes do): ``save_model`` --
-  ``ModelState`` -> ``Qwen3MoeStateDictAdapter.to_hf`` (grouped experts split into per-expert HF
-  keys ``model.layers.<i>.mlp.experts.<e>.{gate,up,down}_proj.weight``, global ids from
-  ``state_dict_utils``) -> DCP; ``load_model`` -- ``to_hf(for_checkpoint_load=True)`` views into
-  the model's expert storage, DCP load, ``from_hf``; ``save_optimizer`` / ``load_optimizer``
-  (``OptimizerState``: torch's flattened, FQN-keyed optimizer state dict, DTensors as they are).
-  No legacy save and no guard against lossy checkpoints exist, so the legacy cells are ``n/a``.
+It drives NeMo's own code (nothing of the EP split or of the checkpoint conversion is re-implemented):
+NeMo ``MoE`` layers (``Gate``, ``GroupedExperts`` with packed ``gate_and_up_projs`` / ``down_projs``,
+the shared-expert ``MLP``; ``BackendConfig`` all ``"torch"``, the backend without TE/DeepEP) at
+``model.layers.<i>.mlp``, filled with synthetic weights by global expert id on the whole ep=1 model
+before the split; ``parallelizer.apply_ep`` on NeMo's ``("ep_shard", "ep")`` MoE mesh and
+``apply_fsdp`` as ``parallelize_model`` calls it; ``torch.optim.AdamW``; and NeMo's ``Checkpointer``
+(``save_model`` / ``load_model`` through ``Qwen3MoeStateDictAdapter``'s per-expert HF keys, DCP, and
+``save_optimizer`` / ``load_optimizer``).  Packed SwiGLU only; run on CPU/gloo, not yet with NCCL.
 
 Workarounds (none changes what is checked):
 
-* ``save_model(model, weights_path)`` always writes ``weights_path/model``; the suite reads the
-  DCP metadata at the cell's directory, so each rank passes a private temporary ``weights_path``
-  whose ``model`` entry is a symlink to the cell's directory.  ``load_model`` takes the model
-  directory itself.  The optimizer goes to ``<cell dir>/optim``, NeMo's ``save_optimizer`` layout.
-* NeMo's meshes are built with the suite's cached ``device_mesh`` (same shapes and dim names as
-  NeMo's ``MeshContext`` with pp=cp=tp=dp_replicate=1), not with ``MeshContext.build``, which
-  would create a new set of process groups at every build.
+* ``apply_ep`` is called directly: NeMo's top-level ``parallelize_model`` asserts
+  ``n_routed_experts % ep == 0``, while ``apply_ep``, the state-dict adapter and ``state_dict_utils``
+  accept any E, so the uneven cells show what those layers do with E % ep != 0.
+* ``save_model(model, weights_path)`` always writes ``weights_path/model``; the suite reads the DCP
+  metadata at the cell's directory, so each rank passes a private temporary ``weights_path`` whose
+  ``model`` entry is a symlink to the cell's directory.  The optimizer goes to ``<cell dir>/optim``.
+* NeMo's meshes are built with the suite's cached ``device_mesh`` (NeMo's ``MeshContext`` shapes and
+  dim names, pp=cp=tp=dp_replicate=1), not ``MeshContext.build``, which makes new process groups at
+  every build.
+* FSDP's mixed-precision policy is fp32 throughout (NeMo's default casts parameters to bf16 for
+  compute; storage is unchanged).
+* ``forward`` runs NeMo's ``@torch.compile``d SwiGLU eagerly (``set_stance("force_eager")``): on CPU inductor
+  compiles each variant in each rank process (the first forward took 126 s on 2 cores).
 
-What the matrix finds: see ``tests/test_adapter_nemo_automodel.py`` (the outcome is asserted there
-cell by cell) and README "Framework status".  In short: every even-E cell round-trips bit for bit
-between ep 1, 2 and 4, with and without FSDP, model and optimizer; every E=6 cell that involves
-ep=4 fails in NeMo's ``split_experts_weights_dtensor_aware`` ("Expected local tensor first
-dimension to be 1 (experts 4:5), got 2" / "... (experts 5:6), got 0"): NeMo's state-dict
-functions place experts by "the first E % k ranks get one more" while its own ``ExpertParallel``
-places them by DTensor's ``Shard(0)`` (``torch.chunk``), so the two disagree for E=6 on 4 ranks
-(rows 4:6 and none for ranks 2 and 3, against experts 4:5 and 5:6).  The cells error rather than fail
-because NeMo raises on those ranks; where the local row counts happen to agree it does not: with E=5 at
-ep=4 (not a default cell) ranks 1 and 3 raise, and rank 2 writes expert 4's weights under the key of
-expert 3.
+What the matrix finds: docs/frameworks/nemo_automodel.md.
 """
 
 from __future__ import annotations
