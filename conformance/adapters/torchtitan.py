@@ -1,75 +1,32 @@
 """The built-in ``torchtitan`` and ``torchtitan-local`` adapters: torchtitan 0.3.0 end to end.
 
-What they drive (torchtitan's own code; nothing of the EP split or the checkpoint is re-implemented):
-
-* **Model.**  ``spec.num_layers`` torchtitan ``MoE`` layers (router, ``GroupedExperts`` with packed
-  ``w1_EFD``/``w2_EDF``/``w3_EFD`` expert weights, the shared-expert ``FeedForward``), configured
-  by torchtitan's builders ``make_moe_config`` / ``make_router_config`` /
-  ``make_routed_experts_config`` / ``make_ffn_config`` and given their sharding by
-  ``set_moe_sharding_config`` with Qwen3's expert layout.  They sit in a decoder reduced to its MoE
-  blocks (``layers.<i>.moe``, blocks flagged ``moe_enabled``; no embeddings, attention or head), so
-  the trainer's own ``parallelize_fn`` applies unchanged: ``torchtitan.models.qwen3.parallelize_qwen3``
-  -- ``Module.parallelize`` for the EP split, then ``apply_fsdp_to_decoder`` (experts on the
-  ``efsdp`` mesh, the rest on the dense FSDP mesh) in FSDP cells, or ``skip_dp=True`` (its path
-  without FSDP, used for inference) in EP-only cells.  As in ``Trainer.__init__`` the model is
-  built on the meta device, parallelized, ``to_empty``'d and ``init_states``'d; then its weights
-  are overwritten with :func:`conformance.synthetic_weight` (torchtitan's init is not keyed by
-  global expert id).  Layer kind: packed only; SwiGLU only.
-* **Mesh.**  ``ParallelDims.from_config(ParallelismConfig(expert_parallel_degree=ep, ...))`` and
-  its ``build_mesh``, the EP degree read from the suite's mesh (torchtitan builds its own mesh over
-  the whole world; EP borrows from ``dp_shard``).  Cached per (backend, ep) in each rank process,
-  like the suite's meshes, since building one creates process groups.
-* **Optimizer.**  ``OptimizersContainer`` from ``default_adamw()`` (AdamW), stepped with
-  :func:`conformance.synthetic_grad` gradients set on ``.grad``.  ``register_moe_load_balancing_hook``
-  is left out: with no forward pass its expert-bias update is zero, and the ground truth may not
-  communicate.
-* **Checkpoint.**  ``CheckpointManager`` (torchtitan's DCP checkpointer) over ``ModelWrapper`` and
-  the ``OptimizersContainer`` (flat, FQN-keyed optimizer state): its ``dcp_save`` of
-  ``_flattened_model_states_sd()`` (model + optimizer) or of the model state alone (its model-only
-  save), its ``dcp_load`` of ``_states_to_load(model_only)``.  Only the manager's step folders
-  (``<folder>/step-N``) are bypassed: the suite names the checkpoint directory.  torchtitan has no
-  legacy save and no guard against a lossy checkpoint: the legacy cells are ``n/a``.
-
-The two variants differ only in ``parallelism.spmd_backend``:
-
-``torchtitan`` -- ``"partial_dtensor"``
-    Expert weights become DTensors ``Shard(0)`` over ``ep`` (FSDP adds ``efsdp``), so DCP stores
-    every expert under its global row.
-``torchtitan-local`` -- ``"spmd_types"``, torchtitan 0.3.0's default
-    ``Module.parallelize`` leaves expert weights *plain local tensors* (``spmd_types.shard``, a
-    ``torch.chunk`` of the expert dim) carrying SPMD type annotations.
-
-What the matrix finds (asserted cell by cell in ``tests/test_adapter_torchtitan.py``):
-
-* ``torchtitan``: every applicable cell passes -- EP-only and FSDP, model and model+optimizer,
-  every (save ep, load ep) pair, and E=6 at ep=4 (DTensor's uneven ``Shard(0)``; torchtitan's
-  all-to-all token dispatcher, ``counts.view(ep, -1)``, could not run a forward there, which the
-  matrix does not exercise).
-* ``torchtitan-local``, EP-only: only ep=1 -> ep=1 passes.  Saved at ep > 1,
-  ``ModelWrapper.state_dict()`` hands DCP plain ``E/ep``-row tensors under one key on every rank;
-  DCP keeps one rank's copy, and a reload at the same ep *silently* gives the other ranks that
-  rank's experts ("holds expert 2's values instead of expert 0's").  Between different EP degrees
-  the local shapes differ and DCP refuses ("Size mismatch between saved ... and current ...").
-  E=6 at ep=4 cannot even be built: ``spmd_types.shard`` gives every rank ceil(6/4)=2 rows (8 rows
-  for 6 experts).
-* ``torchtitan-local``, FSDP: every cell errors in ``parallelize_qwen3`` -- with torch 2.13,
-  ``fully_shard``'s ``dp_mesh_dims`` path (which torchtitan uses under ``spmd_types``) requires
-  DTensor parameters and gets the backend's plain ones ("all parameters must be DTensors on the
-  full SPMD mesh").
+They drive torchtitan's own code (nothing of the EP split or the checkpoint is re-implemented):
+its ``MoE`` layers (router, ``GroupedExperts`` with packed ``w1_EFD``/``w2_EDF``/``w3_EFD``, the
+shared-expert ``FeedForward``) from its config builders, in a decoder reduced to its MoE blocks so the
+trainer's ``parallelize_qwen3`` applies unchanged (EP split, then ``apply_fsdp_to_decoder`` or
+``skip_dp=True``), built on meta, ``to_empty``'d and ``init_states``'d as in ``Trainer.__init__``,
+then filled by global expert id; ``ParallelDims.build_mesh`` (cached per (backend, ep));
+``OptimizersContainer`` from ``default_adamw()``; and ``CheckpointManager``'s ``dcp_save`` /
+``dcp_load`` (only its ``step-N`` folders are bypassed).  ``torchtitan`` sets
+``spmd_backend="partial_dtensor"`` (experts DTensors ``Shard(0)`` over ``ep``); ``torchtitan-local``
+keeps 0.3.0's default ``"spmd_types"`` (experts plain local tensors, a ``torch.chunk`` of the expert dim).
 
 Workarounds for a CPU/gloo world (none changes what is checked):
 
-* ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` (the world's device): torchtitan picks
-  its device type at import (``_get_available_device_type() or "cuda"``) and would build a CUDA mesh
-  without a GPU.
-* ``OptimizersContainer`` ``implementation="for-loop"``: torchtitan documents its default
-  ``"fused"`` as CUDA only, and the for-loop kernel is what torch picks on CPU.  (Both multi-tensor
-  kinds, fused and foreach, also refuse EP without FSDP under ``partial_dtensor`` -- DTensor experts
-  next to plain dense weights: "got mixed torch.Tensor and DTensor" -- a model torchtitan's trainer
-  never steps, since it always applies FSDP.)
+* ``torchtitan.distributed.parallel_dims.device_type`` is set to the world's device: torchtitan picks
+  it at import (``_get_available_device_type() or "cuda"``) and would build a CUDA mesh without a GPU.
+* ``OptimizersContainer`` ``implementation="for-loop"``: torchtitan documents its default ``"fused"``
+  as CUDA only, and the for-loop kernel is what torch picks on CPU.  (Both multi-tensor kinds also
+  refuse EP without FSDP under ``partial_dtensor``, "got mixed torch.Tensor and DTensor" -- a model
+  torchtitan's trainer never steps, since it always applies FSDP.)
+* ``register_moe_load_balancing_hook`` is left out: no forward pass precedes a step, so its expert-bias update is zero,
+  and the ground truth may not communicate.
+* ``parallelize_qwen3`` gets ``mixed_precision_param`` at the cell's dtype (the default bf16 is a
+  compute cast only; storage is unchanged), so the forward compares with the fp32 truth.
 * The expert rows of a plain local tensor are identified by this rank's place on the ``ep`` mesh
-  and ``spmd_types``' ``torch.chunk`` rule (recorded on the model at build); a DTensor's by its
-  offset.
+  and ``spmd_types``' ``torch.chunk`` rule (recorded on the model at build); a DTensor's by its offset.
+
+What the matrix finds: docs/frameworks/torchtitan.md.
 """
 
 from __future__ import annotations
