@@ -19,8 +19,8 @@ Workarounds for a CPU/gloo world (none changes what is checked):
   as CUDA only, and the for-loop kernel is what torch picks on CPU.  (Both multi-tensor kinds also
   refuse EP without FSDP under ``partial_dtensor``, "got mixed torch.Tensor and DTensor" -- a model
   torchtitan's trainer never steps, since it always applies FSDP.)
-* ``register_moe_load_balancing_hook`` is left out: no forward pass precedes a step, so its expert-bias update is zero,
-  and the ground truth may not communicate.
+* ``register_moe_load_balancing_hook`` is left out: no forward pass precedes a step, so its
+  expert-bias update is zero, and the ground truth may not communicate.
 * ``parallelize_qwen3`` gets ``mixed_precision_param`` at the cell's dtype (the default bf16 is a
   compute cast only; storage is unchanged), so the forward compares with the fp32 truth.
 * The expert rows of a plain local tensor are identified by this rank's place on the ``ep`` mesh
