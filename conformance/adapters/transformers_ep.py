@@ -1,59 +1,31 @@
 """The built-in ``transformers`` adapter: Hugging Face transformers 5.24.0's native expert parallelism end to end.
 
-What it drives (transformers' own code; nothing of the EP split or of the checkpoint is re-implemented here):
-
-* **Model.**  A tiny ``Qwen3MoeForCausalLM`` built from a ``Qwen3MoeConfig`` object (no hub download):
-  ``spec.num_layers`` decoder layers, every one sparse (attention, ``Qwen3MoeSparseMoeBlock``: the router
-  ``mlp.gate`` and ``Qwen3MoeExperts`` with packed ``gate_up_proj [E, 2*inter, dim]`` and
-  ``down_proj [E, dim, inter]``), embeddings and an untied head.  Qwen3-MoE has no shared expert, so
-  ``spec.shared_expert`` is not built.  It is made by ``from_pretrained(None, config=..., state_dict={},
-  distributed_config=...)``, the one entry that takes ``distributed_config`` (``from_config`` does not), and
-  its weights are then overwritten with :func:`conformance.synthetic_weight` (expert rows by global id, the
-  rest by parameter name), each rank writing the region of every DTensor it holds.  Layer kind: packed only;
-  SwiGLU (``silu``) only.
-* **Expert parallelism and FSDP2.**  ``transformers.distributed.DistributedConfig(dp_replicate_size=R,
-  fsdp_size=ep * dp_shard, ep_size=ep, ep_implementation="all_to_all")``: transformers builds its own meshes
-  (``initialize_distributed_mesh``: dense ``(pp, dp_replicate, fsdp, tp)``, experts ``(pp, dp_replicate,
-  efsdp, ep)`` with ``ep`` innermost, so an EP group is ``ep`` *consecutive* ranks -- the order declared in
-  ``capabilities.ep_orders``), applies the model's ``base_model_ep_plan`` (``grouped_gemm``: ``Shard(0)`` of
-  each expert weight over ``ep``; ``ep_dispatch_experts``: the all-to-all token exchange) and then FSDP2 over
-  every rank (experts over ``efsdp = dp_shard``, the rest over ``fsdp``; HSDP with ``dp_replicate``).
-  transformers composes EP only this way: its meshes must cover the world (``pp * dp_replicate * fsdp * tp``
-  ranks) and ``save_pretrained(..., distributed_checkpoint=True)`` refuses a model that is neither FSDP- nor
-  TP-sharded, so with tp=1 every distributed build is FSDP2 -- EP-only cells are ``n/a``
-  (``capabilities.ep_only=False``).  ``grouped_gemm`` refuses ``E % ep != 0`` ("Cannot evenly shard 6
-  experts across 4 expert-parallel ranks."): ``uneven=True`` (run it), so those cells are ``error`` cells whose
-  first line is transformers' own refusal.
-* **Optimizer.**  ``torch.optim.AdamW`` over ``model.parameters()`` (what the Trainer builds), stepped with
-  :func:`conformance.synthetic_grad` gradients set on ``.grad`` region by region (no forward/backward).
-* **Checkpoint.**  ``model.save_pretrained(path, distributed_checkpoint=True)`` (DCP through torch's
-  ``HuggingFaceStorageWriter``: one ``shard-0000r-model-...safetensors`` per rank) and
-  ``transformers.distributed.save_optimizer_distributed(model, optimizer, path/optim)`` (DCP, FQN-keyed,
-  flattened); loading with ``transformers.distributed._load_model_checkpoint_distributed`` -- what
-  ``from_pretrained(path, distributed_config=...)`` runs on a sharded checkpoint, here into the built model,
-  since the contract loads in place -- and ``load_optimizer_distributed``.  The checkpoint check reads the
-  files through ``read_checkpoint`` (torch's ``HuggingFaceStorageReader`` / ``FileSystemReader``, no process
-  group).  transformers has no legacy save and no guard against a lossy checkpoint: legacy cells are ``n/a``.
-* **Forward.**  The model's own forward (``model(inputs_embeds=batch).logits``: attention, router, all-to-all
-  dispatch, experts, head) on the suite's batch; runs on CPU/gloo.  It is the root module's forward because
-  FSDP2 refuses a forward of the inner ``model.model``, which is not a module it wraps (several roots).
-
-What the matrix finds (asserted cell by cell in ``tests/test_adapter_transformers.py``; the write-up is
-``docs/frameworks/transformers.md``): every cell of the ``1,2,4`` tier and of the test's subset passes bit for
-bit with every check, forward included -- packed, model and model+optimizer, FSDP2 and HSDP, between ep 1, 2
-and 4; E % ep != 0 is transformers' own loud refusal (``error`` cells).
+It drives transformers' own code (nothing of the EP split or of the checkpoint is re-implemented): a tiny
+``Qwen3MoeForCausalLM`` from a ``Qwen3MoeConfig`` object (no hub download; packed SwiGLU experts, no shared
+expert) made by ``from_pretrained(None, config=..., state_dict={}, distributed_config=...)`` -- the one entry
+that takes ``distributed_config`` -- with ``DistributedConfig(dp_replicate_size=R, fsdp_size=ep * dp_shard,
+ep_size=ep, ep_implementation="all_to_all")`` (its own meshes, EP groups of consecutive ranks, its
+``base_model_ep_plan``, then FSDP2/HSDP), then filled with synthetic weights by global expert id;
+``torch.optim.AdamW`` (what the Trainer builds); ``save_pretrained(path, distributed_checkpoint=True)`` and
+``save_optimizer_distributed``; ``_load_model_checkpoint_distributed`` (what ``from_pretrained(path,
+distributed_config=...)`` runs on a sharded checkpoint, here into the built model, since the contract loads in
+place) and ``load_optimizer_distributed``; and ``model(inputs_embeds=batch).logits`` as the forward.
 
 Workarounds (none changes what is checked):
 
-* The truth checkpoint is an ep=1 save without FSDP; transformers' distributed save needs FSDP2 (see above),
-  so every build with a mesh composes FSDP2 -- at ep=1 it is ``DistributedConfig(fsdp_size=world)``, which
-  stores the same global tensors.
+* The truth checkpoint is an ep=1 save without FSDP; transformers' distributed save needs an FSDP- or
+  TP-sharded model, so every build with a mesh composes FSDP2 -- at ep=1 ``DistributedConfig(fsdp_size=world)``,
+  which stores the same global tensors.
 * transformers' per-build load report and progress bar are silenced (``logging.set_verbosity_error``).
+* The forward is the root module's: FSDP2 refuses a forward of the inner ``model.model``, which is not a module
+  it wraps (several roots).
 * transformers forms its own meshes in every build (``init_device_mesh``), and they are the ones checked: the
   suite's meshes are not substituted.  Within one rank process a second build of the same shape reuses the
   mesh the first one formed (:func:`_reused_meshes`), as one training script forms it once: the same world,
   shape and names give the same groups, and without it every build added process groups (each with its gloo
   threads) until a full tier ran ~250 threads per rank.
+
+What the matrix finds: docs/frameworks/transformers.md.
 """
 
 from __future__ import annotations
