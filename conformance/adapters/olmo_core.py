@@ -1,51 +1,27 @@
 """The built-in ``olmo_core`` and ``olmo_core-dropless`` adapters: OLMo-core 3.0.0 end to end.
 
-What they drive (OLMo-core's own code; nothing of the EP split or the checkpoint is re-implemented):
-
-* **Model.**  ``spec.num_layers`` MoE layers built by ``olmo_core.nn.moe.MoEConfig.build`` (router,
-  ``ParallelMLP`` around ``MoEMLP`` -- or ``ParallelDroplessMLP`` around ``DroplessMoEMLP`` for
-  ``olmo_core-dropless`` -- and the shared ``FeedForward``), in a container reduced to them
-  (``blocks.<i>``; no embeddings, attention or head).  Expert weights are packed and *flattened*:
-  ``w1``/``w3`` are ``(E * d_model, hidden)`` and ``w2`` is ``(E * hidden, d_model)`` for ``MoEMLP``
-  (``(E * hidden, d_model)`` all three for the dropless one), expert ``g`` being rows
-  ``[g * rows, (g + 1) * rows)``.  Built on the world's device, then overwritten with
-  :func:`conformance.synthetic_weight` per expert (OLMo-core's init is not keyed by global expert).
-  Layer kind: packed only; SwiGLU only.
-* **Mesh and EP split.**  ``olmo_core.distributed.parallel.build_world_mesh`` with
-  ``DataParallelConfig(name=hsdp, num_replicas=world/ep, shard_degree=ep)`` and
-  ``ExpertParallelConfig(degree=ep)`` -- OLMo-core composes EP only with HSDP
-  ("expert parallelism can currently only be used with HSDP data parallelism"), EP reusing the
-  ``dp_shard`` dim -- then ``get_ep_mesh`` and each layer's ``MoEBase.apply_ep``: ``w1/w2/w3`` become
-  DTensors ``Shard(0)`` over that 1-D mesh.  ``dp_shard`` is the mesh's last dim, so an EP group is
-  ``ep`` *consecutive* ranks (``ep_orders=("consecutive",)``); build checks the suite's ``mesh["ep"]``
-  group is the framework's.  ``_shard_experts`` refuses ``E % ep != 0`` (``OLMoConfigurationError``),
-  so uneven E is not declared.  ep=1 is built without EP (no ``ExpertParallelConfig``), as OLMo-core's
-  train module does.
-* **FSDP.**  What ``parallelize_model`` (``train_module/transformer/common.py``) does for an MoE model:
-  ``MoEBase.prepare_experts_for_fsdp(world_mesh=...)`` (the local experts ``fully_shard``-ed over
-  ``dp_replicate``, the dim next to EP), then ``fully_shard`` of each block and of the root over
-  ``get_dp_model_mesh`` (the 2-D HSDP mesh; plain ``dp`` at ep=1) with OLMo-core's mixed-precision
-  policy at fp32, as ``MoETransformerBlock.apply_fsdp`` / ``Transformer.apply_fsdp`` wrap blocks.
-  OLMo-core's HSDP is the suite's ``fsdp`` cell (its replicas are the suite's ``dp_shard`` groups), so
-  ``hsdp`` (a further ``dp_replicate`` dim) is not declared: OLMo-core has no mesh for it.
-* **Optimizer.**  ``olmo_core.optim.AdamWConfig(lr=spec.lr).build(model)`` (``torch.optim.AdamW``
-  with OLMo-core's defaults), stepped with :func:`conformance.synthetic_grad` gradients on ``.grad``.
-* **Checkpoint.**  ``olmo_core.distributed.checkpoint.save_model_and_optim_state`` /
-  ``load_model_and_optim_state`` (DCP; ``optim=None`` for model-only).  No legacy save and no guard
-  against a lossy checkpoint: the legacy cells are ``n/a``.
-
-What cannot run here, and why ``forward`` is left out: ``ParallelMLP`` / ``ParallelDroplessMLP``
-route tokens with ``olmo_core.ops.moe`` (``binned_gather`` / ``gather`` / ``scatter``), autograd
-functions around Triton kernels in ``olmo_core.kernels.moe``; on CPU both layer types' forward raises
-"RuntimeError: 0 active drivers ([]). There should only be one." (Triton finds no GPU driver; measured with
-triton 3.9.0), so gradients are set directly.  The newer
-``olmo_core.nn.moe.v2`` stack is GPU-only (CUDA streams, symmetric-memory all-to-all) and not covered.
+They drive OLMo-core's own code (nothing of the EP split or the checkpoint is re-implemented): MoE layers
+from ``olmo_core.nn.moe.MoEConfig.build`` (router, ``ParallelMLP`` around ``MoEMLP`` -- or
+``ParallelDroplessMLP`` around ``DroplessMoEMLP`` for ``olmo_core-dropless`` -- and the shared
+``FeedForward``) in a container reduced to them (``blocks.<i>``), with packed, *flattened* expert weights
+(``w1``/``w3`` ``(E * d_model, hidden)``, ``w2`` ``(E * hidden, d_model)`` for ``MoEMLP``; ``(E * hidden,
+d_model)`` all three for the dropless one; expert ``g`` is rows ``[g * rows, (g + 1) * rows)``), filled by
+global expert id; ``build_world_mesh`` with HSDP and ``ExpertParallelConfig(degree=ep)`` (EP only with
+HSDP, on the ``dp_shard`` dim: consecutive EP groups, checked against the suite's ``mesh["ep"]``; ep=1
+without EP, as OLMo-core's train module builds it), ``get_ep_mesh`` and ``MoEBase.apply_ep``; FSDP as
+``parallelize_model`` does it for an MoE model (``prepare_experts_for_fsdp``, then ``fully_shard`` of each
+block and the root over ``get_dp_model_mesh``, mixed precision at fp32); ``AdamWConfig(lr=spec.lr).build``;
+and ``save_model_and_optim_state`` / ``load_model_and_optim_state`` (DCP).
 
 Workarounds for a CPU/gloo world (none changes what is checked):
 
 * ``olmo_core.distributed.parallel._WORLD_MESH`` is reset before each ``build_world_mesh``: OLMo-core
   allows one world mesh per process, and a rank process serves cells at several EP degrees.  Each
   mesh is built once per (ep, fsdp, device) and cached, like the suite's meshes.
+* Gradients are set directly (:func:`conformance.synthetic_grad` on ``.grad``) and ``forward`` is left out:
+  the MoE layers route tokens through Triton kernels (``olmo_core.ops.moe``), which find no driver on CPU.
+
+What the matrix finds: docs/frameworks/olmo_core.md.
 """
 
 from __future__ import annotations
