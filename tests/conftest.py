@@ -9,7 +9,11 @@ with ``bash ci/test.sh --slow`` before changing the harness or a pinned framewor
 
 from __future__ import annotations
 
+# torch is imported before any test: pytester's in-process runs drop the modules first imported inside them from
+# sys.modules, and a second import of torch crashes the process.  The plugin's controller no longer imports torch,
+# so nothing else guarantees it is imported first.
 import pytest
+import torch  # noqa: F401
 
 SLOW_REASON = "a real framework's whole as-found matrix (minutes): run with --run-slow (bash ci/test.sh --slow)"
 
