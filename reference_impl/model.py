@@ -173,6 +173,12 @@ class MoEMLP(nn.Module):
         """Names of the packed expert Parameters (empty for the unpacked form)."""
         return [w for w in PACKED_WEIGHTS if w in self._parameters] if self.kind == "packed" else []
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """Every expert Parameter of this layer in either form: each expert's linears, or the packed weights."""
+        if self.kind == "unpacked":
+            return list(self.experts.parameters())
+        return [getattr(self, w) for w in self.packed_weights()]
+
     def expert_weight(self, expert: int, linear: str) -> torch.Tensor:
         """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in either form.
 

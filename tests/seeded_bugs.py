@@ -115,9 +115,7 @@ class MomentsDropped(ReferenceAdapter):
         if optimizer is None:
             return
         for _, moe in moe_layers(model):
-            experts = moe.experts.parameters() if moe.kind == "unpacked" else (getattr(moe, w)
-                                                                                for w in moe.packed_weights())
-            for p in experts:
+            for p in moe.expert_parameters():
                 optimizer.state.pop(p, None)
 
 
@@ -510,9 +508,7 @@ class EtpShardTransposed(ReferenceAdapter):
         super().load(model, optimizer, path)
         with torch.no_grad():
             for _, moe in moe_layers(model):
-                experts = moe.experts.parameters() if moe.kind == "unpacked" else (getattr(moe, w)
-                                                                                    for w in moe.packed_weights())
-                for p in experts:
+                for p in moe.expert_parameters():
                     if isinstance(p, DTensor) and "etp" in (p.device_mesh.mesh_dim_names or ()):
                         local = p.to_local()
                         if local.shape[-1] == local.shape[-2]:
@@ -537,9 +533,7 @@ class EtpPeerFreedAfterLoad(ReferenceAdapter):
         freed = set()
         with torch.no_grad():
             for _, moe in moe_layers(model):
-                experts = moe.experts.parameters() if moe.kind == "unpacked" else (getattr(moe, w)
-                                                                                    for w in moe.packed_weights())
-                for p in experts:
+                for p in moe.expert_parameters():
                     names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
                     if "etp" in names and p.device_mesh.get_local_rank("etp") == 1:
                         p.to_local().zero_()

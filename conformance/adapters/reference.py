@@ -154,8 +154,7 @@ class ReferenceAdapter:
 
         expert_params = set()
         for _, moe in moe_layers(model):
-            expert_params |= {id(p) for p in (moe.experts.parameters() if moe.kind == "unpacked"
-                                              else (getattr(moe, w) for w in moe.packed_weights()))}
+            expert_params |= {id(p) for p in moe.expert_parameters()}
         layers = _layer_index(model)
         state = optimizer.state if optimizer is not None else {}
         for name, p in named_parameters(model):

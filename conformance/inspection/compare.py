@@ -222,7 +222,7 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
             else:
                 seen[key] = (value, None)
     whole = {k: seen[k][0] for k in keys if k in seen}
-    rows = {k: rows for k in keys if infos[k].kind == "packed" and k in seen and (rows := seen[k][1]) is not None}
+    rows = {k: found for k in keys if infos[k].kind == "packed" and k in seen and (found := seen[k][1]) is not None}
     return whole, rows
 
 
