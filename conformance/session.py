@@ -161,7 +161,7 @@ def _experts(config: pytest.Config) -> tuple[int, ...]:
     return found
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: pluggy keeps plugins in sets (a conftest's hook subset)
 class MatrixSession:
     """The matrix's hooks for one pytest session; see the module docstring."""
 
