@@ -135,6 +135,16 @@ def test_markers_options_and_header(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["moe-ep matrix: world_size=2 experts=4,6"])
 
 
+def test_the_matrix_collects_beside_a_conftest_below_the_root(pytester: pytest.Pytester) -> None:
+    """A conftest below the rootdir (the repo's tests/conftest.py) makes pytest build a hook subset, which puts every
+    plugin in a set: the matrix session must be hashable, or ``ci/conformance.sh`` (run from the root) cannot start."""
+    pytester.makeini("[pytest]\ntestpaths = tests\nmoe_ep_world_size = 2\n")
+    pytester.mkdir("tests").joinpath("conftest.py").write_text("")
+    result = run(pytester, "--moe-ep-matrix=1,2", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*tests collected*"])
+
+
 @pytest.mark.parametrize(("marker", "message"), [
     ("moe_ep_world(0)", "moe_ep_world needs a world size n >= 1, got 0"),
     ("moe_ep_world(2, backend='mpi')", "unknown backend 'mpi'; choose one of auto, gloo, nccl"),
