@@ -20,6 +20,12 @@ Workarounds for a CPU/gloo world (none changes what is checked):
   mesh is built once per (ep, fsdp, device) and cached, like the suite's meshes.
 * Gradients are set directly (:func:`conformance.synthetic_grad` on ``.grad``) and ``forward`` is left out:
   the MoE layers route tokens through Triton kernels (``olmo_core.ops.moe``), which find no driver on CPU.
+* Where FSDP2's dim-0 chunks of a flattened expert weight cut through an expert (E=6 on 4 ranks), the canonical
+  views gather that tensor (``DTensor.full_tensor``) and each rank reports the experts it holds rows of, whole:
+  the adapter contract names whole experts only.  The checkpoint is still OLMo-core's own save of its shards.
+
+``uneven=True`` ("run it"): OLMo-core refuses ``E % ep != 0`` loudly (``MoEMLPBase._shard_experts`` raises
+``OLMoConfigurationError``), so those cells are ``error`` cells carrying its message.
 
 What the matrix finds: docs/frameworks/olmo_core.md.
 """
@@ -50,7 +56,7 @@ class OlmoCoreAdapter:
 
     name = "olmo_core"
     moe_type = "default"
-    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=False, max_ep=64,
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
                                 format="dcp", ep_orders=("consecutive",))
     preload = ("olmo_core.nn.moe", "olmo_core.distributed.checkpoint", "olmo_core.optim")
 
@@ -271,15 +277,42 @@ def _set_grads(model: Any, seed: int, step: int) -> None:
 
 
 def _rows(model: Any, tensor: Any, *, where: str) -> Iterator[tuple[int, Any]]:
-    """``(global expert, whole per-expert tensor)`` for each expert block of a flattened weight on this rank."""
+    """``(global expert, whole per-expert tensor)`` for each expert block of a flattened weight on this rank.
+
+    FSDP2 splits dim 0 into equal chunks, which need not end at expert boundaries (E=6 over 4 ranks: 24 of 96
+    ``w1`` rows each, 16 per expert).  Where any rank holds part of an expert, every rank gathers the tensor
+    (``DTensor.full_tensor``, decided from the placements alone, so all ranks take the same branch) and yields
+    each expert it holds rows of, whole: the contract describes experts, and a part of one has no name in it.
+    """
     num_experts = _num_experts(model)
     local, region = _region(tensor)
     rows = tensor.shape[0] // num_experts
     first, stop = region[0].start, region[0].stop
-    if first % rows or (stop - first) % rows or any(r.start != 0 or r.stop != n
-                                                   for r, n in zip(region[1:], tensor.shape[1:], strict=True)):
-        raise NotImplementedError(f"{where}: this rank holds rows {first}:{stop} (and {region[1:]}) of a "
-                                  f"{tuple(tensor.shape)} flattened expert tensor ({rows} rows per expert): a part "
-                                  f"of an expert, which only a DTensor of that expert could describe")
+    if any(r.start != 0 or r.stop != n for r, n in zip(region[1:], tensor.shape[1:], strict=True)):
+        raise NotImplementedError(f"{where}: this rank holds {region} of a {tuple(tensor.shape)} flattened expert "
+                                  "tensor: a split of its other dims, which neither EP nor FSDP makes")
+    if _splits_an_expert(tensor, rows):
+        whole = tensor.full_tensor()
+        for g in range(first // rows, -(-stop // rows) if stop > first else first // rows):
+            yield g, whole[g * rows:(g + 1) * rows]
+        return
     for i in range((stop - first) // rows):
         yield first // rows + i, local[i * rows:(i + 1) * rows]
+
+
+def _splits_an_expert(tensor: Any, rows: int) -> bool:
+    """Whether some rank of ``tensor``'s mesh holds a dim-0 chunk that does not end at an expert boundary."""
+    import itertools
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return False
+    mesh = tensor.device_mesh
+    for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
+        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, mesh.shape, list(coordinate),
+                                                               tensor.placements)
+        if offset[0] % rows or shape[0] % rows:
+            return True
+    return False
