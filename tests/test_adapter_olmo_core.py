@@ -1,14 +1,17 @@
 """The ``olmo_core`` adapter end to end: OLMo-core 3.0.0 through a small subset of the matrix.
 
-Skipped unless OLMo-core is installed (``ci/install_olmo_core.sh`` installs the pinned 3.0.0).  The subset is the
-packed EP-only cells saved and loaded at ep=2 (consecutive EP groups, OLMo-core's order), model and
-model+optimizer, asserted *as found*; the full tier runs in ``ci/conformance.sh``:
+Skipped unless OLMo-core is installed (``ci/install_olmo_core.sh`` installs the pinned 3.0.0).  The subset, from the
+full tier and asserted *as found* (the whole tier runs in ``ci/conformance.sh``; its counts are in
+docs/frameworks/olmo_core.md), is four packed cells in OLMo-core's consecutive EP groups:
 
-* both cells pass with every check OLMo-core can run (no ``forward``: its kernels need a GPU).  OLMo-core stores
-  ``w1/w2/w3`` flattened, ``(E * rows, cols)``; the checkpoint check learns that from the ep=1 save's content and
-  compares those keys by value (reading dim 0 as an expert axis was a false alarm of the harness, fixed with
-  issue 19's name-free expert identification);
-* the legacy cell is n/a (OLMo-core has no legacy save).
+* ep2c->ep2c without FSDP, model and model+optimizer: pass with every check OLMo-core can run (no ``forward``: its
+  kernels need a GPU).  OLMo-core stores ``w1/w2/w3`` flattened, ``(E * rows, cols)``; the checkpoint check learns
+  that from the ep=1 save's content and compares those keys by value;
+* E=6, FSDP, ep1->ep2c, model+optimizer: passes.  FSDP2 over 4 ranks cuts the flattened weights mid-expert at
+  ep=1 (24 of 96 ``w1`` rows per rank), and the load side is OLMo-core's EP + HSDP composition
+  (``prepare_experts_for_fsdp`` shards each EP rank's experts over ``dp_replicate``);
+* E=6, ep2c->ep4, model+optimizer: an ``error`` cell whose first line is OLMo-core's own refusal of E % ep != 0
+  (``MoEMLPBase._shard_experts``: ``OLMoConfigurationError``).
 
 The negative control plants a load that leaves the optimizer out (``load_model_and_optim_state`` with
 ``optim=None``): the ``values`` check names the moment that kept its pre-load values.
@@ -24,9 +27,14 @@ from matrix_expectations import by_status, run_report
 pytest.importorskip("olmo_core", reason="OLMo-core is not installed (ci/install_olmo_core.sh installs "
                                         "ai2-olmo-core==3.0.0)")
 
-SUBSET = "kind_packed and save_ep2 and load_ep2 and not fsdp"
+SUBSET = ("kind_packed and ((save_ep2 and load_ep2 and save_consecutive and load_consecutive and not fsdp and not E6 "
+          "and not legacy) or (model+optim and fsdp and E6 and save_ep1 and load_ep2 and load_consecutive) or "
+          "(model+optim and E6 and not fsdp and save_ep2 and save_consecutive and load_ep4))")
 CELL = "moe-ep-matrix::checkpoint::packed::{state}::ep-only::ep2c->ep2c"
-CELLS = {CELL.format(state=s) for s in ("model", "model+optim")}
+FSDP_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::fsdp::E6::ep1->ep2c"
+UNEVEN = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::ep2c->ep4"
+CELLS = {CELL.format(state=s) for s in ("model", "model+optim")} | {FSDP_E6}
+REFUSAL = "OLMoConfigurationError: 'num_experts' (6) must be divisible by the expert parallel shard degree (4)."
 
 
 #: the seeded bug, written into the pytester directory so the matrix subprocess (and its ranks) can import it.
@@ -43,17 +51,18 @@ class OptimizerNotLoaded(OlmoCoreAdapter):
 
 
 def test_olmo_core_subset_as_found(pytester: pytest.Pytester) -> None:
-    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=olmo_core", "-k", SUBSET)
-    cells, statuses, na = by_status(doc)
+    result, doc = run_report(pytester, "--moe-ep-matrix=full", "--moe-ep-adapter=olmo_core", "-k", SUBSET)
+    cells, statuses, _ = by_status(doc)
     assert doc["adapter"] == {"name": "olmo_core", "version": "3.0.0"}
-    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]  # the uneven cell errors
     assert statuses.get("pass", set()) == CELLS, {i: c["detail"] for i, c in cells.items()}
-    assert doc["summary"] == {"pass": 2, "fail": 0, "error": 0, "n/a": 1}
-    assert na == {"adapter has no save_legacy (its old, lossy save)": 1}
+    assert doc["summary"] == {"pass": 3, "fail": 0, "error": 1, "n/a": 0}
     for cell_id in CELLS:
         cell = cells[cell_id]
         assert "bit for bit" in cell["detail"] and "checkpoint" in cell["detail"], cell
         assert "checkpoint" not in cell.get("skipped_checks", {}), cell
+    detail = cells[UNEVEN]["detail"]
+    assert "the framework refused the load side's build at ep=4" in detail and detail.endswith(REFUSAL), detail
 
 
 def test_olmo_core_negative_control_optimizer_not_loaded(pytester: pytest.Pytester) -> None:
