@@ -16,8 +16,8 @@ docs/frameworks/olmo_core.md), is four packed cells in OLMo-core's consecutive E
 The negative control plants a load that leaves the optimizer out (``load_model_and_optim_state`` with
 ``optim=None``): the ``values`` check names the moment that kept its pre-load values.
 
-Measured on a 2-core machine shared with other jobs: the subset 78 s at load average ~20 (its two-cell predecessor
-took 43-110 s), the control 100-130 s.
+Measured on a 2-core machine shared with other jobs (load average 18-25): the subset 59-78 s (its two-cell
+predecessor took 43-110 s), the control 52 s.
 """
 
 from __future__ import annotations
