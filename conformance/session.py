@@ -26,6 +26,7 @@ import pytest
 
 from conformance.report import MD_NAME, RECORD, SELECTION, not_run, terminal_summary, write_report
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
+from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 
 if TYPE_CHECKING:
     from conformance.adapter import Members
@@ -229,7 +230,7 @@ class MatrixSession:
             context.saves = Saves(engine, self.adapter, share=bool(config.getini("moe_ep_share_saves")),
                                   members=self.members)
             context.members = self.members
-        modules = ["conformance.checks", "conformance.inspection", "reference_impl.checkpoint",
+        modules = [*CHECKPOINT_PRELOAD, "conformance.checks", "conformance.inspection", "reference_impl.checkpoint",
                    "conformance.functions.rank"]
         if self.adapter is not None and self.members is not None:
             modules += [type(self.adapter).__module__, *self.members.preload]

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from pytest_moe_ep.world.protocol import FunctionRef, RankError
 
 __all__ = [
+    "CHECKPOINT_PRELOAD",
     "CallResult",
     "Engine",
     "RankFailure",
@@ -26,6 +27,16 @@ __all__ = [
     "WorldStartError",
     "WorldTimeout",
 ]
+
+#: what DCP and FSDP2 import on their first use, ``torch._dynamo`` above all (1-2 s in every rank): a caller
+#: whose ranks checkpoint or shard hands these to :meth:`Engine.add_preload` before its first world.
+CHECKPOINT_PRELOAD = (
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+)
 
 
 @dataclass

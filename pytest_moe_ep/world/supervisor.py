@@ -37,16 +37,13 @@ from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop,
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
 from pytest_moe_ep.world.workdir import make_workdir, note_leftover, remove, start_reaper, stop_reaper
 
-#: modules the forkserver imports once, so every rank starts with them loaded.  torch._dynamo is
-#: here because FSDP2 and DCP import it on first use, which costs a fresh rank seconds.
+#: modules the forkserver imports once, so every rank starts with them loaded.  Only what every world
+#: needs: a caller that needs more says so (``add_preload``, ini ``moe_ep_preload``), as the conformance
+#: matrix does with :data:`~pytest_moe_ep.world.engine.CHECKPOINT_PRELOAD` (DCP and FSDP2, whose first use
+#: imports ``torch._dynamo``: 1-2 s in every rank).
 PRELOAD = (
     "torch",
-    "torch._dynamo",
     "torch.distributed",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp",
     "pytest",
     "pytest_moe_ep.world.rank",
     "pytest_moe_ep.world.meshes",
@@ -56,6 +53,9 @@ START_TIMEOUT_S = 180.0
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 #: how long shutdown waits for the fork server and resource tracker to exit before killing them.
 HELPER_EXIT_S = 10.0
+#: how long the fork server may take to notice its pipe closed before it is sent SIGTERM.  It holds no state
+#: (its socket is unlinked here), but exiting normally finalizes the torch it preloaded: about 1.5 s.
+FORKSERVER_EXIT_S = 0.05
 #: how long the other ranks may still report once one rank failed, before they are stopped.
 FAILURE_GRACE_S = 2.0
 
@@ -456,8 +456,12 @@ def _stop_helper(owner: Any, fd_attr: str, pid_attr: str, timeout_s: float = HEL
         if hasattr(owner, "_forkserver_address"):
             owner._forkserver_address = None
         deadline = time.monotonic() + timeout_s
+        term_at = time.monotonic() + FORKSERVER_EXIT_S if address is not None else None
         try:
             while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if term_at is not None and time.monotonic() > term_at:
+                    os.kill(pid, signal.SIGTERM)
+                    term_at = None
                 if time.monotonic() > deadline:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
