@@ -9,11 +9,34 @@ with ``bash ci/test.sh --slow`` before changing the harness or a pinned framewor
 
 from __future__ import annotations
 
-# torch is imported before any test: pytester's in-process runs drop the modules first imported inside them from
-# sys.modules, and a second import of torch crashes the process.  The plugin's controller no longer imports torch,
-# so nothing else guarantees it is imported first.
+# torch, and what the controller of an in-process matrix run may import, are imported before any test: pytester drops
+# the modules first imported during a test that uses it (or during an in-process run), and a second import of torch
+# or of its modules that register operators crashes the process.  The plugin's controller never imports torch, so
+# nothing else guarantees these are imported first.
+import importlib
+import os
+from typing import Any
+
 import pytest
 import torch  # noqa: F401
+
+from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
+
+for _module in (*CHECKPOINT_PRELOAD, "reference_impl", "conformance.adapters.reference", "conformance.adapters.legacy",
+                "conformance.adapters.balanced_functions"):
+    importlib.import_module(_module)
+
+
+@pytest.fixture(scope="session")
+def shared_fork_server(moe_ep_engine: Any) -> None:
+    """This session's fork server, started now (with a one-rank world that lives as long as the session).
+
+    A matrix run in this process (``matrix_expectations.run_inline``) then forks its ranks from it instead of
+    starting a fork server of its own, which imports torch again: 4-5 s a run.  Its preloads are this
+    project's ``moe_ep_preload`` (pyproject.toml).
+    """
+    moe_ep_engine.run(os.getpid, world_size=1, backend="gloo")
+
 
 SLOW_REASON = "a real framework's whole as-found matrix (minutes): run with --run-slow (bash ci/test.sh --slow)"
 

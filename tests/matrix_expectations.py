@@ -46,11 +46,27 @@ TORCH_EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
 
 
-def run_report(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    """``pytest *args --moe-ep-report=...`` in a subprocess; its result and the JSON report."""
+def run_report(pytester: pytest.Pytester, *args: str, inline: bool = False) -> tuple[pytest.RunResult, dict[str, Any]]:
+    """``pytest *args --moe-ep-report=...`` in a subprocess (or :func:`run_inline`); its result and the JSON
+    report."""
     out = pytester.path / "out"
-    result = pytester.runpytest_subprocess(*args, f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
+    report = (f"--moe-ep-report={out}", "-p", "no:cacheprovider")
+    result = (run_inline(pytester, *args, *report) if inline
+              else pytester.runpytest_subprocess(*args, *report, timeout=900))
     return result, json.loads((Path(out) / "moe-ep-conformance.json").read_text())
+
+
+def run_inline(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """``pytest *args`` in this process: no Python start, and the ranks fork from this session's fork server (the
+    ``shared_fork_server`` fixture, which the calling module must use) instead of a new one that imports torch
+    again -- 4-5 s less a run. Only for runs whose controller imports nothing new with C extensions (the
+    reference adapter and adapters built on it): pytester drops the modules first imported during the run, and a
+    C extension cannot be imported twice (``conftest.py`` imports what such a run may need first). A test of
+    processes, signals or exit paths runs in a subprocess instead. The test's directory comes first on
+    ``sys.path``, as a subprocess's working directory would.
+    """
+    pytester.syspathinsert()
+    return pytester.runpytest_inprocess(*args)
 
 
 def by_status(doc: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, set[str]], dict[str, int]]:

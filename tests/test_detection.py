@@ -1,13 +1,13 @@
 """Every check's negative control: a seeded-bug adapter (``tests/seeded_bugs.py``) the default tier catches.
 
-Each test runs ``pytest --moe-ep-matrix`` (the default, covering tier) on one seeded bug in a
-pytester subprocess and asserts which cells fail and that each failing cell's first line names the
-check, the rank and the layer/expert (or the checkpoint key and experts).  A test runs the slice of the
-default tier where its bug can show (``-k`` on the cells' state, kind, layout or expert count: an
+Each test runs ``pytest --moe-ep-matrix`` (the default, covering tier) on one seeded bug in a pytester run in
+this process (``matrix_expectations.run_inline``) and asserts which cells fail and that each failing cell's
+first line names the check, the rank and the layer/expert (or the checkpoint key and experts). A test runs the
+slice of the default tier where its bug can show (``-k`` on the cells' state, kind, layout or expert count: an
 optimizer bug the model+optimizer cells, an expert-TP bug the cells around ``etp2``), so its cells are
-default-tier cells, the failing ones are exactly those the bug reaches, and the slice's other cells are
-its no-false-alarm controls.  Outside the slice a seeded adapter runs the reference's own code, whose
-every default cell passes (``test_matrix.py``).  About 10-25 s per bug on 2 cores.
+default-tier cells, the failing ones are exactly those the bug reaches, and the slice's other cells are its
+no-false-alarm controls. Outside the slice a seeded adapter runs the reference's own code, whose every default
+cell passes (``test_matrix.py``). About 10-25 s per bug on 2 cores.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matrix_expectations import run_inline
 
+pytestmark = pytest.mark.usefixtures("shared_fork_server")
 SEEDED = (Path(__file__).parent / "seeded_bugs.py").read_text()
 #: the slice an optimizer bug can show in: the non-legacy model+optimizer cells.
 OPTIM = "optim and not legacy"
@@ -28,8 +30,8 @@ def run_default_tier(pytester: pytest.Pytester, adapter: str, select: str, *extr
     """The default tier's cells matching ``-k select`` on the seeded ``adapter``: the report's cells by id."""
     pytester.makepyfile(seeded_bugs=SEEDED)
     out = pytester.path / "out"
-    result = pytester.runpytest_subprocess("--moe-ep-matrix", f"--moe-ep-adapter=seeded_bugs:{adapter}", "-k", select,
-                                           *extra, f"--moe-ep-report={out}", "-p", "no:cacheprovider", timeout=900)
+    result = run_inline(pytester, "--moe-ep-matrix", f"--moe-ep-adapter=seeded_bugs:{adapter}", "-k", select, *extra,
+                        f"--moe-ep-report={out}", "-p", "no:cacheprovider")
     doc = json.loads((out / "moe-ep-conformance.json").read_text())
     assert doc["tier"] == "default"
     cells = {c["id"].removeprefix("moe-ep-matrix::checkpoint::"): c for c in doc["cells"]}

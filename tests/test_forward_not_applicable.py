@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from matrix_expectations import by_status, run_report
 
+pytestmark = pytest.mark.usefixtures("shared_fork_server")
+
 ADAPTERS = '''
 from conformance.adapter import NotApplicable
 from conformance.adapters.reference import ReferenceAdapter
@@ -44,7 +46,8 @@ K = "kind_unpacked and save_ep1 and (load_ep1 or load_ep2) and not fsdp and not 
 
 def _cells(pytester: pytest.Pytester, adapter: str) -> tuple[dict[str, Any], dict[str, set[str]]]:
     pytester.makepyfile(fwd_adapters=ADAPTERS)
-    _, doc = run_report(pytester, "--moe-ep-matrix=1,2", f"--moe-ep-adapter=fwd_adapters:{adapter}", "-k", K)
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2", f"--moe-ep-adapter=fwd_adapters:{adapter}", "-k", K,
+                        inline=True)
     cells, statuses, _ = by_status(doc)
     assert {c["load_ep"] for c in cells.values() if c["status"] != "n/a"} == {1, 2}, cells
     return cells, statuses

@@ -1,4 +1,8 @@
-"""``pytest --moe-ep-matrix`` end to end (pytester subprocesses): reference, legacy, broken adapters, reports."""
+"""``pytest --moe-ep-matrix`` end to end: reference, legacy, broken adapters, reports.
+
+The runs are pytester runs in this process (``matrix_expectations.run_inline``: the ranks fork from this
+session's fork server); the xdist run is a subprocess, as its workers are.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matrix_expectations import run_inline
 
 from conformance.report import SCHEMA_VERSION, diff_reports
+
+pytestmark = pytest.mark.usefixtures("shared_fork_server")
 
 RAISES_IN_LOAD = """
 import torch.distributed as dist
@@ -49,8 +56,8 @@ def pytest_moe_ep_adapter(config):
 """
 
 
-def run(pytester: pytest.Pytester, *args: str, timeout: float = 600) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return run_inline(pytester, "-p", "no:cacheprovider", *args)
 
 
 def report(directory: Path) -> dict[str, Any]:
@@ -183,8 +190,9 @@ def test_adapter_from_a_conftest_hook(pytester: pytest.Pytester) -> None:
 def test_xdist_merges_every_worker_into_one_report(pytester: pytest.Pytester) -> None:
     pytest.importorskip("xdist")
     out = pytester.path / "out"
-    result = run(pytester, "-n", "2", "-p", "xdist", "--moe-ep-matrix=1,2", "-k",
-                 "ep-only and not E6 and not consecutive", f"--moe-ep-report={out}")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-p", "xdist", "--moe-ep-matrix=1,2",
+                                           "-k", "ep-only and not E6 and not consecutive", f"--moe-ep-report={out}",
+                                           timeout=600)
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
     # packed/unpacked x model/model+optim x 4 ep pairs, and each kind loaded as the other (model+optim) x 4 ep pairs
