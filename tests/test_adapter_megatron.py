@@ -226,6 +226,41 @@ def test_megatron_expert_tensor_parallel_cells_as_found(pytester: pytest.Pyteste
                "state dict" in cells[cell_id]["detail"], cells[cell_id]
 
 
+SEEDED_ETP = '''
+import torch
+
+from conformance.adapters.megatron import MegatronAdapter
+
+
+class GluHalvesSwappedAtLoad(MegatronAdapter):
+    """Seeded bug: at etp > 1 each rank's linear_fc1 shard comes back with its gate and up rows swapped."""
+
+    def load(self, model, optimizer, path):
+        super().load(model, optimizer, path)
+        if model.etp_mesh is not None:
+            with torch.no_grad():
+                for moe in model.moe_layers():
+                    for expert in moe.experts.local_experts:
+                        w = expert.linear_fc1.weight
+                        w.copy_(torch.cat(w.chunk(2, 0)[::-1]))
+'''
+
+
+@pytest.mark.slow
+def test_megatron_expert_tp_shards_are_compared_shard_by_shard(pytester: pytest.Pytester) -> None:
+    """The negative control of the etp views: a rank's SwiGLU gate and up shards swapped after an ep2.etp2 load are
+    named by ``values`` (each shard holds the other projection's rows)."""
+    pytester.makepyfile(seeded_etp=SEEDED_ETP)
+    _, doc = run_report(pytester, "--moe-ep-matrix=full", "--moe-ep-adapter=seeded_etp:GluHalvesSwappedAtLoad",
+                        "-k", "kind_unpacked and not cross and not optim and not fsdp and E4 and save_ep1 and "
+                        "load_etp2")
+    cells, statuses, _ = by_status(doc)
+    cell_id = ETP_ID.format(kind="unpacked", state="model", pair="ep1->ep2.etp2")
+    assert statuses == {"fail": {cell_id}}, statuses
+    detail = cells[cell_id]["detail"]
+    assert "tensor 'linear_fc1.gate'" in detail and "linear_fc1.up" in detail, detail
+
+
 def _live_groups() -> set[object]:
     from torch.distributed.distributed_c10d import _world
 
