@@ -5,8 +5,9 @@ rate, so a load that leaves the step count, the lr or any moment alone changes w
 
 - ``scalars``: the adapter's optimizer scalars (step counts, each group's lr, betas, weight decay,
   eps) and the training state's beyond the optimizer (an LR scheduler's ``state_dict``) equal the truth's;
-- ``forward``: the framework's own forward on the suite's batch equals the truth's output (within
-  :data:`~conformance.checks.truth.FORWARD_RTOL`: EP sums the experts' parts in another order);
+- ``forward``: the framework's own forward on the suite's batch equals the truth's, each named output (the
+  model's, and each MoE layer's own where the adapter gives them) within a tolerance of its own scale
+  (:func:`~conformance.checks.truth.forward_tolerance`: EP sums the experts' parts in another order);
 - ``resume``: one more step with the next step index's synthetic gradients gives every tensor of
   the truth after the same step, bit for bit.
 
