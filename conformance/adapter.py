@@ -37,9 +37,12 @@ Optional members (a check that needs one is ``n/a`` without it, with the reason)
 ``scalars(model, optimizer) -> dict``
     Optimizer scalars by name (step counts, each param group's lr, betas, weight decay, eps; a
     scheduler's state), the same names at every layout.
-``forward(model, batch) -> tensor``
+``forward(model, batch) -> tensor | {name: tensor}``
     The framework's forward on :func:`conformance.synthetic.synthetic_batch` (tokens through the
-    router): checks the model the framework will really run.
+    router): checks the model the framework will really run.  The named form (:func:`forward_with_layers`)
+    adds each MoE layer's own output to the model's: behind a residual stream a layer's part can sit
+    below the stream's rounding, and only the layer's output then shows a wrong dispatch.  Every
+    output is held to a tolerance of its own scale (:func:`conformance.checks.truth.forward_tolerance`).
 ``read_checkpoint(path) -> dict``
     A non-DCP checkpoint's content as key -> tensor or value in global form (DCP is read directly).
 ``ep_dependent_keys``
@@ -78,7 +81,7 @@ same rule for legacy cells: they exist only with ``save_legacy`` (the framework'
 save); a framework that never had a separate old save omits it and its legacy cells are ``n/a``.
 
 Helpers a framework's own adapter may use: :data:`ADAM_MOMENTS`, :func:`world_device`,
-:func:`run_steps`, :func:`installed_version`, :func:`local_region`.
+:func:`run_steps`, :func:`installed_version`, :func:`local_region`, :func:`forward_with_layers`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ from conformance.layout import EP_ORDERS, ParallelLayout
 
 __all__ = [
     "ADAM_MOMENTS",
+    "FORWARD_OUTPUT",
     "REQUIRED_MEMBERS",
     "AdapterError",
     "Built",
@@ -106,6 +110,7 @@ __all__ = [
     "TensorEntry",
     "built",
     "capabilities_of",
+    "forward_with_layers",
     "installed_version",
     "load_adapter",
     "local_region",
@@ -124,6 +129,8 @@ OPTIONAL_MEMBERS = ("step", "scalars", "forward", "read_checkpoint", "ep_depende
                     "refusal_errors", "save_legacy", "preload", "expert_keys")
 #: the optimizer state every Adam-family optimizer keeps per parameter.
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+#: the name of the model's output in ``forward``'s results (a plain tensor's, and the named form's).
+FORWARD_OUTPUT = "output"
 
 
 class AdapterError(Exception):
@@ -360,6 +367,37 @@ def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
                     if hasattr(value, "item") else value
     found["step"] = sorted({float(state["step"]) for state in optimizer.state.values() if "step" in state})
     return found
+
+
+def forward_with_layers(run: Callable[[], Any], layers: Mapping[str, Any]) -> dict[str, Any]:
+    """``forward``'s named form: ``{"output": run(), name: that module's output, ...}``, each named module's own
+    output (a tuple's first element) caught by a forward hook while ``run`` runs the model.
+
+    For models whose MoE layers add to a residual stream (DeepSpeed's test models: a layer's ~1e-6 on a stream of
+    ~3, below its rounding): the layer's output, held to its own scale, shows what the stream hides.  Each module
+    must run exactly once in ``run``.
+    """
+    if FORWARD_OUTPUT in layers:
+        raise AdapterError(f"forward_with_layers: {FORWARD_OUTPUT!r} names the model's output, not a layer")
+    caught: dict[str, Any] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: Any, args: Any, output: Any) -> None:
+            if name in caught:
+                raise AdapterError(f"forward_with_layers: layer {name!r} ran more than once in one forward")
+            caught[name] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in layers.items()]
+    try:
+        output = run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for name in layers if name not in caught]
+    if missing:
+        raise AdapterError(f"forward_with_layers: layers {missing} did not run in the forward")
+    return {FORWARD_OUTPUT: output, **caught}
 
 
 def installed_version(module: str) -> str:

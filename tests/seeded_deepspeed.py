@@ -6,8 +6,10 @@ pytester session, one fork server, for both adapters), each with two bugs plante
 * at ep=2, after ``engine.save_checkpoint``, layer 0's file of global expert 0 is overwritten with expert 1's
   (keys renamed to expert 0's): the load gives expert 0 expert 1's weights, and the ``checkpoint`` check must
   name the key against the ep=1 save;
-* at ep=4, after ``engine.load_checkpoint``, rows 0 and 1 of layer 0's router are swapped: tokens go to each
-  other's experts, and the ``forward`` check must see it.
+* at ep=4, after ``engine.load_checkpoint``, rows 0 and 1 of layer 0's router are swapped while the forward runs
+  (``seeded_forward``'s pattern): tokens go to each other's experts while the stored tensors stay right, so only
+  the ``forward`` check can see it -- through the MoE layers' own outputs (the adapters' named form), since the
+  residual stream's rounding hides the swap in the model's output.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 import re
 from typing import Any
+
+from seeded_forward import rows_swapped
 
 from conformance.adapter import Capabilities
 from conformance.adapters.deepspeed import DeepSpeedAdapter, _moe_layers
@@ -40,11 +44,7 @@ def _overwrite_expert_file(path: str) -> None:
     dist.barrier()
 
 
-def _swap_router_rows(router: Any) -> None:
-    import torch
-
-    with torch.no_grad():
-        router.weight[[0, 1]] = router.weight[[1, 0]].clone()
+_LOADED = "_seeded_loaded"
 
 
 class SeededDeepSpeed:
@@ -76,14 +76,18 @@ class SeededDeepSpeed:
         adapter = self._of(model)
         adapter.load(model, optimizer, path)
         if self._ep(model) == 4:
-            moe = _moe_layers(model)[0] if adapter is self.native else _autoep_layers(model)[0]
-            _swap_router_rows(moe.deepspeed_moe.gate.wg if adapter is self.native else moe.router.gate)
+            object.__setattr__(model, _LOADED, True)
 
     def _ep(self, model: Any) -> int:
         return (_moe_layers(model) if self._of(model) is self.native else _autoep_layers(model))[0].ep_size
 
     def forward(self, model: Any, batch: Any) -> Any:
-        return self._of(model).forward(model, batch)
+        adapter = self._of(model)
+        if not getattr(model, _LOADED, False):
+            return adapter.forward(model, batch)
+        moe = _moe_layers(model)[0] if adapter is self.native else _autoep_layers(model)[0]
+        with rows_swapped([moe.deepspeed_moe.gate.wg.weight if adapter is self.native else moe.router.gate.weight]):
+            return adapter.forward(model, batch)
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
         autoep = os.path.exists(os.path.join(path, "zero_to_fp32.py"))  # ZeRO >= 1 writes it; native ZeRO-0 does not

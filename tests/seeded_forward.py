@@ -19,7 +19,7 @@ _LOADED = "_seeded_loaded"
 
 
 @contextlib.contextmanager
-def _rows_swapped(weights: list[Any]) -> Iterator[None]:
+def rows_swapped(weights: list[Any]) -> Iterator[None]:
     """Rows 0 and 1 (experts 0 and 1) of each router weight swapped for the block, swapped back after it."""
     import torch
 
@@ -46,7 +46,7 @@ class _SwappedRouterAfterLoad:
     def forward(self, model: Any, batch: Any) -> Any:
         if not getattr(model, _LOADED, False):
             return super().forward(model, batch)  # type: ignore[misc]
-        with _rows_swapped(self.routers(model)):
+        with rows_swapped(self.routers(model)):
             return super().forward(model, batch)  # type: ignore[misc]
 
 

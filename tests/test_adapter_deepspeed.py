@@ -93,14 +93,16 @@ def test_seeded_deepspeed_bugs_are_caught(pytester: pytest.Pytester, monkeypatch
     """The negative controls of the DeepSpeed ``checkpoint`` and ``forward`` checks, as found.
 
     An expert's file overwritten with another's after an ep=2 save: the ``checkpoint`` check names the key
-    against the ep=1 save (native and AutoEP).  Two experts' router rows swapped after an ep=4 load: the
-    ``values`` check names the router, but the ``forward`` check does *not* fail -- on these models (synthetic
-    weights of scale 0.02 behind a residual stream) the swap moves the output by ~4e-7, inside the check's
-    tolerance (rtol 1e-5, atol 1e-6 on outputs of ~3): a finding about the forward check, asserted as found.
+    against the ep=1 save (native and AutoEP).  Two experts' router rows swapped while the forward runs after an
+    ep=4 load (the stored tensors stay right): only ``forward`` fails, on every rank, in layer 0's own MoE output
+    -- the model's output moves by ~4e-7 on a residual stream of ~3, within its tolerance, so the adapters give
+    each MoE layer's output too (``forward_with_layers``), held to that layer's own scale (~1e-6).
     """
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
-    pytester.makepyfile(seeded_deepspeed=(Path(__file__).parent / "seeded_deepspeed.py").read_text())
+    here = Path(__file__).parent
+    pytester.makepyfile(seeded_deepspeed=(here / "seeded_deepspeed.py").read_text(),
+                        seeded_forward=(here / "seeded_forward.py").read_text())
     out = pytester.path / "out"
     result = pytester.runpytest_subprocess("--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_deepspeed:SeededDeepSpeed",
                                            "-k", SEEDED_SELECTION, f"--moe-ep-report={out}", "-p", "no:cacheprovider",
@@ -111,7 +113,7 @@ def test_seeded_deepspeed_bugs_are_caught(pytester: pytest.Pytester, monkeypatch
     assert doc["summary"] == {"pass": 0, "fail": 4, "error": 0, "n/a": 0}, {i: c["detail"] for i, c in cells.items()}
     keys = {"unpacked": "layers.0.moe.deepspeed_moe.experts.deepspeed_experts.{g}.down.weight",
             "packed": "model.layers.0.mlp.experts.{g}.w1"}
-    routers = {"unpacked": "moe.deepspeed_moe.gate.wg.weight", "packed": "mlp.router.gate.weight"}
+    layers = {"unpacked": "layers.0.moe", "packed": "model.layers.0.mlp"}
     for kind in ("unpacked", "packed"):
         overwritten = cells[SEEDED_ID.format(kind=kind, pair="ep2c->ep2c")]
         assert overwritten["skipped_checks"] == {}, overwritten
@@ -121,6 +123,10 @@ def test_seeded_deepspeed_bugs_are_caught(pytester: pytest.Pytester, monkeypatch
             overwritten["detail"]
         swapped = cells[SEEDED_ID.format(kind=kind, pair="ep4->ep4")]
         assert swapped["skipped_checks"] == {}, swapped
-        assert swapped["detail"].startswith(f"first difference: rank 0, layer 0, tensor '{routers[kind]}': values "
-                                            "differ and match no ground-truth tensor"), swapped["detail"]
-        assert "[forward]" not in swapped["detail"] and "[checkpoint]" not in swapped["detail"], swapped["detail"]
+        lines = swapped["detail"].splitlines()
+        assert len(lines) == 4, lines
+        for rank, line in enumerate(lines):  # layer 0's output: expected vs got, with the tolerance used
+            assert line.startswith(f"[forward] rank {rank}: the forward after the load differs from the ground "
+                                   f"truth's in output '{layers[kind]}': element ["), line
+            assert " expected " in line and ", got " in line and " = rtol 1e-05 x |expected| + atol 1e-06 x " \
+                "max|expected| " in line, line

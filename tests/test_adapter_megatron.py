@@ -17,6 +17,9 @@ about 40 s is importing megatron-core into the pytest process and a fresh world 
 * legacy cells (Megatron-LM's per-rank ``torch.save`` of a plain ``state_dict()``) are refused:
   ``CheckpointingException: ... is not a distributed checkpoint``;
 * n/a: FSDP2 (Megatron has its own FSDP) and E % ep != 0 (``BaseMoELayer`` asserts it);
+* expert tensor parallelism (``expert_tensor_parallel_size=2``, the full tier's ep2.etp2; a four-cell slice in
+  ``test_megatron_expert_tensor_parallel_cells_as_found``) composes on CPU/gloo and shows the EP outcomes: model
+  cells pass into and out of etp, model+optimizer cells fail on the ``chained_N.`` keys or error at ep=1 <-> ep > 1;
 * the ``forward`` check is n/a in every cell that reaches it, with what stops Megatron's ``MoELayer`` forward here
   (``MegatronAdapter.forward`` raises NotApplicable; for the packed kind ``grouped_gemm`` first): no seeded forward
   control is possible on this framework until it runs.
@@ -189,6 +192,75 @@ def test_megatron_cells_saved_at_ep2_as_found(pytester: pytest.Pytester) -> None
             assert BIT_FOR_BIT in cell["detail"], cell
 
 
+#: expert tensor parallelism (``expert_tensor_parallel_size``; the full tier's ep2.etp2 layout), a slice as found.
+ETP_ID = "moe-ep-matrix::checkpoint::{kind}::{state}::ep-only::{pair}"
+ETP_PASS = {ETP_ID.format(kind="unpacked", state="model", pair="ep1->ep2.etp2"),
+            ETP_ID.format(kind="packed", state="model", pair="ep2.etp2->ep4")}
+ETP_FAIL = {ETP_ID.format(kind="unpacked", state="model+optim", pair="ep2.etp2->ep2c")}
+ETP_ERROR = {ETP_ID.format(kind="unpacked", state="model+optim", pair="ep1->ep2.etp2")}
+ETP_SLICE = ("not fsdp and E4 and not legacy and not cross and ("
+             "(kind_unpacked and not optim and save_ep1 and load_etp2) or "
+             "(kind_packed and not optim and save_etp2 and load_ep4) or "
+             "(kind_unpacked and optim and save_etp2 and load_ep2 and load_etp1 and load_consecutive) or "
+             "(kind_unpacked and optim and save_ep1 and load_etp2))")
+
+
+def test_megatron_expert_tensor_parallel_cells_as_found(pytester: pytest.Pytester) -> None:
+    """Megatron's ``expert_tensor_parallel_size=2`` (ep2.etp2 on 4 ranks) composes on CPU/gloo: each expert's
+    ``linear_fc1`` rows (gate and up alike) and ``linear_fc2`` columns split over the expert-TP group, compared
+    shard by shard with the ep=1 truth.  The outcomes are the EP ones: model cells pass bit for bit into and out of
+    etp, model+optimizer cells between ep > 1 layouts (an etp change included) load every value back but fail on
+    the ``chained_N.`` keys, and ep=1 <-> ep > 1 errors on the same KeyError."""
+    _, doc = run_report(pytester, "--moe-ep-matrix=full", f"--moe-ep-adapter={ADAPTER}", "-k", ETP_SLICE)
+    cells, statuses, _ = by_status(doc)
+    assert statuses == {"pass": ETP_PASS, "fail": ETP_FAIL, "error": ETP_ERROR}, \
+        {i: c["detail"][:300] for i, c in cells.items()}
+    for cell_id in ETP_PASS:
+        assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
+    for cell_id in ETP_FAIL:
+        detail = cells[cell_id]["detail"]
+        assert detail.startswith("[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state."), detail
+        assert "first difference" not in detail, detail  # every value came back, etp shards included
+    for cell_id in ETP_ERROR:
+        assert "KeyError: \"chained_0.optimizer.state.exp_avg.layers.0.mlp.router.weight from model not in " \
+               "state dict" in cells[cell_id]["detail"], cells[cell_id]
+
+
+SEEDED_ETP = '''
+import torch
+
+from conformance.adapters.megatron import MegatronAdapter
+
+
+class GluHalvesSwappedAtLoad(MegatronAdapter):
+    """Seeded bug: at etp > 1 each rank's linear_fc1 shard comes back with its gate and up rows swapped."""
+
+    def load(self, model, optimizer, path):
+        super().load(model, optimizer, path)
+        if model.etp_mesh is not None:
+            with torch.no_grad():
+                for moe in model.moe_layers():
+                    for expert in moe.experts.local_experts:
+                        w = expert.linear_fc1.weight
+                        w.copy_(torch.cat(w.chunk(2, 0)[::-1]))
+'''
+
+
+@pytest.mark.slow
+def test_megatron_expert_tp_shards_are_compared_shard_by_shard(pytester: pytest.Pytester) -> None:
+    """The negative control of the etp views: a rank's SwiGLU gate and up shards swapped after an ep2.etp2 load are
+    named by ``values`` (each shard holds the other projection's rows)."""
+    pytester.makepyfile(seeded_etp=SEEDED_ETP)
+    _, doc = run_report(pytester, "--moe-ep-matrix=full", "--moe-ep-adapter=seeded_etp:GluHalvesSwappedAtLoad",
+                        "-k", "kind_unpacked and not cross and not optim and not fsdp and E4 and save_ep1 and "
+                        "load_etp2")
+    cells, statuses, _ = by_status(doc)
+    cell_id = ETP_ID.format(kind="unpacked", state="model", pair="ep1->ep2.etp2")
+    assert statuses == {"fail": {cell_id}}, statuses
+    detail = cells[cell_id]["detail"]
+    assert "tensor 'linear_fc1.gate'" in detail and "linear_fc1.up" in detail, detail
+
+
 def _live_groups() -> set[object]:
     from torch.distributed.distributed_c10d import _world
 
@@ -255,6 +327,6 @@ def test_ground_truth_is_built_without_parallel_state() -> None:
         assert adapter.scalars(model, optimizer) == {"step": [2.0], "lr": [0.01], "betas": [(0.9, 0.999)],
                                                      "weight_decay": [0.01], "eps": [1e-08]}
     unpacked, packed = views["unpacked"], views["packed"]
-    assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 2 * 3 + 3 * 3)
+    assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 3 * 3 + 3 * 3)
     assert all(torch.equal(unpacked[key], packed[key]) for key in unpacked)
     assert {g for _, g, _ in unpacked if g is not None} == {0, 1, 2, 3}

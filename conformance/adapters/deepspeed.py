@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, forward_with_layers
 from conformance.adapters._deepspeed_checkpoint import NATIVE_EP_DEPENDENT, read_native
 from conformance.adapters._deepspeed_common import deepspeed as _deepspeed
 from conformance.adapters._deepspeed_common import installed_version, use_expert_groups
@@ -234,12 +234,16 @@ class DeepSpeedAdapter:
 
     def forward(self, model: Any, batch: Any) -> Any:
         """The engine's (or the truth's plain model's) forward on ``batch``: DeepSpeed's gate, its token
-        dispatch (``_AllToAll`` over the EP group at ep > 1) and its experts, under :data:`FORWARD_SEED`."""
+        dispatch (``_AllToAll`` over the EP group at ep > 1) and its experts, under :data:`FORWARD_SEED`.
+
+        In the named form, each ``MoE``'s own output too: each adds ~1e-6 to a residual stream of ~3 (LayerNorm
+        weights of scale 0.02), below the stream's rounding, so only its own output shows a wrong dispatch."""
         import torch
 
+        layers = {f"layers.{i}.moe": moe for i, moe in enumerate(_moe_layers(model))}
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(FORWARD_SEED)
-            return model(batch)
+            return forward_with_layers(lambda: model(batch), layers)
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
         """The saved files in global form: :func:`conformance.adapters._deepspeed_checkpoint.read_native`."""

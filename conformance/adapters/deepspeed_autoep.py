@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, forward_with_layers
 from conformance.adapters._deepspeed_checkpoint import AUTOEP_EP_DEPENDENT, read_autoep
 from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
 from conformance.adapters._deepspeed_universal import convert_once, load_universal, saved_ep
@@ -304,11 +304,15 @@ class DeepSpeedAutoEPAdapter:
 
     def forward(self, model: Any, batch: Any) -> Any:
         """The engine's (or the truth's converted model's) forward on ``batch`` as one sequence of tokens:
-        AutoEP's router, its ``_AllToAllV`` dispatch over the EP group at ep > 1, its experts and combine."""
+        AutoEP's router, its ``_AllToAllV`` dispatch over the EP group at ep > 1, its experts and combine.
+
+        In the named form, each AutoEP layer's own output too: behind the residual stream a layer's part is below
+        the stream's rounding (as on the native adapter's model)."""
         import torch
 
+        layers = {f"model.layers.{i}.mlp": moe for i, moe in enumerate(_moe_layers(model))}
         with torch.no_grad():
-            return model(batch.unsqueeze(0)).squeeze(0)
+            return forward_with_layers(lambda: model(batch.unsqueeze(0)).squeeze(0), layers)
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:

@@ -3,12 +3,15 @@
 It drives Megatron's own code: ``MoELayer``s from ``get_gpt_layer_local_spec(num_experts=E,
 moe_grouped_gemm=...).submodules.mlp`` (fp32, SwiGLU, no biases, the ``allgather`` dispatcher;
 *unpacked* is ``SequentialMLP``, *packed* the legacy ``GroupedMLP``, whose transposed views the adapter
-yields so both kinds compare under the same names), EP from
-``parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)`` over the world's gloo group
-(consecutive EP groups), the optimizer from ``get_megatron_optimizer`` (a ``ChainedOptimizer`` of
-``FP32Optimizer``s around torch's AdamW), and ``dist_checkpointing.save`` / ``load`` of the model's and
-optimizer's ``sharded_state_dict()`` (``torch_dist``).  Weights are overwritten by *global* expert
-identity (``MoELayer.local_expert_indices``).  The ground truth is built without ``parallel_state``,
+yields so both kinds compare under the same names), EP and expert TP from
+``parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)``
+over the world's gloo group (consecutive EP groups; expert TP innermost, the layout's ``etp`` dim), the
+optimizer from ``get_megatron_optimizer`` (a ``ChainedOptimizer`` of ``FP32Optimizer``s around torch's AdamW),
+and ``dist_checkpointing.save`` / ``load`` of the model's and optimizer's ``sharded_state_dict()``
+(``torch_dist``).  Weights are overwritten by *global* expert
+identity (``MoELayer.local_expert_indices``); each expert is compared as ``linear_fc1.gate``, ``linear_fc1.up``
+and ``linear_fc2`` (under expert TP a rank holds rows of the first two and columns of the third: DTensor views
+over the ``etp`` mesh dim, see :func:`_expert_views`).  The ground truth is built without ``parallel_state``,
 through ``pg_collection`` with a private single-rank ``ProcessGroupGloo`` (never registered).
 
 Workarounds, none of which changes what is checked:
@@ -37,7 +40,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec
+from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region
 from conformance.adapters.megatron_cpu import (
     megatron_on_cpu,
     one_rank_view,
@@ -77,7 +80,7 @@ def _model_class() -> type:
     return MegatronMoEStack
 
 
-def _config(spec: Spec, ep: int) -> Any:
+def _config(spec: Spec, ep: int, etp: int = 1) -> Any:
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -89,28 +92,30 @@ def _config(spec: Spec, ep: int) -> Any:
         num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.hidden,
         moe_router_topk=min(spec.top_k, spec.num_experts), gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, moe_shared_expert_intermediate_size=spec.hidden if spec.shared_expert else None,
-        moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, use_cpu_initialization=True,
-        params_dtype=getattr(torch, spec.dtype), bf16=False, fp16=False)
+        moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        use_cpu_initialization=True, params_dtype=getattr(torch, spec.dtype), bf16=False, fp16=False)
 
 
-def _build_model(spec: Spec, ep: int, view: Any) -> Any:
+def _build_model(spec: Spec, ep: int, view: Any, etp_mesh: Any = None) -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
     packed = spec.kind == "packed"
-    config = _config(spec, ep)
+    config = _config(spec, ep, 1 if etp_mesh is None else etp_mesh.size())
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=packed,
                                           moe_use_legacy_grouped_gemm=packed).submodules.mlp
     with megatron_on_cpu():
         layers = [build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=view)
                   for i in range(spec.num_layers)]
-    return _model_class()(layers, config, DistributedDataParallelConfig())
+    model = _model_class()(layers, config, DistributedDataParallelConfig())
+    model.etp_mesh = etp_mesh
+    return model
 
 
-def _expert_views(moe: Any) -> Iterator[tuple[int, str, Any, Any]]:
-    """``(global expert id, canonical name, parameter, view)``; ``view`` maps the parameter (or its grad or
-    moment) to that expert's tensor in SequentialMLP's shape."""
+def _local_views(moe: Any) -> Iterator[tuple[int, str, Any, Any]]:
+    """``(global expert id, linear, parameter, view)``; ``view`` maps the parameter (or its grad or moment) to this
+    rank's part of that expert's weight in SequentialMLP's shape (``linear_fc1``: its gate rows then its up rows)."""
     experts = moe.experts
     if hasattr(experts, "local_experts"):  # SequentialMLP
         for g, expert in zip(moe.local_expert_indices, experts.local_experts, strict=True):
@@ -121,6 +126,36 @@ def _expert_views(moe: Any) -> Iterator[tuple[int, str, Any, Any]]:
     for i, g in enumerate(moe.local_expert_indices):
         yield g, "linear_fc1", experts.weight1, lambda t, _i=i: t.view(n, dim, -1)[_i].t()
         yield g, "linear_fc2", experts.weight2, lambda t, _i=i: t.view(n, -1, dim)[_i].t()
+
+
+def _expert_views(moe: Any, etp_mesh: Any) -> Iterator[tuple[int, str, Any, Any]]:
+    """``(global expert id, canonical name, parameter, view)`` in the same names at every layout.
+
+    ``linear_fc1`` is SwiGLU's gate and up projections stacked; Megatron's expert TP splits each of them by rows
+    (and ``linear_fc2`` by columns), so a rank's ``linear_fc1`` is its gate rows then its up rows -- no single
+    region of the stacked weight.  The canonical names are therefore ``linear_fc1.gate``, ``linear_fc1.up`` and
+    ``linear_fc2``; at etp > 1 each view is a DTensor over the expert-TP mesh dim (``Shard`` of those rows or
+    columns), so the checks compare each rank's part with its region of the ep=1 weight.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    def placed(view: Any, dim: int) -> Any:
+        if etp_mesh is None:
+            return view
+        return lambda t: DTensor.from_local(view(t), etp_mesh, [Shard(dim)], run_check=False)
+
+    for g, linear, p, view in _local_views(moe):
+        if linear == "linear_fc2":
+            yield g, linear, p, placed(view, 1)
+            continue
+        for half, name in enumerate(("gate", "up")):
+            yield g, f"{linear}.{name}", p, placed(lambda t, _v=view, _h=half: _v(t).chunk(2, 0)[_h], 0)
+
+
+def _assign(target: Any, value: Any) -> None:
+    """``target`` (a view, or a DTensor over one) set to its region of ``value``, the whole (ep=1) tensor."""
+    local, region = local_region(target)
+    local.copy_(value if region is None else value[region])
 
 
 def _dense(model: Any) -> Iterator[tuple[int, str, Any]]:
@@ -137,9 +172,9 @@ def _fill(model: Any, seed: int) -> None:
 
     with torch.no_grad():
         for layer, moe in enumerate(model.moe_layers()):
-            for g, name, p, view in _expert_views(moe):
+            for g, name, p, view in _expert_views(moe, model.etp_mesh):
                 target = view(p.data)
-                target.copy_(synthetic_weight(seed, layer, g, name, target.shape, dtype=p.dtype))
+                _assign(target, synthetic_weight(seed, layer, g, name, target.shape, dtype=p.dtype))
         for layer, name, p in _dense(model):
             p.copy_(synthetic_weight(seed, layer, None, name, p.shape, dtype=p.dtype))
 
@@ -148,11 +183,11 @@ def _set_grads(model: Any, seed: int, step: int) -> None:
     import torch
 
     for layer, moe in enumerate(model.moe_layers()):
-        for g, name, p, view in _expert_views(moe):
+        for g, name, p, view in _expert_views(moe, model.etp_mesh):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             target = view(p.grad)
-            target.copy_(synthetic_grad(seed, step, layer, g, name, target.shape, dtype=p.dtype))
+            _assign(target, synthetic_grad(seed, step, layer, g, name, target.shape, dtype=p.dtype))
     for layer, name, p in _dense(model):
         p.grad = synthetic_grad(seed, step, layer, None, name, p.shape, dtype=p.dtype)
 
@@ -195,10 +230,26 @@ def _sharded_state_dict(model: Any, optimizer: Any, *, loading: bool = False) ->
     return out
 
 
+def _expert_tp_mesh(mesh: Any) -> Any:
+    """The harness mesh's ``etp`` dim, checked to be Megatron's expert-TP group with this rank at the same place
+    (``parallel_state``'s expert rank generator puts expert TP innermost, as the layout does)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    etp_mesh = mesh["etp"]
+    megatron = dist.get_process_group_ranks(parallel_state.get_expert_tensor_parallel_group())
+    harness = dist.get_process_group_ranks(etp_mesh.get_group())
+    if megatron != harness or parallel_state.get_expert_tensor_parallel_rank() != etp_mesh.get_local_rank():
+        raise ValueError(f"Megatron's expert tensor-parallel group {megatron} (this rank at "
+                         f"{parallel_state.get_expert_tensor_parallel_rank()}) is not the layout's etp group {harness} "
+                         f"(at {etp_mesh.get_local_rank()})")
+    return etp_mesh
+
+
 class MegatronAdapter:
     name = "megatron"
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=False, uneven=False, max_ep=64,
-                                format="dcp", cross_kind=True, ep_orders=("consecutive",))
+                                format="dcp", cross_kind=True, ep_orders=("consecutive",), etp=True)
     #: imported once by the rank fork server, not once per cell (megatron.core takes ~2 s to import).
     preload = ("megatron.core.parallel_state", "megatron.core.dist_checkpointing",
                "megatron.core.optimizer", "megatron.core.models.gpt.gpt_layer_specs")
@@ -230,13 +281,16 @@ class MegatronAdapter:
         if dist.is_initialized() and dist.get_backend() != "gloo":
             raise ValueError(f"this adapter runs Megatron on CPU over gloo; the world's backend is "
                              f"{dist.get_backend()!r}")
+        etp_mesh = None
         if mesh is None:  # the ground truth: ep=1 over a one-rank view, no parallel_state
             view, ep = one_rank_view(), 1
         else:
-            ep = mesh["ep"].size()
-            set_up(ep)
+            ep, etp = mesh["ep"].size(), mesh["etp"].size()
+            set_up(ep, etp)
             view = None  # Megatron's default: the groups of parallel_state
-        model = _build_model(spec, ep, view)
+            if etp > 1:
+                etp_mesh = _expert_tp_mesh(mesh)
+        model = _build_model(spec, ep, view, etp_mesh)
         _fill(model, seed)
         if spec.optimizer_steps <= 0:
             return model, None
@@ -301,7 +355,7 @@ class MegatronAdapter:
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
         state = _state(optimizer)
         for layer, moe in enumerate(model.moe_layers()):
-            for g, name, p, view in _expert_views(moe):
+            for g, name, p, view in _expert_views(moe, model.etp_mesh):
                 yield layer, g, name, view(p.data)
                 for moment in ADAM_MOMENTS:
                     if moment in state.get(p, {}):

@@ -171,15 +171,17 @@ def _live_groups() -> set[Any]:
     return set(_world.pg_map)
 
 
-def set_up(ep: int) -> None:
-    """Megatron's parallel state at EP degree ``ep`` over the world's default group (a collective)."""
+def set_up(ep: int, etp: int = 1) -> None:
+    """Megatron's parallel state at EP degree ``ep`` and expert-TP degree ``etp`` over the world's default group (a
+    collective)."""
     global _CREATED
     from megatron.core import parallel_state
 
     tear_down()
     before = _live_groups()
     try:
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                                 create_gloo_process_groups=False)
     finally:
         _CREATED = _live_groups() - before
 

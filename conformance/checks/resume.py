@@ -5,8 +5,9 @@ rate, so a load that leaves the step count, the lr or any moment alone changes w
 
 - ``scalars``: the adapter's optimizer scalars (step counts, each group's lr, betas, weight decay,
   eps) and the training state's beyond the optimizer (an LR scheduler's ``state_dict``) equal the truth's;
-- ``forward``: the framework's own forward on the suite's batch equals the truth's output (within
-  :data:`~conformance.checks.truth.FORWARD_RTOL`: EP sums the experts' parts in another order);
+- ``forward``: the framework's own forward on the suite's batch equals the truth's, each named output (the
+  model's, and each MoE layer's own where the adapter gives them) within a tolerance of its own scale
+  (:func:`~conformance.checks.truth.forward_tolerance`: EP sums the experts' parts in another order);
 - ``resume``: one more step with the next step index's synthetic gradients gives every tensor of
   the truth after the same step, bit for bit.
 
@@ -20,8 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import Built, NotApplicable, state_scalars
-from conformance.checks.truth import FORWARD_ATOL, FORWARD_RTOL, SEED_A, Truth, batch_for
+from conformance.adapter import FORWARD_OUTPUT, Built, NotApplicable, state_scalars
+from conformance.checks.truth import (
+    FORWARD_ATOL,
+    FORWARD_RTOL,
+    SEED_A,
+    Truth,
+    batch_for,
+    forward_outputs,
+    forward_tolerance,
+)
 from conformance.checks.values import Held, canonical, compare
 from conformance.checks.verdict import Mismatch, RankVerdict
 
@@ -57,26 +66,53 @@ def check_scalars(adapter: Any, b: Built, optimizer: Any, truth: Truth, rank: in
         verdict.problem("scalars", f"rank {rank}: {line}")
 
 
-def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
-    """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
+def _outside(name: str, got: Any, want: Any) -> str:
+    """Why output ``name`` leaves the tolerance ("" when it does not): its worst element, expected vs got."""
     import torch
 
+    where = "" if name == FORWARD_OUTPUT else f" in output {name!r}"
+    if got.shape != want.shape:
+        return f"the forward{where} gives shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    tolerance = forward_tolerance(want).flatten()
+    diff = (got.double() - want.double()).abs().flatten()
+    outside = ~(diff <= tolerance)  # NaN is outside
+    if not outside.any():
+        return ""
+    worst = int(torch.where(outside, diff.nan_to_num(float("inf")), -1.0).argmax())  # the largest |diff| outside
+    element = [int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)]
+    expected, found = want.flatten()[worst].item(), got.flatten()[worst].item()
+    return (f"the forward after the load differs from the ground truth's{where}: element {element} expected "
+            f"{expected:.7g}, got {found:.7g} (|diff| {diff[worst].item():.3g}"
+            f" > tolerance {tolerance[worst].item():.3g} = rtol {FORWARD_RTOL:g} x |expected| + atol {FORWARD_ATOL:g}"
+            f" x max|expected| {want.double().abs().max().item():.3g}; {int(outside.sum())} of {outside.numel()} "
+            "elements outside)")
+
+
+def forward_problems(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """Where the forward's outputs (by name, :func:`~conformance.checks.truth.forward_outputs`) leave the tolerance
+    (:func:`~conformance.checks.truth.forward_tolerance`): one line, the first such output in detail and the names
+    of any others; empty when all match."""
+    if list(got) != list(want):
+        return [f"the forward gives outputs {list(got)}, expected {list(want)}"]
+    found = [(name, line) for name in got if (line := _outside(name, got[name], want[name]))]
+    if not found:
+        return []
+    others = f"; also outside: {', '.join(repr(name) for name, _ in found[1:])}" if len(found) > 1 else ""
+    return [found[0][1] + others]
+
+
+def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+    """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
     if not adapter.members.forward or truth.output is None:
         verdict.skipped["forward"] = truth.output_not_applicable or "the adapter has no forward(model, batch)"
         return
     try:
-        out = adapter.forward(model, batch_for(spec)).detach().cpu()
+        result = adapter.forward(model, batch_for(spec))
     except NotApplicable as exc:
         verdict.skipped["forward"] = f"the framework's forward cannot run in this cell: {exc}"
         return
-    want = truth.output
-    if out.shape != want.shape:
-        verdict.problem("forward", f"rank {rank}: the forward gives shape {tuple(out.shape)}, expected "
-                        f"{tuple(want.shape)}")
-    elif not torch.allclose(out.double(), want.double(), rtol=FORWARD_RTOL, atol=FORWARD_ATOL):
-        diff = (out.double() - want.double()).abs().max().item()
-        verdict.problem("forward", f"rank {rank}: the forward after the load differs from the ground truth's "
-                        f"(max abs diff {diff:.3g}, tolerance rtol={FORWARD_RTOL:g} atol={FORWARD_ATOL:g})")
+    for line in forward_problems(forward_outputs(result, type(adapter).__name__), truth.output):
+        verdict.problem("forward", f"rank {rank}: {line}")
 
 
 def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Truth, before: Held, rank: int,

@@ -8,17 +8,21 @@ step -- what a resumed run must reproduce.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import NotApplicable, Spec, built
+from conformance.adapter import FORWARD_OUTPUT, AdapterError, NotApplicable, Spec, built
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
 from conformance.synthetic import synthetic_batch
 
 SEED_A = 1234
 SEED_B = 5678
-#: the forward check's tolerance: EP sums the experts' parts in another order than ep=1 does.
+#: the forward check's tolerance, for each output tensor alike (EP sums the experts' parts in another order than
+#: ep=1 does): ``|got - want| <= FORWARD_RTOL * |want| + FORWARD_ATOL * max|want|`` elementwise.  Both terms scale
+#: with the tensor's own values, so an MoE layer's own output (``forward``'s named form) of ~1e-6 is held to its
+#: scale, not to that of the residual stream it is added to (see :func:`forward_tolerance`).
 FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
 
 
@@ -26,8 +30,9 @@ FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
 class Truth:
     state: dict[Key, Any]
     scalars: dict[str, Any] | None = None
-    #: the forward on the suite's batch, after the extra step when there is one (the check runs last).
-    output: Any = None
+    #: the forward on the suite's batch by output name (:func:`forward_outputs`), after the extra step when there is
+    #: one (the check runs last).
+    output: dict[str, Any] | None = None
     #: after one more optimizer step (``adapter.step``), for the resume check.
     next_state: dict[Key, Any] | None = None
     next_scalars: dict[str, Any] | None = None
@@ -44,6 +49,27 @@ def batch_for(spec: Spec) -> Any:
     import torch
 
     return synthetic_batch(spec.dim, SEED_A, dtype=getattr(torch, spec.dtype))
+
+
+def forward_outputs(result: Any, adapter: str) -> dict[str, Any]:
+    """``forward``'s result as detached CPU copies by name: a tensor is :data:`FORWARD_OUTPUT`; a mapping (the named
+    form, :func:`conformance.adapter.forward_with_layers`) keeps its names and order."""
+    import torch
+
+    found = {FORWARD_OUTPUT: result} if isinstance(result, torch.Tensor) else result
+    if not isinstance(found, Mapping) or not found or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in found.items()):
+        raise AdapterError(f"{adapter}.forward returned {type(result).__name__}; expected a tensor or a non-empty "
+                           "mapping of output names (str) to tensors")
+    return {name: t.detach().cpu().clone() for name, t in found.items()}
+
+
+def forward_tolerance(want: Any) -> Any:
+    """The elementwise tolerance :data:`FORWARD_RTOL` and :data:`FORWARD_ATOL` give ``want`` (float64): the one rule of
+    the forward check."""
+    want = want.double().abs()
+    scale = want.max() if want.numel() else want.new_zeros(())
+    return FORWARD_RTOL * want + FORWARD_ATOL * scale
 
 
 _TRUTHS: dict[tuple[Any, ...], Truth] = {}
@@ -80,7 +106,7 @@ def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
         truth.next_scalars = all_scalars(adapter, b, optimizer)
     if adapter.members.forward:  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
         try:
-            truth.output = adapter.forward(model, batch_for(spec)).detach().cpu().clone()
+            truth.output = forward_outputs(adapter.forward(model, batch_for(spec)), type(adapter).__name__)
         except NotApplicable as exc:
             truth.output_not_applicable = f"the framework's forward cannot run on the ep=1 ground truth: {exc}"
     return truth
