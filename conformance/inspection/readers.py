@@ -208,11 +208,13 @@ def _storage_inside(p: Path, metadata: Any, meta_path: str) -> None:
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         return  # no data files named: values cannot be read, the metadata still can
+    checked: set[str] = set()  # one data file holds thousands of items: each name is resolved once
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
-        if isinstance(name, str) and name:
+        if isinstance(name, str) and name and name not in checked:
             fqn = getattr(index, "fqn", index)
             _inside(root, p / name, f"named by {meta_path} for key {fqn!r} as {name!r}")
+            checked.add(name)
 
 
 class _DcpReader:
