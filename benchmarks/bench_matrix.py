@@ -11,13 +11,18 @@ from this one run:
   inside the adapter's own members (build, save, load, step, forward, scalars), from each cell's
   record (``timings.adapter``), and over the rank-side total (what the engine adds).
 
-    python benchmarks/bench_matrix.py [--skip-full] [--skip-8] [--against DIR]
+    python benchmarks/bench_matrix.py [--skip-full] [--skip-8] [--against DIR] [--experts 64,256] [--only-experts]
+
+``--experts 64,256`` also runs the default tier at 4 ranks with ``--moe-ep-experts=E`` for each E (a real
+model's expert count: OLMoE 64, DeepSeek-V3 256) and prints each as a ratio to the default ``4,6`` tier of the
+same run (wall, time inside the adapter, and the harness's share); ``--only-experts`` runs just that sweep.
 
 ``--against DIR`` also runs the default tier of another checkout (``git worktree add DIR <commit>``) right
 after this one's and prints the ratio: on a shared machine whose speed drifts between days, that ratio is the
 figure to compare with a target set on another day.
 
-Targets (issue 14, 2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.
+Targets (issue 14, 2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.  Issue 24: the
+default tier at E=64 at most 2x the E=4,6 tier's wall, at E=256 at most 4x, cell / adapter at most 1.15x at every E.
 """
 
 from __future__ import annotations
@@ -55,6 +60,39 @@ def run_matrix(tier: str, world_size: int, *extra: str, root: Path = ROOT) -> di
     return {"wall": wall, "cells": cells, "summary": doc["summary"], "exit": proc.returncode}
 
 
+def harness(found: dict[str, Any]) -> tuple[float, float]:
+    """``(cells' wall time, time inside the adapter)`` of a run, the first (world-starting) cell left out."""
+    cells = sorted(found["cells"], key=lambda c: c["duration_s"])[:-1] or found["cells"]
+    return (sum(c["duration_s"] for c in cells), sum(c.get("timings", {}).get("adapter", 0.0) for c in cells))
+
+
+def sweep(counts: list[int], base: dict[str, Any]) -> None:
+    """The default tier at 4 ranks at each expert count, as ratios to ``base`` (the 4,6 tier of this run)."""
+    base_cells, base_adapter = harness(base)
+    for count in counts:
+        found = run_matrix("default", 4, f"--moe-ep-experts={count}")
+        cells, adapter = harness(found)
+        target = {64: 2.0, 256: 4.0}.get(count)
+        ratio = found["wall"] / base["wall"]
+        verdict = "" if target is None else f"  target <= {target:g}x: {'met' if ratio <= target else 'MISSED'}"
+        print(describe(f"default tier, 4 ranks, E={count}", found))
+        print(f"{'':<34} / E=4,6: wall {ratio:.2f}x, cells {cells / base_cells:.2f}x, inside the adapter "
+              f"{adapter / base_adapter:.2f}x, outside it {(cells - adapter) / (base_cells - base_adapter):.2f}x"
+              f"{verdict}")
+        print(f"{'':<34} {breakdown(found)}")
+
+
+def breakdown(found: dict[str, Any]) -> str:
+    """Where the cells' time went, summed over them from their records: the adapter's builds, saves and loads
+    (``timings``), the checkpoint inspection, and everything else (the checks and the engine)."""
+    sums = {name: sum(c.get("timings", {}).get(name, 0.0) for c in found["cells"])
+            for name in ("build", "save", "load", "inspect", "adapter", "total")}
+    wall = sum(c["duration_s"] for c in found["cells"])
+    return (f"sum over cells: {wall:.1f} s; inside the adapter {sums['adapter']:.1f} s (save-side builds "
+            f"{sums['build']:.1f} s, saves {sums['save']:.1f} s, loads {sums['load']:.1f} s), inspection "
+            f"{sums['inspect']:.1f} s, the rest {wall - sums['adapter'] - sums['inspect']:.1f} s")
+
+
 def describe(name: str, found: dict[str, Any], target: float | None = None) -> str:
     """One line: wall time (start-up included), cells, median cell, and the harness's share of a cell.
 
@@ -77,11 +115,19 @@ def main() -> None:
     parser.add_argument("--skip-full", action="store_true", help="skip the full tier (minutes)")
     parser.add_argument("--skip-8", action="store_true", help="skip world size 8")
     parser.add_argument("--against", type=Path, help="another checkout whose default tier to time in the same run")
+    parser.add_argument("--experts", default="", help="expert counts to sweep the default tier at, e.g. 64,256")
+    parser.add_argument("--only-experts", action="store_true", help="run only the default tier and the E sweep")
     args = parser.parse_args()
+    counts = [int(part) for part in args.experts.split(",") if part.strip()]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f}")
     shared = run_matrix("default", 4)
     print(describe("default tier, 4 ranks", shared, 20))
+    if counts:
+        print(f"{'':<34} {breakdown(shared)}")
+        sweep(counts, shared)
+    if args.only_experts:
+        return
     if args.against:
         other = run_matrix("default", 4, root=args.against.resolve())
         print(describe(f"default tier, 4 ranks, {args.against}", other))

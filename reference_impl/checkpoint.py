@@ -12,7 +12,8 @@ After ``dcp.load`` the model's parameters and the optimizer's moments already ho
 values, because every tensor DCP loaded into is the original or a view of it.  What a load
 cannot write in place are the optimizer's param-group settings (lr, betas, ...), which DCP
 loads as new Python objects into the dict, so :func:`load` still hands the result to
-``set_state_dict``; for the model that call copies each tensor onto itself.
+``set_optimizer_state_dict``; ``set_model_state_dict`` would copy each tensor onto itself, so it
+runs only when a loaded tensor is not the model's own.
 
 :func:`save_legacy` saves the way frameworks did before the layout existed: it is the negative
 control that shows the bug and that the guard catches it.
@@ -24,8 +25,10 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -69,6 +72,46 @@ def save_legacy(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     dcp.save(state_dict(model, optimizer), checkpoint_id=os.fspath(path))
 
 
+def _in_place(model: nn.Module, loaded: dict[str, Any]) -> bool:
+    """Whether every tensor ``loaded`` holds lives in the model's own parameters and buffers, so that the load
+    already wrote the model and ``set_model_state_dict`` would copy each tensor onto itself (at 64 experts,
+    ~0.3 s a load).  Anything else (a non-tensor entry, a copy) goes through ``set_model_state_dict``."""
+    from torch.distributed.tensor import DTensor
+
+    def storage(t: torch.Tensor) -> int:
+        return int((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr())
+
+    own = {storage(t) for t in (*model.parameters(), *model.buffers())}
+    return all(isinstance(v, torch.Tensor) and storage(v) in own for v in loaded.values())
+
+
+def _load_here(state: dict[str, Any], path: str) -> None:
+    """``dcp.load`` of this rank's own state, then one all-reduce so that every rank fails if one does.
+
+    A load plans nothing across ranks: each rank reads the regions its own tensors ask for, and DCP's central
+    load plan is each rank's local plan unchanged.  In a process group ``dcp.load`` still gathers every rank's
+    plan (one read item per expert, weight and moment: thousands at 64 experts), scatters them back and
+    gathers once more after reading; ``no_dist=True`` runs the same planning and reading without those
+    collectives, and the all-reduce here keeps what they gave: one rank's failure is every rank's.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        dcp.load(state, checkpoint_id=path)
+        return
+    failed: BaseException | None = None
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        failed = exc
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([dist.get_rank() + 1 if failed is not None else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failed is not None:
+        raise failed
+    if int(flag.item()):
+        raise RuntimeError(f"{path}: the load failed on rank {int(flag.item()) - 1} (and maybe others); every "
+                           f"rank stops with it")
+
+
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
          check_saved: bool = True) -> None:
     """Load a checkpoint of :func:`save`, saved at any ep, into ``model`` (and ``optimizer``).
@@ -88,9 +131,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     layout = expert_layout(model, packed_form=saved_packed_layers(model, saved, where=path))
     if layout is not None:
         state = layout.to_global(state)
-    dcp.load(state, checkpoint_id=path)
+    _load_here(state, path)
     if layout is not None:
         state = layout.to_local(state)
-    set_model_state_dict(model, state["model"])
+    if not _in_place(model, state["model"]):
+        set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

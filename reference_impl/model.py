@@ -85,11 +85,28 @@ def _normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, *key: object
     return (torch.randn(shape, generator=generator) * std).to(dtype)
 
 
+#: ``_fill``'s draws, per (shape, std, key): a session builds the same model (seed, layer, expert) for many cells
+#: and both kinds, and at 64-256 experts drawing each expert's weights again was most of a build.  Entries are
+#: never handed out (``_fill`` copies from them), so no caller can change one.
+_DRAWN: dict[tuple[Any, ...], torch.Tensor] = {}
+_DRAWN_MAX_ELEMENTS = 16 << 20  # 64 MiB of float32 per process, then it starts again
+_drawn_elements = [0]
+
+
 def _fill(param: torch.Tensor, std: float, *key: object, mean: float = 0.0) -> None:
     """Write ``mean + N(0, std)`` drawn from ``key`` into ``param``; a meta tensor has no data to fill."""
-    if not param.is_meta:
-        with torch.no_grad():
-            param.copy_(mean + _normal(tuple(param.shape), std, torch.float32, *key))
+    if param.is_meta:
+        return
+    shape = tuple(param.shape)
+    found = _DRAWN.get((shape, std, key))
+    if found is None:
+        if _drawn_elements[0] + param.numel() > _DRAWN_MAX_ELEMENTS:
+            _DRAWN.clear()
+            _drawn_elements[0] = 0
+        _drawn_elements[0] += param.numel()
+        found = _DRAWN[(shape, std, key)] = _normal(shape, std, torch.float32, *key)
+    with torch.no_grad():
+        param.copy_(mean + found)
 
 
 def _act(up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

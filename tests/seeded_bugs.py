@@ -15,7 +15,10 @@ reference itself passes every cell.  The bugs come from framework bug trackers:
 - :class:`LegacyNeverRefused` -- a legacy guard that never refuses and a load that re-raises DCP's
   error as ``RuntimeError`` (``refusal``);
 - :class:`LayerDropped` -- the save leaves out layer 1's experts; the load then fails, and the cell
-  still names the layer and experts (``checkpoint``).
+  still names the layer and experts (``checkpoint``);
+- :class:`OneExpertOf64Misfiled` -- at a real expert count (E=64) layer 1's expert 41 is filed under id 42 and
+  42 under 41, on save and load alike: every value round-trips, and only the checkpoint shows it
+  (``checkpoint``: the ep=1 checkpoint's attribution names the layer, the expert and the tensor).
 
 The checkpoint bugs are planted where a framework would have them: between the state dict and DCP
 (:func:`_dcp_with`), not in the model.
@@ -160,6 +163,29 @@ class LayerDropped(ReferenceAdapter):
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         with _dcp_with(drop=lambda key: key.startswith("layers.1.moe.experts.")):
             super().save(model, optimizer, path)
+
+
+class OneExpertOf64Misfiled(ReferenceAdapter):
+    """One expert among 64: layer 1's expert 41 is saved and loaded as expert 42 and 42 as 41 (weights and moments),
+    as one wrong entry in a framework's expert-id table would.  Models with 42 experts or fewer are untouched."""
+
+    name = "seeded-one-expert-of-64-misfiled"
+    SWAP = {"41": "42", "42": "41"}
+
+    @classmethod
+    def _names(cls, model: Any) -> Callable[[str], str]:
+        if _num_experts(model) <= 42:
+            return lambda key: key
+        pattern = re.compile(r"^((?:model\.|optimizer\.state\.)?layers\.1\.moe\.experts\.)(41|42)(\.)")
+        return lambda key: pattern.sub(lambda m: f"{m[1]}{cls.SWAP[m[2]]}{m[3]}", key)
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(self._names(model)):
+            super().save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(self._names(model)):
+            super().load(model, optimizer, path)
 
 
 def _num_experts(model: Any) -> int:

@@ -174,6 +174,21 @@ def test_uneven_split_placements_are_caught_at_ep_above_one(pytester: pytest.Pyt
         assert re.search(rf"layer \d, .*expert.*\b{missing}\b", first), (cell_id, first)
 
 
+def test_one_misfiled_expert_of_64_is_caught_and_named(pytester: pytest.Pytester) -> None:
+    """Issue 24: at a real expert count the checks still find one expert among 64 and name it; the slice is the
+    model cells between ep=1 and ep=4 of either kind (6 cells)."""
+    cells = run_default_tier(pytester, "OneExpertOf64Misfiled", "unpacked and not optim and not fsdp and not legacy "
+                             "and ep1 and ep4", "--moe-ep-experts=64")
+    assert len(ran(cells)) >= 3 and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        # experts 41 and 42 swapped: the ep=1 checkpoint's key of expert 41 holds the model's expert 42, and the
+        # loaded values are right (the swap round-trips), so the checkpoint is all that shows it
+        assert re.match(r"\[checkpoint\] checkpoint: the ep=1 checkpoint: layer 1, key 'model\.layers\.1\.moe\."
+                        r"experts\.(4[12])\.(gate|up|down)\.weight', expert \1: holds the model's '\2' of layer 1, "
+                        r"expert 4[12], not expert \1's", first), (cell_id, first)
+        assert "[values]" not in cells[cell_id]["detail"], cells[cell_id]["detail"]
+
+
 def test_an_optimizer_bug_only_under_hsdp_or_etp_is_caught(pytester: pytest.Pytester) -> None:
     cells = run_default_tier(pytester, "MomentsKeptUnderHsdpOrEtp", OPTIM)
     wrong = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]

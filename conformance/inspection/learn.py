@@ -23,13 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, Digest, _batches, digest
-from conformance.inspection.keys import KeyPattern, optimizer_parts
+from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, Digest, _batches, _fingerprints, digest
+from conformance.inspection.keys import KeyInfo, KeyPattern, optimizer_parts
 from conformance.inspection.model import CheckpointIndex, paused_gc
 
 __all__ = ["LearnedKey", "learn_expert_keys", "learned_patterns", "owners_of", "unexplained_volume"]
 
 _DIGITS = re.compile(r"\d+")
+#: every key read as a plain tensor (no row digests): what learning needs of the comparison's digest cache.
+_WHOLE_ONLY: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "dense"))
 #: who holds a tensor of the model: ``(layer, global expert, name)``.
 Owner = tuple[Any, Any, str]
 
@@ -57,14 +59,20 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
     shapes = {shape for _, (_, expert, _), shape in _owner_shapes(owners) if expert is not None}
     found: dict[str, LearnedKey] = {}
     with paused_gc():
-        for batch in _batches(index, keys, memory_bytes):
+        # The whole-tensor digests come from (and stay in) the comparison's per-checkpoint cache: the attribution
+        # and the comparison with this checkpoint then read it no more.  Only a key whose whole value is no
+        # tensor of the model is read again, for its rows or blocks.
+        whole, _ = _fingerprints(index, keys, _WHOLE_ONLY, memory_bytes)
+        rest = []
+        for key in keys:
+            owner = owners.get(whole.get(key))  # type: ignore[arg-type]
+            if owner is None:
+                rest.append(key)
+            elif owner[1] is not None:
+                found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
+        for batch in _batches(index, rest, memory_bytes):
             for key, value in index.reader(batch).items():
                 if not isinstance(value, torch.Tensor) or not value.dim():
-                    continue
-                owner = owners.get(digest(value))
-                if owner is not None:
-                    if owner[1] is not None:
-                        found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
                     continue
                 cuts = (("packed", list(value) if value.dim() > 1 else []), ("blocks", _blocks(value, shapes)))
                 for kind, rows in cuts:
