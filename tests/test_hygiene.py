@@ -286,6 +286,41 @@ def test_no_process_of_the_run_outlives_pytest(pytester: pytest.Pytester) -> Non
     assert not left, f"processes of the run alive after pytest exited: {left}"
 
 
+RECORD_MP_TEMPDIR = """
+import os
+from multiprocessing import process
+
+def pytest_unconfigure(config):
+    with open(os.environ["MP_TEMPDIR_RECORD"], "w") as f:
+        f.write(process.current_process()._config.get("tempdir") or "")
+"""
+
+
+def test_a_tmpdir_too_long_for_a_socket_still_starts_worlds(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """The fork server's AF_UNIX address lives under TMPDIR; a long one (a CI workspace, xdist's ``popen-gwN``)
+    must not fail every world with ``AF_UNIX path too long``: multiprocessing gets a short directory, removed after."""
+    pytester.makepyfile(ONE_WORLD)
+    pytester.makeconftest(RECORD_MP_TEMPDIR)
+    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    record = tmp_path / "mp_tempdir"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+                            cwd=pytester.path, env={**os.environ, "TMPDIR": str(long_tmp),
+                                                    "MP_TEMPDIR_RECORD": str(record)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out = proc.communicate(timeout=300)[0].decode()
+    left = _session_members(proc.pid)
+    for member in left:
+        os.kill(int(member.split()[0]), signal.SIGKILL)
+    assert len(str(long_tmp)) >= 100
+    assert proc.returncode == 0, out
+    assert not left, f"processes of the run alive after pytest exited: {left}"
+    used = record.read_text()
+    assert used and not used.startswith(str(long_tmp)) and len(used) + 32 <= 107, used
+    assert not os.path.exists(used), f"multiprocessing's short directory {used} was left behind"
+    assert _tmp_leftovers(long_tmp) == []
+
+
 # -- 13.9: one traceback per distinct error ---------------------------------------------------------
 def test_identical_tracebacks_of_other_ranks_are_folded(moe_ep_engine: Supervisor) -> None:
     with pytest.raises(RankFailure) as info:

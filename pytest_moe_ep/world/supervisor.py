@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -58,6 +59,13 @@ HELPER_EXIT_S = 10.0
 FORKSERVER_EXIT_S = 0.05
 #: how long the other ranks may still report once one rank failed, before they are stopped.
 FAILURE_GRACE_S = 2.0
+#: the longest path an AF_UNIX socket address may have on Linux (``sun_path`` is 108 bytes with its NUL).
+SUN_PATH_MAX = 107
+#: what multiprocessing adds to its temporary base for the fork server's socket: ``/pymp-XXXXXXXX/listener-XXXXXXXX``
+#: is 32 characters; a margin for other Python versions' names.
+MP_SOCKET_SUFFIX = 40
+#: shorter bases for multiprocessing's directory when ``TMPDIR`` is too long for a socket under it.
+SHORT_TEMP_BASES = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 class _Files:
@@ -189,6 +197,8 @@ class Supervisor:
             # Ours to stop at shutdown only if not running yet: another user of multiprocessing may need them.
             self._helpers = [h for h in reversed(helpers) if getattr(h[0], h[2], 0) is None]
             self._mp_tempdir = _mp_tempdir()
+            if self._mp_tempdir is None and self.start_method == "forkserver":
+                _short_mp_tempdir()  # noted for the reaper with the fork server's own, after the first start
         return self._ctx
 
     def add_preload(self, modules: Sequence[str]) -> None:
@@ -432,6 +442,29 @@ def _mp_tempdir() -> str | None:
 
     found = getattr(process.current_process(), "_config", {}).get("tempdir")  # where multiprocessing.util caches it
     return found if isinstance(found, str) else None
+
+
+def _short_mp_tempdir() -> str | None:
+    """Give multiprocessing a temporary directory short enough for the fork server's socket, when ``TMPDIR`` is not.
+
+    The fork server listens on an AF_UNIX socket in multiprocessing's ``pymp-*`` directory under
+    :func:`tempfile.gettempdir`; under a long ``TMPDIR`` (a CI workspace, pytest-xdist's ``popen-gwN`` basetemp)
+    its address passes Linux's 107 characters and every world fails to start with ``OSError: AF_UNIX path too
+    long``.  Python 3.13 falls back to a short system directory by itself; this does the same on older ones,
+    before multiprocessing makes its own.  Returns the directory made, or ``None`` when ``TMPDIR`` is short
+    enough (or no short base is writable: the start's error then names the path).
+    """
+    from multiprocessing import process, util
+
+    if len(tempfile.gettempdir()) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX:
+        return None
+    for base in SHORT_TEMP_BASES:
+        if len(base) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
+            made = tempfile.mkdtemp(prefix="pymp-", dir=base)
+            util.Finalize(None, util._remove_temp_dir, args=(shutil.rmtree, made), exitpriority=-100)
+            process.current_process()._config["tempdir"] = made
+            return made
+    return None
 
 
 def _stop_helper(owner: Any, fd_attr: str, pid_attr: str, timeout_s: float = HELPER_EXIT_S) -> None:
