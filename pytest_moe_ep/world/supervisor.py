@@ -450,8 +450,8 @@ def _short_mp_tempdir() -> str | None:
     The fork server listens on an AF_UNIX socket in multiprocessing's ``pymp-*`` directory under
     :func:`tempfile.gettempdir`; under a long ``TMPDIR`` (a CI workspace, pytest-xdist's ``popen-gwN`` basetemp)
     its address passes Linux's 107 characters and every world fails to start with ``OSError: AF_UNIX path too
-    long``.  Python 3.13 falls back to a short system directory by itself; this does the same on older ones,
-    before multiprocessing makes its own.  Returns the directory made, or ``None`` when ``TMPDIR`` is short
+    long``.  CPython falls back to a short system directory by itself since gh-132124 (3.13); this does the same on
+    older ones, before multiprocessing makes its own.  Returns the directory made, or ``None`` when ``TMPDIR`` is short
     enough (or no short base is writable: the start's error then names the path).
     """
     from multiprocessing import process, util
