@@ -20,7 +20,7 @@ from xml.etree import ElementTree
 import pytest
 
 from pytest_moe_ep.world import RankFailure
-from pytest_moe_ep.world.supervisor import Supervisor
+from pytest_moe_ep.world.supervisor import MP_SOCKET_SUFFIX, SUN_PATH_MAX, Supervisor
 from pytest_moe_ep.world.workdir import OWNER, PREFIX, Identity, sweep
 
 N = 4
@@ -273,16 +273,23 @@ def test_passes():
 """
 
 
-def test_no_process_of_the_run_outlives_pytest(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(ONE_WORLD)
+def _session_to_its_end(pytester: pytest.Pytester, env: dict[str, str] | None = None) -> tuple[int, str, list[str]]:
+    """pytest on ``pytester.path`` in its own session: its exit code, its output, and the members of its session
+    still alive the moment it exited (killed here, so none outlives the test)."""
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
-                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            cwd=pytester.path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     out = proc.communicate(timeout=300)[0].decode()
-    left = _session_members(proc.pid)  # the moment pytest has exited
+    left = _session_members(proc.pid)
     for member in left:
         os.kill(int(member.split()[0]), signal.SIGKILL)
-    assert proc.returncode == 0, out
+    return proc.returncode, out, left
+
+
+def test_no_process_of_the_run_outlives_pytest(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(ONE_WORLD)
+    code, out, left = _session_to_its_end(pytester)
+    assert code == 0, out
     assert not left, f"processes of the run alive after pytest exited: {left}"
 
 
@@ -301,22 +308,15 @@ def test_a_tmpdir_too_long_for_a_socket_still_starts_worlds(pytester: pytest.Pyt
     must not fail every world with ``AF_UNIX path too long``: multiprocessing gets a short directory, removed after."""
     pytester.makepyfile(ONE_WORLD)
     pytester.makeconftest(RECORD_MP_TEMPDIR)
-    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))  # + /pymp-X{8}/listener-X{8}: > 107
     long_tmp.mkdir()
-    record = tmp_path / "mp_tempdir"
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
-                            cwd=pytester.path, env={**os.environ, "TMPDIR": str(long_tmp),
-                                                    "MP_TEMPDIR_RECORD": str(record)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    out = proc.communicate(timeout=300)[0].decode()
-    left = _session_members(proc.pid)
-    for member in left:
-        os.kill(int(member.split()[0]), signal.SIGKILL)
     assert len(str(long_tmp)) >= 100
-    assert proc.returncode == 0, out
+    record = tmp_path / "mp_tempdir"
+    code, out, left = _session_to_its_end(pytester, {"TMPDIR": str(long_tmp), "MP_TEMPDIR_RECORD": str(record)})
+    assert code == 0, out
     assert not left, f"processes of the run alive after pytest exited: {left}"
     used = record.read_text()
-    assert used and not used.startswith(str(long_tmp)) and len(used) + 32 <= 107, used
+    assert used and not used.startswith(str(long_tmp)) and len(used) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX, used
     assert not os.path.exists(used), f"multiprocessing's short directory {used} was left behind"
     assert _tmp_leftovers(long_tmp) == []
 
