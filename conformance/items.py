@@ -21,15 +21,18 @@ from typing import Any
 
 import pytest
 
+from conformance import findings as F
 from conformance.adapter import Members, Spec, installed_version
 from conformance.checks import RankVerdict
+from conformance.expectations import Baseline, Judgement, outcome_of
 from conformance.matrix import Cell
 from conformance.record import CellRecord, environment, function_record
-from conformance.report import INTERRUPTED, RECORD
+from conformance.report import INTERRUPTED, OUTCOME, RECORD
 from conformance.saves import Saves, disk_problem, save_key
-from conformance.summary import summarize, summarize_functions
+from conformance.summary import structured_problems, summarize, summarize_functions, verdict_findings
 from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
+from pytest_moe_ep.text import first_line
 from pytest_moe_ep.world.engine import WorldError
 from pytest_moe_ep.world.protocol import FunctionRef
 
@@ -50,6 +53,8 @@ class CellContext:
     expert_keys: tuple[str, ...] = ()
     #: the record of a cell stopped by Ctrl-C or SIGTERM (pytest makes no report for it).
     interrupted: list[dict[str, Any]] = field(default_factory=list)
+    #: the session's expectations (``None``: every red cell fails the session, as without a file).
+    baseline: Baseline | None = None
 
 
 class CellFailed(Exception):
@@ -59,9 +64,34 @@ class CellFailed(Exception):
 class CellError(Exception):
     """A cell could not run to its checks: the engine's structured failure, shown as the cell's story."""
 
-    def __init__(self, error: WorldError) -> None:
+    def __init__(self, error: WorldError, lead: str = "") -> None:
         super().__init__(error.cause)
-        self.error = error
+        self.error, self.lead = error, lead
+
+
+def error_findings(exc: WorldError) -> list[str]:
+    """What the ranks' structured errors say the cell found (:func:`conformance.checks.cell.failure_fields`);
+    a rank that died, hung or raised outside a cell's checks is an ``error``."""
+    found = [f for e in exc.errors.values() for f in e.fields.get("findings") or ()]
+    return F.ordered(found) or [F.ERROR]
+
+
+def error_problems(exc: WorldError) -> list[dict[str, Any]]:
+    """Each rank's error and the checkpoint findings it carried, structured, for the record."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for rank, e in sorted(exc.errors.items()):
+        for p in e.fields.get("problems") or ():
+            if p.get("text") not in seen:
+                seen.add(p.get("text", ""))
+                out.append({**p, "finding": F.ON_DISK, "rank": rank})
+        own = F.ordered(e.fields.get("findings") or ())
+        out.append({"check": e.fields.get("phase", "run"), "finding": own[-1] if own else F.ERROR, "rank": rank,
+                    "exception": e.fields.get("exception", e.type_name), "raised_in": e.fields.get("raised_in"),
+                    "raised_at": e.fields.get("raised_at", ""), "text": first_line(e.message)})
+    if not exc.errors:  # a hang or a rank that died: the engine's cause is all there is
+        out.append({"check": "run", "finding": F.ERROR, "ranks": list(exc.at_fault), "text": exc.cause})
+    return out
 
 
 def _torch_version() -> str:
@@ -94,9 +124,24 @@ class MatrixItem(pytest.Item):
         self.record = CellRecord(self.nodeid, suite, adapter, adapter_version, fields)
         self.na = na
 
-    def _finish(self, status: str, detail: str, started: float) -> None:
+    def _finish(self, status: str, detail: str, started: float) -> Judgement | None:
         self.record.finish(status, detail, time.perf_counter() - started)
+        judgement = self._judge()
         self._attach()
+        return judgement
+
+    def _judge(self) -> Judgement | None:
+        """The finished cell against the session's expectations (``None`` without any, or for n/a)."""
+        got = outcome_of({"status": self.record.status, "finding": self.record.finding})
+        baseline = self.context.baseline
+        if got is None:
+            return None
+        self.user_properties.append((OUTCOME, json.dumps({"id": self.nodeid, "outcome": got})))
+        if baseline is None:
+            return None
+        judgement = baseline.judge(self.nodeid, got)
+        self.record.expectation = judgement.record_fields()
+        return judgement
 
     def _attach(self) -> None:
         """The record, with where it ran, on the item's reports."""
@@ -117,29 +162,60 @@ class MatrixItem(pytest.Item):
             if exc.errors:  # each distinct error in full, for whoever reads the JSON record
                 self.record.errors = {str(r): e.message for r, e in sorted(exc.errors.items())
                                          if e.message not in {x.message for q, x in exc.errors.items() if q < r}}
-            self._finish("error", exc.cause, started)
-            raise CellError(exc) from None
+            self.record.findings = error_findings(exc)
+            self.record.problems = error_problems(exc)
+            judgement = self._finish("error", f"{F.headline(self.record.findings)} {exc.cause}", started)
+            self._settle(judgement, CellError(exc, F.headline(self.record.findings)))
+            return
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
             self._finish(INTERRUPTED, f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "),
                          started)
             self.context.interrupted.append(self.record.to_dict())
             raise
-        except BaseException as exc:
-            self._finish("error", f"{type(exc).__name__}: {exc}".splitlines()[0], started)
+        except BaseException as exc:  # the harness's own failure in this process
+            self.record.findings = [F.ERROR]
+            judgement = self._finish("error", f"{F.headline(self.record.findings)} "
+                                     f"{type(exc).__name__}: {exc}".splitlines()[0], started)
+            if judgement is not None and judgement.met:
+                self._settle(judgement, exc)
             raise
-        self._finish(status, detail, started)
-        if status == "fail":
-            raise CellFailed(detail)
+        judgement = self._finish(status, detail, started)
+        self._settle(judgement, CellFailed(detail) if status == "fail" else None)
+
+    def _settle(self, judgement: Judgement | None, failure: BaseException | None) -> None:
+        """End the item as its outcome and expectation say: a met red cell is xfailed with the expectation's
+        reason; an unmet expectation fails, leading with what was expected and what came back."""
+        if judgement is None or (judgement.state == "met" and failure is None):
+            if failure is not None:
+                raise failure
+            return
+        if judgement.met:
+            if failure is None:  # an update run's green cell that the file expected red
+                return
+            pytest.xfail(f"{judgement.text}: {first_line(self.record.detail)}")
+        if isinstance(failure, CellError):
+            failure.lead = f"unexpected: {judgement.text}\n{failure.lead}"
+            raise failure
+        raise CellFailed(f"unexpected: {judgement.text}\n{self.record.detail}")
 
     def check(self) -> tuple[str, str]:
         raise NotImplementedError
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, CellFailed):
-            return str(excinfo.value)
+            return self._with_problems(str(excinfo.value))
         if isinstance(excinfo.value, CellError):
-            return excinfo.value.error.report()
+            return self._with_problems(f"{excinfo.value.lead} {excinfo.value.error.report()}".lstrip())
         return super().repr_failure(excinfo)
+
+    def _with_problems(self, text: str) -> str:
+        """With ``-v``, every problem the record holds after the shortened diagnosis."""
+        problems = self.record.problems or []
+        if self.config.get_verbosity() < 1 or not problems:
+            return text
+        lines = [f"  [{p.get('finding', '')}] [{p.get('check', '')}] {p.get('text', '')}"
+                 + (f" (raised at {p['raised_at']})" if p.get("raised_at") else "") for p in problems]
+        return "\n".join([text, f"every problem of this cell ({len(problems)}):", *lines])
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
         return self.path, None, self.nodeid
@@ -182,7 +258,11 @@ class CheckpointCellItem(MatrixItem):
         self.record.timings = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
         self.record.shared_save = not plan.save
         self.record.skipped_checks = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))
-        return summarize(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
+        status, detail = summarize(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
+        if status == "fail":
+            self.record.findings = verdict_findings(self.cell, verdicts) or [F.ERROR]
+            self.record.problems = structured_problems(verdicts)
+        return status, detail
 
 
 class FunctionsCellItem(MatrixItem):
@@ -201,13 +281,19 @@ class FunctionsCellItem(MatrixItem):
         for r in records:  # one record per function; the item's own record summarises them
             self.user_properties.append((RECORD, json.dumps(function_record(self.record, r, _torch_version()))))
         self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
-        return summarize_functions(self.cell, records)
+        status, detail = summarize_functions(self.cell, records)
+        if status == "fail":  # a function that answers wrong without a word: the functions' silent finding
+            self.record.findings = [F.SILENT]
+            detail = f"{F.headline(self.record.findings)} {detail}"
+        return status, detail
 
-    def _finish(self, status: str, detail: str, started: float) -> None:
+    def _finish(self, status: str, detail: str, started: float) -> Judgement | None:
         # The per-function records carry the report; the item's own record is dropped from it.
         self.record.finish(status, detail, time.perf_counter() - started)
+        judgement = self._judge()
         if status in ("n/a", "error", INTERRUPTED):
             self._attach()
+        return judgement
 
 
 def collect_items(parent: pytest.Collector, context: CellContext, *, adapter: Any, cells: list[Cell],

@@ -42,6 +42,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "keys); rarely needed: the matrix learns expert keys from the ep=1 checkpoint's content")
     group.addoption("--moe-ep-report", dest="moe_ep_report", default=None, metavar="DIR",
                     help="write moe-ep-conformance.json and .md into DIR")
+    ini_and_option(parser, "expectations", "an expectations file (TOML): per cell id or pattern, the finding a "
+                   "red cell is expected to have (silent, on-disk, refused, error) or pass, and why; a cell that "
+                   "matches is xfailed, one worse or better than expected fails (docs/matrix.md#expectations)")
+    group.addoption("--moe-ep-update-expectations", dest="moe_ep_update_expectations", action="store_true",
+                    default=False, help="rewrite the --moe-ep-expectations file from this run's outcomes (only the "
+                    "cells that ran; only when the run finished), keeping the reasons and comments of unchanged "
+                    "entries")
+    ini_and_option(parser, "tolerate", "findings accepted everywhere without listing cells, comma-separated "
+                   "(refused, error): such cells are xfailed, still reported")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -36,6 +36,16 @@ class CellRecord:
     errors: dict[str, str] | None = None
     #: the environment, once the cell finished: torch's version, the world size and the backend used.
     environment: dict[str, Any] | None = None
+    #: a red cell's findings (:mod:`conformance.findings`), worst first; ``finding`` is the first.
+    findings: list[str] | None = None
+    #: every problem the cell found, structured (check, finding, rank, layer, expert, tensor, text): no limit.
+    problems: list[dict[str, Any]] | None = None
+    #: the cell against the expectations file: expected, expected_reason, expected_by, expectation.
+    expectation: dict[str, Any] | None = None
+
+    @property
+    def finding(self) -> str | None:
+        return self.findings[0] if self.findings else None
 
     def finish(self, status: str, detail: str, duration_s: float) -> None:
         self.status, self.detail, self.duration_s = status, detail, round(duration_s, 3)
@@ -48,6 +58,11 @@ class CellRecord:
             if value is not None:
                 found[name] = value
         found.update(status=self.status, detail=self.detail, duration_s=self.duration_s)
+        if self.findings:
+            found.update(finding=self.finding, findings=list(self.findings))
+        if self.problems:
+            found["problems"] = self.problems
+        found.update(self.expectation or {})
         return {**found, **(self.environment or {})}
 
 

@@ -21,7 +21,6 @@ during the write leaves the previous report, never a truncated one.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -35,12 +34,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from conformance.findings import ERROR, FINDINGS, MEANING, ON_DISK, SILENT
 from conformance.matrix import guarantee
 from pytest_moe_ep.text import shorten
 
-SCHEMA_VERSION = 3
-READS = (1, 2, SCHEMA_VERSION)
+SCHEMA_VERSION = 4
+READS = (1, 2, 3, SCHEMA_VERSION)
 RECORD = "moe_ep_record"
+#: every matrix item's outcome for expectations (``{"id", "outcome"}``): what an update run writes.
+OUTCOME = "moe_ep_outcome"
 #: a cell item's setup report carries the session's final selection (after ``-k``), for ``--from-log``.
 SELECTION = "moe_ep_selection"
 JSON_NAME = "moe-ep-conformance.json"
@@ -68,9 +70,22 @@ def _summary(records: Iterable[dict[str, Any]]) -> dict[str, int]:
     return {s: counts.get(s, 0) for s in (*STATUSES, *((INTERRUPTED,) if counts.get(INTERRUPTED) else ()))}
 
 
+def finding_counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Red cells counted by their finding (the worst one), every finding named."""
+    counts = Counter(r.get("finding") or ERROR for r in records if r.get("status") in ("fail", "error"))
+    return {f: counts.get(f, 0) for f in FINDINGS}
+
+
+def expectation_counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Cells counted by how they stood against the expectations file (only cells that were judged)."""
+    counts = Counter(r["expectation"] for r in records if r.get("expectation"))
+    return dict(sorted(counts.items()))
+
+
 def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int, tier: str | None = None,
                  full_cells: int | None = None, interrupted: bool = False, not_run: Iterable[str] = (),
-                 rebuilt_from: str | None = None, incomplete: bool | None = None) -> dict[str, Any]:
+                 rebuilt_from: str | None = None, incomplete: bool | None = None,
+                 expectations: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON document for ``records``; adapter and torch come from the records themselves.
 
     ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) before its last cell; ``not_run`` the
@@ -92,6 +107,9 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "summary": _summary(records),
+        "findings": finding_counts(records),
+        "expectations": ({**expectations, "counts": expectation_counts(records)} if expectations is not None
+                         else None),
         "interrupted": interrupted,
         "incomplete": (interrupted or bool(not_run)) if incomplete is None else incomplete,
         "rebuilt_from": rebuilt_from,
@@ -171,6 +189,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# MoE expert-parallel checkpoint conformance: {a['name']} {a['version']}".rstrip(), "",
              f"{counts_line(s)} ({report['created']})", ""]
     lines += _incomplete_lines(report)
+    lines += [*(f"{line}" for line in lead_lines(report["cells"], code="`", bold="**")), ""]
     coverage = report.get("coverage") or {}
     if report.get("tier"):
         lines += [coverage_line(report["tier"], coverage.get("cells", 0), coverage.get("full_tier_cells")), ""]
@@ -182,10 +201,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     table = functions_table(report["cells"])
     if table:
         lines += ["### expert-slice functions", "", table, ""]
-    failures = [r for r in report["cells"] if r["status"] in ("fail", "error")]
+    failures = sorted((r for r in report["cells"] if r["status"] in ("fail", "error")), key=_worst_first)
     if failures:
-        lines += ["## Failures", ""]
-        lines += [f"- `{r['id']}`: {r['detail'].splitlines()[0] if r['detail'] else r['status']}" for r in failures]
+        lines += ["## Failures", "", "Worst first; each line leads with the cell's findings: "
+                  + "; ".join(f"**{f}**: {MEANING[f]}" for f in FINDINGS) + ".", ""]
+        lines += [f"- `{r['id']}`{_expectation_mark(r)}: {r['detail'].splitlines()[0] if r['detail'] else r['status']}"
+                  for r in failures]
+        lines.append("")
+    lines += _expected_lines(report)
     refusals = [r for r in report["cells"] if r.get("legacy") and r["status"] == "pass"]
     if refusals:
         lines += ["", "## Legacy checkpoints refused", ""]
@@ -202,6 +225,68 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"world size {report['world_size']}, Python {report['python']}",
               f"- report schema version {report['schema_version']}", ""]
     return "\n".join(lines)
+
+
+def _worst_first(r: dict[str, Any]) -> tuple[int, str]:
+    finding = r.get("finding") or ERROR
+    return (FINDINGS.index(finding) if finding in FINDINGS else len(FINDINGS), r["id"])
+
+
+def lead_lines(records: Iterable[dict[str, Any]], *, code: str = "", bold: str = "") -> list[str]:
+    """What a report leads with: how many cells are silent and on-disk, and the first one's line (a loud refusal
+    is a limitation; these are what a release page must not hide)."""
+    red = sorted((r for r in records if r.get("status") in ("fail", "error")), key=_worst_first)
+    counts = finding_counts(red)
+    if not red:
+        return []
+    lines = [f"Findings: {', '.join(f'{n} {f}' for f, n in counts.items())} "
+             "(silent: wrong state after a load that reported success; on-disk: the checkpoint is not "
+             "EP-invariant; refused: a loud refusal; error: the adapter or the harness)."]
+    for finding in (SILENT, ON_DISK):
+        first = next((r for r in red if r.get("finding") == finding), None)
+        if first is not None:
+            line = shorten(first["detail"].splitlines()[0], 300) if first.get("detail") else ""
+            lines.append(f"{bold}{counts[finding]} {finding}{bold} cell(s); the first: {code}{first['id']}{code}: "
+                         f"{line}")
+    return lines
+
+
+def _expectation_mark(r: dict[str, Any]) -> str:
+    state = r.get("expectation")
+    if state in ("met", "tolerated"):
+        return f" (expected: {r.get('expected_reason') or state})" if state == "met" else " (tolerated)"
+    if state == "unmet":
+        return f" (**unexpected**: expected {r.get('expected')})"
+    return ""
+
+
+def _expected_lines(report: dict[str, Any]) -> list[str]:
+    """How many red cells were expected, and why (the release report's account of its red)."""
+    info = report.get("expectations")
+    if not info:
+        return []
+    cells = report["cells"]
+    red = [r for r in cells if r.get("status") in ("fail", "error")]
+    expected = [r for r in red if r.get("expectation") in ("met", "tolerated")]
+    unmet = [r for r in cells if r.get("expectation") == "unmet"]
+    source = f"`{info['file']}`" if info.get("file") else "no expectations file"
+    tolerated = f", tolerating {', '.join(info['tolerate'])}" if info.get("tolerate") else ""
+    lines = ["## Expectations", "", f"{len(expected)} of {len(red)} red cell(s) were expected ({source}"
+             f"{tolerated}); {len(unmet)} cell(s) did not come back as expected.", ""]
+    reasons = Counter((r.get("finding") or ERROR, r.get("expected_reason") or
+                       ("tolerated" if r.get("expectation") == "tolerated" else "")) for r in expected)
+    if reasons:
+        from tabulate import tabulate
+
+        rows = [[finding, n, why.replace("|", "/")] for (finding, why), n in sorted(
+            reasons.items(), key=lambda kv: (FINDINGS.index(kv[0][0]) if kv[0][0] in FINDINGS else 9, -kv[1]))]
+        lines += [tabulate(rows, headers=["finding", "cells", "why (the expectations file's reason)"],
+                           tablefmt="github"), ""]
+    if unmet:
+        lines += [f"- `{r['id']}`: expected {r.get('expected')}, got {r.get('finding') or r['status']}"
+                  for r in unmet]
+        lines.append("")
+    return lines
 
 
 def _incomplete_lines(report: dict[str, Any]) -> list[str]:
@@ -250,6 +335,9 @@ def terminal_summary(records: list[dict[str, Any]], *, verbose: bool = False, ti
     failed, erred or was interrupted -- every table with ``verbose`` -- and the counts.  The Markdown report
     always has every table."""
     parts = []
+    lead = lead_lines(records)
+    if lead:
+        parts.append("\n".join(lead))
     counts = kind_state_counts(records)
     if counts:
         parts.append(f"checkpoint cells by kind and state\n{counts}")
@@ -317,9 +405,9 @@ def write_document(directory: str | os.PathLike[str], report: dict[str, Any]) ->
 
 def write_report(directory: str | os.PathLike[str], records: list[dict[str, Any]], *, backend: str,
                  world_size: int, tier: str | None = None, full_cells: int | None = None, interrupted: bool = False,
-                 not_run: Iterable[str] = ()) -> tuple[Path, Path]:
+                 not_run: Iterable[str] = (), expectations: dict[str, Any] | None = None) -> tuple[Path, Path]:
     report = build_report(records, backend=backend, world_size=world_size, tier=tier, full_cells=full_cells,
-                          interrupted=interrupted, not_run=not_run)
+                          interrupted=interrupted, not_run=not_run, expectations=expectations)
     return write_document(directory, report)
 
 
@@ -343,12 +431,17 @@ class ReportDiff:
         return out
 
 
+def _status(cell: dict[str, Any]) -> str:
+    """A cell's status with its finding (``fail (silent)``): a refusal that became silent loss is a change."""
+    return f"{cell['status']} ({cell['finding']})" if cell.get("finding") else str(cell["status"])
+
+
 def compare_reports(old: dict[str, Any], new: dict[str, Any]) -> ReportDiff:
     before = {c["id"]: c for c in old.get("cells", [])}
     after = {c["id"]: c for c in new.get("cells", [])}
     changed = []
     for cell_id in sorted(before.keys() & after.keys()):
-        was, now = before[cell_id]["status"], after[cell_id]["status"]
+        was, now = _status(before[cell_id]), _status(after[cell_id])
         if was != now:
             detail = after[cell_id].get("detail", "")
             changed.append(f"{cell_id}: {was} -> {now}" + (f"  ({detail.splitlines()[0]})" if detail else ""))
@@ -371,11 +464,13 @@ def index_rows(root: Path) -> list[list[str]]:
         doc = json.loads(path.read_text())
         s = doc["summary"]
         # A silently wrong value ("fail") says more than a loud refusal ("error"): show it first.
-        first = next((c for status in ("fail", "error") for c in doc["cells"] if c["status"] == status), None)
+        red = sorted((c for c in doc["cells"] if c["status"] in ("fail", "error")), key=_worst_first)
+        first = red[0] if red else None
         diagnosis = shorten(first["detail"].splitlines()[0], 160).replace("|", "/") if first else ""
         name = doc["adapter"]["name"] or path.parent.name
+        counts = doc.get("findings") or finding_counts(doc["cells"])
         rows.append([f"{name} (`{path.parent.name}/`)", doc["adapter"]["version"], doc.get("tier") or "-",
-                     str(s["pass"]), str(s["fail"] + s["error"]), str(s["n/a"]),
+                     str(s["pass"]), *(str(counts.get(f, 0)) for f in FINDINGS), str(s["n/a"]),
                      f"`{first['id'].split('::', 1)[-1]}`: {diagnosis}" if first else ""])
     return rows
 
@@ -388,7 +483,7 @@ def write_index(root: Path, readme: Path | None = None) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     docs = [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{JSON_NAME}"))]
     env = f"torch {docs[0]['torch']}, {docs[0]['backend']} backend, world size {docs[0]['world_size']}" if docs else ""
-    table = tabulate(rows, headers=["adapter", "version", "tier", "passed", "failed", "n/a", "first failure"],
+    table = tabulate(rows, headers=["adapter", "version", "tier", "passed", *FINDINGS, "n/a", "worst first finding"],
                      tablefmt="github")
     text = f"Conformance matrix, {stamp} ({env}):\n\n{table}\n"
     write_atomic(root / "index.md", f"# MoE expert-parallel checkpoint conformance\n\n{text}")
@@ -406,7 +501,8 @@ class UsageProblem(Exception):
     """A report file that cannot be read: exit status 2 with one line, never a traceback."""
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_report(path: Path) -> dict[str, Any]:
+    """A report file, checked: :class:`UsageProblem` when it is missing or not a report this module reads."""
     try:
         doc = json.loads(path.read_text())
     except OSError as exc:
@@ -421,42 +517,7 @@ def _read(path: Path) -> dict[str, Any]:
     return doc
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``OLD NEW``: exit 0 when no cell changed status, 1 when some did, 2 on bad input."""
-    if argv is None:
-        argv = sys.argv[1:]
-    try:
-        if argv[:1] and argv[0].startswith("--from-log"):
-            from conformance.reportlog import rebuild_main
+if __name__ == "__main__":  # ``python -m conformance.report``: the command line lives in conformance.report_cli
+    from conformance.report_cli import main
 
-            return rebuild_main(argv)
-        if argv[:1] == ["index"]:
-            parser = argparse.ArgumentParser(prog="python -m conformance.report index",
-                                             description="Write ROOT/index.md over the reports in ROOT's subfolders.")
-            parser.add_argument("root", type=Path)
-            parser.add_argument("--docs", "--readme", dest="readme", type=Path,
-                                help="also replace that page's framework-status block (docs/frameworks.md)")
-            found = parser.parse_args(argv[1:])
-            print(write_index(found.root, found.readme))
-            return 0
-        parser = argparse.ArgumentParser(prog="python -m conformance.report",
-                                         description="Print the cells whose status changed between two reports "
-                                         "(or: python -m conformance.report index ROOT [--docs docs/frameworks.md]; "
-                                         "or: python -m conformance.report --from-log LOG --out DIR). "
-                                         "Exit 0: none changed; 1: some changed; 2: bad input.")
-        parser.add_argument("old", type=Path)
-        parser.add_argument("new", type=Path)
-        args = parser.parse_args(argv)
-        result = compare_reports(_read(args.old), _read(args.new))
-    except UsageProblem as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print("\n".join(result.lines()))
-    return 1 if result.changed else 0
-
-
-if __name__ == "__main__":
-    # Run the imported module's main: conformance.reportlog raises *its* UsageProblem, not __main__'s.
-    from conformance.report import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -29,7 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.report import INTERRUPTED, RECORD, SELECTION, UsageProblem, build_report, not_run, write_document
+from conformance.report import (
+    INTERRUPTED,
+    OUTCOME,
+    RECORD,
+    SELECTION,
+    UsageProblem,
+    build_report,
+    expectation_counts,
+    not_run,
+    write_atomic,
+    write_document,
+)
 
 INTERRUPTED_STATUS = 2  # pytest.ExitCode.INTERRUPTED, without importing pytest here
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
@@ -43,6 +54,8 @@ class LogContents:
     started: dict[str, str] = field(default_factory=dict)  # node id -> when it was last seen ("setup")
     called: set[str] = field(default_factory=set)
     environment: dict[str, Any] = field(default_factory=dict)
+    #: each matrix item's outcome for expectations (:data:`~conformance.report.OUTCOME`): id -> pass or finding.
+    outcomes: dict[str, str] = field(default_factory=dict)
     exitstatus: int | None = None
     lines: int = 0
     skipped_lines: int = 0
@@ -82,6 +95,9 @@ def read_log(path: Path) -> LogContents:
             if key == RECORD and when == "call":
                 record = json.loads(value)
                 found.records[record["id"]] = record
+            if key == OUTCOME and when == "call":
+                outcome = json.loads(value)
+                found.outcomes[outcome["id"]] = outcome["outcome"]
         if when == "setup" and entry.get("outcome") == "passed":
             found.started[nodeid] = when
         elif when == "call":
@@ -93,9 +109,9 @@ def read_log(path: Path) -> LogContents:
     return found
 
 
-def rebuild(path: Path) -> dict[str, Any]:
-    """The report document for the log at ``path`` (see the module docstring)."""
-    log = read_log(path)
+def rebuild(path: Path, log: LogContents | None = None) -> dict[str, Any]:
+    """The report document for the log at ``path`` (see the module docstring); ``log``: it, already read."""
+    log = log or read_log(path)
     env = log.environment
     selected = set(env.get("ids") or [])
     if not log.records and not selected:
@@ -124,14 +140,57 @@ def rebuild(path: Path) -> dict[str, Any]:
     return doc
 
 
+def judge_against(doc: dict[str, Any], outcomes: dict[str, str], path: Path, *,
+                  tolerate: tuple[str, ...] = ()) -> list[str]:
+    """Judge the log's cells (``outcomes``: id -> pass or finding) against the expectations file at ``path``; each
+    cell's record gets its expectation fields, as the run itself would have written them.  Returns the lines of
+    the cells that came back other than expected."""
+    from conformance.expectations import Baseline, ExpectationsError, read
+
+    try:
+        baseline = Baseline(read(path, adapter=doc["adapter"]["name"] or None), tolerate)
+    except ExpectationsError as exc:
+        raise UsageProblem(str(exc)) from exc
+    records = {r["id"]: r for r in doc["cells"]}
+    unmet = []
+    for cell_id, got in sorted(outcomes.items()):
+        judgement = baseline.judge(cell_id, got)
+        if cell_id in records:
+            records[cell_id].update(judgement.record_fields())
+        if not judgement.met:
+            unmet.append(f"{cell_id}: {judgement.text}")
+    doc["expectations"] = {"file": str(path), "tolerate": list(tolerate), "update": False,
+                           "counts": expectation_counts(doc["cells"])}
+    return unmet
+
+
 def rebuild_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.report --from-log",
                                      description="Rebuild moe-ep-conformance.json and .md from a pytest-reportlog "
-                                     "log (pytest --report-log=LOG), marked incomplete when the run was cut short.")
+                                     "log (pytest --report-log=LOG), marked incomplete when the run was cut short; "
+                                     "with --expectations, judge its cells against that file (exit 1 when some "
+                                     "came back other than expected).")
     parser.add_argument("--from-log", dest="log", type=Path, required=True, metavar="LOG")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
+    parser.add_argument("--expectations", type=Path, metavar="FILE", help="an expectations file to judge against")
+    parser.add_argument("--update-expectations", action="store_true",
+                        help="rewrite FILE from the log's outcomes (refused for a log of a run that did not finish)")
+    parser.add_argument("--tolerate", default="", metavar="FINDINGS", help="as pytest's --moe-ep-tolerate")
     args = parser.parse_args(argv)
-    doc = rebuild(args.log)
+    from conformance.expectations import parse_tolerate
+
+    try:
+        tolerate = parse_tolerate(args.tolerate)
+    except ValueError as exc:
+        raise UsageProblem(str(exc)) from exc
+    if args.update_expectations and args.expectations is None:
+        raise UsageProblem("--update-expectations rewrites the file --expectations FILE names; give one")
+    log = read_log(args.log)
+    doc = rebuild(args.log, log)
+    unmet = judge_against(doc, log.outcomes, args.expectations, tolerate=tolerate) if args.expectations and not \
+        args.update_expectations else []
+    if args.update_expectations:
+        print(update_from_log(doc, log.outcomes, args.expectations))
     try:
         json_path, md_path = write_document(args.out, doc)
     except OSError as exc:
@@ -139,4 +198,24 @@ def rebuild_main(argv: list[str]) -> int:
     state = "incomplete" if doc["incomplete"] else "complete"
     print(f"{json_path} and {md_path.name}: {len(doc['cells'])} cell record(s), {len(doc['not_run'])} not run "
           f"({state}; {', '.join(f'{n} {s}' for s, n in doc['summary'].items())})")
-    return 0
+    if unmet:
+        print(f"{len(unmet)} cell(s) not as {args.expectations} expects:\n" + "\n".join(f"  {u}" for u in unmet))
+    return 1 if unmet else 0
+
+
+def update_from_log(doc: dict[str, Any], outcomes: dict[str, str], path: Path) -> str:
+    """Rewrite the expectations file at ``path`` from a complete log's outcomes; a cut-short log writes nothing."""
+    from conformance.expectations import ExpectationsError, read, updated_text, written_by
+
+    if doc["incomplete"]:
+        raise UsageProblem(f"{path}: not updated: the log is of a run that did not finish (an interrupted run never "
+                           "rewrites a baseline)")
+    name, version = doc["adapter"]["name"], doc["adapter"]["version"]
+    try:
+        current = read(path, adapter=name or None, missing_ok=True)
+    except ExpectationsError as exc:
+        raise UsageProblem(str(exc)) from exc
+    update = updated_text(current, outcomes, adapter=name, by=written_by(name, version))
+    if update.changes or not current.exists:
+        write_atomic(path, update.text)
+    return update.summary(path)

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from conformance.report import MD_NAME, RECORD, SELECTION, not_run, terminal_summary, write_report
+from conformance.report import MD_NAME, OUTCOME, RECORD, SELECTION, not_run, terminal_summary, write_report
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
 from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 
 if TYPE_CHECKING:
     from conformance.adapter import Members
+    from conformance.expectations import Baseline
     from conformance.items import CellContext
 
 MATRIX = "moe-ep-matrix"
@@ -162,6 +163,47 @@ def _experts(config: pytest.Config) -> tuple[int, ...]:
     return found
 
 
+def _universe(members: Members | None, world_size: int, num_experts: tuple[int, ...]) -> tuple[list[str], str]:
+    """Every cell id of every tier at this world size and these expert counts (n/a cells too), for checking an
+    expectations file's ids and patterns, and the note that says for which."""
+    from conformance.functions.cells import functions_cells
+    from conformance.layout import EP_ORDERS
+    from conformance.matrix import ep_tier, full_product
+
+    cells = list(full_product(world_size, num_experts))
+    divisors = [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
+    for order in EP_ORDERS:
+        cells += ep_tier(world_size, divisors, num_experts, order)
+    ids = {f"{MATRIX}::{c.node_name}" for c in cells} | {f"{MATRIX}::{c.node_name}" for c in functions_cells()}
+    note = f" (world size {world_size}, experts {','.join(map(str, num_experts))})"
+    return sorted(ids), note
+
+
+def _baseline(config: pytest.Config, adapter: Any, members: Members | None, world_size: int,
+              num_experts: tuple[int, ...]) -> Baseline | None:
+    """``--moe-ep-expectations``, ``--moe-ep-update-expectations`` and ``--moe-ep-tolerate``, read and checked now:
+    a file that does not parse, names an unknown finding, another adapter or no cell is a usage error."""
+    from conformance.expectations import Baseline, Expectations, ExpectationsError, parse_tolerate, read
+
+    given = setting(config, "expectations")
+    update = bool(config.getoption("moe_ep_update_expectations", False))
+    try:
+        tolerate = parse_tolerate(setting(config, "tolerate"))
+    except ValueError as exc:
+        raise _usage(str(exc)) from exc
+    if update and not given:
+        raise _usage("--moe-ep-update-expectations rewrites the file --moe-ep-expectations=FILE names; give one")
+    if not given:
+        return Baseline(Expectations(Path("")), tolerate) if tolerate else None
+    universe, note = _universe(members, world_size, num_experts)
+    name = getattr(adapter, "name", None) if adapter is not None else None
+    try:
+        found = read(given, adapter=name, universe=universe, universe_note=note, missing_ok=update)
+    except ExpectationsError as exc:
+        raise _usage(f"--moe-ep-expectations={exc}") from exc
+    return Baseline(found, tolerate, update)
+
+
 @dataclass(eq=False)  # hashed by identity: pluggy keeps plugins in sets (a conftest's hook subset)
 class MatrixSession:
     """The matrix's hooks for one pytest session; see the module docstring."""
@@ -184,6 +226,12 @@ class MatrixSession:
     #: node ids of the final selection's cells (after ``-k``); under xdist, what the workers collected.
     selected: list[str] = field(default_factory=list)
     selection_sent: bool = False
+    #: the expectations (file, tolerated findings, update run), ``None`` without any.
+    baseline: Baseline | None = None
+    #: every matrix item's outcome for expectations (id -> pass or finding), from the test reports.
+    outcomes: dict[str, str] = field(default_factory=dict)
+    #: what the update run said of the file, for the terminal summary.
+    update_note: str = ""
     _backend_used: str | None = None
 
     NAME = "moe-ep-matrix-session"
@@ -193,9 +241,11 @@ class MatrixSession:
         world_size = number(config, "world_size", int, 1)
         given = config.getoption("moe_ep_matrix")
         adapter, members = _adapter(config) if given is not None else (None, None)
+        experts = _experts(config)
         return cls(config, world_size, _tier(given, world_size), adapter, members,
                    _functions(config.getoption("moe_ep_functions")), _report_dir(config.getoption("moe_ep_report")),
-                   _experts(config), expert_keys=_expert_keys(config))
+                   experts, expert_keys=_expert_keys(config),
+                   baseline=_baseline(config, adapter, members, world_size, experts))
 
     @property
     def interrupted(self) -> list[dict[str, Any]]:
@@ -219,7 +269,8 @@ class MatrixSession:
         from conformance.saves import Saves
 
         engine = config.stash[ENGINE]
-        context = self.context = CellContext(self.world_size, self.backend_used, expert_keys=self.expert_keys)
+        context = self.context = CellContext(self.world_size, self.backend_used, expert_keys=self.expert_keys,
+                                             baseline=self.baseline)
         cells = []
         if self.adapter is not None and self.members is not None and self.tier is not None:
             try:
@@ -271,6 +322,10 @@ class MatrixSession:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call":  # every phase's report repeats the item's user_properties
             self.records.extend(json.loads(v) for k, v in report.user_properties if k == RECORD)
+            for key, value in report.user_properties:
+                if key == OUTCOME:
+                    found = json.loads(value)
+                    self.outcomes[found["id"]] = found["outcome"]
 
     def _writes_report(self) -> bool:
         if hasattr(self.config, "workerinput"):  # an xdist worker: the controller writes
@@ -305,7 +360,35 @@ class MatrixSession:
             write_report(self.report_dir, records, backend=env["backend"], world_size=self.world_size,
                          tier=env["tier"], full_cells=env["full_cells"],
                          interrupted=exitstatus == pytest.ExitCode.INTERRUPTED,
-                         not_run=not_run(self.selected, records))
+                         not_run=not_run(self.selected, records), expectations=self._expectations_summary())
+        if self.baseline is not None and self.baseline.update and self._writes_report():
+            self._update_expectations(exitstatus)
+
+    def _expectations_summary(self) -> dict[str, Any] | None:
+        if self.baseline is None:
+            return None
+        return {"file": str(self.baseline.file.path) if self.baseline.file.exists or self.baseline.update else None,
+                "tolerate": list(self.baseline.tolerate), "update": self.baseline.update}
+
+    def _update_expectations(self, exitstatus: int) -> None:
+        """Rewrite the expectations file from the cells that ran, atomically, and only after a finished run."""
+        from conformance.expectations import updated_text, written_by
+        from conformance.report import write_atomic
+
+        assert self.baseline is not None
+        path = self.baseline.file.path
+        missing = not_run(self.selected, self.records + self.interrupted)
+        if exitstatus == pytest.ExitCode.INTERRUPTED or self.interrupted or missing:
+            self.update_note = (f"{path}: not updated: the run did not finish ({len(missing)} selected cell(s) "
+                                "without an outcome); the file is as it was")
+            return
+        name = getattr(self.adapter, "name", "") or (self.functions.module if self.functions else "")
+        version = str(getattr(self.adapter, "version", "")) if self.adapter is not None else ""
+        update = updated_text(self.baseline.file, self.outcomes, adapter=name, by=written_by(name, version))
+        if update.changes or not self.baseline.file.exists:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, update.text)
+        self.update_note = update.summary(path)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         records = self.records + self.interrupted
@@ -317,6 +400,8 @@ class MatrixSession:
             missing = not_run(self.selected, records)
             if missing:
                 terminalreporter.write_line(f"{len(missing)} selected cell(s) not run: the report lists them")
+            if self.update_note:
+                terminalreporter.write_line(f"expectations: {self.update_note}")
             if self.report_dir is not None:
                 terminalreporter.write_line(f"report: {self.report_dir / MD_NAME} (and .json)")
 

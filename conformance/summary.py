@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conformance import findings as F
 from conformance.checks import CHECKS, Mismatch, RankVerdict
 from conformance.matrix import Cell
 
@@ -48,8 +49,49 @@ def _problem_lines(verdicts: list[RankVerdict]) -> list[str]:
     return lines
 
 
+def verdict_findings(cell: Cell, verdicts: list[RankVerdict]) -> list[str]:
+    """Every finding the ranks' verdicts are evidence of (:mod:`conformance.findings`), worst first."""
+    found = [F.CHECK_FINDING.get(m.check, F.ERROR) for v in verdicts for m in v.mismatches]
+    found += [F.CHECK_FINDING.get(p.check, F.ERROR) for v in verdicts for p in v.problems]
+    if cell.legacy and not all(v.refused for v in verdicts):
+        # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised it is loud
+        found.append(F.ON_DISK)
+        if any(v.not_refused and "load failed" in v.not_refused for v in verdicts if not v.refused):
+            found.append(F.REFUSED)
+    return F.ordered(found)
+
+
+def structured_problems(verdicts: list[RankVerdict]) -> list[dict[str, Any]]:
+    """Every difference and problem the ranks found, as the record keeps them: no limit, one dict each."""
+    out: list[dict[str, Any]] = []
+    for v in sorted(verdicts, key=lambda v: v.rank):
+        out += [{"check": m.check, "finding": F.CHECK_FINDING.get(m.check, F.ERROR), "rank": m.rank,
+                 "layer": m.layer, "expert": m.expert, "tensor": m.name, "text": f"{m.where()}: {m.problem}"}
+                for m in v.mismatches]
+        if v.not_refused and not v.refused:
+            out.append({"check": "refusal", "finding": F.ON_DISK, "rank": v.rank, "text": v.not_refused})
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for v in verdicts:
+        for p in v.problems:
+            ranks.setdefault((p.check, p.text), []).append(v.rank)
+    order = list(CHECKS)
+    for (check, text), where in sorted(ranks.items(), key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order
+                                                                       else len(order), kv[0][1])):
+        out.append({"check": check, "finding": F.CHECK_FINDING.get(check, F.ERROR), "ranks": sorted(set(where)),
+                    "text": text})
+    return out
+
+
 def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
-    """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen."""
+    """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen, and a red cell's
+    first line leads with its findings (``silent, on-disk: ...``)."""
+    status, detail = _summarize(cell, verdicts, adapter)
+    if status == "fail":
+        detail = f"{F.headline(verdict_findings(cell, verdicts) or [F.ERROR])} {detail}"
+    return status, detail
+
+
+def _summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
     context = _context(cell, adapter)
     if cell.legacy:
         refused = {v.rank: v.refused for v in verdicts if v.refused}

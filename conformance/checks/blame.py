@@ -13,8 +13,12 @@ known forms is shown as it is.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from conformance.layout import ParallelLayout
@@ -44,6 +48,92 @@ def load_errors() -> tuple[type[BaseException], ...]:
 def one_line(exc: BaseException, limit: int = 400) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
+
+
+_CONFORMANCE = Path(__file__).resolve().parents[1]
+_HARNESS_ROOTS = (str(_CONFORMANCE), str(_CONFORMANCE.parent / "pytest_moe_ep"))
+_ADAPTERS = str(_CONFORMANCE / "adapters")
+
+
+def original(exc: BaseException) -> BaseException:
+    """The exception the adapter's call raised: ``exc`` itself, or what the harness wrapped (``raise ... from``)."""
+    from conformance.adapter import AdapterError
+
+    seen = exc
+    for _ in range(8):
+        cause = seen.__cause__
+        if cause is None or isinstance(seen, AdapterError):
+            break
+        seen = cause
+    return seen
+
+
+def _raise_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """Where ``exc`` was raised: the innermost frame of the rank's own failure inside DCP's gathered ones, else of
+    its traceback."""
+    for _, failure in sorted((getattr(exc, "failures", None) or {}).items()):
+        stack = failure[1] if isinstance(failure, tuple) and len(failure) > 1 else None
+        if isinstance(stack, traceback.StackSummary) and stack:
+            return stack[-1]
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    return frames[-1] if frames else None
+
+
+def short_path(filename: str) -> str:
+    """A source path as a reader finds it: from the package on (``megatron/core/x.py``), not the machine's."""
+    for marker in ("site-packages", "dist-packages"):
+        if f"{os.sep}{marker}{os.sep}" in filename:
+            return filename.split(f"{os.sep}{marker}{os.sep}", 1)[1]
+    parent = str(_CONFORMANCE.parent)
+    if filename.startswith(parent + os.sep):
+        return filename[len(parent) + 1:]
+    for entry in sorted((p for p in sys.path if p), key=len, reverse=True):
+        if filename.startswith(entry.rstrip(os.sep) + os.sep):
+            return filename[len(entry.rstrip(os.sep)) + 1:]
+    return filename
+
+
+def _adapter_files(adapter: Any) -> set[str]:
+    """The source files of the adapter's class and its bases (a seeded adapter in a test file among them)."""
+    wrapped = getattr(adapter, "__wrapped__", adapter)
+    cls = wrapped if isinstance(wrapped, type) else type(wrapped)
+    files = set()
+    for base in cls.__mro__:
+        module = sys.modules.get(base.__module__)
+        path = getattr(module, "__file__", None)
+        if path and base.__module__ != "builtins":
+            files.add(str(Path(path).resolve()))
+    return files
+
+
+def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
+    """``(raised_in, raised_at)`` of the exception the adapter's call raised: ``raised_in`` is "adapter" (the
+    adapter's own code: its class's files, or a built-in adapter's modules), "harness" (this package's checks)
+    or "framework" (anything else: the framework, torch, DCP), told apart by the frame that raised it;
+    ``raised_at`` is ``path:line in function`` ("" when no traceback survived)."""
+    from conformance.adapter import AdapterError
+
+    first = original(exc)
+    if isinstance(first, AdapterError):
+        return "adapter", ""
+    frame = _raise_frame(first)
+    if frame is None:
+        return "framework", ""
+    where = f"{short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+    path = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
+    if path and (path in _adapter_files(adapter) or path.startswith(_ADAPTERS + os.sep)):
+        return "adapter", where
+    if path and path.startswith(_HARNESS_ROOTS):
+        return "harness", where
+    return "framework", where
+
+
+def located(exc: BaseException, adapter: Any, limit: int = 400) -> str:
+    """:func:`one_line` of the original exception, with where it was raised: a bare ``assert`` has no message,
+    and its file and line are the message."""
+    first = original(exc)
+    _, where = raised_where(exc, adapter)
+    return f"{one_line(first, limit)} (raised at {where})" if where else one_line(first, limit)
 
 
 def _failures(exc: BaseException) -> list[tuple[int | None, BaseException]]:
@@ -100,7 +190,7 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
 
 
 def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, layout: ParallelLayout,
-                num_experts: int, patterns: Sequence[Any], rank: int) -> LoadFailed:
+                num_experts: int, patterns: Sequence[Any], rank: int, adapter: Any = None) -> LoadFailed:
     """The :class:`LoadFailed` for a load that raised: the checkpoint leads only when it really differs.
 
     ``findings``: the checkpoint check's (save and truth); ``checked``: "" when that check ran, else why not.
@@ -108,6 +198,8 @@ def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, la
     inner = _failures(exc)
     raised = translate(exc, layout, num_experts, patterns, rank) or (
         f"{one_line(inner[0][1])} (DCP, rank {inner[0][0]})" if inner and inner[0][0] is not None else one_line(exc))
+    _, at = raised_where(exc, adapter)
+    raised = f"{raised} (raised at {at})" if at else raised
     full = f"the framework's error in full: {type(exc).__name__}: {exc}"
     if findings:
         more = f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else ""

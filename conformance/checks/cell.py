@@ -15,20 +15,23 @@ engine).  In order:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from conformance import findings as F
 from conformance.adapter import AdapterError, Built, Members, Spec, built
 from conformance.checks import artifact, completeness, refusal, resume, save_plan
-from conformance.checks.blame import LoadFailed, load_errors, load_failed, one_line
-from conformance.checks.layout import check_layout
+from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
+from conformance.checks.layout import LayoutMismatch, check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
 from conformance.checks.values import canonical, compare, equal, expected
 from conformance.checks.verdict import RankVerdict
 from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
 from conformance.saves import CellPlan
+from pytest_moe_ep.world.protocol import FIELDS_ATTR, StructuredError, error_fields
 
 __all__ = ["LOAD_LR_FACTOR", "BuildFailed", "CellPlan", "load_errors", "run_cell"]
 
@@ -55,28 +58,51 @@ class _Timed:
             t0 = time.perf_counter()
             try:
                 return found(*args, **kwargs)
+            except BaseException as exc:
+                _annotate(exc, MEMBER_ATTR, name)  # which of the adapter's calls raised it: see failure_fields
+                raise
             finally:
                 self._timings["adapter"] = self._timings.get("adapter", 0.0) + time.perf_counter() - t0
         return timed
 
 
-class BuildFailed(Exception):
-    """The framework refused to build the cell's model: a finding about the framework (an ``error`` cell whose
-    first line is the framework's own message), never a crash of the harness."""
+#: the attribute :class:`_Timed` sets on an exception an adapter member raised: the member's name.
+MEMBER_ATTR = "moe_ep_member"
+#: the adapter's calls whose loud failure in the framework's code is a refusal (``refused``); elsewhere a
+#: framework's exception is still the adapter's or the harness's failure to run the cell (``error``).
+FRAMEWORK_CALLS = frozenset({"build", "save", "save_legacy", "load", "check_saved", "step", "scalars", "forward"})
+
+
+def _annotate(exc: BaseException, attr: str, value: Any) -> None:
+    """Set ``attr`` on ``exc`` unless an inner call set it first (some exception types take no attributes)."""
+    if getattr(exc, attr, None) is None:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, attr, value)
+
+
+class BuildFailed(StructuredError):
+    """The cell's model could not be built: the framework refused (``refused``: its own message, file and line),
+    or the adapter's code failed (``error``: not a finding about the framework)."""
 
 
 def _build(adapter: Any, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
-    """``adapter.build`` as a :class:`Built`; the framework's refusal becomes :class:`BuildFailed`."""
+    """``adapter.build`` as a :class:`Built`; its failure becomes :class:`BuildFailed`, told by where it raised."""
     where = f"the {side} side's build at {spec.layout.describe() if spec.layout else 'ep=1'}"
+    what = f"(E={spec.num_experts}, {spec.kind}{', FSDP' if spec.fsdp else ''})"
     try:
         result = adapter.build(spec, mesh, seed)
     except load_errors() as exc:
-        raise BuildFailed(f"the framework refused {where} (E={spec.num_experts}, {spec.kind}"
-                          f"{', FSDP' if spec.fsdp else ''}): {one_line(exc)}") from exc
+        raised_in, raised_at = raised_where(exc, adapter)
+        fields = {"phase": "build", "side": side, "raised_in": raised_in, "raised_at": raised_at}
+        if raised_in == "framework":
+            raise BuildFailed(f"the framework refused {where} {what}: {located(exc, adapter)}", fields=fields) from exc
+        raise BuildFailed(f"the adapter's code failed in {where} {what}: {located(exc, adapter)} (an error in the "
+                          f"{raised_in}, not a finding about the framework)", fields=fields) from exc
     try:
         return built(result, f"{type(adapter).__name__}.build")
     except AdapterError as exc:
-        raise BuildFailed(str(exc)) from None
+        raise BuildFailed(str(exc), fields={"phase": "build", "side": side, "raised_in": "adapter",
+                                            "raised_at": ""}) from None
 
 
 def _saved_optimizer(adapter: Any, b: Built, optim: bool) -> Any:
@@ -167,8 +193,41 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
     verdict = RankVerdict(rank)
     try:
         return _run(_Timed(adapter, verdict.timings, members), cell, base, plan, rank, verdict)
+    except Exception as exc:  # DCP's CheckpointException is a BaseException: caught below
+        _annotate(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
+        raise
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt | SystemExit):
+            _annotate(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
+        raise
     finally:
         verdict.timings["total"] = time.perf_counter() - started
+
+
+def failure_fields(exc: BaseException, adapter: Any, verdict: RankVerdict) -> dict[str, Any]:
+    """What a cell that raised on this rank found (:mod:`conformance.findings`), as plain data for the controller:
+    ``on-disk`` when the checkpoint check had found the save not EP-invariant (whatever raised next); ``refused``
+    when the framework's code raised in one of its calls (build, save, load, a step or forward after the load);
+    ``error`` when the adapter's or the harness's code did, or the framework did not form the cell's layout."""
+    given = error_fields(exc)
+    raised_in, raised_at = given.get("raised_in"), given.get("raised_at")
+    if raised_in is None:
+        raised_in, raised_at = raised_where(exc, adapter)
+    member = getattr(exc, MEMBER_ATTR, None) or getattr(original(exc), MEMBER_ATTR, None)
+    found: list[str] = []
+    if verdict.findings or verdict.truth_findings or (isinstance(exc, LoadFailed) and exc.side == "checkpoint"):
+        found.append(F.ON_DISK)
+    if isinstance(exc, (LayoutMismatch, AdapterError)):
+        found.append(F.ERROR)
+    elif isinstance(exc, save_plan.SaveRefused) or (raised_in == "framework" and member in FRAMEWORK_CALLS):
+        found.append(F.REFUSED)
+    else:
+        found.append(F.RAISED_IN.get(str(raised_in), F.ERROR) if member in FRAMEWORK_CALLS else F.ERROR)
+    phase = given.get("phase") or ("load" if isinstance(exc, LoadFailed) else member or "harness")
+    problems = [{"check": "checkpoint", "text": f"checkpoint: {finding}"}
+                for finding in (*verdict.truth_findings, *verdict.findings)]
+    return {"findings": F.ordered(found), "phase": phase, "raised_in": raised_in, "raised_at": raised_at or "",
+            "exception": type(original(exc)).__name__, "problems": problems}
 
 
 def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdict: RankVerdict) -> RankVerdict:
@@ -244,4 +303,4 @@ class _Evidence:
         patterns = known.patterns if known is not None else artifact.declared_patterns(self.adapter,
                                                                                        self.plan.expert_keys)
         return load_failed(exc, findings=self.findings, checked=self.checked, layout=self.cell.load,
-                           num_experts=self.cell.num_experts, patterns=patterns, rank=rank)
+                           num_experts=self.cell.num_experts, patterns=patterns, rank=rank, adapter=self.adapter)

@@ -23,8 +23,31 @@ __all__ = [
     "Ready",
     "Result",
     "Stop",
+    "StructuredError",
+    "error_fields",
     "function_ref",
 ]
+
+#: the attribute of an exception whose dict of plain data crosses the pipe as :attr:`RankError.fields`.
+FIELDS_ATTR = "structured_fields"
+
+
+class StructuredError(Exception):
+    """An exception whose :attr:`structured_fields` (plain data: str, int, float, bool, lists, dicts) reach the
+    controller as :attr:`RankError.fields`, so a caller reads what happened without parsing the message.  Any
+    exception may carry the attribute; this class only declares it."""
+
+    structured_fields: dict[str, Any]
+
+    def __init__(self, *args: Any, fields: dict[str, Any] | None = None) -> None:
+        super().__init__(*args)
+        self.structured_fields = dict(fields or {})
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """What ``exc`` carries under :data:`FIELDS_ATTR` (a copy; ``{}`` when it carries nothing usable)."""
+    found = getattr(exc, FIELDS_ATTR, None)
+    return dict(found) if isinstance(found, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,8 @@ class RankError:
     type_name: str
     message: str
     traceback: str
+    #: the exception's :data:`FIELDS_ATTR` dict (see :class:`StructuredError`): what the caller reads.
+    fields: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def headline(self) -> str:
         return f"rank {self.rank} raised {self.type_name}: {first_line(self.message)}".rstrip(": ")

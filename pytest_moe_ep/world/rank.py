@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop
+from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop, error_fields
 from pytest_moe_ep.world.workdir import abandon, record_self
 
 #: environment a rank must not inherit: they would point the process group at another world.
@@ -157,7 +157,7 @@ def _error(rank: int, exc: BaseException, skip_frames: int = 0) -> RankError:
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return RankError(rank, type(exc).__qualname__, _message(exc), text)
+    return RankError(rank, type(exc).__qualname__, _message(exc), text, error_fields(exc))
 
 
 def _init_process_group(spec: RankSpec) -> Any:

@@ -32,7 +32,7 @@ from typing import Any, TypedDict, cast
 
 from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
 from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, Section, WorldTimeout
-from pytest_moe_ep.world.protocol import FunctionRef, RankError, function_ref
+from pytest_moe_ep.world.protocol import FunctionRef, RankError, error_fields, function_ref
 from pytest_moe_ep.world.wire import dumps, loads
 
 PREFIX = "pytest-moe-ep/"
@@ -123,7 +123,8 @@ class TorchrunWorld:
             value, error = fn.resolve()(*args, **(kwargs or {})), None
             dumps(value)
         except Exception as exc:
-            value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc), traceback.format_exc())
+            value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc), traceback.format_exc(),
+                                           error_fields(exc))
         try:
             outcomes, missing = self._exchange(f"call{seq}/outcome", (value, error), timeout_s)
         except ValueError as exc:
