@@ -138,6 +138,12 @@ class AdapterError(Exception):
     """The adapter cannot be used: the message says what is missing or what was tried."""
 
 
+class FrameworkRefusal(RuntimeError):
+    """Raised by an adapter that finds the framework cannot do what the cell asks (a split it cannot form, a load
+    that found nothing) although no framework code raised: the cell is ``refused``, as a framework's own raise is,
+    not an ``error`` of the adapter's code.  Raise it ``from`` the framework's error when there is one."""
+
+
 @dataclass(frozen=True)
 class Spec:
     """The model a cell asks an adapter to build.  ``dtype`` is a torch dtype name ("float32")."""

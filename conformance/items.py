@@ -70,9 +70,13 @@ class CellError(Exception):
 
 
 def error_findings(exc: WorldError) -> list[str]:
-    """What the ranks' structured errors say the cell found (:func:`conformance.checks.cell.failure_fields`);
-    a rank that died, hung or raised outside a cell's checks is an ``error``."""
-    found = [f for e in exc.errors.values() for f in e.fields.get("findings") or ()]
+    """What the ranks at fault say the cell found (:func:`conformance.checks.cell.failure_fields`; a victim that
+    timed out waiting for them says nothing of its own); a world that hung, died or never started is an ``error``,
+    and so is a rank that raised outside a cell's checks."""
+    blamed = [e for r, e in exc.errors.items() if not exc.at_fault or r in exc.at_fault]
+    found = [f for e in blamed for f in e.fields.get("findings") or ()]
+    if exc.kind in ("hang", "start"):
+        found = [f for f in found if f == F.ON_DISK] + [F.ERROR]
     return F.ordered(found) or [F.ERROR]
 
 
@@ -123,6 +127,8 @@ class MatrixItem(pytest.Item):
         self.context = context
         self.record = CellRecord(self.nodeid, suite, adapter, adapter_version, fields)
         self.na = na
+        #: what the machine got wrong (a full disk): the cell is an ``error``, whatever the ranks raised.
+        self.environment_problem = ""
 
     def _finish(self, status: str, detail: str, started: float) -> Judgement | None:
         self.record.finish(status, detail, time.perf_counter() - started)
@@ -162,7 +168,7 @@ class MatrixItem(pytest.Item):
             if exc.errors:  # each distinct error in full, for whoever reads the JSON record
                 self.record.errors = {str(r): e.message for r, e in sorted(exc.errors.items())
                                          if e.message not in {x.message for q, x in exc.errors.items() if q < r}}
-            self.record.findings = error_findings(exc)
+            self.record.findings = [F.ERROR] if self.environment_problem else error_findings(exc)
             self.record.problems = error_problems(exc)
             judgement = self._finish("error", f"{F.headline(self.record.findings)} {exc.cause}", started)
             self._settle(judgement, CellError(exc, F.headline(self.record.findings)))
@@ -249,6 +255,7 @@ class CheckpointCellItem(MatrixItem):
             problem = disk_problem(exc, plan)
             if problem:
                 exc.cause = f"{problem}\n{exc.cause}"
+                self.environment_problem = problem
             raise
         finally:
             saves.finished(self.cell, plan, result.values[0] if ok else None)

@@ -1,5 +1,11 @@
 """What the framework-adapter tests share: the default matrix's cell ids for packed-only adapters, running the
-matrix in a pytester subprocess, and grouping a report's cells by status."""
+matrix in a pytester subprocess, grouping a report's cells by status, and each built-in adapter's expectations file.
+
+A framework test asserts its as-found outcomes the way a framework's CI would: through the adapter's expectations
+file in ``ci/expectations/`` (:func:`expectations_args`, :func:`assert_as_expected`), so a change that flips a cell
+is found by the mechanism users run.  ``MOE_EP_UPDATE_EXPECTATIONS=1`` makes those runs rewrite the files from what
+they found (each test's ``-k`` slice updates its own cells only); ``git diff ci/expectations`` then shows what
+changed, and the reasons of the changed entries say so until a person writes them."""
 
 from __future__ import annotations
 
@@ -39,6 +45,28 @@ PACKED_ONLY_NOT_APPLICABLE = {
     "adapter has no save_legacy (its old, lossy save)": 6,
 }
 BIT_FOR_BIT = "equal the ep=1 ground truth bit for bit"
+#: the built-in adapters' expectations files (one per adapter name), and whether this run rewrites them.
+EXPECTATIONS = Path(__file__).resolve().parents[1] / "ci" / "expectations"
+UPDATE_EXPECTATIONS = os.environ.get("MOE_EP_UPDATE_EXPECTATIONS") == "1"
+
+
+def expectations_args(adapter: str) -> tuple[str, ...]:
+    """The options that hold a run of ``adapter`` against its file in ``ci/expectations/`` (or rewrite it)."""
+    path = EXPECTATIONS / f"{adapter}.toml"
+    return (f"--moe-ep-expectations={path}", *(("--moe-ep-update-expectations",) if UPDATE_EXPECTATIONS else ()))
+
+
+def assert_as_expected(result: pytest.RunResult, doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every cell that ran came back as its adapter's expectations file says, so the session is green; returns the
+    cells by id."""
+    cells = {c["id"]: c for c in doc["cells"]}
+    unmet = {i: (c.get("expected"), c.get("finding") or c["status"], c["detail"][:300]) for i, c in cells.items()
+             if c.get("expectation") == "unmet"}
+    assert not unmet, unmet
+    ran = [c for c in cells.values() if c["status"] != "n/a"]
+    assert ran and all(c.get("expectation") in ("met", "updated") for c in ran), ran
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    return cells
 #: where torch builds C++ extensions for this user (DeepSpeed's CPU shared-memory comm op, compiled once by
 #: ci/install_deepspeed.sh), read at import, before pytester points HOME at a temporary directory: a pytester
 #: subprocess must get it as TORCH_EXTENSIONS_DIR, or it compiles the op again (about a minute on 2 cores).

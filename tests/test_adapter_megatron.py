@@ -36,7 +36,15 @@ import importlib.util
 import json
 
 import pytest
-from matrix_expectations import BIT_FOR_BIT, assert_slice_as_found, by_status, pair, run_report
+from matrix_expectations import (
+    BIT_FOR_BIT,
+    assert_as_expected,
+    assert_slice_as_found,
+    by_status,
+    expectations_args,
+    pair,
+    run_report,
+)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (ci/install_megatron.sh installs megatron-core==0.16.0)",
@@ -143,7 +151,8 @@ def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
     assert na == NOT_APPLICABLE
     for cell_id in OPTIM_FAIL:  # Megatron's ChainedOptimizer at ep > 1 renames every optimizer key
         detail = cells[cell_id]["detail"]
-        assert detail.startswith("[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state.exp_avg."), detail
+        assert detail.split(": ", 1)[-1].startswith("[checkpoint] checkpoint: layer 0, key "
+                                                    "'chained_0.optimizer.state.exp_avg."), detail
         assert "it holds the ep=1 checkpoint's 'optimizer.state.exp_avg." in detail, detail
         assert "first difference" not in detail, detail  # every value came back
     for cell_id in MODEL | OPTIM_PASS:
@@ -189,7 +198,8 @@ def test_megatron_cells_saved_at_ep2_as_found(pytester: pytest.Pytester) -> None
                                         "error": set(OPTIM_ERROR)})
     for cell_id, cell in cells.items():
         if cell_id in OPTIM_FAIL:
-            assert cell["detail"].startswith("[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state."), cell
+            assert cell["detail"].split(": ", 1)[-1].startswith(
+                "[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state."), cell
         elif cell_id in MODEL:
             assert BIT_FOR_BIT in cell["detail"], cell
 
@@ -213,15 +223,20 @@ def test_megatron_expert_tensor_parallel_cells_as_found(pytester: pytest.Pyteste
     shard by shard with the ep=1 truth.  The outcomes are the EP ones: model cells pass bit for bit into and out of
     etp, model+optimizer cells between ep > 1 layouts (an etp change included) load every value back but fail on
     the ``chained_N.`` keys, and ep=1 <-> ep > 1 errors on the same KeyError."""
-    _, doc = run_report(pytester, "--moe-ep-matrix=full", f"--moe-ep-adapter={ADAPTER}", "-k", ETP_SLICE)
-    cells, statuses, _ = by_status(doc)
+    result, doc = run_report(pytester, "--moe-ep-matrix=full", f"--moe-ep-adapter={ADAPTER}", "-k", ETP_SLICE,
+                             *expectations_args("megatron"))
+    cells = assert_as_expected(result, doc)  # held against ci/expectations/megatron.toml: the session is green
+    _, statuses, _ = by_status(doc)
     assert statuses == {"pass": ETP_PASS, "fail": ETP_FAIL, "error": ETP_ERROR}, \
         {i: c["detail"][:300] for i, c in cells.items()}
+    assert {cells[i]["finding"] for i in ETP_FAIL} == {"on-disk"}  # every value came back; the keys are re-keyed
+    assert {cells[i]["finding"] for i in ETP_ERROR} == {"refused"}
     for cell_id in ETP_PASS:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
     for cell_id in ETP_FAIL:
         detail = cells[cell_id]["detail"]
-        assert detail.startswith("[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state."), detail
+        assert detail.split(": ", 1)[-1].startswith(
+            "[checkpoint] checkpoint: layer 0, key 'chained_0.optimizer.state."), detail
         assert "first difference" not in detail, detail  # every value came back, etp shards included
     for cell_id in ETP_ERROR:
         assert "KeyError: \"chained_0.optimizer.state.exp_avg.layers.0.mlp.router.weight from model not in " \

@@ -23,14 +23,19 @@ def test_workflow_runs_the_documented_commands() -> None:
     runs = {job: [step.get("run", "") for step in spec["steps"]] for job, spec in workflow["jobs"].items()}
     matrix_cpu = [r for r in runs["cpu"] if "--moe-ep-matrix" in r]
     matrix_gpu = [r for r in runs["gpu"] if "--moe-ep-matrix" in r]
-    assert matrix_cpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-report=moe-ep-report/cpu "
+    gate = "--moe-ep-expectations=$EXPECTATIONS $UPDATE"  # gated on change, not on green: the expectations file
+    assert matrix_cpu == [f"pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER {gate} --moe-ep-report=moe-ep-report/cpu "
                           "--report-log=moe-ep-report/cpu/pytest-log.jsonl"]
-    assert matrix_gpu == ["pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-backend=nccl "
+    assert matrix_gpu == [f"pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-backend=nccl {gate} "
                           "--moe-ep-report=moe-ep-report/gpu --report-log=moe-ep-report/gpu/pytest-log.jsonl"]
-    # A killed run's log (uploaded with the report, it lies in the report directory) rebuilds the report.
+    assert workflow["env"]["UPDATE"] == "${{ inputs.update && '--moe-ep-update-expectations' || '' }}"
+    assert "--moe-ep-update-expectations" in workflow[True]["workflow_dispatch"]["inputs"]["update"]["description"] \
+        or workflow[True]["workflow_dispatch"]["inputs"]["update"]["type"] == "boolean"
+    # A killed run's log (uploaded with the report, it lies in the report directory) rebuilds the report, judged
+    # against the same file.
     for job in ("cpu", "gpu"):
-        assert any(f"--from-log moe-ep-report/{job}/pytest-log.jsonl --out moe-ep-report/{job}" in r
-                   for r in runs[job]), runs[job]
+        assert any(f"--from-log moe-ep-report/{job}/pytest-log.jsonl --out moe-ep-report/{job} --expectations "
+                   "$EXPECTATIONS" in r for r in runs[job]), runs[job]
     assert "--from-log" in readme and "--report-log" in readme
     # Every option the workflow passes is one README documents.
     for option in set(re.findall(r"--moe-ep-[a-z-]+", " ".join(matrix_cpu + matrix_gpu))):

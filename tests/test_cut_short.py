@@ -363,7 +363,7 @@ def test_a_full_disk_is_a_cell_error_naming_directory_space_and_rank(pytester: p
     for cell in doc["cells"]:
         assert cell["status"] == "error"
         first = cell["detail"].splitlines()[0]
-        assert first.startswith(f"save failed: no space left on device (ENOSPC) writing {disk}/"), first
+        assert first.startswith(f"error: save failed: no space left on device (ENOSPC) writing {disk}/"), first
         assert " free of 256.0 KiB; failed on rank(s) " in first, first
     assert left == [], f"left on the full disk after the session: {left}"
     # A complete log rebuilds the report the run wrote.

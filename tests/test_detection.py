@@ -76,7 +76,8 @@ def test_a_permutation_that_round_trips_is_caught_by_the_checkpoint_itself(pytes
     assert same_ep, "the default tier has no cell that saves and loads at ep=2"
     for cell_id in same_ep:  # every value came back right: only the files are wrong
         detail = cells[cell_id]["detail"]
-        assert detail.startswith("[checkpoint] checkpoint: layer ") and "ep=1 checkpoint" in detail, detail
+        assert detail.split(": ", 1)[-1].startswith("[checkpoint] checkpoint: layer ") and \
+            "ep=1 checkpoint" in detail, detail
         assert "first difference" not in detail, detail
     for cell_id, first in failing(cells).items():
         assert re.search(r"layer \d.*expert", first), (cell_id, first)

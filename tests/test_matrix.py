@@ -148,8 +148,9 @@ def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(pytester: pyte
                  "-k", "kind_unpacked and not optim and ep-only and not E6 and not consecutive", "-p", "no:randomly")
     result.assert_outcomes(failed=4)  # every ep pair of the selection loads, and rank 1 raises in each
     result.stdout.fnmatch_lines([
-        "*failed on rank(s) 1: rank 1 raised LoadFailed: the load at ep=* raised: RuntimeError: deliberate failure "
-        "inside load on rank 1 (the checkpoint is EP-invariant, so the load is wrong)",
+        "error: *failed on rank(s) 1: rank 1 raised LoadFailed: the load at ep=* raised: RuntimeError: deliberate "
+        "failure inside load on rank 1 (raised at broken_adapter.py:* in load) (the checkpoint is EP-invariant, so "
+        "the load is wrong)",
         "*in load",
     ])
 

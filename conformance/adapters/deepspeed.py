@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, forward_with_layers
+from conformance.adapter import ADAM_MOMENTS, Capabilities, FrameworkRefusal, Spec, forward_with_layers
 from conformance.adapters._deepspeed_checkpoint import NATIVE_EP_DEPENDENT, read_native
 from conformance.adapters._deepspeed_common import deepspeed as _deepspeed
 from conformance.adapters._deepspeed_common import installed_version, use_expert_groups
@@ -230,7 +230,7 @@ class DeepSpeedAdapter:
             raise RuntimeError(f"load_checkpoint ({_ep_story(model, path)}) raised {type(exc).__name__}: "
                                f"{message}") from exc
         if loaded is None:
-            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+            raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
 
     def forward(self, model: Any, batch: Any) -> Any:
         """The engine's (or the truth's plain model's) forward on ``batch``: DeepSpeed's gate, its token

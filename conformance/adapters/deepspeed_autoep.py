@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, forward_with_layers
+from conformance.adapter import ADAM_MOMENTS, Capabilities, FrameworkRefusal, Spec, forward_with_layers
 from conformance.adapters._deepspeed_checkpoint import AUTOEP_EP_DEPENDENT, read_autoep
 from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
 from conformance.adapters._deepspeed_universal import convert_once, load_universal, saved_ep
@@ -338,7 +338,7 @@ class DeepSpeedAutoEPAdapter:
             message = " ".join(str(exc).split()).replace(os.fspath(path), "<checkpoint>")
             raise RuntimeError(f"load ({story}) raised {type(exc).__name__}: {message}") from exc
         if loaded is None:
-            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path} ({story})")
+            raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path} ({story})")
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
         """The engine checkpoint and its universal conversion in global form (converted here once; a later
@@ -396,7 +396,7 @@ class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
         loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
                                           load_lr_scheduler_states=False)
         if loaded is None:
-            raise RuntimeError(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+            raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
 
 
 # -- helpers of the canonical views ----------------------------------------------------------------

@@ -38,6 +38,7 @@ from typing import Any
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    FrameworkRefusal,
     NotApplicable,
     Spec,
     local_region,
@@ -365,7 +366,7 @@ def _plain_rows(model: Any, rows: int, num_experts: int) -> int:
     chunk = -(-num_experts // ep)  # spmd_types.shard(I -> S(0)) is torch.chunk of the expert dim
     first = rank * chunk
     if first + rows > num_experts:
-        raise RuntimeError(
+        raise FrameworkRefusal(
             f"torchtitan gave ep rank {rank} of {ep} a plain expert tensor of {rows} rows starting at global expert "
             f"{first}, past the {num_experts} experts: spmd_types.shard splits the expert dim into ceil(E/ep)="
             f"{chunk} rows per rank (its meta-device shape; torch.chunk on real data has no chunk for this rank), "

@@ -46,7 +46,7 @@ def load_errors() -> tuple[type[BaseException], ...]:
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).split())
+    text = " ".join(str(exc).split()) or "(no message)"  # a bare assert: the location that follows says it all
     return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
 
 
@@ -111,7 +111,7 @@ def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
     adapter's own code: its class's files, or a built-in adapter's modules), "harness" (this package's checks)
     or "framework" (anything else: the framework, torch, DCP), told apart by the frame that raised it;
     ``raised_at`` is ``path:line in function`` ("" when no traceback survived)."""
-    from conformance.adapter import AdapterError
+    from conformance.adapter import AdapterError, FrameworkRefusal
 
     first = original(exc)
     if isinstance(first, AdapterError):
@@ -120,6 +120,8 @@ def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
     if frame is None:
         return "framework", ""
     where = f"{short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+    if isinstance(first, FrameworkRefusal):  # the adapter's word that the framework cannot: where it said so
+        return "framework", where
     path = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
     if path and (path in _adapter_files(adapter) or path.startswith(_ADAPTERS + os.sep)):
         return "adapter", where

@@ -193,12 +193,10 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
     verdict = RankVerdict(rank)
     try:
         return _run(_Timed(adapter, verdict.timings, members), cell, base, plan, rank, verdict)
-    except Exception as exc:  # DCP's CheckpointException is a BaseException: caught below
-        _annotate(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
-        raise
-    except BaseException as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
-            _annotate(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
+            with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes keeps none
+                setattr(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
         raise
     finally:
         verdict.timings["total"] = time.perf_counter() - started
