@@ -387,8 +387,8 @@ def updated_text(current: Expectations, outcomes: Mapping[str, str], *, adapter:
             continue
         if entry.id in change:
             got = change[entry.id]
-            pin = entry.adapter if entry.adapter != current.adapter else None
-            block = [*_comments(block), *_entry_lines(entry.id, got, placeholder(got, by, was=entry.finding), pin),
+            pinned = entry.adapter if entry.adapter != current.adapter else None
+            block = [*_comments(block), *_entry_lines(entry.id, got, placeholder(got, by, was=entry.finding), pinned),
                      ""]
         out += block
         if out and out[-1].strip():

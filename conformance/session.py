@@ -370,6 +370,18 @@ class MatrixSession:
         return {"file": str(self.baseline.file.path) if self.baseline.file.exists or self.baseline.update else None,
                 "tolerate": list(self.baseline.tolerate), "update": self.baseline.update}
 
+    def _expectations_line(self, records: list[dict[str, Any]]) -> str:
+        """How the run stood against the expectations: red cells expected, cells not as expected."""
+        assert self.baseline is not None
+        red = [r for r in records if r.get("status") in ("fail", "error")]
+        expected = sum(r.get("expectation") in ("met", "tolerated", "updated") for r in red)
+        unmet = [r["id"] for r in records if r.get("expectation") == "unmet"]
+        source = str(self.baseline.file.path) if self.baseline.file.exists else "no file"
+        tolerating = f", tolerating {','.join(self.baseline.tolerate)}" if self.baseline.tolerate else ""
+        line = (f"expectations ({source}{tolerating}): {expected} of {len(red)} red cell(s) expected, {len(unmet)} "
+                "cell(s) not as expected")
+        return line + (f"; the first: {unmet[0]}" if unmet else "")
+
     def _update_expectations(self, exitstatus: int) -> None:
         """Rewrite the expectations file from the cells that ran, atomically, and only after a finished run."""
         from conformance.expectations import updated_text, written_by
@@ -400,6 +412,8 @@ class MatrixSession:
             missing = not_run(self.selected, records)
             if missing:
                 terminalreporter.write_line(f"{len(missing)} selected cell(s) not run: the report lists them")
+            if self.baseline is not None:
+                terminalreporter.write_line(self._expectations_line(records))
             if self.update_note:
                 terminalreporter.write_line(f"expectations: {self.update_note}")
             if self.report_dir is not None:

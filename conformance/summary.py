@@ -45,7 +45,7 @@ def _problem_lines(verdicts: list[RankVerdict]) -> list[str]:
                       key=lambda p: (order.index(p.check) if p.check in order else len(order), p.text))
     lines = [f"[{p.check}] {p.text}" for p in problems[:SHOWN_PROBLEMS]]
     if len(problems) > SHOWN_PROBLEMS:
-        lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems")
+        lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems (the record has them all; -v shows them)")
     return lines
 
 

@@ -33,8 +33,10 @@ from matrix_expectations import (
     E6,
     EVEN,
     PACKED_ONLY_NOT_APPLICABLE,
+    assert_as_expected,
     assert_even_cells_pass,
     by_status,
+    expectations_args,
 )
 from matrix_expectations import run_report as run
 
@@ -146,16 +148,18 @@ CREATE_DTENSOR_SHAPES = {  # cell -> (local rows of dim 1, placements text, glob
 @pytest.mark.slow
 def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_not_zero(
         pytester: pytest.Pytester) -> None:
-    result, doc = run(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=nemo_automodel")
+    result, doc = run(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=nemo_automodel",
+                      *expectations_args("nemo_automodel"))
     assert doc["adapter"] == {"name": "nemo_automodel", "version": "0.7.0"}
     cells, statuses, na = by_status(doc)
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    assert_as_expected(result, doc)  # the E=6 refusals are in ci/expectations/nemo_automodel.toml
+    assert {cells[i]["finding"] for i in E6} == {"refused"}
     assert statuses.get("pass", set()) == set(EVEN), {i: cells[i]["detail"] for i in set(EVEN) ^ statuses["pass"]}
     assert statuses.get("error", set()) == set(E6), {i: cells[i]["detail"] for i in set(E6) ^ statuses["error"]}
     assert "fail" not in statuses
     assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 36, "fail": 0, "error": 5, "n/a": 65}
-    result.assert_outcomes(passed=36, failed=5, skipped=65)
+    result.assert_outcomes(passed=36, xfailed=5, skipped=65)
 
     assert_even_cells_pass(cells)
     for cell_id in EVEN:  # NeMo's forward after the load equals the ep=1 truth's, with and without FSDP

@@ -35,8 +35,10 @@ from matrix_expectations import (
     E6,
     EVEN,
     PACKED_ONLY_NOT_APPLICABLE,
+    assert_as_expected,
     assert_even_cells_pass,
     by_status,
+    expectations_args,
     run_report,
 )
 
@@ -45,8 +47,10 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (ci/instal
 
 
 def run_matrix(pytester: pytest.Pytester, adapter: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={adapter}")
+    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={adapter}",
+                             *expectations_args(adapter))
     assert doc["adapter"] == {"name": adapter, "version": "0.3.0"}
+    assert_as_expected(result, doc)  # held against ci/expectations/<adapter>.toml: what is red there is expected
     return result, doc
 
 
@@ -61,9 +65,8 @@ FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
 
 @pytest.mark.slow
 def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Pytester) -> None:
-    result, doc = run_matrix(pytester, "torchtitan")
+    _, doc = run_matrix(pytester, "torchtitan")
     cells, statuses, na = by_status(doc)
-    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
     passing = set(EVEN) | set(E6)
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing - statuses["pass"]}
     assert na == PACKED_ONLY_NOT_APPLICABLE
@@ -95,9 +98,8 @@ def test_torchtitan_forward_catches_router_rows_swapped_after_the_load(pytester:
 
 @pytest.mark.slow
 def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pytester) -> None:
-    result, doc = run_matrix(pytester, "torchtitan-local")
+    _, doc = run_matrix(pytester, "torchtitan-local")
     cells, statuses, na = by_status(doc)
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
     ep_only = {i: v for i, v in EVEN.items() if not v[1]}
     passing = {i for i, (_, _, s, t) in ep_only.items() if s == t == 1}
     silent = {i for i, (_, _, s, t) in ep_only.items() if s == t > 1}
@@ -112,6 +114,15 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     for cell_id in passing:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
         assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
+    # How bad each red cell is: the same-EP reload hands ranks each other's experts without a word (silent, and the
+    # save is lossy: on-disk); between EP degrees DCP refuses the local shapes (refused, after on-disk where the save
+    # was at ep > 1); E=6 at ep=4 is torchtitan's own split refusing; FSDP under spmd_types fails in torchtitan.
+    assert {cells[i]["finding"] for i in silent} == {"silent"}
+    assert all(cells[i]["findings"] == ["silent", "on-disk"] for i in silent)
+    assert {cells[i]["finding"] for i in reshard if EVEN[i][2] > 1} == {"on-disk"}
+    assert all("refused" in cells[i]["findings"] for i in reshard)
+    assert {cells[i]["finding"] for i in reshard if EVEN[i][2] == 1} == {"refused"}
+    assert {cells[i]["finding"] for i in set(E6) | fsdp} == {"refused"}
     for cell_id in silent:  # the forward at ep > 1 cannot run on gloo under spmd_types: the values finding stays
         assert GLOO_LIST_ALL_TO_ALL in cells[cell_id]["skipped_checks"]["forward"], cells[cell_id]
         # DCP kept one rank's E/ep rows of each expert tensor; the other ranks got them on reload.

@@ -49,6 +49,9 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
         assert cell["detail"].startswith(", ".join(cell["findings"]) + ": "), cell["detail"]
         assert cell["expectation"] == "updated" and cell["problems"], cell
     assert doc["findings"] == {"silent": 0, "on-disk": len(red), "refused": 0, "error": 0}
+    # the record keeps every problem (the first line says "and N more"): structured, each with its rank
+    most = max(red.values(), key=lambda c: len(c["problems"]))
+    assert len(most["problems"]) > 6 and all("check" in p and "text" in p for p in most["problems"]), most
     written = parse(baseline, baseline.read_text())
     assert {e.id: e.finding for e in written.entries} == {i: "on-disk" for i in red}
     assert all("written by pytest --moe-ep-update-expectations" in e.reason for e in written.entries)
@@ -80,9 +83,11 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
     # 4. legacy against an empty file: every red cell is unexpected
     empty = pytester.path / "empty.toml"
     empty.write_text("# nothing is expected to fail\n")
-    result, _ = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={empty}", "-k", SLICE, out="e")
+    result, _ = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={empty}", "-k", SLICE, "-v",
+                    out="e")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=len(green), failed=len(red))
+    result.stdout.fnmatch_lines([f"every problem of this cell ({len(most['problems'])}):"])  # -v: all of them
     result.stdout.fnmatch_lines(["*unexpected: worse than expected: expected pass (not in the expectations file), "
                                  "got on-disk*"])
 
