@@ -233,10 +233,10 @@ def missing_members(adapter: Any) -> list[str]:
 
 def load_adapter(spec: str) -> Any:
     """The adapter named by a built-in name or ``module:attr`` (a class is instantiated)."""
-    from conformance.adapters import checkpoint_builtins
+    from conformance.adapters import builtin_name, checkpoint_builtins
 
     builtins = checkpoint_builtins()
-    target = builtins.get(spec, spec)
+    target = builtins.get(builtin_name(spec), spec)
     if ":" not in target:
         raise AdapterError(f"unknown adapter {spec!r}: give a built-in name ({', '.join(builtins)}) or module:attr")
     module_name, attr = target.split(":", 1)

@@ -148,9 +148,10 @@ class ParallelLayout:
         return ".".join(parts)
 
     def keywords(self) -> set[str]:
-        """``-k`` keywords: each degree, the EP order, and ``hsdp``/``etp`` when they are used."""
+        """``-k`` keywords: each degree, the EP order, ``hsdp``/``etp`` when they are used, and every name the node
+        id shows (:attr:`fragment` and its parts: ``ep2c``, ``ep2.etp2``, ``hsdp2``), so ``-k load_ep2c`` selects."""
         words = {f"ep{self.ep}", f"dp_shard{self.dp_shard}", f"dp_replicate{self.dp_replicate}",
-                 f"etp{self.etp}", self.ep_order}
+                 f"etp{self.etp}", self.ep_order, self.fragment, *self.fragment.split(".")}
         if self.hsdp:
             words.add("hsdp")
         return words

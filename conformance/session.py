@@ -98,12 +98,13 @@ class FunctionsTarget:
 
 def _functions(given: str | None) -> FunctionsTarget | None:
     """Resolve ``--moe-ep-functions``; a module that lacks any of the nine functions is refused up front."""
-    from conformance.adapters import functions_builtins
+    from conformance.adapters import builtin_name, functions_builtins
     from conformance.functions.cells import REFERENCE, load_functions, missing_functions
 
     if not given:
         return None
     builtins = functions_builtins()
+    given = builtin_name(given) if builtin_name(given) in builtins else given
     module = builtins.get(given, given)
     name = module.split(":")[0]
     try:

@@ -172,7 +172,8 @@ def test_nemo_automodel_matrix_passes_even_experts_and_errors_where_e_mod_ep_is_
         else:  # an EP-invariant save; the load at ep=4 is blamed, with NeMo's message
             assert "raised LoadFailed: the load at ep=4, etp=1, dp_shard=1, dp_replicate=1 raised: ValueError: " \
                    "Expected local tensor first dimension to be 1 (experts 4:5), got 2 (the checkpoint is " \
-                   "EP-invariant, so the load is wrong)" in cell["detail"], cell["detail"]
+                   "EP-invariant, so the load is wrong; raised at nemo_automodel/components/moe/state_dict_utils.py" \
+                   ":138 in split_experts_weights_dtensor_aware)" in cell["detail"], cell["detail"]
 
 
 def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(pytester: pytest.Pytester) -> None:

@@ -149,8 +149,8 @@ def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(pytester: pyte
     result.assert_outcomes(failed=4)  # every ep pair of the selection loads, and rank 1 raises in each
     result.stdout.fnmatch_lines([
         "error: *failed on rank(s) 1: rank 1 raised LoadFailed: the load at ep=* raised: RuntimeError: deliberate "
-        "failure inside load on rank 1 (raised at broken_adapter.py:* in load) (the checkpoint is EP-invariant, so "
-        "the load is wrong)",
+        "failure inside load on rank 1 (the checkpoint is EP-invariant, so the load is wrong; raised at "
+        "broken_adapter.py:* in load)",
         "*in load",
     ])
 
@@ -386,3 +386,15 @@ def test_an_adapter_that_composes_ep_only_with_fsdp_gets_its_ep_only_cells_na() 
                                                        "uneven": True, "max_ep": 4, "format": "dcp", "ep_only": False}})
     assert capabilities_of(as_mapping).ep_only is False
     assert caps.__class__(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp").ep_only
+
+
+def test_names_as_users_type_them(pytester: pytest.Pytester) -> None:
+    """``--moe-ep-adapter=olmo-core`` is ``olmo_core`` (``-`` and ``_`` alike, as pip compares names), and every
+    name a node id shows is a ``-k`` keyword (``load_ep2c``, ``save_ep2.etp2``)."""
+    from conformance.adapters import builtin_name
+
+    assert builtin_name("olmo-core") == "olmo_core" and builtin_name("Torchtitan_Local") == "torchtitan-local"
+    assert builtin_name("mypkg.ckpt:Adapter") == "mypkg.ckpt:Adapter"
+    result = run(pytester, "--moe-ep-matrix=full", "--co", "-q", "-k", "load_ep2c and save_ep2.etp2")
+    ids = [line for line in result.stdout.lines if line.startswith("moe-ep-matrix::")]
+    assert ids and all(i.endswith("ep2.etp2->ep2c") for i in ids), ids

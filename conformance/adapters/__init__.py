@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BUILTINS", "Builtin", "checkpoint_builtins", "functions_builtins", "installed"]
+__all__ = ["BUILTINS", "Builtin", "builtin_name", "checkpoint_builtins", "functions_builtins", "installed"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,15 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter",
                                           requires="deepspeed"),
 }
+
+
+def builtin_name(given: str) -> str:
+    """The built-in name ``given`` means, as pip compares package names (``olmo-core`` is ``olmo_core``: ``-`` and
+    ``_`` alike, case ignored); ``given`` itself when no built-in matches (a ``module:attr``, a dotted module)."""
+    def key(name: str) -> str:
+        return name.replace("_", "-").lower()
+
+    return next((name for name in BUILTINS if key(name) == key(given)), given)
 
 
 def checkpoint_builtins() -> dict[str, str]:

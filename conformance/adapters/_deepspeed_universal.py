@@ -18,6 +18,8 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+from conformance.adapter import FrameworkRefusal
+
 __all__ = ["convert_locked", "convert_once", "load_universal", "saved_ep"]
 
 
@@ -46,8 +48,8 @@ def convert_once(path: str) -> None:
         except Exception as exc:  # every rank must learn of it; see the docstring
             outcome[0] = f"ds_to_universal failed: {type(exc).__name__}: {exc}"
     dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise RuntimeError(outcome[0])
+    if outcome[0] is not None:  # DeepSpeed's conversion failed on rank 0: its refusal, on every rank
+        raise FrameworkRefusal(outcome[0])
 
 
 def convert_locked(path: str) -> None:

@@ -131,11 +131,10 @@ def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
 
 
 def located(exc: BaseException, adapter: Any, limit: int = 400) -> str:
-    """:func:`one_line` of the original exception, with where it was raised: a bare ``assert`` has no message,
-    and its file and line are the message."""
-    first = original(exc)
+    """:func:`one_line` of ``exc`` as the adapter's call raised it (an adapter's wrapper names the configuration),
+    with where its original was raised: a bare ``assert`` has no message, and its file and line are the message."""
     _, where = raised_where(exc, adapter)
-    return f"{one_line(first, limit)} (raised at {where})" if where else one_line(first, limit)
+    return f"{one_line(exc, limit)} (raised at {where})" if where else one_line(exc, limit)
 
 
 def _failures(exc: BaseException) -> list[tuple[int | None, BaseException]]:
@@ -201,12 +200,12 @@ def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, la
     raised = translate(exc, layout, num_experts, patterns, rank) or (
         f"{one_line(inner[0][1])} (DCP, rank {inner[0][0]})" if inner and inner[0][0] is not None else one_line(exc))
     _, at = raised_where(exc, adapter)
-    raised = f"{raised} (raised at {at})" if at else raised
+    where = f"; raised at {at}" if at else ""  # last: a headline cut short keeps the blame, loses the place
     full = f"the framework's error in full: {type(exc).__name__}: {exc}"
     if findings:
         more = f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else ""
         return LoadFailed("checkpoint", f"the checkpoint differs from an EP-invariant one: {findings[0]}{more}; the "
-                          f"load then raised: {raised}", full)
+                          f"load then raised: {raised}{f' ({where[2:]})' if where else ''}", full)
     why = ("the checkpoint is EP-invariant, so the load is wrong"
            if not checked else f"the checkpoint itself was not checked: {checked}")
-    return LoadFailed("load", f"the load at {layout.describe()} raised: {raised} ({why})", full)
+    return LoadFailed("load", f"the load at {layout.describe()} raised: {raised} ({why}{where})", full)

@@ -202,6 +202,18 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
         verdict.timings["total"] = time.perf_counter() - started
 
 
+def _member(exc: BaseException) -> str | None:
+    """The adapter member whose call raised ``exc`` or what it wraps (``raise ... from``): the first on the chain."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if getattr(seen, MEMBER_ATTR, None):
+            return str(getattr(seen, MEMBER_ATTR))
+        seen = seen.__cause__
+    return None
+
+
 def failure_fields(exc: BaseException, adapter: Any, verdict: RankVerdict) -> dict[str, Any]:
     """What a cell that raised on this rank found (:mod:`conformance.findings`), as plain data for the controller:
     ``on-disk`` when the checkpoint check had found the save not EP-invariant (whatever raised next); ``refused``
@@ -211,7 +223,7 @@ def failure_fields(exc: BaseException, adapter: Any, verdict: RankVerdict) -> di
     raised_in, raised_at = given.get("raised_in"), given.get("raised_at")
     if raised_in is None:
         raised_in, raised_at = raised_where(exc, adapter)
-    member = getattr(exc, MEMBER_ATTR, None) or getattr(original(exc), MEMBER_ATTR, None)
+    member = _member(exc)
     found: list[str] = []
     if verdict.findings or verdict.truth_findings or (isinstance(exc, LoadFailed) and exc.side == "checkpoint"):
         found.append(F.ON_DISK)
