@@ -56,7 +56,7 @@ def verdict_findings(cell: Cell, verdicts: list[RankVerdict]) -> list[str]:
     if cell.legacy and not all(v.refused for v in verdicts):
         # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised it is loud
         found.append(F.ON_DISK)
-        if any(v.not_refused and "load failed" in v.not_refused for v in verdicts if not v.refused):
+        if any(v.load_raised for v in verdicts if not v.refused):
             found.append(F.REFUSED)
     return F.ordered(found)
 

@@ -41,8 +41,15 @@ def run_default_tier(pytester: pytest.Pytester, adapter: str, select: str, *extr
 
 
 def failing(cells: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Failing cell -> the first line of its diagnosis."""
-    return {i: c["detail"].splitlines()[0] for i, c in cells.items() if c["status"] in ("fail", "error")}
+    """Failing cell -> the first line of its diagnosis after the findings it leads with (each checked here: a red
+    cell says how bad it is, and a seeded bug's silent damage is ``silent``)."""
+    found = {}
+    for cell_id, cell in cells.items():
+        if cell["status"] in ("fail", "error"):
+            first, lead = cell["detail"].splitlines()[0], ", ".join(cell["findings"]) + ": "
+            assert cell["finding"] == cell["findings"][0] and first.startswith(lead), (cell_id, first)
+            found[cell_id] = first[len(lead):]
+    return found
 
 
 def ran(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -53,6 +60,7 @@ def test_an_unrestored_optimizer_step_is_caught_in_every_model_optim_cell(pytest
     cells = run_default_tier(pytester, "StepNotRestored", OPTIM)
     optim = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]}
     assert optim and set(failing(cells)) == optim
+    assert {cells[i]["finding"] for i in optim} == {"silent"}  # the load said nothing
     for cell_id, first in failing(cells).items():
         assert re.match(r"\[scalars\] rank \d: optimizer scalar 'step' = \[3\.0\] after the load, expected \[2\.0\]",
                         first), (cell_id, first)
@@ -62,6 +70,7 @@ def test_experts_left_without_optimizer_state_are_named_per_replica(pytester: py
     cells = run_default_tier(pytester, "MomentsDropped", OPTIM)
     optim = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]}
     assert optim and set(failing(cells)) == optim
+    assert {cells[i]["finding"] for i in optim} == {"silent"}
     for cell_id, first in failing(cells).items():
         assert re.match(r"\[missing\] after the load the ranks \[[\d, ]+\] \(one replica\) hold no "
                         r"'(gate|up|down)\.exp_avg(_sq)?' of layer \d, experts? [\d.]+", first), (cell_id, first)
@@ -75,6 +84,7 @@ def test_a_permutation_that_round_trips_is_caught_by_the_checkpoint_itself(pytes
     same_ep = {i for i in wrong if cells[i]["save_ep"] == cells[i]["load_ep"] == 2}
     assert same_ep, "the default tier has no cell that saves and loads at ep=2"
     for cell_id in same_ep:  # every value came back right: only the files are wrong
+        assert cells[cell_id]["findings"] == ["on-disk"], cells[cell_id]  # the trap for the next reader
         detail = cells[cell_id]["detail"]
         assert detail.split(": ", 1)[-1].startswith("[checkpoint] checkpoint: layer ") and \
             "ep=1 checkpoint" in detail, detail
@@ -91,7 +101,7 @@ def test_the_global_rank_as_ep_rank_is_caught_where_ep_groups_are_strided(pytest
     strided = {i for i, c in ran(cells).items() if "ep2" in (c["save_layout"], c["load_layout"])}
     assert strided and set(failing(cells)) == strided
     for cell_id, first in failing(cells).items():
-        assert cells[cell_id]["status"] == "error", cells[cell_id]
+        assert cells[cell_id]["status"] == "error" and cells[cell_id]["finding"] == "error", cells[cell_id]
         assert re.search(r"raised LayoutMismatch: the (save|load) side's experts are not where the cell's layout "
                          r"puts them: the framework formed consecutive EP groups \[0, 1\], \[2, 3\]; the layout "
                          r"ep2 \(strided EP groups \[0, 2\], \[1, 3\]\) gives experts 0\.\.\d to ranks 0, 1; experts "
@@ -208,7 +218,7 @@ def test_the_global_rank_as_ep_rank_under_expert_tp_is_a_layout_error(pytester: 
     touched = {i for i, c in ran(cells).items() if {c["save_layout"], c["load_layout"]} & {"ep2", "ep2.etp2"}}
     assert touched and set(failing(cells)) == touched
     for cell_id, first in failing(cells).items():
-        assert cells[cell_id]["status"] == "error", cells[cell_id]
+        assert cells[cell_id]["status"] == "error" and cells[cell_id]["finding"] == "error", cells[cell_id]
         assert re.search(r"raised LayoutMismatch: the (save|load) side's experts are not where the cell's layout puts "
                          r"them: ", first), (cell_id, first)
 

@@ -36,6 +36,7 @@ def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: Rank
             declared = ", ".join(t.__name__ for t in refusals) or "none declared"
             verdict.not_refused = (f"not refused: the load failed with {one_line(exc)} (the adapter's refusal "
                                    f"errors: {declared})")
+            verdict.load_raised = True
         return False
     verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"
     return True

@@ -60,6 +60,8 @@ class RankVerdict:
     #: legacy cells: the framework's refusal, or why the load was not one.
     refused: str | None = None
     not_refused: str | None = None
+    #: a legacy cell whose load raised an error that is not a declared refusal (loud, but no guard).
+    load_raised: bool = False
     #: checks that did not apply to this cell, with the reason (e.g. the adapter has no ``step``).
     skipped: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
