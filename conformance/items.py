@@ -26,7 +26,7 @@ from conformance.adapter import Members, Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.expectations import Baseline, Judgement, outcome_of
 from conformance.matrix import Cell
-from conformance.record import CellRecord, environment, function_record
+from conformance.record import FUNCTION_FINDING, CellRecord, environment, function_record
 from conformance.report import INTERRUPTED, OUTCOME, RECORD
 from conformance.saves import Saves, disk_problem, save_key
 from conformance.summary import structured_problems, summarize, summarize_functions, verdict_findings
@@ -290,7 +290,7 @@ class FunctionsCellItem(MatrixItem):
         self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
         status, detail = summarize_functions(self.cell, records)
         if status == "fail":  # a function that answers wrong without a word: the functions' silent finding
-            self.record.findings = [F.SILENT]
+            self.record.findings = [FUNCTION_FINDING["fail"]]
             detail = f"{F.headline(self.record.findings)} {detail}"
         return status, detail
 

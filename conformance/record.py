@@ -71,10 +71,16 @@ def environment(torch: str, world_size: int, backend: str) -> dict[str, Any]:
     return {"torch": torch, "world_size": world_size, "backend": backend}
 
 
+#: a functions record's finding by its status: a function that answers wrong without a word is silent.
+FUNCTION_FINDING = {"fail": "silent", "error": "error"}
+
+
 def function_record(cell: CellRecord, merged: dict[str, Any], torch: str) -> dict[str, Any]:
     """The report's record of one function of a functions cell, from its ranks' merged record."""
+    found = FUNCTION_FINDING.get(str(merged.get("status")))
     return {"id": f"{cell.id}::{merged['function']}", "adapter": cell.adapter,
-            "adapter_version": cell.adapter_version, "duration_s": 0.0, "torch": torch, **merged}
+            "adapter_version": cell.adapter_version, "duration_s": 0.0, "torch": torch, **merged,
+            **({"finding": found, "findings": [found]} if found else {})}
 
 
 __all__ = ["CellRecord", "environment", "function_record"]

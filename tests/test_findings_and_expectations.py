@@ -246,3 +246,29 @@ def test_xdist_workers_judge_and_the_controller_updates(pytester: pytest.Pyteste
     result = pytester.runpytest_subprocess(*args, timeout=600)
     assert result.ret == 0, result.stdout.str()[-3000:]
     result.assert_outcomes(passed=4 - len(entries), xfailed=len(entries))
+
+
+def test_under_torchrun_rank_0_writes_the_file_and_every_rank_holds_to_it(pytester: pytest.Pytester,
+                                                                            tmp_path: Path) -> None:
+    """The in-process engine (pytest on every rank of a torchrun launch): each rank judges the same cells alike, the
+    update is rank 0's to write, and a run against the file agrees on exit status 0."""
+    import os
+
+    baseline = tmp_path / "legacy.toml"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",
+             "-p", "no:cacheprovider", "--moe-ep-timeout=120", "--moe-ep-matrix=2", "--moe-ep-world-size=2",
+             "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}", "-k", "kind_unpacked and model and "
+             "not optim and ep-only and not E6", *extra],
+            cwd=pytester.path, env=env, capture_output=True, text=True, timeout=400)
+
+    first = launch("--moe-ep-update-expectations")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    entries = parse(baseline, baseline.read_text()).entries
+    assert entries and {e.finding for e in entries} == {"on-disk"}
+    again = launch()
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("xfailed") >= 2, again.stdout[-3000:]  # both ranks report the expected cells
