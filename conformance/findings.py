@@ -47,8 +47,6 @@ CHECK_FINDING = {
     "forward": SILENT,
     "setup": ERROR,
 }
-#: where an exception was raised (:func:`conformance.checks.blame.raised_where`) -> what it is evidence of.
-RAISED_IN = {"framework": REFUSED, "adapter": ERROR, "harness": ERROR}
 
 
 def ordered(found: Iterable[str]) -> list[str]:
@@ -73,5 +71,5 @@ def headline(findings: Iterable[str]) -> str:
     return ", ".join(ordered(findings)) + ":"
 
 
-__all__ = ["CHECK_FINDING", "ERROR", "FINDINGS", "MEANING", "ON_DISK", "PASS", "RAISED_IN", "REFUSED", "SILENT",
+__all__ = ["CHECK_FINDING", "ERROR", "FINDINGS", "MEANING", "ON_DISK", "PASS", "REFUSED", "SILENT",
            "headline", "ordered", "severity", "worst"]

@@ -227,12 +227,8 @@ def failure_fields(exc: BaseException, adapter: Any, verdict: RankVerdict) -> di
     found: list[str] = []
     if verdict.findings or verdict.truth_findings or (isinstance(exc, LoadFailed) and exc.side == "checkpoint"):
         found.append(F.ON_DISK)
-    if isinstance(exc, (LayoutMismatch, AdapterError)):
-        found.append(F.ERROR)
-    elif isinstance(exc, save_plan.SaveRefused) or (raised_in == "framework" and member in FRAMEWORK_CALLS):
-        found.append(F.REFUSED)
-    else:
-        found.append(F.RAISED_IN.get(str(raised_in), F.ERROR) if member in FRAMEWORK_CALLS else F.ERROR)
+    refused = isinstance(exc, save_plan.SaveRefused) or (raised_in == "framework" and member in FRAMEWORK_CALLS)
+    found.append(F.REFUSED if refused and not isinstance(exc, (LayoutMismatch, AdapterError)) else F.ERROR)
     phase = given.get("phase") or ("load" if isinstance(exc, LoadFailed) else member or "harness")
     problems = [{"check": "checkpoint", "text": f"checkpoint: {finding}"}
                 for finding in (*verdict.truth_findings, *verdict.findings)]
