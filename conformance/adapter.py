@@ -158,7 +158,8 @@ class Spec:
     shared_expert: bool = True
     dtype: str = "float32"
     optimizer_steps: int = 0
-    #: the optimizer's learning rate (the load side builds with another, so an lr not restored shows).
+    #: the optimizer's learning rate: configuration, the same on the save and the load side (a real resume keeps
+    #: its configuration; the load side's other *state* -- seed, step count, schedule position -- is what differs).
     lr: float = 1e-2
     #: compose FSDP2 over the mesh's ``dp_shard`` dim (and ``dp_replicate``: HSDP) after the EP split.
     fsdp: bool = False

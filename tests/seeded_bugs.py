@@ -374,6 +374,46 @@ class SchedulerNotRestored(WithScheduler):
         return None
 
 
+class ScheduleClosesOverConfig(WithScheduler):
+    """Not a bug: a warm-down schedule that closes over its configuration, as many trainers' do: ``LambdaLR`` with
+    ``min_lr_ratio = MIN_LR / spec.lr``, which no checkpoint holds.  The load restores the scheduler exactly; the
+    next step's lr is then computed from the load side's configuration, which is the run's own (issue 32: a load
+    side built with another lr in its configuration read this as a wrong lr).  Every cell passes."""
+
+    name = "seeded-schedule-closes-over-config"
+    MIN_LR = 1e-3
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+        import torch
+
+        from conformance.adapter import run_steps
+
+        model, _ = ReferenceAdapter.build(self, replace(spec, optimizer_steps=0), mesh, seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        min_lr_ratio = self.MIN_LR / spec.lr  # configuration, closed over: never in a checkpoint
+
+        def factor(step: int) -> float:
+            return min_lr_ratio + (1 - min_lr_ratio) * max(0.0, 1 - step / 10)
+
+        state = {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor)}
+        run_steps(lambda index: self.step(model, optimizer, seed, index, state=state), 0, spec.optimizer_steps)
+        return model, optimizer, state
+
+
+class LrNotRestored(WithScheduler):
+    """The load restores the scheduler, then puts back the lr the load side had (a trainer that re-applies its own
+    lr after loading): on a schedule whose lr changes every step the load side's lr (one step further) is not the
+    saved one (``scalars``)."""
+
+    name = "seeded-lr-not-restored"
+
+    def load(self, model: Any, optimizer: Any, path: str, state: Any = None) -> None:
+        before = [group["lr"] for group in optimizer.param_groups] if optimizer is not None else []
+        super().load(model, optimizer, path, state=state)
+        for group, lr in zip(optimizer.param_groups if optimizer is not None else [], before, strict=True):
+            group["lr"] = lr
+
+
 # -- issue 20: bug classes the default tier must reach -----------------------------------------------
 def _rename_or_drop(obj: Any, name: Callable[[str], str | None]) -> Any:
     """``obj`` with string keys renamed and those ``name`` maps to None left out (strings in lists kept)."""

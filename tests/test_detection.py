@@ -167,6 +167,24 @@ def test_a_scheduler_the_load_does_not_restore_is_caught_by_scalars(pytester: py
                         r"_step_count)' = .* after the load, expected ", first), (cell_id, first)
 
 
+def test_a_schedule_that_closes_over_its_configuration_is_no_false_alarm(pytester: pytest.Pytester) -> None:
+    """Configuration is not state: the load side keeps the run's configuration, so an exact restore of a LambdaLR
+    whose factor reads ``min_lr / init_lr`` passes every cell (it failed the resume check by 5.6e-9 when the load
+    side was built with three times the lr)."""
+    cells = run_default_tier(pytester, "ScheduleClosesOverConfig", "optim")
+    assert ran(cells) and failing(cells) == {}
+
+
+def test_an_lr_the_load_does_not_restore_is_caught_on_a_per_step_schedule(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "LrNotRestored", OPTIM)
+    optim = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]}
+    assert optim and set(failing(cells)) == optim
+    assert {cells[i]["finding"] for i in optim} == {"silent"}
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"\[scalars\] rank \d: optimizer scalar '(param_groups\.0\.lr|state\.scheduler\._last_lr)' = "
+                        r".* after the load, expected ", first), (cell_id, first)
+
+
 # -- issue 20: the bug classes the default tier once missed ------------------------------------------
 @pytest.mark.parametrize(("adapter", "experts", "missing"), [
     ("FirstRanksGetOneMore", 6, "5"),       # rank 2 files only expert 4; expert 5 is nowhere

@@ -6,8 +6,11 @@ engine).  In order:
 1. the truth checkpoint: the ep=1 save of the save side's model, written once per spec and shared;
 2. the save side at its layout with seed A -- unless an earlier cell already wrote this checkpoint
    (one save feeds every load of it); the cell that writes it also inspects it (``checkpoint``);
-3. the load side at its layout with seed B, one more optimizer step and another learning rate, and
-   a check that it differs from the truth -- otherwise a load that does nothing would pass;
+3. the load side at its layout with the run's own configuration but another state -- seed B and one more
+   optimizer step (its step count, moments and a schedule's position differ) -- and a check that it differs
+   from the truth: otherwise a load that does nothing would pass.  The configuration (the learning rate among
+   it) is the save's, as in a real resume: a schedule that closes over its configuration (``min_lr / init_lr``)
+   must not read as state the load failed to restore;
 4. the load; a legacy cell passes only on a real refusal (:mod:`.refusal`), and a load that raises
    elsewhere names the checkpoint's problems in expert terms before the framework's own message;
 5. ``values``, ``missing`` (per replica group), ``scalars``, ``forward`` and ``resume``.
@@ -33,10 +36,11 @@ from conformance.matrix import Cell
 from conformance.saves import CellPlan
 from pytest_moe_ep.world.protocol import FIELDS_ATTR, StructuredError, error_fields
 
-__all__ = ["LOAD_LR_FACTOR", "BuildFailed", "CellPlan", "load_errors", "run_cell"]
+__all__ = ["LOAD_EXTRA_STEPS", "BuildFailed", "CellPlan", "load_errors", "run_cell"]
 
-#: the load side's learning rate is this times the save's, so an lr the load does not restore shows.
-LOAD_LR_FACTOR = 3.0
+#: the load side's optimizer runs this many steps more than the save's: its state (step count, moments, a
+#: schedule's position and so its lr) differs, while its configuration is the run's own.
+LOAD_EXTRA_STEPS = 1
 
 
 class _Timed:
@@ -257,8 +261,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
             verdict.skipped["checkpoint attribution"] = known.note
 
     truth = ground_truth(adapter, load_spec, rank)
-    side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + 1 if optim else 0,
-                     lr=load_spec.lr * LOAD_LR_FACTOR)
+    side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + LOAD_EXTRA_STEPS if optim else 0)
     b = _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load")
     model, optimizer = b.model, b.optimizer if optim else None
     check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load")

@@ -1,7 +1,8 @@
 """Resumed training equals uninterrupted training: scalars, the forward, and one more step.
 
-The load side was built with seed B, one more optimizer step than the save and another learning
-rate, so a load that leaves the step count, the lr or any moment alone changes what comes next:
+The load side was built with the run's configuration but seed B and one more optimizer step than the save, so a
+load that leaves the step count, a schedule's position (and so its lr) or any moment alone changes what comes next
+(a constant lr is configuration, the same on both sides: not restoring it is no bug):
 
 - ``scalars``: the adapter's optimizer scalars (step counts, each group's lr, betas, weight decay,
   eps) and the training state's beyond the optimizer (an LR scheduler's ``state_dict``) equal the truth's;
