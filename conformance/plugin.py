@@ -53,8 +53,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                    "(refused, error): such cells are xfailed, still reported")
 
 
+#: options that only mean something in a matrix (or functions) session: given alone, they would do nothing.
+_MATRIX_ONLY = {"moe_ep_expectations": "--moe-ep-expectations", "moe_ep_update_expectations":
+                "--moe-ep-update-expectations", "moe_ep_tolerate": "--moe-ep-tolerate"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("moe_ep_matrix", None) is None and not config.getoption("moe_ep_functions", None):
+        given = [flag for dest, flag in _MATRIX_ONLY.items() if config.getoption(dest, None)]
+        if given:  # the command line's, not an ini value a project keeps for its matrix job
+            raise pytest.UsageError(f"pytest-moe-ep: {', '.join(given)} holds the conformance matrix to a baseline; "
+                                    "give --moe-ep-matrix (or --moe-ep-functions) too")
         return
     from conformance.session import MatrixSession
 

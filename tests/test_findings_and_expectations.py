@@ -140,6 +140,14 @@ def test_a_broken_expectations_file_is_a_one_line_usage_error(pytester: pytest.P
     assert problem in errors[0] and "Traceback" not in result.stderr.str()
 
 
+def test_expectations_without_the_matrix_are_a_usage_error_not_ignored(pytester: pytest.Pytester) -> None:
+    (pytester.path / "e.toml").write_text("")
+    result = pytester.runpytest_subprocess("--moe-ep-expectations=e.toml", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--moe-ep-expectations holds the conformance matrix to a baseline; give --moe-ep-matrix" in \
+        result.stderr.str()
+
+
 def test_tolerating_refusals_does_not_tolerate_a_lossy_checkpoint(pytester: pytest.Pytester) -> None:
     result, doc = run(pytester, "--moe-ep-adapter=legacy", "--moe-ep-tolerate=refused,error", "-k", SLICE)
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # on-disk is never tolerated wholesale
