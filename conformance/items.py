@@ -278,6 +278,8 @@ class FunctionsCellItem(MatrixItem):
         super().__init__(suite="functions", adapter=module, adapter_version=installed_version(module),
                          fields=fields, na=na, **kwargs)
         self.cell, self.module = cell, module
+        #: one report record per function, attached once the cell is judged (they carry its expectation).
+        self.function_records: list[dict[str, Any]] = []
 
     def check(self) -> tuple[str, str]:
         from conformance.functions.merge import merge_rank_records
@@ -285,8 +287,7 @@ class FunctionsCellItem(MatrixItem):
         result = call_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {}, world_size=self.cell.world_size,
                               backend=self.backend)
         records = merge_rank_records(result.values)
-        for r in records:  # one record per function; the item's own record summarises them
-            self.user_properties.append((RECORD, json.dumps(function_record(self.record, r, _torch_version()))))
+        self.function_records = [function_record(self.record, r, _torch_version()) for r in records]
         self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
         status, detail = summarize_functions(self.cell, records)
         if status == "fail":  # a function that answers wrong without a word: the functions' silent finding
@@ -298,6 +299,8 @@ class FunctionsCellItem(MatrixItem):
         # The per-function records carry the report; the item's own record is dropped from it.
         self.record.finish(status, detail, time.perf_counter() - started)
         judgement = self._judge()
+        for r in self.function_records:  # one record per function; the item's own record summarises them
+            self.user_properties.append((RECORD, json.dumps({**r, **(self.record.expectation or {})})))
         if status in ("n/a", "error", INTERRUPTED):
             self._attach()
         return judgement
