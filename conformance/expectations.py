@@ -75,8 +75,10 @@ def normalize_id(cell_id: str) -> str:
 
 
 def normalize_adapter(name: str) -> str:
-    """Adapter names compare as pip compares package names: ``-`` and ``_`` alike, case ignored."""
-    return name.replace("_", "-").lower()
+    """Adapter names compare as everywhere (:func:`conformance.adapters.name_key`): ``-`` and ``_`` alike."""
+    from conformance.adapters import name_key
+
+    return name_key(name)
 
 
 def is_pattern(cell_id: str) -> bool:

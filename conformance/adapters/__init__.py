@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BUILTINS", "Builtin", "builtin_name", "checkpoint_builtins", "functions_builtins", "installed"]
+__all__ = ["BUILTINS", "Builtin", "builtin_name", "checkpoint_builtins", "functions_builtins", "installed", "name_key"]
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,15 @@ BUILTINS: dict[str, Builtin] = {
 }
 
 
-def builtin_name(given: str) -> str:
-    """The built-in name ``given`` means, as pip compares package names (``olmo-core`` is ``olmo_core``: ``-`` and
-    ``_`` alike, case ignored); ``given`` itself when no built-in matches (a ``module:attr``, a dotted module)."""
-    def key(name: str) -> str:
-        return name.replace("_", "-").lower()
+def name_key(name: str) -> str:
+    """An adapter name as names compare: as pip compares package names, ``-`` and ``_`` alike, case ignored."""
+    return name.replace("_", "-").lower()
 
-    return next((name for name in BUILTINS if key(name) == key(given)), given)
+
+def builtin_name(given: str) -> str:
+    """The built-in name ``given`` means (``olmo-core`` is ``olmo_core``: :func:`name_key`); ``given`` itself when no
+    built-in matches (a ``module:attr``, a dotted module)."""
+    return next((name for name in BUILTINS if name_key(name) == name_key(given)), given)
 
 
 def checkpoint_builtins() -> dict[str, str]:
