@@ -191,13 +191,11 @@ class MatrixItem(pytest.Item):
     def _settle(self, judgement: Judgement | None, failure: BaseException | None) -> None:
         """End the item as its outcome and expectation say: a met red cell is xfailed with the expectation's
         reason; an unmet expectation fails, leading with what was expected and what came back."""
-        if judgement is None or (judgement.state == "met" and failure is None):
-            if failure is not None:
-                raise failure
-            return
-        if judgement.met:
-            if failure is None:  # an update run's green cell that the file expected red
+        if judgement is None or judgement.met:
+            if failure is None:  # green, or (an update run) green where the file said red
                 return
+            if judgement is None:  # no expectations: red fails, as it always did
+                raise failure
             pytest.xfail(f"{judgement.text}: {first_line(self.record.detail)}")
         if isinstance(failure, CellError):
             failure.lead = f"unexpected: {judgement.text}\n{failure.lead}"
