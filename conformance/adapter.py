@@ -95,6 +95,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from conformance.layout import EP_ORDERS, ParallelLayout
+from conformance.scalars import state_scalars, torch_optimizer_scalars
 
 __all__ = [
     "ADAM_MOMENTS",
@@ -361,22 +362,6 @@ def run_steps(step: Callable[[int], None], first: int, count: int) -> None:
         step(index)
 
 
-def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
-    """``scalars`` of a ``torch.optim`` optimizer: each group's hyperparameters and the step counts of its state.
-
-    The same names at every EP degree: groups by index, steps as the sorted set of distinct values.
-    """
-    found: dict[str, Any] = {}
-    for i, group in enumerate(optimizer.param_groups):
-        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
-            if name in group:
-                value = group[name]
-                found[f"param_groups.{i}.{name}"] = list(value) if isinstance(value, tuple) else float(value) \
-                    if hasattr(value, "item") else value
-    found["step"] = sorted({float(state["step"]) for state in optimizer.state.values() if "step" in state})
-    return found
-
-
 def forward_with_layers(run: Callable[[], Any], layers: Mapping[str, Any]) -> dict[str, Any]:
     """``forward``'s named form: ``{"output": run(), name: that module's output, ...}``, each named module's own
     output (a tuple's first element) caught by a forward hook while ``run`` runs the model.
@@ -450,39 +435,6 @@ def built(result: Any, where: str = "build") -> Built:
     raise AdapterError(f"{where} returned {type(result).__name__}"
                        f"{f' of length {len(result)}' if isinstance(result, tuple) else ''}; expected "
                        "(model, optimizer) or (model, optimizer, state)")
-
-
-def _plain(value: Any) -> Any:
-    """A scalar-ish value as plain Python (a list for tuples and 0-d or small tensors), else ``None``."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
-        return items if all(i is not None or v is None for i, v in zip(items, value, strict=True)) else None
-    if hasattr(value, "numel") and hasattr(value, "tolist") and value.numel() <= 16:
-        return value.tolist()
-    return None
-
-
-def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The scalars of the training state beyond the optimizer, as ``state.<name>.<field>``.
-
-    Each object's ``state_dict()`` (a torch LR scheduler: ``last_epoch``, ``base_lrs``, ``_last_lr``, ...),
-    or a mapping's own items; values that are not plain scalars (tensors, nested dicts) are left out.
-    """
-    found: dict[str, Any] = {}
-    for name, obj in sorted((state or {}).items()):
-        fields_ = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
-        if not isinstance(fields_, Mapping):
-            value = _plain(fields_)
-            if value is not None:
-                found[f"state.{name}"] = value
-            continue
-        for field_name, value in sorted(fields_.items(), key=lambda kv: str(kv[0])):
-            plain = _plain(value)
-            if plain is not None or value is None:
-                found[f"state.{name}.{field_name}"] = plain
-    return found
 
 
 # -- the contract, typed ---------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from conformance.inspection import (
     pattern,
     read_checkpoint,
 )
+from conformance.rounding import ROUNDING_ULPS
 from pytest_moe_ep.text import shorten
 
 __all__ = ["main"]
@@ -50,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="OTHER_DIR", help="also check that OTHER_DIR (say, the same model saved "
                    "at ep=1) holds the same keys, global shapes and dtypes")
     p.add_argument("--values", action="store_true", help="with --compare: compare every value too, streamed")
+    p.add_argument("--ulps", type=float, default=0.0, metavar="N",
+                   help="with --values: take values within N ulps of each other as equal (a fused kernel's rounding "
+                        f"on a differently shaped shard; the matrix uses {ROUNDING_ULPS}; default %(default)s: bit "
+                        "for bit)")
     p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_BYTES >> 20, metavar="MB",
                    help="with --values: read at most this much per batch (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -112,7 +117,7 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     if args.compare:
         other = read_checkpoint(args.compare)
         found = compare_indexes(index, other, values=args.values, patterns=patterns,
-                                memory_bytes=max(1, args.memory_mb) << 20,
+                                memory_bytes=max(1, args.memory_mb) << 20, rounding_ulps=args.ulps,
                                 names=("checkpoint", "other checkpoint"))
         what = "keys, global shapes, dtypes" + (" and every value" if args.values else "")
         text.append(f"compared with the other checkpoint {args.compare} ({what}): "

@@ -13,6 +13,7 @@ from typing import Any
 from conformance import findings as F
 from conformance.checks import CHECKS, Mismatch, RankVerdict
 from conformance.matrix import Cell
+from conformance.rounding import ROUNDING_ULPS
 
 SHOWN_PROBLEMS = 6
 
@@ -47,6 +48,16 @@ def _problem_lines(verdicts: list[RankVerdict]) -> list[str]:
     if len(problems) > SHOWN_PROBLEMS:
         lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems (the record has them all; -v shows them)")
     return lines
+
+
+def _rounding(verdicts: list[RankVerdict]) -> str:
+    """`` (bit for bit)`` or how many tensors a kernel's rounding left within :data:`ROUNDING_ULPS` of it."""
+    count = sum(v.rounded_count for v in verdicts)
+    if not count:
+        return " bit for bit"
+    worst = max(v.rounded_ulps for v in verdicts)
+    return (f" ({count} of them within a kernel's rounding of it: at most {worst:.2g} ulps, the tolerance is "
+            f"{ROUNDING_ULPS})")
 
 
 def verdict_findings(cell: Cell, verdicts: list[RankVerdict]) -> list[str]:
@@ -110,8 +121,8 @@ def _summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[s
         ran = [c for c in CHECKS if c not in skipped and c not in ("refusal", "setup")
                and not (cell.state == "model" and c in ("scalars", "resume"))]
         tail = "".join(f"; {k} check skipped: {why}" for k, why in sorted(skipped.items()))
-        return "pass", (f"{compared} tensors on {len(verdicts)} ranks equal the ep=1 ground truth bit for bit "
-                        f"(checks: {', '.join(ran)}){tail}")
+        return "pass", (f"{compared} tensors on {len(verdicts)} ranks equal what the checkpoint holds bit for bit, "
+                        f"and the ep=1 ground truth{_rounding(verdicts)} (checks: {', '.join(ran)}){tail}")
     # A wrong value leads (it names rank, layer, expert and tensor); else the checks' problems, the
     # checkpoint's own findings first, and a difference only the next step shows last.
     values_first = any(m.check == "values" for v in verdicts for m in v.mismatches)

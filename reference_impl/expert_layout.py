@@ -313,8 +313,9 @@ class ExpertLayout:
         it views, which holds what the load wrote.  Each optimizer param group lists this rank's
         parameters again and keeps the loaded settings (lr, betas, ...).  A packed weight's scalar
         state (AdamW's ``step``) comes from its first expert's entry; a rank that holds no row of
-        it has no entry to load it from, so it takes the step of its param group's first parameter
-        (AdamW steps a group's parameters together).
+        it has no entry to load it from, so it takes the step of its param group's first parameter whose
+        state was loaded (AdamW steps a group's parameters together), or, in a group of such weights alone (the
+        experts in a group of their own on a rank that holds none), another group's.
         """
         seen = self._seen.get("state")
         if seen is None:
@@ -369,9 +370,13 @@ class ExpertLayout:
                 entry.update((n, firsts[0][n]) for n in scalars if n in firsts[0])
             elif scalars:
                 empty.append((key, scalars))
+        rowless = {key for key, _ in empty}
         for key, scalars in empty:
+            # the group's first parameter whose state the load wrote; a group of only this rank's row-less packed
+            # weights (the experts in a group of their own, on a rank that holds no expert) takes another group's
             group = next((g for g in self._local_groups or [] if key in g), [])
-            donor = next((out[p] for p in group if p in out and p not in self._split), None)
+            others = [p for g in self._local_groups or [] if g is not group for p in g]
+            donor = next((out[p] for p in (*group, *others) if p in out and p not in rowless), None)
             for name in scalars:
                 if donor is None or name not in donor:
                     continue

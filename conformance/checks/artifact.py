@@ -6,7 +6,8 @@ conformance.inspect`` runs on real checkpoints):
 - does the checkpoint hold every expert of every layer once under its global id (metadata alone:
   expert axes, chunk coverage, per-expert ids, layers, optimizer moments)?
 - does it hold the same keys, global shapes, dtypes and values -- tensors and non-tensor entries
-  (step, lr) alike -- as the ep=1 save of the same model (the truth checkpoint)?
+  (step, lr) alike -- as the ep=1 save of the same model (the truth checkpoint)?  Values within a kernel's
+  rounding of the truth's (:mod:`conformance.rounding`) are the same: a fused optimizer steps a shard differently.
 
 and, of the truth checkpoint itself: does each expert key (or packed row) hold the model's own tensor of
 that expert -- the ground truth's view of the model -- and not another expert's?
@@ -23,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from conformance.rounding import ROUNDING_ULPS
 
 if TYPE_CHECKING:
     from conformance.inspection import KeyPattern
@@ -124,7 +127,7 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
              if f.problem != "no_expert_keys"]
     ignore = adapter.members.ep_dependent_keys
     found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
-                                              names=("checkpoint", "ep=1 checkpoint"))]
+                                              names=("checkpoint", "ep=1 checkpoint"), rounding_ulps=ROUNDING_ULPS)]
     return list(dict.fromkeys(found))
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from conformance import findings as F
 from conformance.adapter import AdapterError, Built, Members, Spec, built
-from conformance.checks import artifact, completeness, refusal, resume, save_plan
+from conformance.checks import artifact, completeness, refusal, resume, save_plan, saved
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
 from conformance.checks.layout import LayoutMismatch, check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
@@ -147,6 +147,11 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     t0 = time.perf_counter()
     b = _build(adapter, spec, cell.save.build_mesh(), SEED_A, "save")
     check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save")
+    if not cell.legacy:  # what the checkpoint will hold, on every rank: the reference a load must give back
+        held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict)
+        saved.keep(plan.path, saved.gather(held, ground_truth(adapter, spec, dist.get_rank()).state,
+                                           cell.save.describe()))
+        del held
     t1 = time.perf_counter()
     with save_plan.recorded() as offered:
         try:
@@ -287,7 +292,14 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
         raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3
     got = canonical(adapter, model, optimizer, rank, verdict)
-    compare(rank, got, truth.state, before, verdict)
+    held = saved.kept(plan.path)
+    if held is None:
+        verdict.skipped["values against the checkpoint"] = (
+            "the save side's state was not kept in this world (started after the save): the load was compared with "
+            "the ep=1 truth within a kernel's rounding")
+    elif rank == 0:
+        saved.check_against_truth(held, ground_truth(adapter, save_spec, rank).state, verdict)
+    compare(rank, got, truth.state, before, verdict, held.state if held is not None else None)
     completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
     resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
     resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)

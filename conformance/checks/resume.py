@@ -10,7 +10,8 @@ load that leaves the step count, a schedule's position (and so its lr) or any mo
   model's, and each MoE layer's own where the adapter gives them) within a tolerance of its own scale
   (:func:`~conformance.checks.truth.forward_tolerance`: EP sums the experts' parts in another order);
 - ``resume``: one more step with the next step index's synthetic gradients gives every tensor of
-  the truth after the same step, bit for bit.
+  the truth after the same step, bit for bit or within a kernel's rounding (:mod:`conformance.rounding`: a fused
+  optimizer steps a shard differently from the whole tensor).
 
 Each needs an optional adapter member (``scalars``, ``forward``, ``step``); without it the check is
 skipped with the reason, which the report shows.  A ``forward`` that raises
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import FORWARD_OUTPUT, Built, NotApplicable, state_scalars
+from conformance.adapter import FORWARD_OUTPUT, Built, NotApplicable
 from conformance.checks.truth import (
     FORWARD_ATOL,
     FORWARD_RTOL,
@@ -34,28 +35,34 @@ from conformance.checks.truth import (
 )
 from conformance.checks.values import Held, canonical, compare
 from conformance.checks.verdict import Mismatch, RankVerdict
+from conformance.inspection.keys import field_of
+from conformance.scalars import all_scalars
 
 
 def _scalar_lines(got: dict[str, Any], want: dict[str, Any], when: str) -> list[str]:
+    """Where ``got`` differs from ``want``.  A name on one side only whose field (:func:`field_of`) the other side
+    holds under other names only is that field re-keyed (a dict of schedulers under EP for the truth's one
+    scheduler): it agrees when both sides hold the same set of values for it, and is named as re-keyed otherwise."""
+    only_got = [n for n in got if n not in want]
+    only_want = [n for n in want if n not in got]
+    moved = {field_of(n) for n in only_got} & {field_of(n) for n in only_want}
     lines = []
-    for name in sorted(set(got) | set(want)):
-        if name not in got:
-            lines.append(f"optimizer scalar {name!r} is missing {when} (expected {want[name]!r})")
-        elif name not in want:
-            lines.append(f"optimizer scalar {name!r} = {got[name]!r} {when} is not in the ground truth")
-        elif got[name] != want[name]:
+    for name in sorted(set(got) & set(want)):
+        if got[name] != want[name]:
             lines.append(f"optimizer scalar {name!r} = {got[name]!r} {when}, expected {want[name]!r}")
+    for name in sorted(n for n in only_want if field_of(n) not in moved):
+        lines.append(f"optimizer scalar {name!r} is missing {when} (expected {want[name]!r})")
+    for name in sorted(n for n in only_got if field_of(n) not in moved):
+        lines.append(f"optimizer scalar {name!r} = {got[name]!r} {when} is not in the ground truth")
+    for field in sorted(moved):
+        mine = sorted(n for n in only_got if field_of(n) == field)
+        theirs = sorted(n for n in only_want if field_of(n) == field)
+        values, expected = sorted({repr(got[n]) for n in mine}), sorted({repr(want[n]) for n in theirs})
+        if values != expected:
+            lines.append(f"optimizer scalar {theirs[0]!r}{f' (and {len(theirs) - 1} more)' if len(theirs) > 1 else ''}"
+                         f" is re-keyed {when} as {mine[0]!r}{f' and {len(mine) - 1} more' if len(mine) > 1 else ''}"
+                         f": values {', '.join(values)}, expected {', '.join(expected)}")
     return lines
-
-
-def all_scalars(adapter: Any, b: Built, optimizer: Any) -> dict[str, Any] | None:
-    """The adapter's ``scalars`` and the training state's (:func:`~conformance.adapter.state_scalars`); ``None``
-    when there are neither."""
-    found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.scalars else None
-    extra = state_scalars(b.state)
-    if extra:
-        found = {**(found or {}), **extra}
-    return found
 
 
 def check_scalars(adapter: Any, b: Built, optimizer: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
@@ -131,6 +138,8 @@ def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Tr
     for m in resumed.mismatches:
         verdict.add(Mismatch(m.rank, m.layer, m.expert, m.name, f"after one more step: {m.problem}", "resume"))
     verdict.mismatch_count += resumed.mismatch_count - len(resumed.mismatches)
+    verdict.rounded_count += resumed.rounded_count
+    verdict.rounded_ulps = max(verdict.rounded_ulps, resumed.rounded_ulps)
     if truth.next_scalars is not None:
         for line in _scalar_lines(all_scalars(adapter, b, optimizer) or {}, truth.next_scalars,
                                   "after one more step"):

@@ -15,6 +15,7 @@ from typing import Any
 from conformance.adapter import FORWARD_OUTPUT, AdapterError, NotApplicable, Spec, built
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
+from conformance.scalars import all_scalars
 from conformance.synthetic import synthetic_batch
 
 SEED_A = 1234
@@ -92,8 +93,6 @@ def _flat(held: dict[Key, tuple[Any, Any]]) -> dict[Key, Any]:
 
 
 def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
-    from conformance.checks.resume import all_scalars
-
     b = built(adapter.build(spec, None, SEED_A), f"{type(adapter).__name__}.build")
     model = b.model
     optimizer = b.optimizer if spec.optimizer_steps else None

@@ -1,7 +1,9 @@
-"""Values: every tensor the adapter yields after the load equals the ep=1 ground truth, bit for bit.
+"""Values: every tensor the adapter yields after the load equals what the checkpoint holds, bit for bit.
 
-A difference is explained, not just counted, by searching the whole ground truth for what the
-tensor holds instead: another expert's values (the classic bug of local expert names), another
+What the checkpoint holds is the save side's state (:mod:`conformance.checks.saved`), itself held to the ep=1
+ground truth within a kernel's rounding (:mod:`conformance.rounding`); where it was not kept, the truth within
+rounding is the reference.  A difference is explained, not just counted, by searching the whole reference for
+what the tensor holds instead: another expert's values (the classic bug of local expert names), another
 layer's or another weight's, the two halves of a fused gate/up weight swapped, only one of those
 halves, or its own pre-load (seed B) values -- the load did not write it.  Only when nothing
 matches does it read "values differ".
@@ -13,6 +15,7 @@ from typing import Any
 
 from conformance.adapter import local_region
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
+from conformance.rounding import ROUNDING_ULPS, describe, ulps
 
 Region = tuple[slice, ...] | None
 Held = dict[Key, tuple[Any, Region]]
@@ -101,8 +104,10 @@ def _shard_of(got: Any, region: Region, full: Any) -> str:
     return ""
 
 
-def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: Held) -> str:
-    """Why ``got`` is not the truth for ``key``: what in the ground truth it holds instead."""
+def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: Held,
+             source: str = "the ep=1 ground truth") -> str:
+    """Why ``got`` is not ``truth[key]``: what in ``truth`` (``source``: the ground truth, or what the checkpoint
+    holds) it holds instead."""
     layer, expert, name = key
     if key in before and equal(got, before[key][0]):
         return "still holds its pre-load (seed B) values: the load did not write it"
@@ -131,22 +136,34 @@ def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: 
                 return f"holds only the {label} half of {_describe(other)}"
     want = expected(truth, key, region)
     if want is None:
-        return f"holds rows {region} the ground truth's {tuple(truth[key].shape)} does not have"
+        return f"holds rows {region} {source}'s {tuple(truth[key].shape)} does not have"
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if got.dtype != want.dtype:
         return f"dtype {got.dtype}, expected {want.dtype}"
-    diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    return f"values differ and match no ground-truth tensor: max abs diff {diff:.3g}"
+    return f"values differ from {source}'s and match no tensor of it: {describe(got, want)}"
 
 
-def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: RankVerdict) -> None:
-    """Every tensor ``got`` holds against the truth; a name the truth lacks is named too."""
+def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: RankVerdict,
+            saved: dict[Key, Any] | None = None) -> None:
+    """Every tensor ``got`` holds against ``saved`` (what the checkpoint holds) bit for bit where it holds the key,
+    else against the truth within a kernel's rounding; a name the truth lacks is named too."""
     for key, (tensor, region) in sorted(got.items(), key=lambda kv: repr(kv[0])):
         layer, expert, name = key
         verdict.compared += 1
         if key not in truth:
             verdict.add(Mismatch(rank, layer, expert, name, "not in the ep=1 ground truth (unexpected name)"))
             continue
-        if not equal(tensor, expected(truth, key, region)):
+        if saved is not None and key in saved:
+            if not equal(tensor, cut(saved[key], region)):
+                verdict.add(Mismatch(rank, layer, expert, name,
+                                     diagnose(key, tensor, region, saved, before, "what the checkpoint holds")))
+            continue
+        want = expected(truth, key, region)
+        if equal(tensor, want):
+            continue
+        found = ulps(tensor, want) if want is not None else float("inf")
+        if found <= ROUNDING_ULPS:
+            verdict.rounded(found)
+        else:
             verdict.add(Mismatch(rank, layer, expert, name, diagnose(key, tensor, region, truth, before)))

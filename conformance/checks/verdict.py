@@ -13,7 +13,7 @@ from typing import Any
 #: the checks, in the order a cell's failure lists them: the promises of the matrix.
 CHECKS = {
     "checkpoint": "the checkpoint is EP-invariant (same keys, shapes, dtypes and values as the ep=1 save)",
-    "values": "every tensor equals the ep=1 ground truth after the load",
+    "values": "every tensor equals what the checkpoint holds after the load, and that the ep=1 ground truth",
     "missing": "nothing the ground truth holds goes missing in the load",
     "scalars": "optimizer scalars (step, lr, betas, ...) come back",
     "resume": "the next training step equals uninterrupted training",
@@ -69,6 +69,14 @@ class RankVerdict:
     findings: tuple[str, ...] = ()
     #: the truth checkpoint's findings, from the cell that wrote it.
     truth_findings: tuple[str, ...] = ()
+    #: tensors that differ from the ep=1 truth by no more than a kernel's rounding (:mod:`conformance.rounding`),
+    #: and the largest such difference in ulps: no finding, but the pass line says so.
+    rounded_count: int = 0
+    rounded_ulps: float = 0.0
+
+    def rounded(self, ulps: float) -> None:
+        self.rounded_count += 1
+        self.rounded_ulps = max(self.rounded_ulps, ulps)
 
     def add(self, mismatch: Mismatch) -> None:
         self.mismatch_count += 1

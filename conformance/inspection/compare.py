@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
+from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys, field_of
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 from pytest_moe_ep.text import shorten
 
@@ -35,18 +35,32 @@ Digest = tuple[str, tuple[int, ...], bytes]
 def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool = False,
                     patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS, ignore: Sequence[str] = (),
                     memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                    names: tuple[str, str] = ("checkpoint", "other checkpoint")) -> list[Finding]:
+                    names: tuple[str, str] = ("checkpoint", "other checkpoint"),
+                    rounding_ulps: float = 0.0) -> list[Finding]:
     """Findings where ``got`` does not hold what ``want`` holds; empty when they are the same.
 
     ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).
     ``names``: what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
+    ``rounding_ulps``: a tensor (or packed row) that matches nothing else but is within this many ulps of its own
+    counterpart (:func:`conformance.rounding.ulps`) is a kernel's rounding, not a finding; 0: bit for bit.
+    Findings come worst first (:data:`ORDER`): wrong values, then absent and re-keyed keys, then extra ones.
     """
     with paused_gc():
-        return _compare(got, want, values, patterns, ignore, memory_bytes, names)
+        found = _compare(got, want, values, patterns, ignore, memory_bytes, names, rounding_ulps)
+    return sorted(found, key=lambda f: ORDER.get(f.problem, len(ORDER)))
+
+
+#: how bad each comparison finding is, worst first: what a red cell's first line should lead with.  A key whose
+#: values moved under other names (re-keyed) is still no EP-invariant checkpoint, but it says less than a value
+#: that is wrong.
+ORDER = {code: i for i, code in enumerate((
+    "holds_other_key", "rows_are_other_experts", "values_differ", "value_differs", "shape_differs", "dtype_differs",
+    "entry_kind_differs", "key_missing", "key_rekeyed", "key_unexpected"))}
 
 
 def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns: Sequence[KeyPattern],
-             ignore: Sequence[str], memory_bytes: int, names: tuple[str, str]) -> list[Finding]:
+             ignore: Sequence[str], memory_bytes: int, names: tuple[str, str],
+             rounding_ulps: float) -> list[Finding]:
     skip = [re.compile(r) for r in ignore]
     g_keys = [k for k in got.entries if not any(r.search(k) for r in skip)]
     w_keys = [k for k in want.entries if not any(r.search(k) for r in skip)]
@@ -73,11 +87,65 @@ def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns
                 continue
         readable.append(key)
     holds: dict[str, str] = {}
+    seen: dict[str, dict[str, Any]] = {"got": {}, "want": {}}
     if values:
         findings += _compare_values(got, want, readable, unexpected, w_keys, g_info, w_info, memory_bytes,
-                                    names, holds)
-    findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names, holds) + findings
+                                    names, holds, rounding_ulps, seen)
+    rekeyed, missing, unexpected = _rekeyed(missing, unexpected, got, want, holds, seen, names, values)
+    findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names, holds) + rekeyed + findings
     return findings
+
+
+def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, want: CheckpointIndex,
+             holds: Mapping[str, str], seen: Mapping[str, Mapping[str, Any]], names: tuple[str, str], values: bool
+             ) -> tuple[list[Finding], list[str], list[str]]:
+    """Non-tensor entries the checkpoint holds under other keys than the other one does (an optimizer's settings
+    per group at ep=1, per parameter at ep>1): one ``key_rekeyed`` finding per parent of the absent keys, saying
+    where their fields went and whether the values agree.  Returns the findings and the keys left unexplained.
+
+    Two keys are the same field re-keyed when they share the top-level name and the last component
+    (``optimizer.param_groups.0.lr``, ``optimizer.param_groups.layers.0.mlp.w1.lr``); the values agree when both
+    sides hold the same set of values for that field."""
+    gone = [k for k in missing if not want.entries[k].is_tensor and k not in set(holds.values())]
+    new = [k for k in unexpected if not got.entries[k].is_tensor and k not in holds]
+    by_field_new: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for key in new:
+        by_field_new[field_of(key)].append(key)
+    parents = {key.rsplit(".", 1)[0] for key in gone if field_of(key) in by_field_new}
+    by_parent: dict[str, list[str]] = defaultdict(list)
+    for key in gone:  # a re-keyed parent's fields with no counterpart (its group's ``params``) go with it
+        if key.rsplit(".", 1)[0] in parents:
+            by_parent[key.rsplit(".", 1)[0]].append(key)
+    if not by_parent:
+        return [], missing, unexpected
+    out: list[Finding] = []
+    explained_old: set[str] = set()
+    explained_new: set[str] = set()
+    for parent, keys in sorted(by_parent.items()):
+        fields = sorted({field_of(k) for k in keys if field_of(k) in by_field_new})
+        alone = sorted({field_of(k)[1] for k in keys if field_of(k) not in by_field_new})
+        keys = [k for k in keys if field_of(k) in by_field_new or field_of(k)[1] in alone]
+        targets = sorted({t for f in fields for t in by_field_new[f]})
+        disagree = []
+        for f in fields:
+            olds = [k for k in keys if field_of(k) == f]
+            if values:
+                mine = {_short(seen["got"].get(t)) for t in by_field_new[f]}
+                theirs = {_short(seen["want"].get(k)) for k in olds}
+                if mine != theirs:
+                    disagree.append(f"{f[1]}: {sorted(mine)} here, {sorted(theirs)} in the {names[1]}")
+        explained_old.update(keys)
+        explained_new.update(targets)
+        leaves = ", ".join(f[1] for f in fields)
+        shown = ", ".join(repr(t) for t in targets[:2]) + (", ..." if len(targets) > 2 else "")
+        verdict = ("values not compared" if not values else
+                   "the values agree" if not disagree else "the values do not agree: " + "; ".join(disagree[:3])
+                   + (f" and {len(disagree) - 3} more fields" if len(disagree) > 3 else ""))
+        rest = f"; absent with no counterpart: {', '.join(alone)}" if alone else ""
+        out.append(Finding("key_rekeyed", f"{parent}.*", f"re-keyed: its {len(fields)} field(s) ({leaves}) are absent "
+                           f"from the {names[0]}, which holds them under {len(targets)} other key(s) ({shown}); "
+                           f"{verdict}{rest}", None, (), targets[0]))
+    return (out, [k for k in missing if k not in explained_old], [k for k in unexpected if k not in explained_new])
 
 
 def _kind(entry: Entry) -> str:
@@ -253,9 +321,11 @@ def _pick(candidates: list[tuple[str, int | None]], key: str, info: KeyInfo, w_i
 
 def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[str], unexpected: list[str],
                     w_keys: list[str], g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo], memory_bytes: int,
-                    names: tuple[str, str], holds: dict[str, str]) -> list[Finding]:
+                    names: tuple[str, str], holds: dict[str, str], rounding_ulps: float,
+                    seen: dict[str, dict[str, Any]]) -> list[Finding]:
     g_whole, g_rows = _fingerprints(got, [*readable, *unexpected], g_info, memory_bytes)
     w_whole, w_rows = _fingerprints(want, w_keys, w_info, memory_bytes)
+    seen["got"], seen["want"] = g_whole, w_whole
     by_whole: dict[Any, list[tuple[str, int | None]]] = defaultdict(list)
     by_row: dict[Digest, list[tuple[str, int | None]]] = defaultdict(list)
     for key, d in w_whole.items():
@@ -309,7 +379,7 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
                                info.layer, experts, source))
         else:
             unexplained.append((key, None))
-    out += _diff_findings(got, want, unexplained, g_info, names)
+    out += _diff_findings(got, want, unexplained, g_info, names, rounding_ulps)
     return out
 
 
@@ -354,13 +424,23 @@ def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest], by_row
 
 
 def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple[str, list[int] | None]],
-                   g_info: dict[str, KeyInfo], names: tuple[str, str]) -> list[Finding]:
-    """Tensors that match nothing: read both once more, one key at a time, for the max abs diff."""
+                   g_info: dict[str, KeyInfo], names: tuple[str, str], rounding_ulps: float) -> list[Finding]:
+    """Tensors that match nothing: read both once more, one key at a time, for the max abs diff; those within
+    ``rounding_ulps`` of their counterpart (rows of a packed key one by one) are no finding."""
+    from conformance.rounding import ulps
+
     out = []
     for key, rows in keys:
         a = got.reader([key])[key] if got.reader else None
         b = want.reader([key])[key] if want.reader else None
         info = g_info[key]
+        if rounding_ulps and a is not None and b is not None:
+            if rows is None and ulps(a, b) <= rounding_ulps:
+                continue
+            if rows is not None and b.dim():
+                rows = [r for r in rows if r >= b.shape[0] or ulps(a[r], b[r]) > rounding_ulps]
+                if not rows:
+                    continue
         if rows is not None:
             a, b = a[rows], b[[r for r in rows if r < b.shape[0]]] if b.dim() else b
         diff = "n/a"

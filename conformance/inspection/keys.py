@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from conformance.inspection.model import paused_gc
 
-__all__ = ["DEFAULT_PATTERNS", "KeyInfo", "KeyPattern", "classify_keys", "pattern"]
+__all__ = ["DEFAULT_PATTERNS", "KeyInfo", "KeyPattern", "classify_keys", "field_of", "pattern"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,14 @@ OPTIMIZER = re.compile(r"^(?:optimizer|optim|optimizers)(?:\.\d+)?\.state\.(?P<p
 #: Megatron-Core's dist-checkpointing form names the state first: ``[chained_N.]optimizer.state.<stat>.<param>``.
 STAT_FIRST = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|"
                         r"momentum_buffer|max_exp_avg_sq)\.(?P<param>.+)$")
+
+
+def field_of(key: str) -> tuple[str, str]:
+    """``(top-level name, last component)`` of a dotted key: what a non-tensor field keeps when a framework re-keys
+    its state with EP (an optimizer's settings per group at ep=1, per parameter at ep>1; one LR scheduler at ep=1,
+    a dict of them at ep>1).  The one rule the checkpoint comparison and the scalars check read re-keying by."""
+    parts = key.split(".")
+    return parts[0], parts[-1]
 
 
 def optimizer_parts(key: str) -> tuple[int, str, str] | None:

@@ -138,6 +138,7 @@ PROBLEMS: dict[str, str] = {
     "index_mismatch": "a safetensors index and its files disagree",
     "key_missing": "compare: a key of the other checkpoint is absent",
     "key_unexpected": "compare: a key the other checkpoint does not have",
+    "key_rekeyed": "compare: non-tensor fields the other checkpoint holds under other keys (whether values agree)",
     "shape_differs": "compare: global shapes differ",
     "dtype_differs": "compare: dtypes differ",
     "entry_kind_differs": "compare: a tensor in one checkpoint, a non-tensor entry in the other",

@@ -1,0 +1,114 @@
+"""What the checkpoint holds, as the save side held it: the state a load must give back bit for bit.
+
+A load can get exactly one thing right: what was saved.  What was saved at ep=N may itself differ from the ep=1
+truth by a kernel's rounding (a fused optimizer steps a shard of a tensor differently from the whole tensor:
+:mod:`conformance.rounding`), and that is no layout's fault.  So the ``values`` check asks two questions:
+
+- the state each rank yields after the load against this saved state, bit for bit (the load restored what the
+  checkpoint holds, nothing more and nothing less);
+- this saved state against the ep=1 truth within :data:`~conformance.rounding.ROUNDING_ULPS` (the save side
+  trained and held the same model; another expert's, layer's or moment's values are named exactly).
+
+At the save every rank's tensors (the adapter's walks, each with its region of the global tensor) travel to every
+rank in one all-gather and are put together into whole tensors.  Each rank process keeps them per checkpoint
+path for every later cell that loads that checkpoint; a world started after the save (a restart) has not kept
+them, and its cells compare with the truth within rounding instead and say so.  Replicas that disagreed at the
+save are named: the checkpoint can hold only one of their values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from conformance.checks.values import Held, diagnose, equal
+from conformance.checks.verdict import Key, Mismatch, RankVerdict
+from conformance.rounding import ROUNDING_ULPS, ulps
+
+
+@dataclass
+class Saved:
+    """The save side's state put together: whole tensors of every key its ranks held completely."""
+
+    layout: str
+    state: dict[Key, Any] = field(default_factory=dict)
+    #: the lowest rank that held a part of each key (the rank a difference is named by).
+    holder: dict[Key, int] = field(default_factory=dict)
+    #: replicas that held different values for a key at the save: ``(rank, key, text)``.
+    conflicts: list[tuple[int, Key, str]] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+def _pieces(held: Held) -> list[tuple[Key, Any, Any]]:
+    return [(key, None if region is None else tuple((s.start, s.stop) for s in region), t)
+            for key, (t, region) in sorted(held.items(), key=lambda kv: repr(kv[0]))]
+
+
+def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
+    """Every rank's ``held`` on every rank (a collective), put together against the truth's global shapes."""
+    import torch
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, _pieces(held))
+    saved = Saved(layout)
+    fill: dict[Key, tuple[Any, Any]] = {}
+    for rank, pieces in enumerate(found):
+        for key, box, local in pieces or ():
+            want = truth.get(key)
+            if want is None:
+                continue
+            region = tuple(slice(a, b) for a, b in box) if box is not None else tuple(slice(0, n) for n in want.shape)
+            if (len(region) != want.dim() or any(r.stop > n for r, n in zip(region, want.shape, strict=False))
+                    or tuple(local.shape) != tuple(r.stop - r.start for r in region)):
+                continue  # a region that does not fit: the load-side comparison names it
+            if key not in fill:
+                fill[key] = (torch.empty(want.shape, dtype=local.dtype), torch.zeros(want.shape, dtype=torch.bool))
+                saved.holder[key] = rank
+            whole, mask = fill[key]
+            if whole.dtype != local.dtype:
+                saved.conflicts.append((rank, key, f"held as {local.dtype} at the save by rank {rank}, as "
+                                        f"{whole.dtype} by rank {saved.holder[key]}"))
+                continue
+            overlap = mask[region]
+            if bool(overlap.any()) and not equal(whole[region][overlap], local[overlap]):
+                saved.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
+                                        f"{saved.holder[key]} (replicas that disagree: the checkpoint holds one)"))
+            whole[region], mask[region] = local, True
+    saved.state = {key: whole for key, (whole, mask) in fill.items() if bool(mask.all())}
+    return saved
+
+
+#: per checkpoint path, in each rank process: what its save held (bounded; a miss falls back to the truth).
+_KEPT: dict[str, Saved] = {}
+KEEP_BYTES = 1 << 30
+
+
+def keep(path: str, saved: Saved) -> None:
+    _KEPT.pop(path, None)
+    _KEPT[path] = saved
+    while len(_KEPT) > 1 and sum(s.nbytes() for s in _KEPT.values()) > KEEP_BYTES:
+        _KEPT.pop(next(iter(_KEPT)))
+
+
+def kept(path: str) -> Saved | None:
+    return _KEPT.get(path)
+
+
+def check_against_truth(saved: Saved, truth: dict[Key, Any], verdict: RankVerdict) -> None:
+    """The saved state against the ep=1 truth within rounding; each difference named by the rank that held it."""
+    for rank, (layer, expert, name), text in saved.conflicts:
+        verdict.add(Mismatch(rank, layer, expert, name, text))
+    for key, whole in sorted(saved.state.items(), key=lambda kv: repr(kv[0])):
+        want = truth.get(key)
+        if want is None or equal(whole, want):
+            continue
+        found = ulps(whole, want)
+        if found <= ROUNDING_ULPS:
+            verdict.rounded(found)
+            continue
+        layer, expert, name = key
+        verdict.add(Mismatch(saved.holder[key], layer, expert, name,
+                             f"as saved at {saved.layout} (before any load): {diagnose(key, whole, None, truth, {})}"))

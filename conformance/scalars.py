@@ -1,0 +1,88 @@
+"""The optimizer's and the training state's scalars, in the same names at every EP degree.
+
+``scalars`` (an adapter member) and ``state`` (``build``'s third element: LR schedulers, a train-state dict) are
+read here into one flat ``name -> plain value`` mapping the ``scalars`` and ``resume`` checks compare with the
+ground truth's.  Nested state is walked: a mapping of schedulers (one for the experts and one for the rest, as
+trainers keep them under EP) gives ``state.scheduler.experts.last_epoch`` beside the ep=1 truth's
+``state.scheduler.last_epoch``; the checks read such a name as the same field re-keyed
+(:func:`conformance.inspection.keys.field_of`), not as one name missing and another unexpected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: how deep nested training state is walked (a dict of schedulers is two levels).
+DEPTH = 4
+
+
+def plain(value: Any) -> Any:
+    """A scalar-ish value as plain Python (a list for tuples and 0-d or small tensors), else ``None``."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [plain(v) for v in value]
+        return items if all(i is not None or v is None for i, v in zip(items, value, strict=True)) else None
+    if hasattr(value, "numel") and hasattr(value, "tolist") and value.numel() <= 16:
+        return value.tolist()
+    return None
+
+
+def _walk(prefix: str, obj: Any, found: dict[str, Any], depth: int) -> None:
+    fields_ = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+    if not isinstance(fields_, Mapping):
+        value = plain(fields_)
+        if value is not None or fields_ is None:
+            found[prefix] = value
+        return
+    for name, value in sorted(fields_.items(), key=lambda kv: str(kv[0])):
+        if depth and (isinstance(value, Mapping) or callable(getattr(value, "state_dict", None))):
+            _walk(f"{prefix}.{name}", value, found, depth - 1)
+            continue
+        found_value = plain(value)
+        if found_value is not None or value is None:
+            found[f"{prefix}.{name}"] = found_value
+
+
+def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The scalars of the training state beyond the optimizer, as ``state.<name>.<field>``.
+
+    Each object's ``state_dict()`` (a torch LR scheduler: ``last_epoch``, ``base_lrs``, ``_last_lr``, ...),
+    or a mapping's own items, walked into nested mappings and objects (``state.<name>.<key>.<field>``); values
+    that are not plain scalars (tensors) are left out.
+    """
+    found: dict[str, Any] = {}
+    for name, obj in sorted((state or {}).items()):
+        _walk(f"state.{name}", obj, found, DEPTH)
+    return found
+
+
+def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
+    """``scalars`` of a ``torch.optim`` optimizer: each group's hyperparameters and the step counts of its state.
+
+    The same names at every EP degree: groups by index, steps as the sorted set of distinct values.
+    """
+    found: dict[str, Any] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+            if name in group:
+                value = group[name]
+                found[f"param_groups.{i}.{name}"] = list(value) if isinstance(value, tuple) else float(value) \
+                    if hasattr(value, "item") else value
+    found["step"] = sorted({float(state["step"]) for state in optimizer.state.values() if "step" in state})
+    return found
+
+
+def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
+    """The adapter's ``scalars`` and the training state's (:func:`state_scalars`) for a build ``b``
+    (:class:`~conformance.adapter.Built`); ``None`` when there are neither.  ``adapter`` is the cell's (its
+    ``members`` resolved by the controller)."""
+    found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.scalars else None
+    extra = state_scalars(b.state)
+    if extra:
+        found = {**(found or {}), **extra}
+    return found
+
+
+__all__ = ["all_scalars", "plain", "state_scalars", "torch_optimizer_scalars"]

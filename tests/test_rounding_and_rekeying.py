@@ -1,0 +1,129 @@
+"""Unit tests of issue 32's rules: a kernel's rounding is no wrong value (:mod:`conformance.rounding`), re-keyed
+state is named as re-keyed (the checkpoint comparison and the scalars check), nested training state is walked,
+and the checkpoint comparison's findings come worst first.  The multi-rank controls are in test_detection.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.checks.resume import _scalar_lines
+from conformance.inspection import compare_indexes, index_state_dict
+from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
+from conformance.scalars import state_scalars
+
+
+def test_the_fused_kernels_rounding_of_a_shard_is_within_the_tolerance() -> None:
+    """torch's fused CPU AdamW on thirds of a tensor against the whole: a real kernel's rounding passes."""
+    torch.manual_seed(0)
+    full = torch.randn(3 * 37, 3)
+    whole = torch.nn.Parameter(full.clone())
+    thirds = [torch.nn.Parameter(full[i * 37:(i + 1) * 37].clone()) for i in range(3)]
+    one = torch.optim.AdamW([whole], lr=1e-2, weight_decay=0.1, fused=True)
+    three = torch.optim.AdamW(thirds, lr=1e-2, weight_decay=0.1, fused=True)
+    for _ in range(20):
+        grad = torch.randn_like(full)
+        whole.grad = grad.clone()
+        for i, p in enumerate(thirds):
+            p.grad = grad[i * 37:(i + 1) * 37].clone()
+        one.step()
+        three.step()
+    differ = 0
+    for key in ("exp_avg", "exp_avg_sq"):
+        got = torch.cat([three.state[p][key] for p in thirds])
+        differ += int((got != one.state[whole][key]).sum())
+        assert within_rounding(got, one.state[whole][key]), (key, describe(got, one.state[whole][key]))
+    assert within_rounding(torch.cat([p.detach() for p in thirds]), whole.detach())
+    assert differ, "the fused kernel rounded no element differently: this control would pass without the rule"
+
+
+def test_what_is_more_than_rounding_is_outside_it() -> None:
+    torch.manual_seed(1)
+    want = torch.rand(4, 8) + 0.5
+    assert ulps(want, want) == 0.0 and within_rounding(want.clone(), want)
+    one_ulp = torch.nextafter(want, torch.full_like(want, 2.0))
+    assert 0 < ulps(one_ulp, want) <= 1.0 and within_rounding(one_ulp, want)
+    assert not within_rounding(want * (1 + 1e-4), want)  # ~840 ulps of the tensor's largest
+    assert ulps(want * (1 + 1e-4), want) > 100 * ROUNDING_ULPS / 8
+    near_zero = want.clone()
+    near_zero[0, 0] = 1e-5
+    off = near_zero.clone()
+    off[0, 0] += 2 * torch.finfo(torch.float32).eps  # 2 ulps of the tensor's scale, ~1e6 of the element's own
+    assert within_rounding(off, near_zero)
+    assert not within_rounding(want.double(), want) and not within_rounding(want[:2], want)
+    assert not within_rounding(torch.tensor([1, 2]), torch.tensor([1, 3])) and within_rounding(None, want) is False
+    nan = want.clone()
+    nan[1, 1] = float("nan")
+    assert ulps(nan, want) == float("inf") and ulps(nan, nan.clone()) == 0.0
+    assert "ulps" in describe(one_ulp, want)
+
+
+def test_nested_training_state_is_walked() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    found = state_scalars({"scheduler": {"experts": sched, "rest": sched}, "train": {"tokens": 5}})
+    assert found["state.scheduler.experts.last_epoch"] == 0 and found["state.scheduler.rest.base_lrs"] == [0.1]
+    assert found["state.train.tokens"] == 5
+
+
+def test_a_scheduler_re_keyed_under_ep_is_no_missing_scalar() -> None:
+    truth = {"state.scheduler.last_epoch": 3, "state.scheduler.base_lrs": [0.1], "step": [3.0]}
+    under_ep = {"state.scheduler.experts.last_epoch": 3, "state.scheduler.rest.last_epoch": 3,
+                "state.scheduler.experts.base_lrs": [0.1], "state.scheduler.rest.base_lrs": [0.1], "step": [3.0]}
+    assert _scalar_lines(under_ep, truth, "after the load") == []
+    wrong = {**under_ep, "state.scheduler.rest.last_epoch": 4}
+    (line,) = _scalar_lines(wrong, truth, "after the load")
+    assert line.startswith("optimizer scalar 'state.scheduler.last_epoch' is re-keyed after the load as "
+                           "'state.scheduler.experts.last_epoch' and 1 more: values 3, 4, expected 3"), line
+    gone = {k: v for k, v in under_ep.items() if "last_epoch" not in k}
+    assert _scalar_lines(gone, truth, "after the load") == [
+        "optimizer scalar 'state.scheduler.last_epoch' is missing after the load (expected 3)"]
+
+
+def _optimizer(settings: dict[str, object], per_parameter: bool, names: list[str]) -> dict[str, object]:
+    if per_parameter:
+        return {f"optimizer.param_groups.{n}.{k}": v for n in names for k, v in settings.items()}
+    return {**{f"optimizer.param_groups.0.{k}": v for k, v in settings.items()},
+            "optimizer.param_groups.0.params": names}
+
+
+def test_re_keyed_settings_are_named_with_where_they_went_and_whether_they_agree() -> None:
+    names = ["layers.0.w1", "layers.0.w2", "layers.1.w1"]
+    settings = {"lr": 0.1, "amsgrad": False, "betas": [0.9, 0.999]}
+    truth = index_state_dict({"w": torch.ones(2), **_optimizer(settings, False, names)}, "ep1")
+    got = index_state_dict({"w": torch.ones(2), **_optimizer(settings, True, names)}, "ep2")
+    (finding,) = compare_indexes(got, truth, values=True, names=("checkpoint", "ep=1 checkpoint"))
+    assert finding.problem == "key_rekeyed" and finding.key == "optimizer.param_groups.0.*"
+    assert "re-keyed: its 3 field(s) (amsgrad, betas, lr) are absent from the checkpoint, which holds them under 9 " \
+           "other key(s)" in finding.message and "the values agree; absent with no counterpart: params" in \
+           finding.message, finding.message
+    disagree = index_state_dict({"w": torch.ones(2), **_optimizer({**settings, "lr": 0.3}, True, names)}, "ep2")
+    (finding,) = compare_indexes(disagree, truth, values=True, names=("checkpoint", "ep=1 checkpoint"))
+    assert "the values do not agree: lr: ['0.3'] here, ['0.1'] in the ep=1 checkpoint" in finding.message
+
+
+def test_a_wrong_value_leads_a_re_keying_and_rounding_is_no_finding() -> None:
+    names = ["w"]
+    torch.manual_seed(2)
+    w, v = torch.rand(4, 4) + 0.5, torch.rand(4) + 0.5
+    truth = index_state_dict({"w": w, "v": v, **_optimizer({"lr": 0.1}, False, names)}, "ep1")
+    state = {"w": torch.nextafter(w, torch.full_like(w, 2.0)), "v": v * 1.01, **_optimizer({"lr": 0.1}, True, names)}
+    found = compare_indexes(index_state_dict(state, "ep2"), truth, values=True, rounding_ulps=ROUNDING_ULPS)
+    assert [f.problem for f in found] == ["values_differ", "key_rekeyed"] and found[0].key == "v", found
+    exact = compare_indexes(index_state_dict(state, "ep2"), truth, values=True)
+    assert {f.key for f in exact if f.problem == "values_differ"} == {"w", "v"}
+
+
+@pytest.mark.parametrize("rows", [[0, 2], [1]])
+def test_packed_rows_within_rounding_are_no_finding(rows: list[int]) -> None:
+    torch.manual_seed(3)
+    packed = torch.rand(4, 2, 3) + 0.5
+    got = packed.clone()
+    got[rows[0]] = torch.nextafter(got[rows[0]], torch.full_like(got[rows[0]], 2.0))  # rounding
+    if len(rows) > 1:
+        got[rows[1]] *= 1.01  # a wrong value
+    key = "layers.0.moe.experts.w1"
+    found = compare_indexes(index_state_dict({key: got}), index_state_dict({key: packed}), values=True,
+                            rounding_ulps=ROUNDING_ULPS)
+    assert [(f.problem, f.experts) for f in found] == ([("values_differ", (rows[1],))] if len(rows) > 1 else []), found
