@@ -41,9 +41,11 @@ def mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
 
 
 def _problem_lines(verdicts: list[RankVerdict]) -> list[str]:
+    """The ranks' problems by check, each check's in the order they were found (the checkpoint check's worst
+    first: :data:`conformance.inspection.compare.ORDER`), by rank."""
     order = list(CHECKS)
-    problems = sorted({p for v in verdicts for p in v.problems},
-                      key=lambda p: (order.index(p.check) if p.check in order else len(order), p.text))
+    seen = list(dict.fromkeys(p for v in sorted(verdicts, key=lambda v: v.rank) for p in v.problems))
+    problems = sorted(seen, key=lambda p: order.index(p.check) if p.check in order else len(order))
     lines = [f"[{p.check}] {p.text}" for p in problems[:SHOWN_PROBLEMS]]
     if len(problems) > SHOWN_PROBLEMS:
         lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems (the record has them all; -v shows them)")
@@ -82,12 +84,12 @@ def structured_problems(verdicts: list[RankVerdict]) -> list[dict[str, Any]]:
         if v.not_refused and not v.refused:
             out.append({"check": "refusal", "finding": F.ON_DISK, "rank": v.rank, "text": v.not_refused})
     ranks: dict[tuple[str, str], list[int]] = {}
-    for v in verdicts:
+    for v in sorted(verdicts, key=lambda v: v.rank):
         for p in v.problems:
             ranks.setdefault((p.check, p.text), []).append(v.rank)
     order = list(CHECKS)
-    for (check, text), where in sorted(ranks.items(), key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order
-                                                                       else len(order), kv[0][1])):
+    for (check, text), where in sorted(ranks.items(), key=lambda kv: order.index(kv[0][0]) if kv[0][0] in order
+                                       else len(order)):
         out.append({"check": check, "finding": F.CHECK_FINDING.get(check, F.ERROR), "ranks": sorted(set(where)),
                     "text": text})
     return out

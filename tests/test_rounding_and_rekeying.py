@@ -127,3 +127,17 @@ def test_packed_rows_within_rounding_are_no_finding(rows: list[int]) -> None:
     found = compare_indexes(index_state_dict({key: got}), index_state_dict({key: packed}), values=True,
                             rounding_ulps=ROUNDING_ULPS)
     assert [(f.problem, f.experts) for f in found] == ([("values_differ", (rows[1],))] if len(rows) > 1 else []), found
+
+
+def test_another_experts_values_are_named_through_a_kernels_rounding() -> None:
+    from conformance.checks.values import diagnose
+
+    torch.manual_seed(4)
+    truth = {(0, e, "up"): torch.rand(2, 3) + 0.5 for e in range(4)}
+    rounded = torch.nextafter(truth[(0, 2, "up")], torch.full((2, 3), 2.0))
+    assert diagnose((0, 1, "up"), rounded, None, truth, {}) == \
+        "holds expert 2's values (within a kernel's rounding) instead of expert 1's"
+    assert diagnose((0, 1, "up"), truth[(0, 2, "up")].clone(), None, truth, {}) == \
+        "holds expert 2's values instead of expert 1's"
+    assert diagnose((0, 1, "up"), truth[(0, 1, "up")] * 1.01, None, truth, {}).startswith(
+        "values differ from the ep=1 ground truth's and match no tensor of it: max abs diff")

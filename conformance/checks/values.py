@@ -15,7 +15,7 @@ from typing import Any
 
 from conformance.adapter import local_region
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
-from conformance.rounding import ROUNDING_ULPS, describe, ulps
+from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 
 Region = tuple[slice, ...] | None
 Held = dict[Key, tuple[Any, Region]]
@@ -120,6 +120,11 @@ def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: 
             if other[0] == layer and other[2] == name and expert is not None:
                 return f"holds expert {other[1]}'s values instead of expert {expert}'s"
             return f"holds {_describe(other)} instead"
+    if expert is not None:  # another expert's values as a kernel rounded them (a fused optimizer's shard)
+        for other in sorted((k for k in truth if k != key and k[0] == layer and k[2] == name), key=repr):
+            if within_rounding(got, cut(truth[other], region)):
+                return (f"holds expert {other[1]}'s values (within a kernel's rounding) instead of expert "
+                        f"{expert}'s")
     shard = _shard_of(got, region, truth.get(key))  # expert TP: another etp rank's shard, or the other axis's
     if shard:
         return shard
