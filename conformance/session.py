@@ -20,7 +20,7 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -292,7 +292,9 @@ class MatrixSession:
         cell_items = list(collect_items(collector, context, adapter=self.adapter, cells=cells,
                                         functions=self.functions, functions_cells=fcells))
         # Report the cells as collected, so "collected N items" and -k's counts include them.
-        config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, cell_items))
+        # CollectReport only reads its result list: a list of items is one of items and collectors
+        result = cast("list[pytest.Item | pytest.Collector]", cell_items)
+        config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, result))
         items.extend(cell_items)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -322,10 +324,11 @@ class MatrixSession:
     # -- records and the report -------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call":  # every phase's report repeats the item's user_properties
-            self.records.extend(json.loads(v) for k, v in report.user_properties if k == RECORD)
+            # RECORD and OUTCOME values are the JSON strings this plugin put there (pytest types them object)
+            self.records.extend(json.loads(cast(str, v)) for k, v in report.user_properties if k == RECORD)
             for key, value in report.user_properties:
                 if key == OUTCOME:
-                    found = json.loads(value)
+                    found = json.loads(cast(str, value))
                     self.outcomes[found["id"]] = found["outcome"]
 
     def _writes_report(self) -> bool:

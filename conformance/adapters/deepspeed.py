@@ -143,16 +143,16 @@ def _fill(model: Any, seed: int) -> None:
         for layer, g, expert in _local_experts(model):
             for name, p in expert.named_parameters():
                 p.copy_(synthetic_weight(seed, layer, g, _short(name), p.shape, dtype=p.dtype))
-        for layer, name, p in _dense_params(model):
-            p.copy_(synthetic_weight(seed, layer, None, name, p.shape, dtype=p.dtype))
+        for dense_layer, name, p in _dense_params(model):
+            p.copy_(synthetic_weight(seed, dense_layer, None, name, p.shape, dtype=p.dtype))
 
 
 def _set_grads(model: Any, seed: int, step: int) -> None:
     for layer, g, expert in _local_experts(model):
         for name, p in expert.named_parameters():
             p.grad = synthetic_grad(seed, step, layer, g, _short(name), p.shape, dtype=p.dtype).to(p.device)
-    for layer, name, p in _dense_params(model):
-        p.grad = synthetic_grad(seed, step, layer, None, name, p.shape, dtype=p.dtype).to(p.device)
+    for dense_layer, name, p in _dense_params(model):
+        p.grad = synthetic_grad(seed, step, dense_layer, None, name, p.shape, dtype=p.dtype).to(p.device)
 
 
 class DeepSpeedAdapter:

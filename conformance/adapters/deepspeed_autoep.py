@@ -430,7 +430,7 @@ def _groups(optimizer: Any) -> dict[str, dict[str, Any]]:
 def _steps(optimizer: Any) -> dict[str, Any]:
     """Each param group's AdamW step count (a tensor), by kind."""
     out: dict[str, Any] = {}
-    inner = _inner(optimizer) if optimizer is not None else None
+    inner = _inner(optimizer)
     for kind, group in _groups(optimizer).items():
         state = inner.state.get(group["params"][0], {})
         if "step" in state:

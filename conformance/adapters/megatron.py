@@ -38,7 +38,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region
 from conformance.adapters.megatron_cpu import (
@@ -75,7 +75,7 @@ def _model_class() -> type:
             self.ddp_config = ddp_config
 
         def moe_layers(self) -> list[Any]:
-            return [block["mlp"] for block in self.layers]
+            return [cast(torch.nn.ModuleDict, block)["mlp"] for block in self.layers]
 
     return MegatronMoEStack
 
@@ -377,7 +377,7 @@ class MegatronAdapter:
         """
         if optimizer is None:
             return {}
-        found: dict[str, set[object]] = {key: set() for key in ("step", "lr", "betas", "weight_decay", "eps")}
+        found: dict[str, set[Any]] = {key: set() for key in ("step", "lr", "betas", "weight_decay", "eps")}
         for inner in optimizer.chained_optimizers:
             for group in inner.optimizer.param_groups:
                 found["step"] |= {float(inner.optimizer.state[p]["step"]) for p in group["params"]

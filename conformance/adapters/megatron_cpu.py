@@ -80,7 +80,8 @@ class _CpuTorch:
 
         if device is not None and torch.device(device).type == "cuda":
             device = "cpu"
-        return torch.tensor(*args, device=device, **kwargs)
+        kwargs["device"] = device
+        return torch.tensor(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         import torch
@@ -205,7 +206,8 @@ def one_rank_view() -> Any:
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    # torch's stub omits the default of ProcessGroupGloo's timeout (30 minutes), which the binding has
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # type: ignore[call-arg]
     view = ProcessGroupCollection()
     for name in _PG_FIELDS:
         setattr(view, name, group)

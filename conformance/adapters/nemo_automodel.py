@@ -290,6 +290,7 @@ def _region(tensor: Any) -> tuple[Any, tuple[int, ...]]:
 
 def _rows(tensor: Any) -> Iterator[tuple[int, Any]]:
     """``(global expert id, row)`` for each expert row this rank holds (a part of a row as a DTensor)."""
+    import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     local, offset = _region(tensor)
@@ -299,7 +300,7 @@ def _rows(tensor: Any) -> Iterator[tuple[int, Any]]:
         if tuple(row.shape) != row_shape:  # FSDP sharded the rows too: keep the row's region
             placements = [Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > 0 else Replicate()
                           for p in tensor.placements]
-            row = DTensor.from_local(row, tensor.device_mesh, placements, run_check=False, shape=row_shape,
+            row = DTensor.from_local(row, tensor.device_mesh, placements, run_check=False, shape=torch.Size(row_shape),
                                      stride=_contiguous_stride(row_shape))
         yield offset[0] + i, row
 

@@ -118,6 +118,7 @@ class OlmoCoreAdapter:
             layer, expert_name = _identify(fqn)
             if expert_name is None:
                 continue
+            assert layer is not None  # _identify names an expert weight only under blocks.<i>
             tensors = {expert_name: p} | {f"{expert_name}.{m}": state[p][m] for m in ADAM_MOMENTS
                                           if m in state.get(p, {})}
             for name, tensor in tensors.items():

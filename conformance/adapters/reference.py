@@ -19,12 +19,14 @@ Expert tensors are yielded as the checkpoint holds them: a whole per-expert tens
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from functools import partial
+from typing import Any, Literal, cast
 
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
     Spec,
+    TensorEntry,
     run_steps,
     torch_optimizer_scalars,
     with_moments,
@@ -47,8 +49,11 @@ class ReferenceAdapter:
 
         from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, build_model
 
-        config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden, kind=spec.kind,
-                           activation=spec.activation, top_k=min(spec.top_k, spec.num_experts),
+        # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside its Literal
+        config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden,
+                           kind=cast(Literal["packed", "unpacked"], spec.kind),
+                           activation=cast(Literal["swiglu", "gelu"], spec.activation),
+                           top_k=min(spec.top_k, spec.num_experts),
                            shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype))
         model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
@@ -129,7 +134,7 @@ class ReferenceAdapter:
         save_legacy(model, optimizer, path)
 
     # -- canonical views ---------------------------------------------------------------------------
-    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
         """Each expert's weight and moments as the checkpoint holds them: whole tensors, or DTensors whose
         local shard and region the harness compares (FSDP's shards, expert tensor parallelism's shards)."""
         from reference_impl.expert_layout import expert_rows
@@ -143,11 +148,11 @@ class ReferenceAdapter:
                         weight = getattr(expert, linear).weight
                         g = moe.local_expert_start + i
                         yield from with_moments(layer, [(g, weight)], linear, state, weight,
-                                                rows=lambda m, g=g: [(g, m)])
+                                                rows=partial(_one_row, g))
                 else:
                     weight = getattr(moe, f"{linear}_w")
                     yield from with_moments(layer, expert_rows(moe, weight), linear, state, weight,
-                                            rows=lambda m, moe=moe: expert_rows(moe, m))
+                                            rows=partial(expert_rows, moe))
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         from reference_impl.moe import moe_layers, named_parameters
@@ -165,6 +170,11 @@ class ReferenceAdapter:
             for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
+
+
+def _one_row(g: int, moment: Any) -> list[tuple[int, Any]]:
+    """An unpacked expert's moment as its one row: ``(global expert id, moment)``."""
+    return [(g, moment)]
 
 
 def _layer_index(model: Any) -> dict[str, int]:

@@ -196,6 +196,7 @@ class TorchtitanAdapter:
             layer, expert_name = _identify(fqn)
             if expert_name is None:
                 continue
+            assert layer is not None  # _identify names an expert weight only under layers.<i>
             moments = {f"{expert_name}.{m}": state[p][m] for m in ADAM_MOMENTS if m in state.get(p, {})}
             tensors = {expert_name: p} | moments
             for name, tensor in tensors.items():

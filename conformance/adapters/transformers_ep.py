@@ -114,7 +114,8 @@ class TransformersAdapter:
             save_optimizer_distributed(model, optimizer, os.path.join(path, OPTIM_DIR))
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        from transformers.distributed import _load_model_checkpoint_distributed, load_optimizer_distributed
+        # _load_model_checkpoint_distributed is transformers 5.24's (the adapter's target); the venv's 5.18 lacks it
+        from transformers.distributed import _load_model_checkpoint_distributed, load_optimizer_distributed  # type: ignore[attr-defined]
 
         _load_model_checkpoint_distributed(model, path)
         if optimizer is not None:
@@ -190,7 +191,8 @@ def _config(spec: Spec) -> Any:
     from transformers import Qwen3MoeConfig
 
     heads = 2
-    return Qwen3MoeConfig(
+    # head_dim is a Qwen3MoeConfig field in transformers 5.24 (the adapter's target), not in the venv's 5.18
+    return Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB, hidden_size=spec.dim, intermediate_size=spec.hidden, moe_intermediate_size=spec.hidden,
         num_hidden_layers=spec.num_layers, num_attention_heads=heads, num_key_value_heads=1,
         head_dim=spec.dim // heads, num_experts=spec.num_experts,
@@ -206,8 +208,11 @@ def _distributed_config(spec: Spec) -> Any:
     layout = spec.layout
     if layout is None or layout.etp != 1:
         raise ValueError(f"transformers has no expert tensor parallelism; cannot build layout {layout}")
-    return DistributedConfig(dp_replicate_size=layout.dp_replicate, fsdp_size=layout.ep * layout.dp_shard,
-                             ep_size=layout.ep, ep_implementation="all_to_all")
+    # dp_replicate_size, ep_size and ep_implementation are DistributedConfig fields in transformers 5.24 (the
+    # adapter's target), not in the venv's 5.18
+    return DistributedConfig(  # type: ignore[call-arg]
+        dp_replicate_size=layout.dp_replicate, fsdp_size=layout.ep * layout.dp_shard, ep_size=layout.ep,
+        ep_implementation="all_to_all")
 
 
 def _layer_of(name: str) -> int | None:

@@ -44,6 +44,7 @@ def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
         return ""
     mask = torch.zeros(shape, dtype=torch.bool)
     for box in boxes:
+        assert box is not None  # a None box returned above
         mask[tuple(slice(a, b) for a, b in box)] = True
     if bool(mask.all()):
         return ""

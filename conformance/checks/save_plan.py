@@ -101,7 +101,8 @@ def _uncovered(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[
     if bool(mask.all()):
         return "", []
     missing = ~mask
-    parts, first = [], []
+    parts: list[str] = []
+    first: list[int] = []
     for axis, n in enumerate(size):
         hit = missing.any(dim=[d for d in range(len(size)) if d != axis]) if len(size) > 1 else missing
         idx = hit.nonzero().flatten().tolist()

@@ -174,7 +174,7 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
     whole_layers = {layer for layer, keys in by_layer_all.items() if keys and keys <= set(missing)}
     for layer in sorted(whole_layers):
         keys = sorted(by_layer_all[layer])
-        rows = max((want.entries[k].shape[0] for k in keys if w_info[k].kind == "packed" and want.entries[k].shape),
+        rows = max((shape[0] for k in keys if w_info[k].kind == "packed" and (shape := want.entries[k].shape)),
                    default=0)
         ids = {w_info[k].expert for k in keys if w_info[k].expert is not None} | set(range(rows))
         out.append(Finding("key_missing", w_info[keys[0]].family, f"all {len(keys)} expert keys of layer {layer} "
@@ -188,12 +188,12 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
             gone[(info.family, info.layer)].append(info.expert if info.expert is not None else -1)
             continue
         entry = want.entries[key]
-        rows = tuple(range(entry.shape[0])) if info.kind == "packed" and entry.shape else ()
+        row_ids = tuple(range(entry.shape[0])) if info.kind == "packed" and entry.shape else ()
         what = f" (layer {info.layer}'s experts)" if info.role == "expert" else ""
-        out.append(Finding("key_missing", key, f"absent from the {names[0]}{what}", info.layer, rows))
-    for (family, layer), ids in sorted(gone.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        out.append(Finding("key_missing", family, f"absent from the {names[0]} for {len(ids)} expert(s)",
-                           layer, tuple(sorted(ids))))
+        out.append(Finding("key_missing", key, f"absent from the {names[0]}{what}", info.layer, row_ids))
+    for (family, family_layer), expert_ids in sorted(gone.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        out.append(Finding("key_missing", family, f"absent from the {names[0]} for {len(expert_ids)} expert(s)",
+                           family_layer, tuple(sorted(expert_ids))))
     for key in unexpected:
         info = g_info[key]
         extra = f"; it holds the {names[1]}'s {holds[key]!r}" if key in holds else ""
@@ -374,8 +374,8 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
                     f" (layer {other.layer}, expert {other.expert})" if other.expert is not None else "")
             out.append(Finding("holds_other_key", key, text, info.layer, experts, source))
         elif a in by_row:
-            source, r = _pick(by_row[a], key, info, w_info)
-            out.append(Finding("holds_other_key", key, f"holds row {r} (expert {r}) of the {names[1]}'s {source!r}",
+            source, row = _pick(by_row[a], key, info, w_info)
+            out.append(Finding("holds_other_key", key, f"holds row {row} (expert {row}) of the {names[1]}'s {source!r}",
                                info.layer, experts, source))
         else:
             unexplained.append((key, None))
@@ -442,6 +442,8 @@ def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple
                 if not rows:
                     continue
         if rows is not None:
+            # a key with rows is a packed tensor in both checkpoints, and _fingerprints required both readers
+            assert a is not None and b is not None
             a, b = a[rows], b[[r for r in rows if r < b.shape[0]]] if b.dim() else b
         diff = "n/a"
         if a is not None and b is not None and a.shape == b.shape and a.numel():
@@ -480,5 +482,6 @@ def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any,
             if other != expert or (info.layer is not None and layer is not None and layer != info.layer):
                 where = "" if info.kind == "per_expert" else f"row {expert}: "
                 found.append(Finding("holds_other_expert", key, f"{where}holds the model's {name!r} of layer {layer}, "
-                                     f"expert {other}, not expert {expert}'s", info.layer, (expert,)))
+                                     f"expert {other}, not expert {expert}'s", info.layer,
+                                     (expert,) if expert is not None else ()))
     return found

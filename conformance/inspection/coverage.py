@@ -124,7 +124,10 @@ def _rows(entry: Entry) -> tuple[list[int], list[int], list[int]]:
         per_row = math.prod(sizes[1:])
         delta[offsets[0]] += per_row
         delta[min(offsets[0] + sizes[0], rows)] -= per_row
-    full, missing, twice, acc = [], [], [], 0
+    full: list[int] = []
+    missing: list[int] = []
+    twice: list[int] = []
+    acc = 0
     for r in range(rows):
         acc += delta[r]
         (full if acc == row_volume else missing if acc < row_volume else twice).append(r)

@@ -223,7 +223,8 @@ class _DcpReader:
     """Reads keys of one DCP checkpoint with no process group; the metadata is read once."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.metadata = path, None
+        self.path = path
+        self.metadata: Any = None  # DCP's Metadata, read on the first call
 
     def __call__(self, keys: Sequence[str]) -> dict[str, Any]:
         import torch
@@ -282,19 +283,20 @@ class _DcpReader:
         has thousands of items; reading the truth and every saved checkpoint was most of the inspection.
         """
         import torch
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
         wanted: dict[str, list[tuple[Any, Any]]] = {}  # data file -> [(item's storage info, where it goes)]
         state: dict[str, Any] = {}
         root = Path(self.path)
         for key in keys:
             md = metadata.state_dict_metadata[key]
+            pieces: list[tuple[MetadataIndex, tuple[str, ChunkStorageMetadata | None]]]
             if isinstance(md, TensorStorageMetadata):
                 state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-                items = [(MetadataIndex(key, chunk.offsets), (key, chunk)) for chunk in md.chunks]
+                pieces = [(MetadataIndex(key, chunk.offsets), (key, chunk)) for chunk in md.chunks]
             else:
-                items = [(MetadataIndex(key), (key, None))]
-            for index, where in items:
+                pieces = [(MetadataIndex(key), (key, None))]
+            for index, where in pieces:
                 info = metadata.storage_data.get(index)
                 if info is None:
                     raise CheckpointError(self.path, f"{key!r}: .metadata names no data for its chunk at "
@@ -522,6 +524,7 @@ class _SafetensorsReader:
             if not isinstance(dtype, torch.dtype) or len(data) != end - begin:
                 raise CheckpointError(str(file), f"{key!r}: dtype {entry.dtype} or {len(data)} data bytes",
                                       f"a torch dtype and {end - begin} bytes")
+            assert entry.shape is not None  # read_safetensors makes every entry a tensor
             out[key] = torch.frombuffer(data, dtype=dtype).reshape(entry.shape) if data else torch.empty(
                 entry.shape or (), dtype=dtype)
         return out
