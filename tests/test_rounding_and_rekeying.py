@@ -141,3 +141,18 @@ def test_another_experts_values_are_named_through_a_kernels_rounding() -> None:
         "holds expert 2's values instead of expert 1's"
     assert diagnose((0, 1, "up"), truth[(0, 1, "up")] * 1.01, None, truth, {}).startswith(
         "values differ from the ep=1 ground truth's and match no tensor of it: max abs diff")
+
+
+def test_a_tensor_held_under_another_key_is_one_re_keyed_finding() -> None:
+    """Megatron's ChainedOptimizer at etp>1: ``chained_0.optimizer.state.X`` holds what the ep=1 save keeps as
+    ``optimizer.state.X``; one finding names both, before a key that is merely extra."""
+    torch.manual_seed(5)
+    moment, extra = torch.rand(3), torch.rand(2)
+    truth = index_state_dict({"optimizer.state.exp_avg.w": moment}, "ep1")
+    got = index_state_dict({"chained_0.optimizer.state.exp_avg.w": moment.clone(), "z.extra": extra}, "ep2")
+    found = compare_indexes(got, truth, values=True, names=("checkpoint", "ep=1 checkpoint"))
+    assert [(f.problem, f.key) for f in found] == [("key_rekeyed", "chained_0.optimizer.state.exp_avg.w"),
+                                                   ("key_unexpected", "z.extra")], found
+    assert found[0].message == ("re-keyed: holds the ep=1 checkpoint's 'optimizer.state.exp_avg.w', which is absent "
+                                "from the checkpoint; the values agree") and found[0].other_key == \
+        "optimizer.state.exp_avg.w"

@@ -164,8 +164,12 @@ def _shape_finding(key: str, a: Entry, b: Entry, info: KeyInfo, names: tuple[str
 def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointIndex, want: CheckpointIndex,
                   g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo], names: tuple[str, str],
                   holds: Mapping[str, str]) -> list[Finding]:
-    """Absent keys grouped in expert terms: one finding per family, or per layer when all its experts went."""
+    """Absent keys grouped in expert terms: one finding per family, or per layer when all its experts went.  An
+    absent key whose value another key holds (and the other checkpoint does not have) is that key re-keyed: one
+    ``key_rekeyed`` finding names both (Megatron's ``chained_0.optimizer.state.*`` for ``optimizer.state.*``)."""
     out: list[Finding] = []
+    moved = {target: holder for holder, target in holds.items() if target in set(missing)}
+    missing = [k for k in missing if k not in moved]
     by_layer_all: dict[int, set[str]] = defaultdict(set)
     for key, info in w_info.items():
         if info.role == "expert" and info.layer is not None:
@@ -194,7 +198,15 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
     for (family, family_layer), expert_ids in sorted(gone.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         out.append(Finding("key_missing", family, f"absent from the {names[0]} for {len(expert_ids)} expert(s)",
                            family_layer, tuple(sorted(expert_ids))))
+    for target, key in sorted(moved.items()):
+        info = g_info[key]
+        expert = info.expert if info.expert is not None else w_info[target].expert
+        out.append(Finding("key_rekeyed", key, f"re-keyed: holds the {names[1]}'s {target!r}, which is absent from "
+                           f"the {names[0]}; the values agree", info.layer, (expert,) if expert is not None else (),
+                           target))
     for key in unexpected:
+        if key in moved.values():
+            continue
         info = g_info[key]
         extra = f"; it holds the {names[1]}'s {holds[key]!r}" if key in holds else ""
         out.append(Finding("key_unexpected", key, f"not in the {names[1]}{extra}", info.layer,
