@@ -156,3 +156,25 @@ def test_a_tensor_held_under_another_key_is_one_re_keyed_finding() -> None:
     assert found[0].message == ("re-keyed: holds the ep=1 checkpoint's 'optimizer.state.exp_avg.w', which is absent "
                                 "from the checkpoint; the values agree") and found[0].other_key == \
         "optimizer.state.exp_avg.w"
+
+
+def test_the_saved_state_is_put_together_and_replicas_that_disagree_are_named() -> None:
+    from conformance.checks.saved import assemble, check_against_truth, pack
+    from conformance.checks.verdict import RankVerdict
+
+    torch.manual_seed(6)
+    truth = {(0, 0, "up"): torch.rand(4, 2), (0, 1, "up"): torch.rand(4, 2), (None, None, "norm"): torch.rand(3)}
+    halves = [(slice(0, 2), slice(0, 2)), (slice(2, 4), slice(0, 2))]
+    norm = (None, None, "norm")
+    rank = [{(0, 0, "up"): (truth[(0, 0, "up")][halves[r]].clone(), halves[r]),
+             (0, 1, "up"): (truth[(0, 1, "up")].clone(), None), norm: (truth[norm].clone(), None)} for r in range(2)]
+    rank[1][(0, 1, "up")][0][0, 0] += 1.0  # rank 1's replica of expert 1 disagrees with rank 0's
+    saved = assemble([pack(r) for r in rank], truth, "ep=2")
+    assert set(saved.state) == set(truth) and torch.equal(saved.state[(0, 0, "up")], truth[(0, 0, "up")])
+    assert saved.holder[(0, 1, "up")] == 0 and [(r, k) for r, k, _ in saved.conflicts] == [(1, (0, 1, "up"))]
+    verdict = RankVerdict(0)
+    check_against_truth(saved, truth, verdict)
+    (m,) = verdict.mismatches
+    assert (m.rank, m.expert, m.name) == (1, 1, "up") and "replicas that disagree" in m.problem
+    only_half = assemble([pack({(0, 0, "up"): rank[0][(0, 0, "up")]})], truth, "ep=2")
+    assert (0, 0, "up") not in only_half.state  # half a tensor is no reference: the truth within rounding is

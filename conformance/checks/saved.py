@@ -41,26 +41,63 @@ class Saved:
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
 
-def _pieces(held: Held) -> list[tuple[Key, Any, Any]]:
-    return [(key, None if region is None else tuple((s.start, s.stop) for s in region), t)
-            for key, (t, region) in sorted(held.items(), key=lambda kv: repr(kv[0]))]
+def pack(held: Held) -> tuple[list[tuple[Key, Any, tuple[int, ...], str, int]], dict[str, Any]]:
+    """``held`` as one flat buffer per dtype and a list of ``(key, box, shape, dtype, offset)``: thousands of small
+    tensors cross an all-gather as a few large ones (pickling each costs more than sending them all)."""
+    import torch
+
+    meta: list[tuple[Key, Any, tuple[int, ...], str, int]] = []
+    parts: dict[str, list[Any]] = {}
+    sizes: dict[str, int] = {}
+    for key, (t, region) in sorted(held.items(), key=lambda kv: repr(kv[0])):
+        dtype = str(t.dtype)
+        box = None if region is None else tuple((s.start, s.stop) for s in region)
+        meta.append((key, box, tuple(t.shape), dtype, sizes.get(dtype, 0)))
+        parts.setdefault(dtype, []).append(t.reshape(-1))
+        sizes[dtype] = sizes.get(dtype, 0) + t.numel()
+    return meta, {dtype: torch.cat(ts) for dtype, ts in parts.items()}
+
+
+def _unpack(meta: list[tuple[Key, Any, tuple[int, ...], str, int]], buffers: dict[str, Any]
+            ) -> list[tuple[Key, Any, Any]]:
+    out = []
+    for key, box, shape, dtype, offset in meta:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append((key, box, buffers[dtype][offset:offset + n].view(shape)))
+    return out
 
 
 def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
     """Every rank's ``held`` on every rank (a collective), put together against the truth's global shapes."""
-    import torch
     import torch.distributed as dist
 
     found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, _pieces(held))
+    dist.all_gather_object(found, pack(held))
+    return assemble(found, truth, layout)
+
+
+def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
+    """Each rank's :func:`pack` (by rank) put together into whole tensors; replicas that disagree named."""
+    import torch
+
     saved = Saved(layout)
     fill: dict[Key, tuple[Any, Any]] = {}
-    for rank, pieces in enumerate(found):
-        for key, box, local in pieces or ():
+    for rank, packed in enumerate(found):
+        for key, box, local in _unpack(*packed):
             want = truth.get(key)
             if want is None:
                 continue
-            region = tuple(slice(a, b) for a, b in box) if box is not None else tuple(slice(0, n) for n in want.shape)
+            if box is None:  # a whole tensor: the first rank's is it, a replica's must agree
+                if key not in saved.state and key not in fill:
+                    if tuple(local.shape) == tuple(want.shape):
+                        saved.state[key], saved.holder[key] = local, rank
+                elif key in saved.state and not equal(saved.state[key], local):
+                    saved.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
+                                            f"{saved.holder[key]} (replicas that disagree: the checkpoint holds one)"))
+                continue
+            region = tuple(slice(a, b) for a, b in box)
             if (len(region) != want.dim() or any(r.stop > n for r, n in zip(region, want.shape, strict=False))
                     or tuple(local.shape) != tuple(r.stop - r.start for r in region)):
                 continue  # a region that does not fit: the load-side comparison names it
@@ -77,7 +114,7 @@ def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
                 saved.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
                                         f"{saved.holder[key]} (replicas that disagree: the checkpoint holds one)"))
             whole[region], mask[region] = local, True
-    saved.state = {key: whole for key, (whole, mask) in fill.items() if bool(mask.all())}
+    saved.state.update((key, whole) for key, (whole, mask) in fill.items() if bool(mask.all()))
     return saved
 
 
