@@ -22,7 +22,7 @@ from torch import nn
 
 from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
 
-__all__ = ["GlobalRegion", "RegionError", "global_regions", "local_region", "set_deterministic_grads"]
+__all__ = ["GlobalRegion", "RegionError", "global_regions", "local_region", "packed_rows", "set_deterministic_grads"]
 
 
 class RegionError(ValueError):
@@ -63,6 +63,54 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | Non
     if tuple(shape) != tuple(local.shape):
         raise RegionError(tuple(local.shape), tuple(shape), tuple(offset), tuple(t.placements), t.device_mesh)
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a DTensor made ``from_local`` of a row needs its own)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed weight"
+                ) -> list[tuple[int, torch.Tensor]]:
+    """The rows of a packed weight (or moment) this rank holds, each with its global expert id.
+
+    ``first`` is the global id of the tensor's row 0: 0 for a DTensor over all experts, the rank's first expert
+    for a plain tensor holding its chunk.  Each row is what the same expert's unpacked weight is on this rank: a
+    view of the row when the row is whole here (mesh dims that split the expert axis, FSDP's, and replicating dims
+    drop out), else a DTensor on that view over the mesh dims that split the row itself (expert tensor
+    parallelism, FSDP2 sharding an inner dim), ``Shard(d)`` becoming ``Shard(d - 1)``.  Nothing is copied.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local, region = local_region(tensor)
+    first = first + (region[0].start if region is not None else 0)
+    rows = [local[i] for i in range(local.shape[0])]
+    if isinstance(tensor, DTensor):
+        mesh, placements = tensor.device_mesh, tensor.placements
+        # mesh dim -> its shard of an inner axis, for the dims that split a row
+        keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1}
+        if any(isinstance(p, _StridedShard) for p in keep.values()):
+            raise ValueError(f"{where}: placed {tuple(placements)}, it has a strided shard of an inner axis; its "
+                             f"rows are not contiguous shards of one expert")
+        if keep:
+            names = mesh.mesh_dim_names
+            if len(keep) == mesh.ndim:
+                sub = mesh
+            elif names is None:
+                raise ValueError(f"{where}: placed {tuple(placements)} on a mesh without dim names; its rows need "
+                                 "the submesh of the dims that split them, so create the mesh with mesh_dim_names")
+            else:
+                sub = mesh[tuple(names[i] for i in keep)]
+            shards = [Shard(p.dim - 1) for p in keep.values()]
+            shape = tuple(tensor.shape[1:])
+            rows = [DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
+                                       stride=contiguous_stride(shape)) for row in rows]
+    return [(first + i, row) for i, row in enumerate(rows)]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,263 @@
+"""A base for torch-native trainers' adapters: say where the experts live; keep your own build, save and load.
+
+Most of any adapter is four walks over the model in global expert terms: write :func:`conformance.synthetic_weight`
+into every expert by global id, set :func:`conformance.synthetic_grad` on every parameter and step, yield
+``expert_tensors`` / ``other_tensors`` with the optimizer's moments, read the optimizer's scalars.  For a trainer
+whose experts are torch parameters (torchtitan, OLMo-core, a research trainer on ``torch.distributed``) they follow
+from one fact per parameter, which :meth:`TorchNativeAdapter.identify` gives as a :class:`Param`:
+
+- ``experts="none"``: not an expert's (a router, a norm, a shared expert): ``(layer, name)``;
+- ``experts="one"``: one expert's whole weight (one module per expert): its global id ``expert``;
+- ``experts="packed"``: all experts' weights stacked on axis 0 (``[E, ...]``);
+- ``experts="flat"``: all experts' weights as blocks of rows on axis 0 (``[E * rows, ...]``, OLMo-core's form).
+
+A packed or flat parameter that is a DTensor places itself (its ``Shard(0)`` over ``ep``, FSDP's shards on any
+dim); a plain tensor that holds only this rank's chunk gives the global id of its first expert as ``first``.
+The subclass keeps what differs between frameworks: ``build_model(spec, mesh)`` (the framework's model, built
+and parallelized; the base overwrites its values), ``build_optimizer(spec, model)`` (a torch optimizer or a
+container of several: a list or dict of them, torchtitan's ``OptimizersContainer``, anything with
+``optimizers`` or ``chained_optimizers``), ``save``, ``load``, and any optional member (``forward``).
+
+What the base then derives for every layout: ``build`` (synthetic weights by global id and the cell's optimizer
+steps, :func:`conformance.adapter.run_steps`), ``step``, ``expert_tensors`` and ``other_tensors`` with every
+optimizer's moments, and ``scalars`` (each group's settings and the step counts, numbered across the container).
+Rows of a packed weight whose expert axis FSDP leaves whole and whose inner dims it shards are per-expert
+DTensors (:func:`reference_impl.regions.packed_rows`, the reference's own rule).  A flat weight whose FSDP chunks
+end inside an expert is gathered (``full_tensor``), and each rank yields the experts it holds rows of, whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from conformance.adapter import ADAM_MOMENTS, Spec, TensorEntry, local_region, run_steps
+from conformance.synthetic import synthetic_grad, synthetic_weight
+
+#: ``make(layer, expert, name, shape) -> tensor``: the synthetic value of one tensor by global identity.
+Make = Callable[[Any, Any, str, tuple[int, ...]], Any]
+
+
+@dataclass(frozen=True)
+class Param:
+    """Where one parameter sits in global terms (see the module docstring)."""
+
+    layer: int | None
+    name: str
+    experts: str = "none"
+    #: ``experts="one"``: the global id of the expert it is.
+    expert: int | None = None
+    #: ``"packed"`` / ``"flat"`` as a plain tensor holding one rank's chunk: the global id of its first expert.
+    first: int | None = None
+    #: ``"packed"`` / ``"flat"``: the global expert count E.
+    num_experts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.experts not in ("none", "one", "packed", "flat"):
+            raise ValueError(f"Param {self.name!r}: experts={self.experts!r}; expected none, one, packed or flat")
+        if self.experts == "one" and self.expert is None:
+            raise ValueError(f"Param {self.name!r}: experts='one' needs the expert's global id (expert=)")
+        if self.experts in ("packed", "flat") and not self.num_experts:
+            raise ValueError(f"Param {self.name!r}: experts={self.experts!r} needs num_experts=E")
+
+
+def optimizers_of(optimizer: Any) -> list[Any]:
+    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, ``optimizers``,
+    Megatron's ``chained_optimizers``), in order; ``[]`` for ``None``."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, Mapping):
+        return [o for value in optimizer.values() for o in optimizers_of(value)]
+    if isinstance(optimizer, (list, tuple)):
+        return [o for value in optimizer for o in optimizers_of(value)]
+    for attr in ("chained_optimizers", "optimizers"):
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, (list, tuple)):
+            return [o for value in inner for o in optimizers_of(value)]
+    return [optimizer]
+
+
+def optimizer_state(optimizer: Any) -> dict[Any, Any]:
+    """Every parameter's state across the optimizers in ``optimizer``."""
+    state: dict[Any, Any] = {}
+    for optim in optimizers_of(optimizer):
+        state.update(optim.state)
+    return state
+
+
+def optimizer_scalars(optimizer: Any) -> dict[str, Any]:
+    """Each param group's settings (numbered across the container's optimizers) and the distinct step counts."""
+    found: dict[str, Any] = {}
+    groups = [g for optim in optimizers_of(optimizer) for g in optim.param_groups]
+    for i, group in enumerate(groups):
+        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+            if name in group:
+                value = group[name]
+                found[f"param_groups.{i}.{name}"] = (list(value) if isinstance(value, tuple) else
+                                                     float(value) if hasattr(value, "item") else value)
+    found["step"] = sorted({float(s["step"]) for s in optimizer_state(optimizer).values() if "step" in s})
+    return found
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def placed(tensor: Any, where: Param) -> tuple[Any, tuple[slice, ...], tuple[int, ...]]:
+    """``(local data, its region of the global tensor, the global shape)`` of a parameter or moment."""
+    local, region = local_region(tensor)
+    if region is not None:
+        return local, region, tuple(tensor.shape)
+    shape = tuple(tensor.shape)
+    if where.experts == "packed" and where.first is not None:
+        full = (int(where.num_experts or 0), *shape[1:])
+        if where.first + shape[0] > full[0]:
+            raise ValueError(f"{where.name!r} of layer {where.layer}: {shape[0]} expert rows from global expert "
+                             f"{where.first} run past E={full[0]}")
+        return local, (slice(where.first, where.first + shape[0]), *(slice(0, n) for n in shape[1:])), full
+    if where.experts == "flat" and where.first is not None:
+        raise ValueError(f"{where.name!r} of layer {where.layer}: a plain flat tensor holding one rank's chunk does "
+                         "not say its rows per expert; make it a DTensor, or name it packed")
+    return local, tuple(slice(0, n) for n in shape), shape
+
+
+def synthetic_full(where: Param, shape: tuple[int, ...], make: Make) -> Any:
+    """The whole global tensor of ``where`` from ``make``, expert by expert for expert weights."""
+    import torch
+
+    if where.experts == "none":
+        return make(where.layer, None, where.name, shape)
+    if where.experts == "one":
+        return make(where.layer, where.expert, where.name, shape)
+    count = int(where.num_experts or 0)
+    if where.experts == "packed":
+        return torch.stack([make(where.layer, g, where.name, shape[1:]) for g in range(count)])
+    rows = shape[0] // count
+    return torch.cat([make(where.layer, g, where.name, (rows, *shape[1:])) for g in range(count)])
+
+
+def _flat_rows(tensor: Any, where: Param) -> Iterator[tuple[int, Any]]:
+    """``(global expert, whole per-expert block)`` of a flat weight on this rank; gathered where FSDP's chunks
+    end inside an expert (decided from the placements alone, so every rank takes the same branch)."""
+    import itertools
+
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    local, region, shape = placed(tensor, where)
+    rows = shape[0] // int(where.num_experts or 1)
+    if any(r.start != 0 or r.stop != n for r, n in zip(region[1:], shape[1:], strict=True)):
+        raise NotImplementedError(f"{where.name!r} of layer {where.layer}: this rank holds {region} of a {shape} "
+                                  "flat expert tensor: a split of its other dims")
+    first, stop = region[0].start, region[0].stop
+    cut = _is_dtensor(tensor) and any(
+        offset[0] % rows or size[0] % rows
+        for coordinate in itertools.product(*(range(n) for n in tensor.device_mesh.shape))
+        for size, offset in [_compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh.shape,
+                                                                    list(coordinate), tensor.placements)])
+    if cut:
+        whole = tensor.full_tensor()
+        for g in range(first // rows, -(-stop // rows) if stop > first else first // rows):
+            yield g, whole[g * rows:(g + 1) * rows]
+        return
+    for i in range((stop - first) // rows):
+        yield first // rows + i, local[i * rows:(i + 1) * rows]
+
+
+def expert_rows(tensor: Any, where: Param) -> list[tuple[int, Any]]:
+    """``(global expert, its tensor)`` for each expert of ``where`` this rank holds."""
+    from reference_impl.regions import packed_rows
+
+    if where.experts == "one":
+        return [(int(where.expert or 0), tensor)]
+    if where.experts == "packed":
+        return packed_rows(tensor, where.first or 0, where=f"{where.name!r} of layer {where.layer}")
+    return list(_flat_rows(tensor, where))
+
+
+class TorchNativeAdapter:
+    """The derived members of a torch-native trainer's adapter (see the module docstring for what to give)."""
+
+    moments: tuple[str, ...] = ADAM_MOMENTS
+
+    # -- what the framework's adapter gives --------------------------------------------------------
+    def build_model(self, spec: Spec, mesh: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.build_model(spec, mesh)")
+
+    def build_optimizer(self, spec: Spec, model: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.build_optimizer(spec, model)")
+
+    def identify(self, fqn: str, param: Any) -> Param:
+        raise NotImplementedError(f"{type(self).__name__}.identify(fqn, param)")
+
+    # -- what the base derives ---------------------------------------------------------------------
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
+        import torch
+
+        model = self.build_model(spec, mesh)
+        with torch.no_grad():
+            self.fill(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
+        if spec.optimizer_steps <= 0:
+            return model, None
+        optimizer = self.build_optimizer(spec, model)
+        run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
+        return model, optimizer
+
+    def params(self, model: Any) -> Iterator[tuple[Any, Param]]:
+        for fqn, p in model.named_parameters():
+            yield p, self.identify(fqn, p)
+
+    def fill(self, model: Any, make: Make) -> None:
+        """Every parameter's local data := its region of the global tensor ``make`` gives."""
+        for p, where in self.params(model):
+            local, region, shape = placed(p, where)
+            local.copy_(synthetic_full(where, shape, make)[region].to(device=local.device, dtype=local.dtype))
+
+    def set_grads(self, model: Any, seed: int, step: int) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p, where in self.params(model):
+            local, region, shape = placed(p, where)
+            full = synthetic_full(where, shape, lambda layer, g, name, s: synthetic_grad(seed, step, layer, g, name,
+                                                                                          s))
+            grad = full[region].to(device=local.device, dtype=local.dtype).contiguous()
+            if isinstance(p, DTensor):
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+            p.grad = grad
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        self.set_grads(model, seed, step)
+        for optim in optimizers_of(optimizer):
+            optim.step()
+        for optim in optimizers_of(optimizer):
+            optim.zero_grad(set_to_none=True)
+
+    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        return optimizer_scalars(optimizer)
+
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
+        state = optimizer_state(optimizer)
+        for p, where in self.params(model):
+            if where.experts == "none":
+                continue
+            for name, tensor in {where.name: p, **{f"{where.name}.{m}": state[p][m] for m in self.moments
+                                                   if m in state.get(p, {})}}.items():
+                for g, row in expert_rows(tensor, where):
+                    yield TensorEntry(where.layer, g, name, row)
+
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
+        state = optimizer_state(optimizer)
+        for p, where in self.params(model):
+            if where.experts != "none":
+                continue
+            yield TensorEntry(where.layer, None, where.name, p)
+            for m in self.moments:
+                if m in state.get(p, {}):
+                    yield TensorEntry(where.layer, None, f"{where.name}.{m}", state[p][m])
+
+
+__all__ = ["Make", "Param", "TorchNativeAdapter", "expert_rows", "optimizer_scalars", "optimizer_state",
+           "optimizers_of", "placed", "synthetic_full"]
