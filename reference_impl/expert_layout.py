@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from reference_impl.model import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
-from reference_impl.regions import local_region
+from reference_impl.regions import contiguous_stride, local_region, packed_rows
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows", "moe_layers",
            "saved_packed_layers"]
@@ -71,56 +71,15 @@ def _prefix(name: str) -> str:
     return f"{name}." if name else ""
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def _root_mesh(mesh: Any) -> Any:
     get_root = getattr(mesh, "_get_root_mesh", None)
     return get_root() if get_root is not None else mesh
 
 
 def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """The rows of a packed weight (or moment) this rank holds, each with its global expert id.
-
-    Each row is what the same expert's unpacked weight is on this rank: a view of the row when the
-    row is whole here (mesh dims that split the expert axis, FSDP's, and replicating dims drop
-    out), else a DTensor on that view over the mesh dims that split the row itself (expert tensor
-    parallelism), ``Shard(d)`` becoming ``Shard(d - 1)``.  Nothing is copied.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    local, region = local_region(tensor)
-    first = moe.local_expert_start + (region[0].start if region is not None else 0)
-    rows = [local[i] for i in range(local.shape[0])]
-    if isinstance(tensor, DTensor):
-        mesh, placements = tensor.device_mesh, tensor.placements
-        # mesh dim -> its shard of an inner axis, for the dims that split a row
-        keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1}
-        strided = [p for p in keep.values() if isinstance(p, _StridedShard)]
-        if strided:
-            raise ValueError(f"MoE layer {moe.name!r}: a packed weight placed {tuple(placements)} has a strided "
-                             f"shard of an inner axis; its rows are not contiguous shards of one expert")
-        if keep:
-            names = mesh.mesh_dim_names
-            if len(keep) == mesh.ndim:
-                sub = mesh
-            elif names is None:
-                raise ValueError(f"MoE layer {moe.name!r}: a packed weight placed {tuple(placements)} on a mesh "
-                                 "without dim names; its rows need the submesh of the dims that split them, so "
-                                 "create the mesh with mesh_dim_names")
-            else:
-                sub = mesh[tuple(names[i] for i in keep)]
-            shards = [Shard(p.dim - 1) for p in keep.values()]
-            shape = tuple(tensor.shape[1:])
-            rows = [DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
-                                       stride=_contiguous_stride(shape)) for row in rows]
-    return [(first + i, row) for i, row in enumerate(rows)]
+    """The rows of a packed weight (or moment) this rank holds, each with its global expert id: the one row rule
+    (:func:`reference_impl.regions.packed_rows`), from the layer's first local expert.  Nothing is copied."""
+    return packed_rows(tensor, moe.local_expert_start, where=f"MoE layer {moe.name!r}: a packed weight")
 
 
 class ExpertLayout:
@@ -204,7 +163,7 @@ class ExpertLayout:
             row, mesh, placements = 0, moe.ep_mesh, (Shard(0),)
         with torch.no_grad():
             wrapped = DTensor.from_local(local, mesh, placements, run_check=False,
-                                         shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
+                                         shape=torch.Size(global_shape), stride=contiguous_stride(global_shape))
         # DCP places the data by the DTensor's computed local shape and offset, never the local
         # tensor's, so they must be what this rank holds or the checkpoint silently mixes rows up.
         first = moe.local_expert_start + row

@@ -14,7 +14,7 @@ bookkeeping (``local_expert_start``) and DTensor's placement logic, never on Exp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +65,7 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | Non
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (a DTensor made ``from_local`` of a row needs its own)."""
     stride, acc = [], 1
     for size in reversed(shape):

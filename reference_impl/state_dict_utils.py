@@ -19,7 +19,6 @@ raises ``ValueError`` or ``TypeError`` saying what was wrong and what was expect
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TypeGuard
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from reference_impl.layout import expert_counts, expert_range
-from reference_impl.regions import RegionError, local_region
+from reference_impl.regions import RegionError, contiguous_stride, local_region
 
 __all__ = [
     "create_dtensor_from_local",
@@ -388,18 +387,8 @@ def create_dtensor_from_local(
         global_shape[axis] = total
 
     return DTensor.from_local(
-        local_tensor, mesh, placements, shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape)
+        local_tensor, mesh, placements, shape=torch.Size(global_shape), stride=contiguous_stride(global_shape)
     )
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape``: the stride DTensor reports for a tensor it never materialises."""
-    stride: list[int] = []
-    acc = 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def get_expert_range_for_rank_from_mesh(device_mesh: DeviceMesh | None, n_experts: int) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from conformance.adapter import (
     world_device,
 )
 from conformance.synthetic import synthetic_grad, synthetic_weight
+from reference_impl.regions import contiguous_stride
 
 EXPERT_WEIGHTS = ("gate_and_up_projs", "down_projs")
 #: attributes set on the built model: NeMo's MoE mesh (or None) and its dense FSDP mesh (or None).
@@ -301,16 +302,8 @@ def _rows(tensor: Any) -> Iterator[tuple[int, Any]]:
             placements = [Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > 0 else Replicate()
                           for p in tensor.placements]
             row = DTensor.from_local(row, tensor.device_mesh, placements, run_check=False, shape=torch.Size(row_shape),
-                                     stride=_contiguous_stride(row_shape))
+                                     stride=contiguous_stride(row_shape))
         yield offset[0] + i, row
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
 
 
 def _set_grads(model: Any, seed: int, step: int) -> None:
