@@ -1,57 +1,32 @@
 """The built-in ``olmo_core`` and ``olmo_core-dropless`` adapters: OLMo-core 3.0.0 end to end.
 
-They drive OLMo-core's own code (nothing of the EP split or the checkpoint is re-implemented): MoE layers
-from ``olmo_core.nn.moe.MoEConfig.build`` (router, ``ParallelMLP`` around ``MoEMLP`` -- or
-``ParallelDroplessMLP`` around ``DroplessMoEMLP`` for ``olmo_core-dropless`` -- and the shared
-``FeedForward``) in a container reduced to them (``blocks.<i>``), with packed, *flattened* expert weights
-(``w1``/``w3`` ``(E * d_model, hidden)``, ``w2`` ``(E * hidden, d_model)`` for ``MoEMLP``; ``(E * hidden,
-d_model)`` all three for the dropless one; expert ``g`` is rows ``[g * rows, (g + 1) * rows)``), filled by
-global expert id; ``build_world_mesh`` with HSDP and ``ExpertParallelConfig(degree=ep)`` (EP only with
-HSDP, on the ``dp_shard`` dim: consecutive EP groups, checked against the suite's ``mesh["ep"]``; ep=1
-without EP, as OLMo-core's train module builds it), ``get_ep_mesh`` and ``MoEBase.apply_ep``; FSDP as
-``parallelize_model`` does it for an MoE model (``prepare_experts_for_fsdp``, then ``fully_shard`` of each
-block and the root over ``get_dp_model_mesh``, mixed precision at fp32); ``AdamWConfig(lr=spec.lr).build``;
-and ``save_model_and_optim_state`` / ``load_model_and_optim_state`` (DCP).
-
-Workarounds for a CPU/gloo world (none changes what is checked):
-
-* ``olmo_core.distributed.parallel._WORLD_MESH`` is reset before each ``build_world_mesh``: OLMo-core
-  allows one world mesh per process, and a rank process serves cells at several EP degrees.  Each
-  mesh is built once per (ep, fsdp, device) and cached, like the suite's meshes.
-* Gradients are set directly (:func:`conformance.synthetic_grad` on ``.grad``) and ``forward`` is left out:
-  the MoE layers route tokens through Triton kernels (``olmo_core.ops.moe``), which find no driver on CPU.
-* Where FSDP2's dim-0 chunks of a flattened expert weight cut through an expert (E=6 on 4 ranks), the canonical
-  views gather that tensor (``DTensor.full_tensor``) and each rank reports the experts it holds rows of, whole:
-  the adapter contract names whole experts only.  The checkpoint is still OLMo-core's own save of its shards.
-
-``uneven=True`` ("run it"): OLMo-core refuses ``E % ep != 0`` loudly (``MoEMLPBase._shard_experts`` raises
-``OLMoConfigurationError``), so those cells are ``error`` cells carrying its message.
-
-What the matrix finds: docs/frameworks/olmo_core.md.
+OLMo-core's own code throughout: ``MoEConfig.build`` layers (router, ``ParallelMLP`` over ``MoEMLP``, or
+``ParallelDroplessMLP`` over ``DroplessMoEMLP``, and the shared ``FeedForward``) as ``blocks.<i>``, with packed
+*flattened* expert weights (expert ``g`` is rows ``[g * rows, (g + 1) * rows)`` of ``w1``/``w2``/``w3``);
+``build_world_mesh`` with HSDP and ``ExpertParallelConfig(degree=ep)`` (EP on ``dp_shard``: consecutive groups,
+checked against the cell's ``mesh["ep"]``), ``get_ep_mesh`` and ``apply_ep``; FSDP as ``parallelize_model`` does
+it for MoE (``prepare_experts_for_fsdp``, ``fully_shard`` per block and root, fp32); ``AdamWConfig(lr).build``;
+``save_model_and_optim_state`` / ``load_model_and_optim_state`` (DCP).  Written on
+:class:`conformance.adapters.torch_native.TorchNativeAdapter`: ``identify`` names the flattened expert weights and
+the base derives the rest (a flat weight whose FSDP chunks end inside an expert is gathered, each rank reporting
+the experts it holds rows of, whole).  On CPU: ``parallel._WORLD_MESH`` is reset before each ``build_world_mesh``
+(one world mesh per process; each is cached), and there is no ``forward`` (its Triton kernels need a GPU).
+``uneven=True``: OLMo-core refuses ``E % ep != 0`` (``MoEMLPBase._shard_experts``), a ``refused`` cell.  What the
+matrix finds: docs/frameworks/olmo_core.md.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import (
-    ADAM_MOMENTS,
-    Capabilities,
-    Spec,
-    local_region,
-    run_steps,
-    torch_optimizer_scalars,
-    world_device,
-)
-from conformance.synthetic import synthetic_grad, synthetic_weight
+from conformance.adapter import Capabilities, Spec, installed_version, world_device
+from conformance.adapters.torch_native import Param, TorchNativeAdapter
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
-_EXPERTS = "experts.mlp."
+_EXPERTS = "experts.mlp."  # blocks.<i>.experts.mlp.w1: layer i's flattened expert weight w1
 
 
-class OlmoCoreAdapter:
+class OlmoCoreAdapter(TorchNativeAdapter):
     """OLMo-core 3.0.0's default ``MoE`` (``ParallelMLP`` over ``MoEMLP``)."""
 
     name = "olmo_core"
@@ -63,44 +38,33 @@ class OlmoCoreAdapter:
     @property
     def version(self) -> str:
         """The installed OLMo-core's version (read from its metadata, without importing it)."""
-        from importlib.metadata import PackageNotFoundError, version
+        return installed_version("olmo_core") or "not installed"
 
-        try:
-            return version("ai2-olmo-core")
-        except PackageNotFoundError:
-            return "not installed"
-
-    # -- building ----------------------------------------------------------------------------------
-    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
-        import torch
-
-        if spec.kind != "packed":
-            raise ValueError(f"OLMo-core's MoE experts are packed; cannot build kind {spec.kind!r}")
-        if spec.activation != "swiglu":
-            raise ValueError(f"OLMo-core's MoE experts are SwiGLU; cannot build activation {spec.activation!r}")
+    def build_model(self, spec: Spec, mesh: Any) -> Any:
+        if (spec.kind, spec.activation) != ("packed", "swiglu"):
+            raise ValueError(f"OLMo-core's MoE experts are packed SwiGLU; cannot build {spec.kind} {spec.activation}")
         device = world_device(mesh)
         model = _build_model(spec, self.moe_type, device)
         if mesh is not None:
             _parallelize(model, mesh, fsdp=spec.fsdp, device_type=device.type)
-        with torch.no_grad():
-            _overwrite(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
-        if spec.optimizer_steps <= 0:
-            return model, None
+        return model
+
+    def build_optimizer(self, spec: Spec, model: Any) -> Any:
         from olmo_core.optim import AdamWConfig
 
-        optimizer = AdamWConfig(lr=spec.lr).build(model)
-        run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
-        return model, optimizer
+        return AdamWConfig(lr=spec.lr).build(model)
 
-    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        _set_grads(model, seed, step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def identify(self, model: Any, fqn: str, param: Any) -> Param:
+        """``blocks.<i>.experts.mlp.<w>``: layer i's flattened expert weight ``w``; ``blocks.<i>.<rest>``: dense."""
+        parts = fqn.split(".")
+        if parts[:1] != ["blocks"]:
+            return Param(None, fqn)
+        rest = ".".join(parts[2:])
+        if rest.startswith(_EXPERTS):
+            return Param(int(parts[1]), rest[len(_EXPERTS):], experts="flat",
+                         num_experts=next(iter(model.blocks.values())).num_experts)
+        return Param(int(parts[1]), rest)
 
-    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        return torch_optimizer_scalars(optimizer)
-
-    # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from olmo_core.distributed.checkpoint import save_model_and_optim_state
 
@@ -110,32 +74,6 @@ class OlmoCoreAdapter:
         from olmo_core.distributed.checkpoint import load_model_and_optim_state
 
         load_model_and_optim_state(path, model, optimizer)
-
-    # -- canonical views ---------------------------------------------------------------------------
-    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
-        state = optimizer.state if optimizer is not None else {}
-        for fqn, p in model.named_parameters():
-            layer, expert_name = _identify(fqn)
-            if expert_name is None:
-                continue
-            assert layer is not None  # _identify names an expert weight only under blocks.<i>
-            tensors = {expert_name: p} | {f"{expert_name}.{m}": state[p][m] for m in ADAM_MOMENTS
-                                          if m in state.get(p, {})}
-            for name, tensor in tensors.items():
-                for g, row in _rows(model, tensor, where=f"layer {layer} {name}"):
-                    yield layer, g, name, row
-
-    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
-        state = optimizer.state if optimizer is not None else {}
-        for fqn, p in model.named_parameters():
-            layer, expert_name = _identify(fqn)
-            if expert_name is not None:
-                continue
-            name = _short(fqn)
-            yield layer, None, name, p
-            for moment in ADAM_MOMENTS:
-                if moment in state.get(p, {}):
-                    yield layer, None, f"{name}.{moment}", state[p][moment]
 
 
 class OlmoCoreDroplessAdapter(OlmoCoreAdapter):
@@ -161,14 +99,10 @@ def _build_model(spec: Spec, moe_type: str, device: Any) -> Any:
     if getattr(torch, spec.dtype) != config.dtype.as_pt():
         raise ValueError(f"OLMo-core's DType has no {spec.dtype!r}")
 
-    class MoEStack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleDict({str(i): config.build(spec.dim, n_layers=spec.num_layers,
-                                                              init_device=device.type)
-                                         for i in range(spec.num_layers)})
-
-    return MoEStack().to(device)
+    model = nn.Module()
+    model.blocks = nn.ModuleDict({str(i): config.build(spec.dim, n_layers=spec.num_layers, init_device=device.type)
+                                  for i in range(spec.num_layers)})
+    return model.to(device)
 
 
 @functools.cache
@@ -214,106 +148,3 @@ def _parallelize(model: Any, mesh: Any, *, fsdp: bool, device_type: str) -> None
     for moe in model.blocks.values():
         fully_shard(moe, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-
-
-# -- identities and regions ----------------------------------------------------------------------
-def _identify(fqn: str) -> tuple[int | None, str | None]:
-    """``(layer, expert weight name or None)`` of a parameter FQN ``blocks.<i>.<rest>``."""
-    parts = fqn.split(".")
-    if parts[:1] != ["blocks"]:
-        return None, None
-    rest = ".".join(parts[2:])
-    return int(parts[1]), (rest[len(_EXPERTS):] if rest.startswith(_EXPERTS) else None)
-
-
-def _short(fqn: str) -> str:
-    return ".".join(fqn.split(".")[2:]) if fqn.startswith("blocks.") else fqn
-
-
-def _num_experts(model: Any) -> int:
-    return next(iter(model.blocks.values())).num_experts
-
-
-def _region(tensor: Any) -> tuple[Any, tuple[slice, ...]]:
-    local, region = local_region(tensor)
-    return local, region if region is not None else tuple(slice(0, n) for n in tensor.shape)
-
-
-def _full(layer: int | None, expert_name: str | None, short: str, shape: tuple[int, ...], num_experts: int,
-          make: Any) -> Any:
-    """The whole global tensor from ``make(layer, expert, name, shape)``; flattened experts block by block."""
-    import torch
-
-    if expert_name is None:
-        return make(layer, None, short, shape)
-    rows = shape[0] // num_experts
-    return torch.cat([make(layer, g, expert_name, (rows, *shape[1:])) for g in range(num_experts)])
-
-
-def _fill(model: Any, make: Any, assign: Any) -> None:
-    num_experts = _num_experts(model)
-    for fqn, p in model.named_parameters():
-        layer, expert_name = _identify(fqn)
-        local, region = _region(p)
-        full = _full(layer, expert_name, _short(fqn), tuple(p.shape), num_experts, make)
-        assign(p, local, full[region].to(device=local.device, dtype=local.dtype))
-
-
-def _overwrite(model: Any, make: Any) -> None:
-    """Every parameter's local data := its region of the synthetic global tensor."""
-    _fill(model, make, lambda p, local, value: local.copy_(value))
-
-
-def _set_grads(model: Any, seed: int, step: int) -> None:
-    from torch.distributed.tensor import DTensor
-
-    def assign(p: Any, local: Any, value: Any) -> None:
-        grad = value.contiguous()
-        if isinstance(p, DTensor):
-            grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
-        p.grad = grad
-
-    _fill(model, lambda layer, g, name, shape: synthetic_grad(seed, step, layer, g, name, shape), assign)
-
-
-def _rows(model: Any, tensor: Any, *, where: str) -> Iterator[tuple[int, Any]]:
-    """``(global expert, whole per-expert tensor)`` for each expert block of a flattened weight on this rank.
-
-    FSDP2 splits dim 0 into equal chunks, which need not end at expert boundaries (E=6 over 4 ranks: 24 of 96
-    ``w1`` rows each, 16 per expert).  Where any rank holds part of an expert, every rank gathers the tensor
-    (``DTensor.full_tensor``, decided from the placements alone, so all ranks take the same branch) and yields
-    each expert it holds rows of, whole: the contract describes experts, and a part of one has no name in it.
-    """
-    num_experts = _num_experts(model)
-    local, region = _region(tensor)
-    rows = tensor.shape[0] // num_experts
-    first, stop = region[0].start, region[0].stop
-    if any(r.start != 0 or r.stop != n for r, n in zip(region[1:], tensor.shape[1:], strict=True)):
-        raise NotImplementedError(f"{where}: this rank holds {region} of a {tuple(tensor.shape)} flattened expert "
-                                  "tensor: a split of its other dims, which neither EP nor FSDP makes")
-    if _splits_an_expert(tensor, rows):
-        whole = tensor.full_tensor()
-        for g in range(first // rows, -(-stop // rows) if stop > first else first // rows):
-            yield g, whole[g * rows:(g + 1) * rows]
-        return
-    for i in range((stop - first) // rows):
-        yield first // rows + i, local[i * rows:(i + 1) * rows]
-
-
-def _splits_an_expert(tensor: Any, rows: int) -> bool:
-    """Whether some rank of ``tensor``'s mesh holds a dim-0 chunk that does not end at an expert boundary."""
-    import itertools
-
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    if not isinstance(tensor, DTensor):
-        return False
-    mesh = tensor.device_mesh
-    for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
-        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, mesh.shape, list(coordinate),
-                                                               tensor.placements)
-        if offset[0] % rows or shape[0] % rows:
-            return True
-    return False

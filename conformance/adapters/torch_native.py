@@ -4,7 +4,8 @@ Most of any adapter is four walks over the model in global expert terms: write :
 into every expert by global id, set :func:`conformance.synthetic_grad` on every parameter and step, yield
 ``expert_tensors`` / ``other_tensors`` with the optimizer's moments, read the optimizer's scalars.  For a trainer
 whose experts are torch parameters (torchtitan, OLMo-core, a research trainer on ``torch.distributed``) they follow
-from one fact per parameter, which :meth:`TorchNativeAdapter.identify` gives as a :class:`Param`:
+from one fact per parameter, which :meth:`TorchNativeAdapter.identify` (``model, fqn, param``) gives as a
+:class:`Param`:
 
 - ``experts="none"``: not an expert's (a router, a norm, a shared expert): ``(layer, name)``;
 - ``experts="one"``: one expert's whole weight (one module per expert): its global id ``expert``;
@@ -189,8 +190,8 @@ class TorchNativeAdapter:
     def build_optimizer(self, spec: Spec, model: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.build_optimizer(spec, model)")
 
-    def identify(self, fqn: str, param: Any) -> Param:
-        raise NotImplementedError(f"{type(self).__name__}.identify(fqn, param)")
+    def identify(self, model: Any, fqn: str, param: Any) -> Param:
+        raise NotImplementedError(f"{type(self).__name__}.identify(model, fqn, param)")
 
     # -- what the base derives ---------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
@@ -207,7 +208,7 @@ class TorchNativeAdapter:
 
     def params(self, model: Any) -> Iterator[tuple[Any, Param]]:
         for fqn, p in model.named_parameters():
-            yield p, self.identify(fqn, p)
+            yield p, self.identify(model, fqn, p)
 
     def fill(self, model: Any, make: Make) -> None:
         """Every parameter's local data := its region of the global tensor ``make`` gives."""
