@@ -14,8 +14,9 @@ Tiers (``--moe-ep-matrix=TIER``):
   layout family; legacy cells, which end at the refusal, are their own stratum;
 - ``1,2,4`` (EP degrees): the plain layouts at those degrees, in the adapter's (first) EP-group
   order: same-kind cells for every state, FSDP mode and EP pair at the first expert count; each kind
-  loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven; and
-  legacy cells -- the shape adapters' own tests pin cell by cell.
+  loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven (with FSDP2
+  for a framework that composes EP only with it); and legacy cells -- the shape adapters' own tests pin cell by
+  cell.
 
 A cell the adapter's capabilities rule out stays in the matrix as ``n/a`` with the reason -- nothing
 is silently dropped.
@@ -184,16 +185,18 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
     return cells
 
 
-def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_order: str) -> list[Cell]:
-    """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order."""
+def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_order: str,
+            uneven_fsdp: bool = False) -> list[Cell]:
+    """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order; ``uneven_fsdp``: the uneven
+    cells with FSDP2 (for a framework that composes EP only with FSDP, whose EP-only cells are all n/a)."""
     plain = [ParallelLayout.for_world(world_size, ep, ep_order=ep_order) for ep in eps]
     pairs = [(s, t) for s in plain for t in plain]
     first, *others = num_experts
     cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in KINDS for state in STATES
              for fsdp in (False, True) for s, t in pairs]
     cells += [Cell(a, b, "model+optim", False, s, t, first) for a, b in KIND_PAIRS if a != b for s, t in pairs]
-    cells += [Cell(kind, kind, "model+optim", False, s, t, e) for e in others for kind in KINDS for s, t in pairs
-              if e % s.ep or e % t.ep]
+    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others for kind in KINDS
+              for s, t in pairs if e % s.ep or e % t.ep]
     wide = [layout for layout in plain if layout.ep > 1]
     if wide:
         cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True) for kind in KINDS
@@ -294,7 +297,7 @@ def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None
         everything = full_product(world_size, num_experts)
     else:
         everything = ep_tier(world_size, eps, num_experts, "strided" if "strided" in caps.ep_orders
-                             else caps.ep_orders[0])
+                             else caps.ep_orders[0], uneven_fsdp=not caps.ep_only)
     if not caps.optimizer:  # a legacy cell saves the richest state the adapter has
         everything = [replace(c, state="model") if c.legacy else c for c in everything]
     legacy_na = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"

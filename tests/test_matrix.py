@@ -321,6 +321,19 @@ def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
     assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 6))) == 106
 
 
+def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only_with_fsdp() -> None:
+    from dataclasses import replace
+
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.matrix import checkpoint_cells
+
+    caps = replace(ReferenceAdapter.capabilities, ep_only=False)
+    uneven = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4, 6)) if c.num_experts == 6]
+    assert uneven and all(c.fsdp for c in uneven)
+    assert {(c.save.ep, c.load.ep) for c in uneven if not c.na} >= {(1, 4), (4, 1), (4, 4), (2, 4)}
+    assert len(checkpoint_cells(caps, "1,2,4", 4, (4, 6))) == 106  # the same cells, with FSDP2
+
+
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> None:
     """A legacy cell ends at the refusal: it must not stand in for a pair no value comparison tests."""

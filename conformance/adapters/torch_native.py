@@ -230,10 +230,12 @@ class TorchNativeAdapter:
             p.grad = grad
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        """Synthetic grads, then the optimizer's own ``step`` (a container's, which may do more than its parts')."""
         self.set_grads(model, seed, step)
-        for optim in optimizers_of(optimizer):
+        steppers = [optimizer] if callable(getattr(optimizer, "step", None)) else optimizers_of(optimizer)
+        for optim in steppers:
             optim.step()
-        for optim in optimizers_of(optimizer):
+        for optim in steppers:
             optim.zero_grad(set_to_none=True)
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
