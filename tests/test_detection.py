@@ -331,7 +331,7 @@ def test_one_expert_moment_off_by_far_more_than_rounding_is_named(pytester: pyte
         experts = cells[cell_id]["num_experts"]
         assert cells[cell_id]["findings"] == ["silent", "on-disk"], cell_id
         assert re.match(rf"first difference: rank \d, layer 1, expert {experts - 1}, tensor 'up\.exp_avg': as saved at "
-                        r".* \(before any load\): values differ from the ep=1 ground truth's and match no tensor of it:"
+                        r".* \(before any load\): values differ from the ep=1 ground truth and match no tensor of it:"
                         r" max abs diff .* \(8\d\d ulps\)", first), (cell_id, first)
 
 

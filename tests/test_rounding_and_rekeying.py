@@ -140,7 +140,7 @@ def test_another_experts_values_are_named_through_a_kernels_rounding() -> None:
     assert diagnose((0, 1, "up"), truth[(0, 2, "up")].clone(), None, truth, {}) == \
         "holds expert 2's values instead of expert 1's"
     assert diagnose((0, 1, "up"), truth[(0, 1, "up")] * 1.01, None, truth, {}).startswith(
-        "values differ from the ep=1 ground truth's and match no tensor of it: max abs diff")
+        "values differ from the ep=1 ground truth and match no tensor of it: max abs diff")
 
 
 def test_a_tensor_held_under_another_key_is_one_re_keyed_finding() -> None:

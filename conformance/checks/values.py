@@ -141,12 +141,12 @@ def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: 
                 return f"holds only the {label} half of {_describe(other)}"
     want = expected(truth, key, region)
     if want is None:
-        return f"holds rows {region} {source}'s {tuple(truth[key].shape)} does not have"
+        return f"holds rows {region} outside the {tuple(truth[key].shape)} tensor of {source}"
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if got.dtype != want.dtype:
         return f"dtype {got.dtype}, expected {want.dtype}"
-    return f"values differ from {source}'s and match no tensor of it: {describe(got, want)}"
+    return f"values differ from {source} and match no tensor of it: {describe(got, want)}"
 
 
 def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: RankVerdict,
