@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 
 from conformance import findings as F
-from conformance.adapter import Members, Spec, installed_version
+from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.expectations import Baseline, Judgement, outcome_of
 from conformance.matrix import Cell
+from conformance.members import Members
 from conformance.record import FUNCTION_FINDING, CellRecord, environment, function_record
 from conformance.report import INTERRUPTED, OUTCOME, RECORD
 from conformance.saves import Saves, disk_problem, save_key

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.adapter import Members, members_of
 from conformance.matrix import Cell
+from conformance.members import Members, members_of
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Saves:
     share: bool = True
     saves: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
     truths: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
-    #: what :func:`~conformance.adapter.check_adapter` resolved of the adapter (resolved here when not given).
+    #: what :func:`~conformance.members.check_adapter` resolved of the adapter (resolved here when not given).
     members: Members | None = None
     #: whether cells get a truth checkpoint: the checkpoint check can read this adapter's checkpoints.
     truths_wanted: bool = field(init=False, default=True)

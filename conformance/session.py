@@ -29,9 +29,9 @@ from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
 from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 
 if TYPE_CHECKING:
-    from conformance.adapter import Members
     from conformance.expectations import Baseline
     from conformance.items import CellContext
+    from conformance.members import Members
 
 MATRIX = "moe-ep-matrix"
 
@@ -42,8 +42,9 @@ def _usage(message: str) -> pytest.UsageError:
 
 def _adapter(config: pytest.Config) -> tuple[Any, Members]:
     """The checkpoint adapter (command line, else the hook, else the ini value, else ``reference``) and what
-    :func:`~conformance.adapter.check_adapter` resolved of it."""
-    from conformance.adapter import AdapterError, check_adapter, load_adapter
+    :func:`~conformance.members.check_adapter` resolved of it."""
+    from conformance.adapter import AdapterError
+    from conformance.members import check_adapter, load_adapter
 
     given = config.getoption("moe_ep_adapter")
     adapter = None if given else config.hook.pytest_moe_ep_adapter(config=config)

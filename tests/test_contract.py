@@ -162,8 +162,8 @@ def test_experts_flattened_into_one_axis_are_read_as_plain_tensors() -> None:
 def test_check_adapter_resolves_the_optional_members_once_and_refuses_a_bare_value() -> None:
     """``check_adapter`` gives the checks one :class:`Members`; a bare string or class where a sequence belongs
     (``refusal_errors = ValueError``) is refused naming the member, not a crash on a rank later."""
-    from conformance.adapter import check_adapter
     from conformance.adapters.reference import ReferenceAdapter
+    from conformance.members import check_adapter
 
     members = check_adapter(ReferenceAdapter(), "reference")
     assert members.of == "conformance.adapters.reference.ReferenceAdapter"

@@ -386,8 +386,9 @@ def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> N
 
 
 def test_an_adapter_that_composes_ep_only_with_fsdp_gets_its_ep_only_cells_na() -> None:
-    from conformance.adapter import Capabilities, capabilities_of
+    from conformance.adapter import Capabilities
     from conformance.matrix import checkpoint_cells
+    from conformance.members import capabilities_of
 
     caps = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp",
                         ep_orders=("consecutive",), ep_only=False)

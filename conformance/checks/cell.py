@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance import findings as F
-from conformance.adapter import AdapterError, Built, Members, Spec, built
+from conformance.adapter import AdapterError, Built, Spec, built
 from conformance.checks import artifact, completeness, refusal, resume, save_plan, saved
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
 from conformance.checks.layout import LayoutMismatch, check_layout
@@ -33,6 +33,7 @@ from conformance.checks.values import canonical, compare, equal, expected
 from conformance.checks.verdict import RankVerdict
 from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
+from conformance.members import Members
 from conformance.saves import CellPlan
 from pytest_moe_ep.world.protocol import FIELDS_ATTR, StructuredError, error_fields
 
@@ -46,7 +47,7 @@ LOAD_EXTRA_STEPS = 1
 class _Timed:
     """The adapter as the checks see it: the time spent in its members added up (``timings["adapter"]``), so
     the report can tell the framework's own work from the harness's, and ``members``, what the controller's
-    :func:`~conformance.adapter.check_adapter` resolved of it."""
+    :func:`~conformance.members.check_adapter` resolved of it."""
 
     MEMBERS = frozenset({"build", "save", "save_legacy", "load", "check_saved", "step", "scalars", "forward"})
 
