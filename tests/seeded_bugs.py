@@ -760,3 +760,42 @@ class SchedulersPerGroupUnderEp(WithScheduler):
 
     def load(self, model: Any, optimizer: Any, path: str, state: Any = None) -> None:
         super().load(model, optimizer, path, state={"scheduler": self._one(state)})
+
+
+# -- issue 34: the layout right, a save DCP refuses --------------------------------------------------------------
+class EtpShardOfferedTwice(ReferenceAdapter):
+    """The save offers etp rank 1's shard of every expert weight at etp rank 0's offsets (a framework that places a
+    shard by its EP coordinate alone).  The layout is right -- every rank holds its experts and its own shard, so
+    the layout check passes -- and DCP refuses the global plan (one shard twice, the other never): the cell names,
+    per layer, expert and key, the ranks and rows offered and the rows no rank offered (``checkpoint``)."""
+
+    name = "seeded-etp-shard-offered-twice"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        import dataclasses
+
+        import torch
+        import torch.distributed.checkpoint.planner_helpers as helpers
+        from torch.distributed.tensor import Shard
+
+        real = helpers._create_write_items_for_dtensor
+
+        def offered(fqn: str, tensor: Any) -> Any:
+            item = real(fqn, tensor)
+            mesh = tensor.device_mesh
+            names = mesh.mesh_dim_names or ()
+            if "experts" not in fqn or "etp" not in names or mesh.get_local_rank("etp") != 1:
+                return item
+            axis = next(p.dim for i, p in enumerate(tensor.placements) if names[i] == "etp" and isinstance(p, Shard))
+            data = item.tensor_data
+            offsets = list(data.chunk.offsets)
+            offsets[axis] -= data.chunk.sizes[axis]  # etp rank 0's rows
+            chunk = dataclasses.replace(data.chunk, offsets=torch.Size(offsets))
+            return dataclasses.replace(item, index=dataclasses.replace(item.index, offset=torch.Size(offsets)),
+                                       tensor_data=dataclasses.replace(data, chunk=chunk))
+
+        helpers._create_write_items_for_dtensor = offered
+        try:
+            super().save(model, optimizer, path)
+        finally:
+            helpers._create_write_items_for_dtensor = real

@@ -353,3 +353,19 @@ def test_a_training_state_whose_structure_changes_with_ep_is_not_missing(pyteste
     """A dict of schedulers under EP for the truth's one scheduler, restored exactly: no scalar is "missing"."""
     cells = run_default_tier(pytester, "SchedulersPerGroupUnderEp", "optim")
     assert ran(cells) and failing(cells) == {}
+
+
+# -- issue 34: the layout right, a save DCP refuses, named in expert terms ---------------------------------------
+def test_an_etp_shard_offered_twice_is_named_by_layer_expert_key_and_rows(pytester: pytest.Pytester) -> None:
+    """The layout check passes (every rank holds its own shard); the save offers etp rank 1's shard at etp rank 0's
+    offsets, DCP refuses the plan, and every cell saved at ep2.etp2 names the rows no rank offered and who offered
+    what; the cells that only load at ep2.etp2 pass."""
+    cells = run_default_tier(pytester, "EtpShardOfferedTwice", "etp2 and not legacy")
+    saved_etp = {i for i, c in ran(cells).items() if "etp2" in c["save_layout"]}
+    assert saved_etp and set(failing(cells)) == saved_etp and len(ran(cells)) > len(saved_etp)
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["refused"], cell_id
+        assert re.match(r"failed on rank\(s\) 0, 1, 2, 3: ranks 0, 1, 2, 3 raised SaveRefused: DCP refused the save's "
+                        r"global plan: layer \d, expert \d, key 'model\.layers\.\d\.moe\.experts\.\d\.\w+\.weight': no "
+                        r"rank offered axis \d rows \d+\.\.\d+ of \d+ \(ranks \[\d, \d\] offered axis \d rows 0\.\.\d+",
+                        first), (cell_id, first)
