@@ -58,19 +58,45 @@ def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return found
 
 
+def optimizers_of(optimizer: Any) -> list[Any]:
+    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, torchtitan's ``optimizers``,
+    Megatron's ``chained_optimizers``), in order; ``[]`` for ``None``."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, Mapping):
+        return [o for value in optimizer.values() for o in optimizers_of(value)]
+    if isinstance(optimizer, (list, tuple)):
+        return [o for value in optimizer for o in optimizers_of(value)]
+    for attr in ("chained_optimizers", "optimizers"):
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, (list, tuple)):
+            return [o for value in inner for o in optimizers_of(value)]
+    return [optimizer]
+
+
+def optimizer_state(optimizer: Any) -> dict[Any, Any]:
+    """Every parameter's state across the optimizers in ``optimizer``."""
+    state: dict[Any, Any] = {}
+    for optim in optimizers_of(optimizer):
+        state.update(optim.state)
+    return state
+
+
 def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
-    """``scalars`` of a ``torch.optim`` optimizer: each group's hyperparameters and the step counts of its state.
+    """``scalars`` of a ``torch.optim`` optimizer or a container of several (:func:`optimizers_of`): each param
+    group's hyperparameters, the groups numbered across the container in order, and the step counts of their state.
 
     The same names at every EP degree: groups by index, steps as the sorted set of distinct values.
     """
     found: dict[str, Any] = {}
-    for i, group in enumerate(optimizer.param_groups):
+    groups = [g for optim in optimizers_of(optimizer) for g in optim.param_groups]
+    for i, group in enumerate(groups):
         for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
             if name in group:
                 value = group[name]
-                found[f"param_groups.{i}.{name}"] = list(value) if isinstance(value, tuple) else float(value) \
-                    if hasattr(value, "item") else value
-    found["step"] = sorted({float(state["step"]) for state in optimizer.state.values() if "step" in state})
+                found[f"param_groups.{i}.{name}"] = (list(value) if isinstance(value, tuple) else
+                                                     float(value) if hasattr(value, "item") else value)
+    found["step"] = sorted({float(s["step"]) for s in optimizer_state(optimizer).values() if "step" in s})
     return found
 
 
@@ -85,4 +111,4 @@ def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
     return found
 
 
-__all__ = ["all_scalars", "plain", "state_scalars", "torch_optimizer_scalars"]
+__all__ = ["all_scalars", "optimizer_state", "optimizers_of", "plain", "state_scalars", "torch_optimizer_scalars"]

@@ -14,7 +14,8 @@ import pytest
 import torch
 from matrix_expectations import run_inline
 
-from conformance.adapters.torch_native import Param, optimizer_scalars, optimizer_state, optimizers_of, placed
+from conformance.adapters.torch_native import Param, placed
+from conformance.scalars import optimizer_state, optimizers_of, torch_optimizer_scalars
 
 pytestmark = pytest.mark.usefixtures("shared_fork_server")
 HERE = Path(__file__).parent
@@ -83,7 +84,7 @@ def test_optimizer_containers_and_their_scalars() -> None:
     a.grad = torch.ones(2)
     experts.step()
     assert set(optimizer_state({"experts": experts, "rest": rest})) == {a}
-    found = optimizer_scalars([experts, rest])
+    found = torch_optimizer_scalars([experts, rest])
     assert found["param_groups.0.lr"] == 0.1 and found["param_groups.1.lr"] == 0.5 and found["step"] == [1.0]
 
 

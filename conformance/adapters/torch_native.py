@@ -29,11 +29,12 @@ end inside an expert is gathered (``full_tensor``), and each rank yields the exp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from conformance.adapter import ADAM_MOMENTS, Spec, TensorEntry, local_region, run_steps
+from conformance.scalars import optimizer_state, optimizers_of, torch_optimizer_scalars
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 #: ``make(layer, expert, name, shape) -> tensor``: the synthetic value of one tensor by global identity.
@@ -61,44 +62,6 @@ class Param:
             raise ValueError(f"Param {self.name!r}: experts='one' needs the expert's global id (expert=)")
         if self.experts in ("packed", "flat") and not self.num_experts:
             raise ValueError(f"Param {self.name!r}: experts={self.experts!r} needs num_experts=E")
-
-
-def optimizers_of(optimizer: Any) -> list[Any]:
-    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, ``optimizers``,
-    Megatron's ``chained_optimizers``), in order; ``[]`` for ``None``."""
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, Mapping):
-        return [o for value in optimizer.values() for o in optimizers_of(value)]
-    if isinstance(optimizer, (list, tuple)):
-        return [o for value in optimizer for o in optimizers_of(value)]
-    for attr in ("chained_optimizers", "optimizers"):
-        inner = getattr(optimizer, attr, None)
-        if isinstance(inner, (list, tuple)):
-            return [o for value in inner for o in optimizers_of(value)]
-    return [optimizer]
-
-
-def optimizer_state(optimizer: Any) -> dict[Any, Any]:
-    """Every parameter's state across the optimizers in ``optimizer``."""
-    state: dict[Any, Any] = {}
-    for optim in optimizers_of(optimizer):
-        state.update(optim.state)
-    return state
-
-
-def optimizer_scalars(optimizer: Any) -> dict[str, Any]:
-    """Each param group's settings (numbered across the container's optimizers) and the distinct step counts."""
-    found: dict[str, Any] = {}
-    groups = [g for optim in optimizers_of(optimizer) for g in optim.param_groups]
-    for i, group in enumerate(groups):
-        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
-            if name in group:
-                value = group[name]
-                found[f"param_groups.{i}.{name}"] = (list(value) if isinstance(value, tuple) else
-                                                     float(value) if hasattr(value, "item") else value)
-    found["step"] = sorted({float(s["step"]) for s in optimizer_state(optimizer).values() if "step" in s})
-    return found
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -239,7 +202,7 @@ class TorchNativeAdapter:
             optim.zero_grad(set_to_none=True)
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        return optimizer_scalars(optimizer)
+        return torch_optimizer_scalars(optimizer)
 
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
         state = optimizer_state(optimizer)
@@ -262,5 +225,5 @@ class TorchNativeAdapter:
                     yield TensorEntry(where.layer, None, f"{where.name}.{m}", state[p][m])
 
 
-__all__ = ["Make", "Param", "TorchNativeAdapter", "expert_rows", "optimizer_scalars", "optimizer_state",
-           "optimizers_of", "placed", "synthetic_full"]
+__all__ = ["Make", "Param", "TorchNativeAdapter", "expert_rows", "optimizer_state", "optimizers_of", "placed",
+           "synthetic_full"]
