@@ -69,13 +69,19 @@ class CheckpointIndex:
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection inside: building 10^6 small objects (a 180,000-key index) runs
-    5x faster without the collector rescanning them every 700 allocations; nothing made here is cyclic."""
+    5x faster without the collector rescanning them every 700 allocations; nothing made here is cyclic.
+
+    On the way out what was made goes straight to the oldest generation (``gc.freeze()`` then ``gc.unfreeze()``):
+    re-enabled with a million young objects, the collector's next young collection would scan them all (0.8 s of a
+    3.4 s read of the 179k-key metadata); in the oldest generation only the next full collection looks at them."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
