@@ -18,12 +18,12 @@ save are named: the checkpoint can hold only one of their values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.checks.values import Held, diagnose, equal
+from conformance.checks.values import Held, agrees, diagnose, equal
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
-from conformance.rounding import ROUNDING_ULPS, ulps
 
 
 @dataclass
@@ -36,6 +36,11 @@ class Saved:
     holder: dict[Key, int] = field(default_factory=dict)
     #: replicas that held different values for a key at the save: ``(rank, key, text)``.
     conflicts: list[tuple[int, Key, str]] = field(default_factory=list)
+
+    def disagree(self, rank: int, key: Key) -> None:
+        """``rank`` held other values for ``key`` than its first holder: replicas the checkpoint holds one of."""
+        self.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
+                               f"{self.holder[key]} (replicas that disagree: the checkpoint holds one)"))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
@@ -60,13 +65,8 @@ def pack(held: Held) -> tuple[list[tuple[Key, Any, tuple[int, ...], str, int]], 
 
 def _unpack(meta: list[tuple[Key, Any, tuple[int, ...], str, int]], buffers: dict[str, Any]
             ) -> list[tuple[Key, Any, Any]]:
-    out = []
-    for key, box, shape, dtype, offset in meta:
-        n = 1
-        for d in shape:
-            n *= d
-        out.append((key, box, buffers[dtype][offset:offset + n].view(shape)))
-    return out
+    return [(key, box, buffers[dtype][offset:offset + math.prod(shape)].view(shape))
+            for key, box, shape, dtype, offset in meta]
 
 
 def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
@@ -94,8 +94,7 @@ def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
                     if tuple(local.shape) == tuple(want.shape):
                         saved.state[key], saved.holder[key] = local, rank
                 elif key in saved.state and not equal(saved.state[key], local):
-                    saved.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
-                                            f"{saved.holder[key]} (replicas that disagree: the checkpoint holds one)"))
+                    saved.disagree(rank, key)
                 continue
             region = tuple(slice(a, b) for a, b in box)
             if (len(region) != want.dim() or any(r.stop > n for r, n in zip(region, want.shape, strict=False))
@@ -111,8 +110,7 @@ def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
                 continue
             overlap = mask[region]
             if bool(overlap.any()) and not equal(whole[region][overlap], local[overlap]):
-                saved.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
-                                        f"{saved.holder[key]} (replicas that disagree: the checkpoint holds one)"))
+                saved.disagree(rank, key)
             whole[region], mask[region] = local, True
     saved.state.update((key, whole) for key, (whole, mask) in fill.items() if bool(mask.all()))
     return saved
@@ -140,11 +138,7 @@ def check_against_truth(saved: Saved, truth: dict[Key, Any], verdict: RankVerdic
         verdict.add(Mismatch(rank, layer, expert, name, text))
     for key, whole in sorted(saved.state.items(), key=lambda kv: repr(kv[0])):
         want = truth.get(key)
-        if want is None or equal(whole, want):
-            continue
-        found = ulps(whole, want)
-        if found <= ROUNDING_ULPS:
-            verdict.rounded(found)
+        if want is None or agrees(whole, want, verdict):
             continue
         layer, expert, name = key
         verdict.add(Mismatch(saved.holder[key], layer, expert, name,

@@ -149,6 +149,17 @@ def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: 
     return f"values differ from {source} and match no tensor of it: {describe(got, want)}"
 
 
+def agrees(got: Any, want: Any, verdict: RankVerdict) -> bool:
+    """Whether ``got`` is ``want`` bit for bit, or within a kernel's rounding (counted in ``verdict``)."""
+    if equal(got, want):
+        return True
+    found = ulps(got, want) if want is not None else float("inf")
+    if found <= ROUNDING_ULPS:
+        verdict.rounded(found)
+        return True
+    return False
+
+
 def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: RankVerdict,
             saved: dict[Key, Any] | None = None) -> None:
     """Every tensor ``got`` holds against ``saved`` (what the checkpoint holds) bit for bit where it holds the key,
@@ -164,11 +175,5 @@ def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: 
                 verdict.add(Mismatch(rank, layer, expert, name,
                                      diagnose(key, tensor, region, saved, before, "what the checkpoint holds")))
             continue
-        want = expected(truth, key, region)
-        if equal(tensor, want):
-            continue
-        found = ulps(tensor, want) if want is not None else float("inf")
-        if found <= ROUNDING_ULPS:
-            verdict.rounded(found)
-        else:
+        if not agrees(tensor, expected(truth, key, region), verdict):
             verdict.add(Mismatch(rank, layer, expert, name, diagnose(key, tensor, region, truth, before)))

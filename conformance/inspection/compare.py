@@ -106,7 +106,8 @@ def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, wa
     Two keys are the same field re-keyed when they share the top-level name and the last component
     (``optimizer.param_groups.0.lr``, ``optimizer.param_groups.layers.0.mlp.w1.lr``); the values agree when both
     sides hold the same set of values for that field."""
-    gone = [k for k in missing if not want.entries[k].is_tensor and k not in set(holds.values())]
+    held_elsewhere = set(holds.values())
+    gone = [k for k in missing if not want.entries[k].is_tensor and k not in held_elsewhere]
     new = [k for k in unexpected if not got.entries[k].is_tensor and k not in holds]
     by_field_new: dict[tuple[str, str], list[str]] = defaultdict(list)
     for key in new:
@@ -168,7 +169,8 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
     absent key whose value another key holds (and the other checkpoint does not have) is that key re-keyed: one
     ``key_rekeyed`` finding names both (Megatron's ``chained_0.optimizer.state.*`` for ``optimizer.state.*``)."""
     out: list[Finding] = []
-    moved = {target: holder for holder, target in holds.items() if target in set(missing)}
+    absent = set(missing)
+    moved = {target: holder for holder, target in holds.items() if target in absent}
     missing = [k for k in missing if k not in moved]
     by_layer_all: dict[int, set[str]] = defaultdict(set)
     for key, info in w_info.items():
