@@ -149,5 +149,6 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     for cell_id in E6:
         detail = cells[cell_id]["detail"]
         assert re.search(r"rank 3 raised BuildFailed: the framework refused the (save|load) side's build at ep=4, "
-                         r".*FrameworkRefusal: torchtitan gave ep rank 3 of 4 a plain expert tensor of 2 rows starting "
-                         r"at global expert 6, past the 6 experts", detail), detail
+                         r".*FrameworkRefusal: 'w[123]_E[FD][FD]' of layer \d: ep rank 3 of 4 holds a plain expert "
+                         r"tensor of 2 rows where Shard\(0\)'s chunk rule \(ceil\(E/ep\) per rank\) gives it "
+                         r"experts \[6, 6\) of E=6", detail), detail

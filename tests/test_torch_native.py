@@ -98,3 +98,21 @@ def test_a_plain_chunk_is_placed_by_its_first_expert_and_a_wrong_one_is_named() 
         Param(0, "w", experts="packed")
     with pytest.raises(ValueError, match="expected none, one, packed or flat"):
         Param(0, "w", experts="stacked")
+
+
+def test_a_plain_chunk_placed_by_its_rank_on_ep_follows_the_layout_rule_and_a_chunk_it_has_no_room_for_is_refused(
+) -> None:
+    from conformance.adapter import FrameworkRefusal
+    from conformance.adapters.torch_native import expert_rows
+
+    # E=5 at ep=4 is chunks of ceil(5/4)=2: ranks hold [0, 2), [2, 4), [4, 5), nothing
+    _, region, shape = placed(torch.zeros(1, 3), Param(1, "w", experts="packed", ep_place=(2, 4), num_experts=5))
+    assert region[0] == slice(4, 5) and shape == (5, 3)
+    rows = expert_rows(torch.arange(6.0).reshape(2, 3), Param(1, "w", "packed", ep_place=(1, 4), num_experts=5))
+    assert [g for g, _ in rows] == [2, 3]
+    # the whole expert axis (no EP) is placed from expert 0 whatever the place says
+    assert placed(torch.zeros(5, 3), Param(1, "w", "packed", ep_place=(0, 1), num_experts=5))[1][0] == slice(0, 5)
+    # a framework that gives the last rank ceil(E/ep) rows anyway (a meta shape) is refused, naming the rank
+    with pytest.raises(FrameworkRefusal, match=r"'w' of layer 1: ep rank 3 of 4 holds a plain expert tensor of 2 rows "
+                                               r"where .* gives it experts \[5, 5\) of E=5"):
+        placed(torch.zeros(2, 3), Param(1, "w", "packed", ep_place=(3, 4), num_experts=5))

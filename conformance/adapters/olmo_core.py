@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec, installed_version, world_device
+from conformance.adapter import Capabilities, Spec, world_device
 from conformance.adapters.torch_native import Param, TorchNativeAdapter
 
 _EXPERTS = "experts.mlp."  # blocks.<i>.experts.mlp.w1: layer i's flattened expert weight w1
@@ -34,11 +34,7 @@ class OlmoCoreAdapter(TorchNativeAdapter):
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
                                 format="dcp", ep_orders=("consecutive",))
     preload = ("olmo_core.nn.moe", "olmo_core.distributed.checkpoint", "olmo_core.optim")
-
-    @property
-    def version(self) -> str:
-        """The installed OLMo-core's version (read from its metadata, without importing it)."""
-        return installed_version("olmo_core") or "not installed"
+    distribution = "olmo_core"
 
     def build_model(self, spec: Spec, mesh: Any) -> Any:
         if (spec.kind, spec.activation) != ("packed", "swiglu"):

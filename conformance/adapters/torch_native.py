@@ -13,7 +13,9 @@ from one fact per parameter, which :meth:`TorchNativeAdapter.identify` (``model,
 - ``experts="flat"``: all experts' weights as blocks of rows on axis 0 (``[E * rows, ...]``, OLMo-core's form).
 
 A packed or flat parameter that is a DTensor places itself (its ``Shard(0)`` over ``ep``, FSDP's shards on any
-dim); a plain tensor that holds only this rank's chunk gives the global id of its first expert as ``first``.
+dim); a plain tensor that holds only this rank's chunk gives the global id of its first expert as ``first``, or
+this rank's place on ``ep`` as ``ep_place=(rank, ep)`` when the framework splits by ``Shard(0)``'s chunk rule
+(:func:`reference_impl.layout.expert_range`; a chunk that rule has no room for is a ``FrameworkRefusal``).
 The subclass keeps what differs between frameworks: ``build_model(spec, mesh)`` (the framework's model, built
 and parallelized; the base overwrites its values), ``build_optimizer(spec, model)`` (a torch optimizer or a
 container of several: a list or dict of them, torchtitan's ``OptimizersContainer``, anything with
@@ -30,10 +32,10 @@ end inside an expert is gathered (``full_tensor``), and each rank yields the exp
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Spec, TensorEntry, local_region, run_steps
+from conformance.adapter import ADAM_MOMENTS, FrameworkRefusal, Spec, TensorEntry, local_region, run_steps
 from conformance.scalars import optimizer_state, optimizers_of, torch_optimizer_scalars
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
@@ -52,6 +54,8 @@ class Param:
     expert: int | None = None
     #: ``"packed"`` / ``"flat"`` as a plain tensor holding one rank's chunk: the global id of its first expert.
     first: int | None = None
+    #: ``"packed"`` as a plain tensor split by Shard(0)'s chunk rule: ``(this rank's place on ep, ep)``.
+    ep_place: tuple[int, int] | None = None
     #: ``"packed"`` / ``"flat"``: the global expert count E.
     num_experts: int | None = None
 
@@ -70,12 +74,32 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def chunk_first(where: Param, rows: int) -> int | None:
+    """The first global expert of a plain chunk of ``rows`` rows: ``where.first``, or from ``where.ep_place`` by
+    the layout rule, refused when the framework gave this rank rows that rule has no room for."""
+    from reference_impl.layout import expert_range
+
+    if where.ep_place is None:
+        return where.first
+    rank, ep = where.ep_place
+    start, end = expert_range(int(where.num_experts or 0), ep, rank)
+    if rows != end - start and rows != where.num_experts:
+        raise FrameworkRefusal(f"{where.name!r} of layer {where.layer}: ep rank {rank} of {ep} holds a plain expert "
+                               f"tensor of {rows} rows where Shard(0)'s chunk rule (ceil(E/ep) per rank) gives it "
+                               f"experts [{start}, {end}) of E={where.num_experts}: the framework's split cannot "
+                               f"hold E={where.num_experts} at ep={ep}")
+    return 0 if rows == where.num_experts else start
+
+
 def placed(tensor: Any, where: Param) -> tuple[Any, tuple[slice, ...], tuple[int, ...]]:
     """``(local data, its region of the global tensor, the global shape)`` of a parameter or moment."""
     local, region = local_region(tensor)
     if region is not None:
         return local, region, tuple(tensor.shape)
     shape = tuple(tensor.shape)
+    first = chunk_first(where, shape[0]) if where.experts == "packed" else where.first
+    if first is not None and first != where.first:
+        where = replace(where, first=first)
     if where.experts == "packed" and where.first is not None:
         full = (int(where.num_experts or 0), *shape[1:])
         if where.first + shape[0] > full[0]:
@@ -137,7 +161,8 @@ def expert_rows(tensor: Any, where: Param) -> list[tuple[int, Any]]:
     if where.experts == "one":
         return [(int(where.expert or 0), tensor)]
     if where.experts == "packed":
-        return packed_rows(tensor, where.first or 0, where=f"{where.name!r} of layer {where.layer}")
+        first = (where.first if _is_dtensor(tensor) else chunk_first(where, tensor.shape[0])) or 0
+        return packed_rows(tensor, first, where=f"{where.name!r} of layer {where.layer}")
     return list(_flat_rows(tensor, where))
 
 
@@ -145,6 +170,14 @@ class TorchNativeAdapter:
     """The derived members of a torch-native trainer's adapter (see the module docstring for what to give)."""
 
     moments: tuple[str, ...] = ADAM_MOMENTS
+    #: the module the framework installs (``"torchtitan"``): ``version`` is its distribution's.
+    distribution: str = ""
+
+    @property
+    def version(self) -> str:
+        from conformance.adapter import installed_version
+
+        return installed_version(self.distribution) or "not installed"
 
     # -- what the framework's adapter gives --------------------------------------------------------
     def build_model(self, spec: Spec, mesh: Any) -> Any:
@@ -225,5 +258,14 @@ class TorchNativeAdapter:
                     yield TensorEntry(where.layer, None, f"{where.name}.{m}", state[p][m])
 
 
-__all__ = ["Make", "Param", "TorchNativeAdapter", "expert_rows", "optimizer_state", "optimizers_of", "placed",
-           "synthetic_full"]
+def reshard(model: Any) -> None:
+    """Every FSDP2 module of ``model`` back to its sharded parameters (after a forward outside training)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+__all__ = ["Make", "Param", "TorchNativeAdapter", "chunk_first", "expert_rows", "optimizer_state", "optimizers_of",
+           "placed", "reshard", "synthetic_full"]

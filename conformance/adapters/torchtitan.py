@@ -1,15 +1,14 @@
-"""The built-in ``torchtitan`` and ``torchtitan-local`` adapters: torchtitan 0.3.0 end to end.
+"""The built-in ``torchtitan`` and ``torchtitan-local`` adapters: torchtitan 0.3.0 end to end, on the torch-native base.
 
 torchtitan's own code throughout: ``MoE`` layers from its config builders (router, ``GroupedExperts`` with packed
 ``w1_EFD``/``w2_EDF``/``w3_EFD``, the shared ``FeedForward``) in a decoder reduced to its MoE blocks, so
-``parallelize_qwen3`` applies unchanged; built on meta, ``to_empty``'d and ``init_states``'d as ``Trainer``
-does; ``ParallelDims.build_mesh``; ``OptimizersContainer`` from ``default_adamw()``; ``CheckpointManager``'s
-``dcp_save``/``dcp_load``.  ``torchtitan`` sets ``spmd_backend="partial_dtensor"`` (experts DTensors ``Shard(0)``
-over ``ep``), ``torchtitan-local`` keeps the default ``"spmd_types"`` (plain local chunks; their first expert from
-this rank's place on ``ep``).  On the torch-native base: ``identify`` names the packed expert weights.  For CPU
-(nothing checked changes): ``parallel_dims.device_type`` is the world's (torchtitan picks "cuda" at import); the
-optimizers run "for-loop" ("fused" is CUDA only); no load-balancing hook (no forward precedes a step); FSDP's
-``mixed_precision_param`` is the cell's dtype.  What the matrix finds: docs/frameworks/torchtitan.md.
+``parallelize_qwen3`` applies unchanged; built on meta, ``to_empty``'d and ``init_states``'d as ``Trainer`` does;
+``ParallelDims.build_mesh``; ``default_adamw()``'s ``OptimizersContainer``; ``CheckpointManager``'s ``dcp_save`` /
+``dcp_load``.  ``torchtitan`` sets ``spmd_backend="partial_dtensor"`` (experts DTensors ``Shard(0)`` over ``ep``);
+``torchtitan-local`` keeps the default ``"spmd_types"`` (plain local chunks, placed by this rank's place on ``ep``).
+For CPU (nothing checked changes): ``parallel_dims.device_type`` is the world's; "for-loop" optimizers ("fused" is
+CUDA only); no load-balancing hook; FSDP's ``mixed_precision_param`` is the cell's dtype.  Findings:
+docs/frameworks/torchtitan.md.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from conformance.adapter import Capabilities, FrameworkRefusal, NotApplicable, Spec, installed_version, world_device
-from conformance.adapters.torch_native import Param, TorchNativeAdapter
+from conformance.adapter import Capabilities, NotApplicable, Spec, world_device
+from conformance.adapters.torch_native import Param, TorchNativeAdapter, reshard
 
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 _EXPERTS = "routed_experts.inner_experts."
@@ -36,10 +35,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
                                 format="dcp", ep_orders=("consecutive",))
     preload = ("torchtitan.models.qwen3", "torchtitan.components.checkpoint", "torchtitan.components.optimizer")
-
-    @property
-    def version(self) -> str:
-        return installed_version("torchtitan") or "not installed"
+    distribution = "torchtitan"
 
     def build_model(self, spec: Spec, mesh: Any) -> Any:
         import torch
@@ -48,8 +44,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
         from torchtitan.tools.utils import set_default_dtype
 
         if (spec.kind, spec.activation) != ("packed", "swiglu"):
-            raise ValueError(f"torchtitan's GroupedExperts is packed SwiGLU; cannot build {spec.kind} "
-                             f"{spec.activation}")
+            raise ValueError(f"torchtitan's GroupedExperts is packed SwiGLU, not {spec.kind} {spec.activation}")
         dist_utils.set_spmd_backend(self.spmd_backend)  # what Trainer.__init__ does
         ep = 1 if mesh is None else mesh["ep"].size()
         device = world_device(mesh)
@@ -79,14 +74,18 @@ class TorchtitanAdapter(TorchNativeAdapter):
         return config.build(model_parts=[model])
 
     def identify(self, model: Any, fqn: str, param: Any) -> Param:
-        """``layers.<i>.moe.routed_experts.inner_experts.<w>``: layer i's packed expert weight; the rest dense."""
+        """``layers.<i>.moe.routed_experts.inner_experts.<w>`` (canonical FQN): layer i's packed expert weight."""
         from torch.distributed.tensor import DTensor
+        from torchtitan.components.checkpointer.utils import canonical_fqn
 
-        layer, rest = _split(fqn)
+        parts = canonical_fqn(fqn).split(".")
+        if parts[:1] != ["layers"] or parts[2:3] != ["moe"]:
+            return Param(None, ".".join(parts))
+        layer, rest = int(parts[1]), ".".join(parts[3:])
         if rest.startswith(_EXPERTS):
-            num_experts = _num_experts(model)
-            first = None if isinstance(param, DTensor) else _plain_first(model, param.shape[0], num_experts)
-            return Param(layer, rest[len(_EXPERTS):], experts="packed", first=first, num_experts=num_experts)
+            # a plain local chunk (spmd_types) is torch.chunk of the expert dim: Shard(0)'s rule, from its ep place
+            place = None if isinstance(param, DTensor) else getattr(model, _EP_COORDS)
+            return Param(layer, rest[len(_EXPERTS):], "packed", ep_place=place, num_experts=_num_experts(model))
         return Param(layer, rest)
 
     def forward(self, model: Any, batch: Any) -> Any:
@@ -96,17 +95,15 @@ class TorchtitanAdapter(TorchNativeAdapter):
         import warnings
 
         import torch
-        from torch.distributed.fsdp import FSDPModule
         from torchtitan.distributed import utils as dist_utils
 
         num_experts, (_, ep) = _num_experts(model), getattr(model, _EP_COORDS)
         device = next(model.parameters()).device
         if self.spmd_backend == "spmd_types" and ep > 1 and device.type == "cpu":
             # decided before the forward: a rank whose chunks happen to be equal would enter the exchange alone
-            raise NotApplicable("under spmd_types torchtitan's AllToAllTokenDispatcher exchanges tokens with "
-                                "spmd_types' all_to_all, a list all_to_all of uneven per-rank chunks, which "
-                                "ProcessGroupGloo refuses (found: 'ProcessGroupGloo::alltoall: invalid tensor size "
-                                "at index 1 (expected (15, 16), got (17, 16))')")
+            raise NotApplicable("under spmd_types torchtitan's dispatcher sends tokens by a list all_to_all of "
+                                "uneven per-rank chunks, which ProcessGroupGloo refuses ('ProcessGroupGloo::alltoall: "
+                                "invalid tensor size at index 1 (expected (15, 16), got (17, 16))')")
         parallel_dims = getattr(model, _PARALLEL_DIMS)
         context = (dist_utils.get_spmd_context(parallel_dims=parallel_dims)() if parallel_dims is not None
                    else contextlib.nullcontext())
@@ -122,9 +119,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
                                 f"{num_experts} experts over ep={ep} (_token_count_exchange: "
                                 f"num_local_tokens_per_expert_E.view(ep, -1)): {type(exc).__name__}: {exc}") from exc
         finally:
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            reshard(model)
         return out.full_tensor() if hasattr(out, "full_tensor") else out
 
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -166,16 +161,14 @@ def _parallel_dims(backend: str, ep: int, device_type: str) -> Any:
 
 def _build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
     """``num_layers`` torchtitan MoE layers in a decoder-shaped container (``layers.<i>.moe``)."""
-    from functools import partial
-
     from torch import nn
     from torchtitan.models.common import config_utils as make
     from torchtitan.models.common.moe_sharding import set_moe_sharding_config
     from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
     from torchtitan.protocols.module import ModuleDict
 
-    linear_init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
-    experts_init = {w: partial(nn.init.normal_, std=0.02) for w in EXPERT_WEIGHTS}
+    linear_init = {"weight": functools.partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+    experts_init = {w: functools.partial(nn.init.normal_, std=0.02) for w in EXPERT_WEIGHTS}
     top_k = min(spec.top_k, spec.num_experts)
     config = make.make_moe_config(
         num_experts=spec.num_experts,
@@ -196,8 +189,7 @@ def _build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
 
 @functools.cache
 def _model_classes() -> tuple[type, type]:
-    """A block reduced to its MoE (``x + moe(x)``) and a decoder reduced to its layers, with what
-    ``apply_fsdp_to_decoder`` reads of them (``layers``, ``moe_enabled``, ``moe``; no embeddings, norm or head)."""
+    """A block reduced to ``x + moe(x)`` and a decoder to its layers: what ``apply_fsdp_to_decoder`` reads of them."""
     from torchtitan.protocols.module import Module
 
     class MoEBlock(Module):
@@ -241,9 +233,9 @@ def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool
                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder,
                               skip_dp=not fsdp)
         except Exception as exc:  # the framework's own failure, named with the configuration it failed in
-            raise RuntimeError(f"torchtitan parallelize_qwen3 failed (spmd_backend={parallelism.spmd_backend!r}, "
-                               f"ep={parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"torchtitan parallelize_qwen3 failed (spmd_backend={parallelism.spmd_backend!r}, ep="
+                               f"{parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): {type(exc).__name__}: {exc}"
+                               ) from exc
 
 
 def _manager(model: Any, optimizer: Any, path: str) -> Any:
@@ -254,32 +246,5 @@ def _manager(model: Any, optimizer: Any, path: str) -> Any:
                              lr_schedulers=None, states={}, sd_adapter=None)
 
 
-# -- identities ---------------------------------------------------------------------------------
-def _split(fqn: str) -> tuple[int | None, str]:
-    """``(layer, name within its MoE)`` of ``layers.<i>.moe.<rest>`` (canonical FQN); else ``(None, fqn)``."""
-    from torchtitan.components.checkpointer.utils import canonical_fqn
-
-    parts = canonical_fqn(fqn).split(".")
-    if parts[:1] != ["layers"] or parts[2:3] != ["moe"]:
-        return None, ".".join(parts)
-    return int(parts[1]), ".".join(parts[3:])
-
-
 def _num_experts(model: Any) -> int:
     return next(iter(model.layers.values())).moe.routed_experts.inner_experts.num_experts
-
-
-def _plain_first(model: Any, rows: int, num_experts: int) -> int:
-    """First global expert of a plain expert tensor of ``rows`` rows on this rank."""
-    if rows == num_experts:
-        return 0
-    rank, ep = getattr(model, _EP_COORDS)
-    chunk = -(-num_experts // ep)  # spmd_types.shard(I -> S(0)) is torch.chunk of the expert dim
-    first = rank * chunk
-    if first + rows > num_experts:
-        raise FrameworkRefusal(
-            f"torchtitan gave ep rank {rank} of {ep} a plain expert tensor of {rows} rows starting at global expert "
-            f"{first}, past the {num_experts} experts: spmd_types.shard splits the expert dim into ceil(E/ep)="
-            f"{chunk} rows per rank (its meta-device shape; torch.chunk on real data has no chunk for this rank), "
-            f"which cannot hold E={num_experts} at ep={ep}")
-    return first
