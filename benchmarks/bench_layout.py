@@ -3,13 +3,15 @@
 DeepSeek-V3 has 58 MoE layers of 256 routed experts (and a shared expert).  This builds that layout
 with tiny tensors (the sizes of the weights do not matter to a translation that must never touch
 their data), splits it for EP rank 0 of ``--ep`` ranks, takes AdamW state after one step, and
-times the translation both ways for the unpacked and the packed form.  The ``--ep`` ranks are a
+times the translation both ways for the unpacked and the packed kind, each into the reference's checkpoint
+form, and for an unpacked model presented in the packed form (a packed checkpoint loaded into unpacked layers:
+the one translation that copies, its experts stacked into one tensor per weight and moment).  The ``--ep`` ranks are a
 fake process group: rank 0 alone, with no peers, which is all DTensor construction needs.
 
 Prints, per form: the number of state-dict entries, wall time (best of ``--repeats``), the
 tracemalloc peak of Python allocations during one round, and the bytes of tensor storage that
 exist in the translated dict but not in the input (must be 0: everything is the original tensor
-or a view of it).
+or a view of it; for the stacked case, what the copy costs, against the rank's expert tensors' own bytes).
 
     python benchmarks/bench_layout.py [--ep 8] [--layers 58] [--experts 256] [--repeats 5]
 """
@@ -29,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from reference_impl.checkpoint import state_dict
-from reference_impl.expert_layout import expert_layout
+from reference_impl.expert_layout import expert_layout, moe_layers
 from reference_impl.moe import MoEConfig, apply_expert_parallel, build_model
 
 
@@ -50,6 +52,16 @@ def storages(obj: Any) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors(obj)}
 
 
+def optimizer_tensors(state: dict[str, Any], param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The moments of ``param`` in a rank's state dict (found by storage: the state dict names them)."""
+    ptr = param.untyped_storage().data_ptr()
+    names = [k for k, v in state["model"].items() if v.untyped_storage().data_ptr() == ptr]
+    for name in names:
+        for v in state["optimizer"]["state"].get(name, {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                yield v
+
+
 def build(kind: str, args: argparse.Namespace, mesh: Any) -> tuple[Any, dict[str, Any]]:
     config = MoEConfig(num_experts=args.experts, dim=8, hidden=4, kind=kind, top_k=8)  # type: ignore[arg-type]
     with torch.device("meta"):  # no init of 58 x 256 experts; rank 0's share gets real memory below
@@ -64,15 +76,16 @@ def build(kind: str, args: argparse.Namespace, mesh: Any) -> tuple[Any, dict[str
     return model, state_dict(model, optimizer)
 
 
-def measure(kind: str, args: argparse.Namespace, mesh: Any) -> None:
+def measure(kind: str, args: argparse.Namespace, mesh: Any, *, stacked: bool = False) -> None:
     model, state = build(kind, args, mesh)
+    packed_form = {name for name, _ in moe_layers(model)} if stacked else set()
     n_model, n_optim = len(state["model"]), len(state["optimizer"]["state"])
     before = storages(state)
     times_layout, times_global, times_local = [], [], []
     for _ in range(args.repeats):
         gc.collect()
         t = time.perf_counter()
-        layout = expert_layout(model)
+        layout = expert_layout(model, packed_form)
         assert layout is not None
         t0 = time.perf_counter()
         times_layout.append(t0 - t)
@@ -85,7 +98,7 @@ def measure(kind: str, args: argparse.Namespace, mesh: Any) -> None:
     new_bytes = sum(n for ptr, n in storages(out).items() if ptr not in before)
     new_bytes += sum(n for ptr, n in storages(back).items() if ptr not in before)
 
-    layout = expert_layout(model)
+    layout = expert_layout(model, packed_form)
     assert layout is not None
     gc.collect()
     tracemalloc.start()
@@ -96,10 +109,16 @@ def measure(kind: str, args: argparse.Namespace, mesh: Any) -> None:
 
     total_storage = sum(before.values())
     layout_ms, global_ms, local_ms = (min(t) * 1e3 for t in (times_layout, times_global, times_local))
-    print(f"{kind:>8}: {n_model} model + {n_optim} optimizer entries, {total_storage / 2**20:.1f} MiB of tensors"
+    label = f"{kind} (packed form: stacked)" if stacked else kind
+    if stacked:
+        experts = sum(t.untyped_storage().nbytes() for _, moe in moe_layers(model) for p in moe.expert_parameters()
+                      for t in (p, *(v for v in optimizer_tensors(state, p))))
+        print(f"{label}: stacks {new_bytes / 2**20:.1f} MiB ({new_bytes / max(experts, 1):.2f}x the rank's expert "
+              f"weights and moments, {experts / 2**20:.1f} MiB), copied in by to_global and back by to_local")
+    print(f"{label:>8}: {n_model} model + {n_optim} optimizer entries, {total_storage / 2**20:.1f} MiB of tensors"
           f" | expert_layout {layout_ms:.1f} ms | to_global {global_ms:.1f} ms + to_local {local_ms:.1f} ms"
           f" = {global_ms + local_ms:.1f} ms | Python peak {peak / 2**20:.2f} MiB | new tensor storage {new_bytes} B")
-    if new_bytes:
+    if new_bytes and not stacked:
         raise SystemExit(f"{kind}: the translation allocated {new_bytes} bytes of tensor storage")
 
 
@@ -120,6 +139,7 @@ def main() -> None:
     try:
         for kind in ("unpacked", "packed"):
             measure(kind, args, mesh)
+        measure("unpacked", args, mesh, stacked=True)
     finally:
         dist.destroy_process_group()
 

@@ -27,10 +27,14 @@ optimizer moments follow their weights.  The checkpoint holds every expert once,
 unpacked run saves it.  Every tensor of the translated dict is the original or a view of it, so
 nothing is copied, and a load into it writes straight into the model and the optimizer.
 
-Packed checkpoints written before this form (``up_w`` ``[E, ...]``, as an ep=1 packed run saved
-its raw state dict) still load into packed layers: ``packed_form`` names such layers, and they
-are presented as before, as a DTensor whose rows cover all experts (``Shard(0)`` over ``ep``,
-nested with the FSDP/HSDP and ``etp`` placements the weight already has).
+Packed checkpoints (``up_w`` ``[E, ...]``, as an ep=1 packed run saves its raw state dict) load into
+either kind: ``packed_form`` names such layers.  A packed layer presents its weight as a DTensor whose
+rows cover all experts (``Shard(0)`` over ``ep``, nested with the FSDP/HSDP and ``etp`` placements the
+weight already has; no copy).  An unpacked layer's experts are separate tensors that no DTensor can
+present as one, so they are **copied**: this rank's experts are stacked into one staging tensor (each
+expert's placements one dim further in), presented the same way, loaded, and copied back into each
+expert and its moments by :meth:`ExpertLayout.to_local` (one copy of this rank's expert weights and
+moments each way; ``benchmarks/bench_layout.py`` measures it).
 
 :func:`check_saved_experts` refuses checkpoints written the old, lossy way, before they do harm.
 """
@@ -58,7 +62,8 @@ def expert_layout(model: nn.Module, packed_form: Collection[str] = ()) -> Expert
     unpacked layers already are in it.  ``packed_form`` names packed layers to present in the old
     packed form instead (see :func:`saved_packed_layers`).
     """
-    layers = [(name, moe) for name, moe in moe_layers(model) if moe.kind == "packed" or moe.ep_world_size > 1]
+    layers = [(name, moe) for name, moe in moe_layers(model)
+              if moe.kind == "packed" or moe.ep_world_size > 1 or name in packed_form]
     return ExpertLayout(layers, packed_form) if layers else None
 
 
@@ -102,6 +107,12 @@ class ExpertLayout:
         self._split: dict[str, tuple[MoEMLP, str, str]] = {}
         #: packed weight FQN -> its layer: saved in the old packed form (split layers only).
         self._packed: dict[str, MoEMLP] = {}
+        #: packed-form FQN of an unpacked layer -> (its layer, its local experts' FQNs): loaded through a stack.
+        self._staged: dict[str, tuple[MoEMLP, list[str]]] = {}
+        #: an unpacked expert's FQN -> the packed-form FQN it is staged under.
+        self._members: dict[str, str] = {}
+        #: what to_global stacked, for to_local: (the stack, the tensors it copied), in that order.
+        self._stacks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         for name, moe in self.layers:
             pre = _prefix(name)
             if moe.kind == "unpacked":
@@ -110,6 +121,12 @@ class ExpertLayout:
                     for pname, _ in expert.named_parameters():
                         pname = ".".join(p for p in pname.split(".") if p not in WRAPPER_PARTS)
                         self._to_global[f"{pre}experts.{i}.{pname}"] = f"{pre}experts.{g}.{pname}"
+                if name in packed_form and len(moe.experts):
+                    for weight in PACKED_WEIGHTS:
+                        if hasattr(moe.experts[0], weight[:-2]):
+                            members = [f"{pre}experts.{i}.{weight[:-2]}.weight" for i in range(len(moe.experts))]
+                            self._staged[f"{pre}{weight}"] = (moe, members)
+                            self._members.update(dict.fromkeys(members, f"{pre}{weight}"))
             else:
                 for weight in moe.packed_weights():
                     if name not in packed_form:
@@ -179,6 +196,35 @@ class ExpertLayout:
         self._made[id(wrapped)] = (wrapped, value)
         return wrapped
 
+    def _stack(self, key: str, moe: MoEMLP, values: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's experts' ``values`` as one packed tensor of its rows among all experts: a copy (see the
+        module docstring), each DTensor placement of an expert ``Shard(d)`` becoming ``Shard(d + 1)``."""
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        first = values[0]
+        with torch.no_grad():
+            if isinstance(first, DTensor):
+                shape = torch.Size((len(values), *first.shape))
+                # a new outer dim: every shard (FSDP's over etp's is strided) splits the same rows one dim further in
+                placements = [_StridedShard(p.dim + 1, split_factor=p.split_factor) if isinstance(p, _StridedShard)
+                              else Shard(p.dim + 1) if isinstance(p, Shard) else p for p in first.placements]
+                stacked: torch.Tensor = DTensor.from_local(
+                    torch.stack([local_region(v)[0] for v in values]), first.device_mesh, placements, run_check=False,
+                    shape=shape, stride=contiguous_stride(tuple(shape)))
+            else:
+                stacked = torch.stack(list(values))
+        self._stacks.append((stacked, values))
+        return self._globalize(key, moe, stacked) if moe.ep_world_size > 1 else stacked
+
+    def _copy_back(self) -> None:
+        """Each stacked expert's loaded rows into the expert (and moment) they were copied from."""
+        with torch.no_grad():
+            for stacked, values in self._stacks:
+                rows = local_region(stacked)[0]
+                for i, value in enumerate(values):
+                    local_region(value)[0].copy_(rows[i])
+
     def _unwrap(self, value: Any) -> Any:
         made = self._made.get(id(value))
         if made is not None and made[0] is value:
@@ -205,6 +251,7 @@ class ExpertLayout:
             raise ValueError(f"the model state lacks {len(missing)} expert weight(s) of split MoE layers, "
                              f"first {missing[:3]}; was it taken from another model or filtered?")
         self._made.clear()
+        self._stacks.clear()
         self._seen = {"state": state}
         self._expert_keys = {}
         out = dict(state)
@@ -217,8 +264,10 @@ class ExpertLayout:
                 out["model"].update((expert_key(layer, g, linear), row) for g, row in rows)
             elif key in self._packed:
                 out["model"][key] = self._globalize(key, self._packed[key], value)
-            else:
+            elif key not in self._members:
                 out["model"][self._to_global.get(key, key)] = value
+        for key, (moe, members) in self._staged.items():
+            out["model"][key] = self._stack(key, moe, [model[m] for m in members])
         optimizer = state.get("optimizer")
         if optimizer is not None:
             out["optimizer"] = self._optimizer_to_global(optimizer, model)
@@ -230,6 +279,9 @@ class ExpertLayout:
     def _names_to_global(self, mapping: Mapping[Any, Any]) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
         for key, value in mapping.items():
+            if key in self._members:
+                out[self._members[key]] = value
+                continue
             for new in self._expert_keys.get(key, [self._to_global.get(key, key)] if key not in self._split else []):
                 out[new] = value
         return out
@@ -237,6 +289,8 @@ class ExpertLayout:
     def _optimizer_to_global(self, optimizer: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
         states: dict[str, Any] = {}
         for key, entry in optimizer.get("state", {}).items():
+            if key in self._members:
+                continue
             if key not in self._split and key not in self._packed:
                 states[self._to_global.get(key, key)] = dict(entry) if isinstance(entry, Mapping) else entry
                 continue
@@ -257,6 +311,15 @@ class ExpertLayout:
             rows = {name: expert_rows(moe, value) for name, value in tensors.items()}
             for i, new in enumerate(self._expert_keys[key]):
                 states[new] = {n: rows[n][i][1] if n in rows else v for n, v in entry.items()}
+        for key, (moe, members) in self._staged.items():
+            entries = [optimizer.get("state", {}).get(m) for m in members]
+            if all(e is None for e in entries):
+                continue
+            if any(e is None or set(e) != set(entries[0]) for e in entries):
+                raise ValueError(f"the optimizer holds state for some experts of MoE layer {moe.name!r} only (or "
+                                 f"different entries for them): {members}; they cannot be stacked into {key!r}")
+            states[key] = {n: self._stack(f"{key}.{n}", moe, [e[n] for e in entries])
+                           if isinstance(v, torch.Tensor) and v.dim() > 0 else v for n, v in entries[0].items()}
         groups = optimizer.get("param_groups", [])
         self._local_groups = [list(group["params"]) for group in groups]
         out = dict(optimizer)
@@ -279,6 +342,7 @@ class ExpertLayout:
         seen = self._seen.get("state")
         if seen is None:
             raise ValueError("to_local needs the record of to_global; call it on the dict to_global returned")
+        self._copy_back()
         out = dict(state)
         if isinstance(state.get("model"), Mapping):
             out["model"] = self._names_to_local(state["model"], seen["model"], self._unwrap)
@@ -307,9 +371,9 @@ class ExpertLayout:
         """``loaded`` under this rank's names, in this rank's order; a packed weight's entry is the one it
         had before to_global (the load wrote into it through the per-expert views)."""
         to_local = {v: k for k, v in self._to_global.items()}
-        per_expert = {new for news in self._expert_keys.values() for new in news}
+        per_expert = {new for news in self._expert_keys.values() for new in news} | set(self._staged)
         found = {to_local.get(k, k): back(v) for k, v in loaded.items() if k not in per_expert}
-        found.update((key, before[key]) for key in self._split if key in before)
+        found.update((key, before[key]) for key in (*self._split, *self._members) if key in before)
         out = {key: found.pop(key) for key in before if key in found}
         out.update(found)
         return out
@@ -329,6 +393,17 @@ class ExpertLayout:
                 entry.update((n, firsts[0][n]) for n in scalars if n in firsts[0])
             elif scalars:
                 empty.append((key, scalars))
+        for key, staged in self._members.items():  # the stack's scalars (AdamW's step) into each expert's own
+            if key in before and staged in loaded:
+                entry = out[key] = dict(before[key])
+                for n, v in loaded[staged].items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        continue
+                    if isinstance(entry.get(n), torch.Tensor) and isinstance(v, torch.Tensor):
+                        with torch.no_grad():
+                            entry[n].copy_(v)
+                    else:
+                        entry[n] = v
         rowless = {key for key, _ in empty}
         for key, scalars in empty:
             # the group's first parameter whose state the load wrote; a group of only this rank's row-less packed
@@ -398,19 +473,9 @@ def check_saved_experts(model: nn.Module, saved: Mapping[str, Any], where: str) 
 
 
 def saved_packed_layers(model: nn.Module, saved: Mapping[str, Any], where: str) -> set[str]:
-    """The packed layers of ``model`` whose checkpoint holds them in the old packed ``[E, ...]`` form.
+    """The MoE layers of ``model`` (either kind) whose checkpoint holds them in the packed ``[E, ...]`` form.
 
-    Raises ValueError for an unpacked layer saved only in that form: presenting separate expert
-    tensors as one packed tensor needs copies, so that checkpoint loads into packed layers only.
+    ``where`` names the checkpoint in errors (kept for callers; the form itself is never an error: an
+    unpacked layer loads the packed form through a copy, see the module docstring).
     """
-    found = set()
-    for name, moe, form, _ in _held(model, saved):
-        if form != "packed":
-            continue
-        if moe.kind == "unpacked":
-            raise ValueError(f"{where}: the checkpoint holds MoE layer {name or '<model>'!r} in the packed form "
-                             f"(one [E, ...] tensor per weight, as a packed model's raw state dict saves it), not "
-                             f"per expert; an unpacked model loads only per-expert checkpoints. Load it into the "
-                             f"packed model, or save it again with reference_impl.checkpoint.save")
-        found.add(name)
-    return found
+    return {name for name, _, form, _ in _held(model, saved) if form == "packed"}

@@ -9,6 +9,7 @@ it makes itself (:func:`test_checkpoint.assert_matches_reference`), never with a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,9 @@ def test_both_kinds_save_the_same_checkpoint_form(moe_ep_shared_dir: Path) -> No
 
 @pytest.mark.moe_ep_world(4)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
-def test_old_packed_form_still_loads_into_packed_layers_at_every_layout(fsdp: bool, moe_ep_shared_dir: Path) -> None:
-    """An ep=1 packed run's raw save (``up_w`` ``[E, ...]``, the form before per-expert keys) loads at any layout."""
+def test_the_packed_form_loads_into_either_kind_at_every_layout(fsdp: bool, moe_ep_shared_dir: Path) -> None:
+    """An ep=1 packed run's raw save (``up_w`` ``[E, ...]``, the packed form) loads at any layout into packed layers
+    (views of their rows) and into unpacked ones (their experts stacked, loaded, copied back), moments and step too."""
     config = MoEConfig(num_experts=6, kind="packed", hidden=24)
     model, optimizer = build_at(config, LAYOUTS_4["ep1"], fsdp, SAVE_SEED, SAVED_HP)
     train(model, optimizer)
@@ -130,7 +132,8 @@ def test_old_packed_form_still_loads_into_packed_layers_at_every_layout(fsdp: bo
     checkpoint.save_legacy(model, optimizer, path)  # at ep=1 the raw state dict is whole: the old packed form
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     assert tuple(metadata["model.layers.0.moe.up_w"].size) == (6, 24, 32)
-    for name, layout in LAYOUTS_4.items():
-        model, optimizer = build_at(config, layout, fsdp, LOAD_SEED, OTHER_HP)
+    for (name, layout), kind in itertools.product(LAYOUTS_4.items(), ("packed", "unpacked")):
+        into = replace(config, kind=kind)  # type: ignore[arg-type]
+        model, optimizer = build_at(into, layout, fsdp, LOAD_SEED, OTHER_HP)
         checkpoint.load(model, optimizer, path)
-        assert_matches_reference(model, optimizer, config, f"old packed form (fsdp={fsdp}) loaded at {name}")
+        assert_matches_reference(model, optimizer, into, f"packed form (fsdp={fsdp}) loaded at {name} into {kind}")
