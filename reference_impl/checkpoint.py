@@ -118,8 +118,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
 
     Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a
     layer than the model has (a legacy ep > 1 checkpoint).  ``check_saved=False`` skips that guard;
-    only the conformance suite's ``legacy`` negative control uses it, to show the damage.  Packed
-    layers also load the old packed form (``[E, ...]`` per weight, an ep=1 packed raw save).
+    only the conformance suite's ``legacy`` negative control uses it, to show the damage.  Either kind
+    also loads the packed form (``[E, ...]`` per weight, an ep=1 packed raw save): packed layers through
+    views of their rows, unpacked ones through a stacked copy of this rank's experts.
     """
     path = os.fspath(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

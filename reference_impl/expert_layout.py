@@ -105,7 +105,7 @@ class ExpertLayout:
         self._to_global: dict[str, str] = {}
         #: packed weight FQN -> (its layer, its layer's name, linear): saved per expert.
         self._split: dict[str, tuple[MoEMLP, str, str]] = {}
-        #: packed weight FQN -> its layer: saved in the old packed form (split layers only).
+        #: packed weight FQN -> its layer: presented in the packed form (split layers only).
         self._packed: dict[str, MoEMLP] = {}
         #: packed-form FQN of an unpacked layer -> (its layer, its local experts' FQNs): loaded through a stack.
         self._staged: dict[str, tuple[MoEMLP, list[str]]] = {}
@@ -142,7 +142,7 @@ class ExpertLayout:
         #: this rank's parameter names per optimizer param group, as to_global found them.
         self._local_groups: list[list[str]] | None = None
 
-    # ---------------------------------------------------------------- the old packed form
+    # ---------------------------------------------------------------- the packed form
 
     def _globalize(self, key: str, moe: MoEMLP, value: torch.Tensor) -> torch.Tensor:
         """``value`` (this rank's rows) as a DTensor over all ``num_experts`` rows; no copy.
