@@ -59,8 +59,8 @@ def expert_layout(model: nn.Module, packed_form: Collection[str] = ()) -> Expert
     """The layout of ``model``'s MoE layers; ``None`` when no layer needs translating.
 
     Every packed layer and every split unpacked layer is translated to the canonical form; whole
-    unpacked layers already are in it.  ``packed_form`` names packed layers to present in the old
-    packed form instead (see :func:`saved_packed_layers`).
+    unpacked layers already are in it.  ``packed_form`` names layers (either kind) to present in the
+    packed ``[E, ...]`` form instead (see :func:`saved_packed_layers`).
     """
     layers = [(name, moe) for name, moe in moe_layers(model)
               if moe.kind == "packed" or moe.ep_world_size > 1 or name in packed_form]

@@ -76,7 +76,8 @@ def _is_dtensor(t: Any) -> bool:
 
 def chunk_first(where: Param, rows: int) -> int | None:
     """The first global expert of a plain chunk of ``rows`` rows: ``where.first``, or from ``where.ep_place`` by
-    the layout rule, refused when the framework gave this rank rows that rule has no room for."""
+    the layout rule (all ``E`` rows are the whole axis, from expert 0), refused when the framework gave this rank
+    rows that rule has no room for."""
     from reference_impl.layout import expert_range
 
     if where.ep_place is None:
@@ -97,9 +98,8 @@ def placed(tensor: Any, where: Param) -> tuple[Any, tuple[slice, ...], tuple[int
     if region is not None:
         return local, region, tuple(tensor.shape)
     shape = tuple(tensor.shape)
-    first = chunk_first(where, shape[0]) if where.experts == "packed" else where.first
-    if first is not None and first != where.first:
-        where = replace(where, first=first)
+    if where.experts == "packed":
+        where = replace(where, first=chunk_first(where, shape[0]))
     if where.experts == "packed" and where.first is not None:
         full = (int(where.num_experts or 0), *shape[1:])
         if where.first + shape[0] > full[0]:
