@@ -3,9 +3,11 @@
 DeepSeek-V3 has 58 MoE layers of 256 routed experts (and a shared expert).  This builds that layout
 with tiny tensors (the sizes of the weights do not matter to a translation that must never touch
 their data), splits it for EP rank 0 of ``--ep`` ranks, takes AdamW state after one step, and
-times the translation both ways for the unpacked and the packed kind, each into the reference's checkpoint
-form, and for an unpacked model presented in the packed form (a packed checkpoint loaded into unpacked layers:
-the one translation that copies, its experts stacked into one tensor per weight and moment).  The ``--ep`` ranks are a
+times the translation both ways for each kind into each checkpoint form: the unpacked kind into the per-expert
+form (what it saves), the packed kind into the packed form (what it saves) and into the per-expert form
+(``per_expert=True``, or a per-expert checkpoint loaded into packed layers), and the unpacked kind into the packed
+form (a packed checkpoint loaded into unpacked layers: the one translation that copies, its experts stacked into
+one tensor per weight and moment).  The ``--ep`` ranks are a
 fake process group: rank 0 alone, with no peers, which is all DTensor construction needs.
 
 Prints, per form: the number of state-dict entries, wall time (best of ``--repeats``), the
@@ -76,9 +78,11 @@ def build(kind: str, args: argparse.Namespace, mesh: Any) -> tuple[Any, dict[str
     return model, state_dict(model, optimizer)
 
 
-def measure(kind: str, args: argparse.Namespace, mesh: Any, *, stacked: bool = False) -> None:
+def measure(kind: str, form: str, args: argparse.Namespace, mesh: Any) -> None:
+    """``kind``'s layers translated into checkpoint form ``form`` ("per-expert" or "packed") and back."""
     model, state = build(kind, args, mesh)
-    packed_form = {name for name, _ in moe_layers(model)} if stacked else set()
+    stacked = kind == "unpacked" and form == "packed"
+    packed_form = {name for name, _ in moe_layers(model)} if form == "packed" else set()
     n_model, n_optim = len(state["model"]), len(state["optimizer"]["state"])
     before = storages(state)
     times_layout, times_global, times_local = [], [], []
@@ -109,7 +113,7 @@ def measure(kind: str, args: argparse.Namespace, mesh: Any, *, stacked: bool = F
 
     total_storage = sum(before.values())
     layout_ms, global_ms, local_ms = (min(t) * 1e3 for t in (times_layout, times_global, times_local))
-    label = f"{kind} (packed form: stacked)" if stacked else kind
+    label = f"{kind} -> {form} form{' (stacked)' if stacked else ''}"
     if stacked:
         experts = sum(t.untyped_storage().nbytes() for _, moe in moe_layers(model) for p in moe.expert_parameters()
                       for t in (p, *(v for v in optimizer_tensors(state, p))))
@@ -137,9 +141,9 @@ def main() -> None:
     print(f"{args.layers} MoE layers x {args.experts} experts, EP rank 0 of {args.ep} "
           f"({-(-args.experts // args.ep)} local experts per layer), torch {torch.__version__}")
     try:
-        for kind in ("unpacked", "packed"):
-            measure(kind, args, mesh)
-        measure("unpacked", args, mesh, stacked=True)
+        for kind, form in (("unpacked", "per-expert"), ("packed", "packed"), ("packed", "per-expert"),
+                           ("unpacked", "packed")):
+            measure(kind, form, args, mesh)
     finally:
         dist.destroy_process_group()
 

@@ -8,6 +8,14 @@ The whole fix is two calls around DCP::
 and a guard, :func:`reference_impl.expert_layout.check_saved_experts`, that refuses a checkpoint
 written without the layout before the load touches anything.
 
+Each layer kind saves the form its weights already have (seed 001's ExpertLayout): a packed layer one
+``[E, ...]`` tensor per weight and moment, an unpacked layer one tensor per expert.  The packed form is
+one DCP item per weight and moment per rank's chunk whatever E is, where the per-expert form of a packed
+layer is one per expert (4,608 items at E=256 with AdamW: DCP's per-item cost dominates); either form
+loads into either kind, so the form is a choice of speed and of what other tools read, never of what
+loads.  ``save(..., per_expert=True)`` writes packed layers per expert too (what Hugging Face and
+Megatron checkpoints hold).
+
 After ``dcp.load`` the model's parameters and the optimizer's moments already hold the loaded
 values, because every tensor DCP loaded into is the original or a view of it.  What a load
 cannot write in place are the optimizer's param-group settings (lr, betas, ...), which DCP
@@ -36,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from reference_impl.expert_layout import check_saved_experts, expert_layout, saved_packed_layers
+from reference_impl.expert_layout import check_saved_experts, expert_layout, packed_layers, saved_packed_layers
 
 __all__ = ["load", "save", "save_legacy", "state_dict"]
 
@@ -49,14 +57,17 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
     return state
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str]) -> None:
+def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
+         per_expert: bool = False) -> None:
     """Save ``model`` (and ``optimizer``) so that every expert is stored once under its global id.
 
-    The checkpoint is in the canonical per-expert form (:mod:`reference_impl.expert_layout`), the
-    same for packed and unpacked layers, so it loads into either kind at any (ep, etp, FSDP/HSDP).
+    Packed layers save the packed form (``up_w`` ``[E, ...]`` and its moments, each rank's rows at their
+    global offset; nothing copied), unpacked layers the per-expert form (``experts.G.up.weight``);
+    ``per_expert=True`` saves packed layers per expert too.  Either form loads into either kind at any
+    (ep, etp, FSDP/HSDP): :mod:`reference_impl.expert_layout`.
     """
     state = state_dict(model, optimizer)
-    layout = expert_layout(model)
+    layout = expert_layout(model, packed_form=() if per_expert else packed_layers(model))
     if layout is not None:
         state = layout.to_global(state)
     dcp.save(state, checkpoint_id=os.fspath(path))

@@ -1,4 +1,4 @@
-"""Experts under their global identity in a DCP state dict, in one form for both layer kinds.
+"""Experts under their global identity in a DCP state dict: the packed form and the per-expert form.
 
 After :func:`reference_impl.parallelize.apply_expert_parallel` every EP rank names and shapes its experts
 as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank, and a
@@ -7,34 +7,35 @@ torch.distributed.checkpoint (DCP) writes one copy per name and offset, so a che
 state dicts keeps one rank's experts in place of all of them: loading at the same ep silently
 hands every rank that rank's experts, and at another ep the load fails.
 
-:class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in, into the
-**canonical checkpoint form**, the same for both layer kinds: every expert weight of every layer
-under its global id, ``layers.N.moe.experts.G.{gate,up,down}.weight`` with the expert's full
-shape (``[hidden, dim]``, ``[dim, hidden]``), and its optimizer state under the same name
-(``optimizer.state.layers.N.moe.experts.G.up.weight.exp_avg`` ...):
+:class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in, into one of two
+**global checkpoint forms**, each holding every expert of every layer once under its global id:
 
-- an unpacked local expert ``i`` is renamed to its global index ``local_expert_start + i``;
-- a packed weight ``up_w`` (and each of its moments) is cut into its rows, row ``i`` saved as
-  expert ``local_expert_start + i`` -- a view of the row, or, under expert tensor parallelism, a
-  DTensor over the ``etp`` mesh on the view (:func:`expert_rows`).
+- the **packed form** (seed 001's, what :func:`reference_impl.checkpoint.save` writes for packed
+  layers): ``layers.N.moe.up_w`` ``[E, ...]`` and its moments, row ``G`` expert ``G``.  A packed layer
+  presents its weight as a DTensor whose rows cover all experts (``Shard(0)`` over ``ep``, nested with
+  the FSDP/HSDP and ``etp`` placements the weight already has; no copy), so a rank's rows sit at their
+  global offset.  It is one DCP item per weight and moment per rank's chunk whatever E is.
+- the **per-expert form** (what unpacked layers save, and packed ones with ``per_expert=True``):
+  ``layers.N.moe.experts.G.{gate,up,down}.weight`` with the expert's full shape (``[hidden, dim]``,
+  ``[dim, hidden]``), and its optimizer state under the same name
+  (``optimizer.state.layers.N.moe.experts.G.up.weight.exp_avg`` ...): an unpacked local expert ``i`` is
+  renamed to its global index ``local_expert_start + i``; a packed weight (and each moment) is cut into
+  its rows, row ``i`` presented as expert ``local_expert_start + i`` -- a view of the row, or, under
+  expert tensor parallelism, a DTensor over the ``etp`` mesh on the view (:func:`expert_rows`).
 
-Why per-expert and not packed ``[E, ...]`` for both: a packed row is a view, so the packed kind
-reaches the per-expert form without a copy, while an unpacked layer's experts live in separate
-tensors that no DTensor can present as one ``[E, ...]`` tensor without copying them together (and
-back after a load).  DCP reshards each per-expert tensor exactly (a whole tensor, or the ``etp``
-shards of one), so a checkpoint saved at any (ep, etp, kind, FSDP/HSDP) loads at any other;
-optimizer moments follow their weights.  The checkpoint holds every expert once, as an ep=1
-unpacked run saves it.  Every tensor of the translated dict is the original or a view of it, so
-nothing is copied, and a load into it writes straight into the model and the optimizer.
+DCP reshards either form exactly (a whole tensor, or the ``ep``/FSDP/``etp`` shards of one), so a
+checkpoint saved at any (ep, etp, kind, FSDP/HSDP) loads at any other; optimizer moments follow their
+weights.  Each form loads into either kind (``packed_form`` names the layers a checkpoint holds packed):
 
-Packed checkpoints (``up_w`` ``[E, ...]``, as an ep=1 packed run saves its raw state dict) load into
-either kind: ``packed_form`` names such layers.  A packed layer presents its weight as a DTensor whose
-rows cover all experts (``Shard(0)`` over ``ep``, nested with the FSDP/HSDP and ``etp`` placements the
-weight already has; no copy).  An unpacked layer's experts are separate tensors that no DTensor can
-present as one, so they are **copied**: this rank's experts are stacked into one staging tensor (each
-expert's placements one dim further in), presented the same way, loaded, and copied back into each
-expert and its moments by :meth:`ExpertLayout.to_local` (one copy of this rank's expert weights and
-moments each way; ``benchmarks/bench_layout.py`` measures it).
+- per-expert into packed, and either form into its own kind: every tensor of the translated dict is
+  the original or a view of it, so nothing is copied and a load writes straight into the model and the
+  optimizer;
+- packed into unpacked: an unpacked layer's experts are separate tensors that no DTensor can present as
+  one ``[E, ...]``, so they are **copied**: this rank's experts are stacked into one staging tensor per
+  weight and moment (each expert's placements one dim further in), presented as a packed layer's are,
+  loaded, and copied back into each expert and its moments by :meth:`ExpertLayout.to_local` (one copy of
+  this rank's expert weights and moments each way; ``benchmarks/bench_layout.py`` measures it).  A save
+  never needs it: unpacked layers save per expert.
 
 :func:`check_saved_experts` refuses checkpoints written the old, lossy way, before they do harm.
 """
@@ -52,19 +53,25 @@ from reference_impl.model import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_laye
 from reference_impl.regions import contiguous_stride, local_region, packed_rows
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows", "moe_layers",
-           "saved_packed_layers"]
+           "packed_layers", "saved_packed_layers"]
 
 
 def expert_layout(model: nn.Module, packed_form: Collection[str] = ()) -> ExpertLayout | None:
     """The layout of ``model``'s MoE layers; ``None`` when no layer needs translating.
 
-    Every packed layer and every split unpacked layer is translated to the canonical form; whole
+    Every packed layer and every split unpacked layer is translated to the per-expert form; whole
     unpacked layers already are in it.  ``packed_form`` names layers (either kind) to present in the
-    packed ``[E, ...]`` form instead (see :func:`saved_packed_layers`).
+    packed ``[E, ...]`` form instead: a save's packed layers (:func:`packed_layers`), a load's whatever
+    its checkpoint holds packed (:func:`saved_packed_layers`).
     """
     layers = [(name, moe) for name, moe in moe_layers(model)
               if moe.kind == "packed" or moe.ep_world_size > 1 or name in packed_form]
     return ExpertLayout(layers, packed_form) if layers else None
+
+
+def packed_layers(model: nn.Module) -> set[str]:
+    """The names of ``model``'s packed MoE layers: what :func:`reference_impl.checkpoint.save` keeps packed."""
+    return {name for name, moe in moe_layers(model) if moe.kind == "packed"}
 
 
 def expert_key(layer: str, expert: int, linear: str) -> str:
@@ -88,7 +95,7 @@ def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tens
 
 
 class ExpertLayout:
-    """Translates a DCP state dict between one rank's experts and the canonical per-expert form.
+    """Translates a DCP state dict between one rank's experts and the global checkpoint forms.
 
     :meth:`to_global` translates the ``"model"`` and ``"optimizer"`` entries of a state dict, and
     the names in every other entry that maps parameter names to values (a record of never-stepped
@@ -96,7 +103,8 @@ class ExpertLayout:
     record :meth:`to_global` kept, so one layout serves one save or one load.
 
     ``layers`` are the :class:`MoEMLP` layers to translate with their names, as :func:`moe_layers`
-    gives; ``packed_form`` names packed layers to keep in the old packed ``[E, ...]`` form.
+    gives; ``packed_form`` names the layers (either kind) to present in the packed ``[E, ...]`` form, the
+    others are presented per expert.
     """
 
     def __init__(self, layers: list[tuple[str, MoEMLP]], packed_form: Collection[str] = ()) -> None:
@@ -234,7 +242,7 @@ class ExpertLayout:
     # ---------------------------------------------------------------- the two directions
 
     def to_global(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """``state`` with each rank's experts in the canonical form, among all of the layer's experts.
+        """``state`` with each rank's experts in the global form, among all of the layer's experts.
 
         Returns a new dict and leaves ``state`` as it is.  Each tensor in the result is the one it
         replaces or a view of it, so a load into the result loads them.

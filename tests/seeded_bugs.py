@@ -21,7 +21,9 @@ reference itself passes every cell.  The bugs come from framework bug trackers:
   (``checkpoint``: the ep=1 checkpoint's attribution names the layer, the expert and the tensor).
 
 The checkpoint bugs are planted where a framework would have them: between the state dict and DCP
-(:func:`_dcp_with`), not in the model.
+(:func:`_dcp_with`), not in the model.  Those that rename or drop per-expert keys (``experts.<id>.``) run on
+``reference-per-expert`` (:class:`ReferencePerExpertAdapter`), whose packed layers save one key per expert as
+its unpacked ones do; the packed form's own misfiling is :class:`PackedRowsSwapped`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 from conformance.adapter import Capabilities
-from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.reference import ReferenceAdapter, ReferencePerExpertAdapter
 
 _EXPERT_KEY = re.compile(r"(experts\.)(\d+)(\.)")
 
@@ -138,7 +140,7 @@ def _round_robin_names(model: Any) -> Callable[[str], str]:
     return lambda key: _EXPERT_KEY.sub(rename, key)
 
 
-class PermutedExperts(ReferenceAdapter):
+class PermutedExperts(ReferencePerExpertAdapter):
     """Experts filed under round-robin ids (see the module docstring); even E % ep only."""
 
     name = "seeded-permuted-experts"
@@ -155,7 +157,7 @@ class PermutedExperts(ReferenceAdapter):
             super().load(model, optimizer, path)
 
 
-class LayerDropped(ReferenceAdapter):
+class LayerDropped(ReferencePerExpertAdapter):
     """The save leaves layer 1's experts (weights and moments) out of the checkpoint."""
 
     name = "seeded-layer-dropped"
@@ -165,7 +167,7 @@ class LayerDropped(ReferenceAdapter):
             super().save(model, optimizer, path)
 
 
-class OneExpertOf64Misfiled(ReferenceAdapter):
+class OneExpertOf64Misfiled(ReferencePerExpertAdapter):
     """One expert among 64: layer 1's expert 41 is saved and loaded as expert 42 and 42 as 41 (weights and moments),
     as one wrong entry in a framework's expert-id table would.  Models with 42 experts or fewer are untouched."""
 
@@ -254,7 +256,7 @@ def _bank(key: str) -> str:
     return key.replace("moe.experts.", "moe.bank.")
 
 
-class RenamedExpertKeys(ReferenceAdapter):
+class RenamedExpertKeys(ReferencePerExpertAdapter):
     """Not a bug: the reference with its per-expert keys renamed (``moe.bank.<id>.up.weight``) to names no
     pattern knows.  The checkpoint check learns them from the ep=1 save's content, so every cell passes."""
 
@@ -454,7 +456,7 @@ def _dcp_placed(name: Callable[[str], str | None]) -> Iterator[None]:
         ck.dcp = real
 
 
-class _MisplacedIds(ReferenceAdapter):
+class _MisplacedIds(ReferencePerExpertAdapter):
     """The rank holds the experts of the layout rule (DTensor's ``Shard(0)``) but files its local expert ``i``
     under :meth:`ids`'s id -- None: the framework thinks it has no such local expert and neither saves nor loads it."""
 
@@ -763,7 +765,7 @@ class SchedulersPerGroupUnderEp(WithScheduler):
 
 
 # -- issue 34: the layout right, a save DCP refuses --------------------------------------------------------------
-class EtpShardOfferedTwice(ReferenceAdapter):
+class EtpShardOfferedTwice(ReferencePerExpertAdapter):
     """The save offers etp rank 1's shard of every expert weight at etp rank 0's offsets (a framework that places a
     shard by its EP coordinate alone).  The layout is right -- every rank holds its experts and its own shard, so
     the layout check passes -- and DCP refuses the global plan (one shard twice, the other never): the cell names,
@@ -799,3 +801,48 @@ class EtpShardOfferedTwice(ReferenceAdapter):
             super().save(model, optimizer, path)
         finally:
             helpers._create_write_items_for_dtensor = real
+
+
+# -- issue 33: the packed form's own misfiling -------------------------------------------------------------------
+class PackedRowsSwapped(ReferenceAdapter):
+    """Layer 1's packed ``up_w`` goes to the checkpoint with the rows of its last two experts (E-2 and E-1) swapped,
+    weights and Adam moments, and comes back swapped again: one wrong entry in a framework's packed-row order.  A
+    rank that holds both rows swaps them, on save and on load alike, so every value round-trips wherever one rank
+    holds both (at E=256 every layout of a 4-rank world); only the checkpoint shows it (``checkpoint``: the ep=1
+    save's row E-1 holds expert E-2's ``up``).  Unpacked layers are untouched."""
+
+    name = "seeded-packed-rows-swapped"
+
+    @staticmethod
+    def _swap(model: Any, optimizer: Any) -> None:
+        import torch
+
+        from conformance.adapter import ADAM_MOMENTS, local_region
+        from reference_impl.expert_layout import expert_rows
+        from reference_impl.moe import moe_layers
+
+        layers = list(moe_layers(model))
+        if len(layers) < 2 or layers[1][1].kind != "packed":
+            return
+        moe = layers[1][1]
+        state = optimizer.state.get(moe.up_w, {}) if optimizer is not None else {}
+        pair = (moe.num_experts - 2, moe.num_experts - 1)
+        with torch.no_grad():
+            for tensor in (moe.up_w, *(state[m] for m in ADAM_MOMENTS if m in state)):
+                rows = dict(expert_rows(moe, tensor))
+                if all(g in rows for g in pair):
+                    a, b = (local_region(rows[g])[0] for g in pair)
+                    held = a.clone()
+                    a.copy_(b)
+                    b.copy_(held)
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        self._swap(model, optimizer)
+        try:
+            super().save(model, optimizer, path)
+        finally:
+            self._swap(model, optimizer)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        super().load(model, optimizer, path)
+        self._swap(model, optimizer)

@@ -2,9 +2,11 @@
 
 The layouts are :class:`conformance.layout.ParallelLayout`'s: EP groups of strided and of
 consecutive ranks, HSDP (``dp_replicate=2``), expert tensor parallelism (``etp=2``), FSDP2 or not,
-and both layer kinds, which save one checkpoint form.  Each test saves once and loads at every
-layout of its world, alternating the layer kind and FSDP, and compares each rank with the ep=1 run
-it makes itself (:func:`test_checkpoint.assert_matches_reference`), never with another rank.
+and both layer kinds, each saving its own form (packed layers the packed form, or per expert with
+``per_expert=True``; unpacked layers per expert), each form loading into either kind.  Each test
+saves once and loads at every layout of its world, alternating the layer kind and FSDP, and
+compares each rank with the ep=1 run it makes itself
+(:func:`test_checkpoint.assert_matches_reference`), never with another rank.
 """
 
 from __future__ import annotations
@@ -63,15 +65,16 @@ def build_at(config: MoEConfig, layout: ParallelLayout, fsdp: bool, seed: int, h
 
 
 def roundtrip(path: Path, layouts: dict[str, ParallelLayout], save: str, kind: str, fsdp: bool,
-              num_experts: int) -> int:
-    """Save at ``layouts[save]``, load at every layout (kind and FSDP alternating); how many loads."""
+              num_experts: int, per_expert: bool = False) -> int:
+    """Save at ``layouts[save]`` (packed layers per expert with ``per_expert``), load at every layout (kind and FSDP
+    alternating); how many loads."""
     config = MoEConfig(num_experts=num_experts, kind=kind, hidden=24)  # type: ignore[arg-type]
     other = "packed" if kind == "unpacked" else "unpacked"
     model, optimizer = build_at(config, layouts[save], fsdp, SAVE_SEED, SAVED_HP)
     train(model, optimizer)
-    case = f"{kind}/E={num_experts}/fsdp={fsdp} saved at {save}"
+    case = f"{kind}/E={num_experts}/fsdp={fsdp}{'/per-expert' if per_expert else ''} saved at {save}"
     assert_matches_reference(model, optimizer, config, f"{case} (before saving)")
-    checkpoint.save(model, optimizer, path)
+    checkpoint.save(model, optimizer, path, per_expert=per_expert)
     for i, (name, layout) in enumerate(layouts.items()):
         load_config = replace(config, kind=kind if i % 2 == 0 else other)
         load_fsdp = fsdp if i % 3 else not fsdp
@@ -82,16 +85,20 @@ def roundtrip(path: Path, layouts: dict[str, ParallelLayout], save: str, kind: s
     return len(layouts)
 
 
-#: each save layout once, the saving kind and FSDP varying over them (kind, fsdp: every combination occurs): both
-#: kinds save one checkpoint form (test_both_kinds_save_the_same_checkpoint_form), and every save is loaded at
-#: every layout into both kinds, with and without FSDP.
-SAVES_4 = [(save, ("unpacked", "packed")[i % 2], (i // 2) % 2 == 1) for i, save in enumerate(LAYOUTS_4)]
+#: each save layout once, the saving kind and FSDP varying over them (kind, fsdp: every combination occurs), packed
+#: saves at the first four layouts per expert and at the others (HSDP, expert TP) in the packed form; every save
+#: is loaded at every layout into both kinds, with and without FSDP.
+SAVES_4 = [(save, ("unpacked", "packed")[i % 2], (i // 2) % 2 == 1, i % 2 == 1 and i < 4)
+           for i, save in enumerate(LAYOUTS_4)]
 
 
 @pytest.mark.moe_ep_world(4)
-@pytest.mark.parametrize(("save", "kind", "fsdp"), SAVES_4, ids=[f"{s}-{k}" for s, k, _ in SAVES_4])
-def test_every_layout_pair_on_4_ranks(save: str, kind: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
-    assert roundtrip(moe_ep_shared_dir / "ckpt", LAYOUTS_4, save, kind, fsdp, num_experts=6) == len(LAYOUTS_4)
+@pytest.mark.parametrize(("save", "kind", "fsdp", "per_expert"), SAVES_4,
+                         ids=[f"{s}-{k}{'-per-expert' if e else ''}" for s, k, _, e in SAVES_4])
+def test_every_layout_pair_on_4_ranks(save: str, kind: str, fsdp: bool, per_expert: bool,
+                                      moe_ep_shared_dir: Path) -> None:
+    assert roundtrip(moe_ep_shared_dir / "ckpt", LAYOUTS_4, save, kind, fsdp, num_experts=6,
+                     per_expert=per_expert) == len(LAYOUTS_4)
 
 
 @pytest.mark.moe_ep_world(8)
@@ -102,22 +109,31 @@ def test_layouts_on_8_ranks(save: str, moe_ep_shared_dir: Path) -> None:
 
 
 @pytest.mark.moe_ep_world(4)
-def test_both_kinds_save_the_same_checkpoint_form(moe_ep_shared_dir: Path) -> None:
-    """The canonical form: a packed save at ep2.etp2 and an unpacked save at ep4c (FSDP) index the same tensors."""
-    indexes = []
-    for kind, layout, fsdp in (("packed", "ep2.etp2", False), ("unpacked", "ep2c", True)):
+def test_each_kind_saves_its_own_form_and_per_expert_saves_the_unpacked_form(moe_ep_shared_dir: Path) -> None:
+    """A packed save at ep2.etp2 holds the packed form (``up_w`` ``[E, ...]`` and its moments, one item per rank's
+    chunk); the same save with ``per_expert=True`` and an unpacked save at ep2c (FSDP) index the same per-expert
+    tensors."""
+    indexes = {}
+    for name, kind, layout, fsdp, per_expert in (("packed", "packed", "ep2.etp2", False, False),
+                                                  ("per-expert", "packed", "ep2.etp2", False, True),
+                                                  ("unpacked", "unpacked", "ep2c", True, False)):
         config = MoEConfig(num_experts=6, kind=kind)  # type: ignore[arg-type]
         model, optimizer = build_at(config, LAYOUTS_4[layout], fsdp, SAVE_SEED, SAVED_HP)
         train(model, optimizer)
-        path = moe_ep_shared_dir / f"ckpt-{kind}"
-        checkpoint.save(model, optimizer, path)
+        path = moe_ep_shared_dir / f"ckpt-{name}"
+        checkpoint.save(model, optimizer, path, per_expert=per_expert)
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        indexes.append({k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")})
-    packed, unpacked = indexes
-    assert packed == unpacked, f"keys only in one: {sorted(set(packed) ^ set(unpacked))[:6]}"
-    assert packed["model.layers.1.moe.experts.5.down.weight"] == (32, 64)
-    assert packed["optimizer.state.layers.1.moe.experts.5.up.weight.exp_avg"] == (64, 32)
-    assert not [k for k in packed if k.endswith("_w") or "_w." in k], "a packed [E, ...] tensor was saved"
+        indexes[name] = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
+        if name == "packed":  # each rank's rows of each etp shard: 2 ep x 2 etp chunks per weight and moment
+            assert len(metadata["model.layers.0.moe.up_w"].chunks) == 4
+    packed, per_expert, unpacked = indexes["packed"], indexes["per-expert"], indexes["unpacked"]
+    assert per_expert == unpacked, f"keys only in one: {sorted(set(per_expert) ^ set(unpacked))[:6]}"
+    assert unpacked["model.layers.1.moe.experts.5.down.weight"] == (32, 64)
+    assert unpacked["optimizer.state.layers.1.moe.experts.5.up.weight.exp_avg"] == (64, 32)
+    assert not [k for k in unpacked if k.endswith("_w") or "_w." in k], "a packed [E, ...] tensor was saved"
+    assert packed["model.layers.1.moe.down_w"] == (6, 32, 64)
+    assert packed["optimizer.state.layers.1.moe.up_w.exp_avg"] == (6, 64, 32)
+    assert not [k for k in packed if ".experts." in k], "a packed layer was saved per expert"
 
 
 @pytest.mark.moe_ep_world(4)

@@ -369,3 +369,42 @@ def test_an_etp_shard_offered_twice_is_named_by_layer_expert_key_and_rows(pytest
                         r"global plan: layer \d, expert \d, key 'model\.layers\.\d\.moe\.experts\.\d\.\w+\.weight': no "
                         r"rank offered axis \d rows \d+\.\.\d+ of \d+ \(ranks \[\d, \d\] offered axis \d rows 0\.\.\d+",
                         first), (cell_id, first)
+
+
+# -- issue 33: packed layers save the packed form; its own misfiling is caught and named --------------------------
+def _row_swap_named(first: str, detail: str, experts: int) -> bool:
+    """Whether a cell names the swapped rows: the ep=1 checkpoint's row of expert E-2 (or E-1) of layer 1's packed
+    ``up_w`` (or a moment of it) holds the other expert's values."""
+    a, b = experts - 2, experts - 1
+    line = (rf"\[checkpoint\] checkpoint: the ep=1 checkpoint: layer 1, key '(model|optimizer\.state)\.layers\.1\.moe\."
+            rf"up_w(\.exp_avg(_sq)?)?', expert ({a}|{b}): row \4: holds the model's 'up(\.exp_avg(_sq)?)?' of layer 1, "
+            rf"expert ({a}|{b}), not expert \4's")
+    return bool(re.search(line, detail))
+
+
+def test_two_packed_rows_swapped_are_caught_by_the_checkpoint_and_named(pytester: pytest.Pytester) -> None:
+    """E=4: every cell saved packed is red and names the layer, the two experts and the packed key; the value
+    damage shows wherever the swap does not round-trip (a load at ep=4 puts the two rows on two ranks)."""
+    cells = run_default_tier(pytester, "PackedRowsSwapped", "not legacy and not E6 and not kind_unpacked")
+    saved_packed = {i for i, c in ran(cells).items() if c["kind"].startswith("packed")}
+    # a packed load swaps back where one rank holds both rows: into a correct (unpacked) save's values
+    swapped_on_load = {i for i, c in ran(cells).items() if c["kind"] == "unpacked->packed" and c["load_ep"] < 4}
+    assert saved_packed and swapped_on_load and set(failing(cells)) == saved_packed | swapped_on_load
+    for cell_id in saved_packed:
+        assert "on-disk" in cells[cell_id]["findings"], cells[cell_id]
+        assert _row_swap_named(failing(cells)[cell_id], cells[cell_id]["detail"], 4), cells[cell_id]["detail"]
+    for cell_id in swapped_on_load:
+        assert re.match(r"first difference: rank \d, layer 1, expert [23], tensor 'up': holds expert [23]'s values",
+                        failing(cells)[cell_id]), (cell_id, failing(cells)[cell_id])
+
+
+def test_two_packed_rows_of_256_swapped_round_trip_and_the_checkpoint_names_them(pytester: pytest.Pytester) -> None:
+    """E=256: one rank holds experts 254 and 255 at every layout of the world, so every value round-trips and the
+    checkpoint is all that shows the swap -- named by layer, key and experts (packed model and optimizer cells)."""
+    cells = run_default_tier(pytester, "PackedRowsSwapped", "kind_packed and not legacy and ep1 and ep4",
+                             "--moe-ep-experts=256")
+    assert len(ran(cells)) >= 2 and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["on-disk"], cells[cell_id]
+        assert _row_swap_named(first, first, 256), (cell_id, first)
+        assert "[values]" not in cells[cell_id]["detail"], cells[cell_id]["detail"]

@@ -33,6 +33,7 @@ from reference_impl.expert_layout import (
     expert_key,
     expert_layout,
     moe_layers,
+    packed_layers,
     saved_packed_layers,
 )
 from reference_impl.moe import (
@@ -292,17 +293,20 @@ def test_to_global_refuses_what_it_cannot_place(kind: str) -> None:
 
 @pytest.mark.moe_ep_world(WORLD)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
-@pytest.mark.parametrize("kind", ["unpacked", "packed"])
-def test_a_load_into_to_global_writes_in_place(kind: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
+@pytest.mark.parametrize(("kind", "per_expert"), [("unpacked", False), ("packed", False), ("packed", True)],
+                         ids=["unpacked", "packed", "packed-per-expert"])
+def test_a_load_into_to_global_writes_in_place(kind: str, per_expert: bool, fsdp: bool,
+                                               moe_ep_shared_dir: Path) -> None:
     """dcp.load alone restores weights, moments and steps; only the param-group settings need set_*.
 
-    Saved at ep=2, loaded at ep=4 (rank 3 holds no experts).  A packed weight with no rows on the
-    rank has no per-expert entry to load its step from: to_local gives it its param group's step.
+    Saved at ep=2 in either form, loaded at ep=4 (rank 3 holds no experts).  In the per-expert form a packed weight
+    with no rows on the rank has no per-expert entry to load its step from: to_local gives it its param group's
+    step (the packed form's step is one entry every rank loads).
     """
     config = MoEConfig(kind=kind)  # type: ignore[arg-type]
     saved_model, saved_optimizer = _trained(config, 2, fsdp)
     path = moe_ep_shared_dir / "ckpt"
-    checkpoint.save(saved_model, saved_optimizer, path)
+    checkpoint.save(saved_model, saved_optimizer, path, per_expert=per_expert)
 
     ref_model, ref_optimizer = _trained(config, 1, False)   # ep=1, this rank alone
     ref = {name: p for name, p in ref_model.named_parameters()}
@@ -311,7 +315,7 @@ def test_a_load_into_to_global_writes_in_place(kind: str, fsdp: bool, moe_ep_sha
     if fsdp:
         apply_fsdp(model, _mesh(4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, foreach=False)
-    layout = expert_layout(model)
+    layout = expert_layout(model, packed_form=() if per_expert else packed_layers(model))
     assert layout is not None
     state = layout.to_global(checkpoint.state_dict(model, optimizer))
     dcp.load(state, checkpoint_id=str(path))

@@ -5,10 +5,10 @@ per test); the inspection itself runs on rank 0 with no collective.  Hand-made c
 permuted expert, a dropped layer, missing moments, holes) are real DCP saves of edited ep=1 state
 dicts, or ``.metadata`` written directly where DCP would refuse to write the defect.
 
-The reference saves both layer kinds in one per-expert form (``layers.N.moe.experts.G.up.weight``);
-packed keys with an expert axis (``layers.N.moe.up_w``, as torchtitan and older reference
-checkpoints name them) come from :func:`reference_impl.checkpoint.save_legacy` of packed layers: at
-ep=1 that is the old packed form with all ``E`` rows, at ep > 1 one rank's rows.
+The reference saves packed layers in the packed form (``layers.N.moe.up_w`` ``[E, ...]``, as torchtitan
+names them) and unpacked ones, and packed ones with ``per_expert=True``, in the per-expert form
+(``layers.N.moe.experts.G.up.weight``); the lossy packed keys come from
+:func:`reference_impl.checkpoint.save_legacy` of packed layers at ep > 1: one rank's rows.
 """
 
 from __future__ import annotations
@@ -76,31 +76,39 @@ def problems(findings: list[Finding] | tuple[Finding, ...]) -> dict[str, list[Fi
 # -- real worlds ----------------------------------------------------------------------------------
 @pytest.mark.moe_ep_world(WORLD)
 def test_reference_checkpoints_are_clean_and_ep_invariant(moe_ep_shared_dir: Path) -> None:
+    """Both forms of the reference's checkpoints -- packed layers packed, or per expert, and unpacked layers per
+    expert -- read clean at every ep and compare equal to the ep=1 save of the same form."""
     saved = {}
-    for kind in ("packed", "unpacked"):
+    forms = (("packed", False), ("packed", True), ("unpacked", False))
+    for kind, per_expert in forms:
         for ep, fsdp in ((1, False), (2, False), (4, False), (2, True)):
-            path = moe_ep_shared_dir / f"{kind}-ep{ep}{'-fsdp' if fsdp else ''}"
-            checkpoint.save(*trained(kind, ep, fsdp), path)
-            saved[(kind, ep, fsdp)] = path
+            path = moe_ep_shared_dir / f"{kind}{'-per-expert' if per_expert else ''}-ep{ep}{'-fsdp' if fsdp else ''}"
+            checkpoint.save(*trained(kind, ep, fsdp), path, per_expert=per_expert)
+            saved[(kind, per_expert, ep, fsdp)] = path
     dist.barrier()
     if dist.get_rank() != 0:
         return
-    for (kind, ep, fsdp), path in saved.items():
+    for (kind, per_expert, ep, fsdp), path in saved.items():
         index = read_dcp(path)
         result = inspect_index(index)
-        case = f"{kind} saved at ep={ep} fsdp={fsdp}"
+        case = f"{kind}{' per expert' if per_expert else ''} saved at ep={ep} fsdp={fsdp}"
         assert result.findings == (), f"{case}: {[str(f) for f in result.findings]}"
         assert (result.num_experts, result.moe_layers) == (E, (0, 1)), case
         assert result.num_experts_source.startswith("router"), case
         stats = {g.stat for g in result.groups}
         assert {None, "exp_avg", "exp_avg_sq"} <= stats, f"{case}: optimizer state not recognised: {stats}"
         assert all(g.experts == tuple(range(E)) for g in result.groups), case
-        chunks = len(index.entries["model.layers.0.moe.experts.0.up.weight"].chunks)
-        if fsdp and kind == "unpacked":  # FSDP splits each expert's weight into chunks over dp_shard
-            assert chunks == WORLD // ep, case
-        elif fsdp:  # a packed row under FSDP is whole on the rank that holds it
-            assert chunks == 1, case
-        truth = read_dcp(saved[(kind, 1, False)])
+        if kind == "packed" and not per_expert:  # one chunk per rank's rows, whatever E is (E=6 at ep=4: rank 3's
+            assert not [k for k in index.entries if ".experts." in k], case  # is empty, and DCP records it)
+            chunks = len(index.entries["model.layers.0.moe.up_w"].chunks)
+            assert chunks == ep * (WORLD // ep if fsdp else 1), (case, chunks)
+        else:
+            chunks = len(index.entries["model.layers.0.moe.experts.0.up.weight"].chunks)
+            if fsdp and kind == "unpacked":  # FSDP splits each expert's weight into chunks over dp_shard
+                assert chunks == WORLD // ep, case
+            elif fsdp:  # a packed row under FSDP is whole on the rank that holds it
+                assert chunks == 1, case
+        truth = read_dcp(saved[(kind, per_expert, 1, False)])
         assert compare_indexes(index, truth, values=True, memory_bytes=64 << 10) == [], case
 
 
@@ -112,8 +120,8 @@ def test_legacy_checkpoints_show_every_lossy_pattern(moe_ep_shared_dir: Path) ->
             saved[(kind, ep)] = moe_ep_shared_dir / f"legacy-{kind}-ep{ep}"
             checkpoint.save_legacy(*trained(kind, ep), saved[(kind, ep)])
     truth, packed_truth = moe_ep_shared_dir / "truth", moe_ep_shared_dir / "packed-truth"
-    checkpoint.save(*trained("packed", 0), truth)  # every rank the whole model: the ep=1 truth
-    checkpoint.save_legacy(*trained("packed", 0), packed_truth)  # the same in the old packed [E, ...] form
+    checkpoint.save(*trained("packed", 0), truth, per_expert=True)  # every rank the whole model: the ep=1 truth
+    checkpoint.save(*trained("packed", 0), packed_truth)  # the same in the packed [E, ...] form
     dist.barrier()
     if dist.get_rank() != 0:
         return
@@ -147,13 +155,14 @@ def test_legacy_checkpoints_show_every_lossy_pattern(moe_ep_shared_dir: Path) ->
 # -- hand-made checkpoints ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def truths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """ep=1 checkpoints, written in this process, and their flat state dicts: both kinds in the
-    reference's per-expert form, and ``packed_form``, packed layers saved raw (``up_w`` ``[E, ...]``)."""
+    """ep=1 checkpoints, written in this process, and their flat state dicts: both kinds in the per-expert form
+    (``packed`` saved with ``per_expert=True``), and ``packed_form``, packed layers in the packed form (``up_w``
+    ``[E, ...]``, what the reference saves for them)."""
     out = {}
     for kind in ("packed", "unpacked", "packed_form"):
         path = tmp_path_factory.mktemp("truth") / kind
         model, optimizer = trained(kind.removesuffix("_form"), 0)
-        (checkpoint.save_legacy if kind == "packed_form" else checkpoint.save)(model, optimizer, path)
+        checkpoint.save(model, optimizer, path, per_expert=kind != "packed_form")
         nested = dcp.state_dict_loader._load_state_dict_from_keys(checkpoint_id=str(path))
         out[kind] = (path, flatten_state_dict(nested)[0])
     return out

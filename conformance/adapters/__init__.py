@@ -24,6 +24,7 @@ class Builtin:
 
 BUILTINS: dict[str, Builtin] = {
     "reference": Builtin("conformance.adapters.reference:ReferenceAdapter", "reference_impl.state_dict_utils"),
+    "reference-per-expert": Builtin("conformance.adapters.reference:ReferencePerExpertAdapter"),
     "legacy": Builtin("conformance.adapters.legacy:LegacyAdapter"),
     "balanced": Builtin(functions="conformance.adapters.balanced_functions"),
     "nemo_automodel": Builtin("conformance.adapters.nemo_automodel:NemoAutomodelAdapter",

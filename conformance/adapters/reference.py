@@ -7,8 +7,11 @@ applicable cell of the matrix passes; the ``legacy`` adapter shows what happens 
 
 It builds on any :class:`conformance.layout.ParallelLayout` mesh: EP groups strided or consecutive
 (the EP rank is the ``ep`` coordinate), HSDP (``dp_replicate`` > 1 with FSDP) and expert tensor
-parallelism (``etp`` > 1: each expert weight a DTensor sharded on its hidden axis).  Both layer
-kinds save one per-expert checkpoint form, so it declares ``cross_kind``.
+parallelism (``etp`` > 1: each expert weight a DTensor sharded on its hidden axis).  Packed layers save the packed form
+(``up_w`` ``[E, ...]``), unpacked ones the per-expert form (``experts.G.up.weight``), and each form loads into
+either kind, so it declares ``cross_kind``: a cross-kind cell checks a real translation between the forms.
+:class:`ReferencePerExpertAdapter` (``reference-per-expert``) saves packed layers per expert too, so both forms of
+a packed layer stay checked.
 
 Canonical names are the same for both layer kinds (``up``, ``gate``, ``down`` and their Adam
 moments ``up.exp_avg`` ...), so a packed row and the unpacked expert it equals compare equal.
@@ -38,7 +41,7 @@ from conformance.synthetic import synthetic_grad
 class ReferenceAdapter:
     name = "reference"
     version = "0.1.0"
-    #: cross_kind: both kinds save the one per-expert checkpoint form (reference_impl.expert_layout).
+    #: cross_kind: either checkpoint form loads into either kind (reference_impl.expert_layout).
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=True, max_ep=64,
                                 format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"), hsdp=True,
                                 etp=True)
@@ -111,10 +114,13 @@ class ReferenceAdapter:
             p.grad = grad
 
     # -- checkpoint path ---------------------------------------------------------------------------
+    #: whether packed layers save one tensor per expert instead of the packed form.
+    per_expert = False
+
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from reference_impl.checkpoint import save
 
-        save(model, optimizer, path)
+        save(model, optimizer, path, per_expert=self.per_expert)
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
         from reference_impl.checkpoint import load
@@ -170,6 +176,14 @@ class ReferenceAdapter:
             for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
+
+
+class ReferencePerExpertAdapter(ReferenceAdapter):
+    """The reference with packed layers saved in the per-expert form, as Hugging Face and Megatron checkpoints hold
+    experts (one DCP item per expert, weight and moment): every applicable cell passes, as the reference's do."""
+
+    name = "reference-per-expert"
+    per_expert = True
 
 
 def _one_row(g: int, moment: Any) -> list[tuple[int, Any]]:
