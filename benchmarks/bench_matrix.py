@@ -12,10 +12,12 @@ from this one run:
   record (``timings.adapter``), and over the rank-side total (what the engine adds).
 
     python benchmarks/bench_matrix.py [--skip-full] [--skip-8] [--against DIR] [--experts 64,256] [--only-experts]
+                                      [--select KEYWORDS]
 
 ``--experts 64,256`` also runs the default tier at 4 ranks with ``--moe-ep-experts=E`` for each E (a real
 model's expert count: OLMoE 64, DeepSeek-V3 256) and prints each as a ratio to the default ``4,6`` tier of the
-same run (wall, time inside the adapter, and the harness's share); ``--only-experts`` runs just that sweep.
+same run (wall, time inside the adapter, and the harness's share, and each kind's mean cell); ``--only-experts`` runs
+just that sweep.  ``--select`` passes ``-k`` to every run (``--select kind_packed``: the packed-kind cells alone).
 
 ``--against DIR`` also runs the default tier of another checkout (``git worktree add DIR <commit>``) right
 after this one's and prints the ratio: on a shared machine whose speed drifts between days, that ratio is the
@@ -23,6 +25,7 @@ figure to compare with a target set on another day.
 
 Targets (issue 14, 2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.  Issue 24: the
 default tier at E=64 at most 2x the E=4,6 tier's wall, at E=256 at most 4x, cell / adapter at most 1.15x at every E.
+Issue 33: the mean packed-kind cell at E=256 at most 1.5x its E=4,6 mean (the sweep prints each kind's ratio).
 """
 
 from __future__ import annotations
@@ -42,11 +45,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: ``-k`` for every run (``--select``): e.g. ``kind_packed`` times the packed-kind cells alone.
+SELECT: list[str] = []
+
+
 def run_matrix(tier: str, world_size: int, *extra: str, root: Path = ROOT) -> dict[str, Any]:
     """One ``pytest --moe-ep-matrix`` subprocess (of the checkout at ``root``): its wall time and report's cells."""
     with tempfile.TemporaryDirectory(prefix="bench-matrix-") as out:
         args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--moe-ep-matrix={tier}",
-                f"--moe-ep-world-size={world_size}", f"--moe-ep-report={out}", *extra]
+                f"--moe-ep-world-size={world_size}", f"--moe-ep-report={out}", *SELECT, *extra]
         t0 = time.perf_counter()
         proc = subprocess.run(args, cwd=out, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(root)})
@@ -80,6 +87,28 @@ def sweep(counts: list[int], base: dict[str, Any]) -> None:
               f"{adapter / base_adapter:.2f}x, outside it {(cells - adapter) / (base_cells - base_adapter):.2f}x"
               f"{verdict}")
         print(f"{'':<34} {breakdown(found)}")
+        print(f"{'':<34} {by_kind(found, base, count)}")
+
+
+def kind_means(found: dict[str, Any]) -> dict[str, float]:
+    """The mean wall time of a non-legacy cell of each kind (packed, unpacked, packed->unpacked, ...)."""
+    durations: dict[str, list[float]] = {}
+    for cell in found["cells"]:
+        if not cell["legacy"]:
+            durations.setdefault(cell["kind"], []).append(cell["duration_s"])
+    return {kind: statistics.mean(times) for kind, times in sorted(durations.items())}
+
+
+def by_kind(found: dict[str, Any], base: dict[str, Any], count: int) -> str:
+    """Each kind's mean cell at ``count`` experts over the same kind's at E=4,6 (issue 33: packed-kind cells at
+    E=256 at most 1.5x)."""
+    here, there = kind_means(found), kind_means(base)
+    parts = [f"{kind} {here[kind]:.3f} s ({here[kind] / there[kind]:.2f}x)" for kind in here if kind in there]
+    target = ""
+    if count == 256 and "packed" in here and "packed" in there:
+        ratio = here["packed"] / there["packed"]
+        target = f"; packed-kind target <= 1.5x: {'met' if ratio <= 1.5 else 'MISSED'}"
+    return "mean cell by kind / E=4,6: " + ", ".join(parts) + target
 
 
 def breakdown(found: dict[str, Any]) -> str:
@@ -117,7 +146,10 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another checkout whose default tier to time in the same run")
     parser.add_argument("--experts", default="", help="expert counts to sweep the default tier at, e.g. 64,256")
     parser.add_argument("--only-experts", action="store_true", help="run only the default tier and the E sweep")
+    parser.add_argument("--select", default="", help="a -k expression for every run, e.g. kind_packed")
     args = parser.parse_args()
+    if args.select:
+        SELECT[:] = ["-k", args.select]
     counts = [int(part) for part in args.experts.split(",") if part.strip()]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f}")

@@ -21,13 +21,34 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+#: the draws already made in this process, per (shape, scale, key): a session builds the same (seed, step, layer,
+#: expert) many times -- every cell's save side, the truth, both kinds -- and at 256 experts a cell asked for
+#: thousands (a hash and a seeded generator each).  Callers get a copy, so none can change an entry.
+_DRAWN: dict[tuple[Any, ...], Any] = {}
+_DRAWN_MAX_ELEMENTS = 16 << 20  # 64 MiB of float32 per process, then it starts again
+_drawn_elements = [0]
+
+
 def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
-    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone."""
+    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone (a new tensor each call)."""
     import torch
 
-    generator = torch.Generator().manual_seed(_seed(*key))
-    out = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
-    return out if dtype is None else out.to(dtype)
+    shape = tuple(shape)
+    try:
+        cached = (shape, scale, key)
+        found = _DRAWN.get(cached)
+    except TypeError:  # a key part that is not hashable: drawn every time
+        cached, found = None, None
+    if found is None:
+        generator = torch.Generator().manual_seed(_seed(*key))
+        found = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
+        if cached is not None:
+            if _drawn_elements[0] + found.numel() > _DRAWN_MAX_ELEMENTS:
+                _DRAWN.clear()
+                _drawn_elements[0] = 0
+            _drawn_elements[0] += found.numel()
+            _DRAWN[cached] = found
+    return found.clone() if dtype is None else found.to(dtype, copy=True)
 
 
 def synthetic_grad(seed: int, step: int, layer: int | None, global_expert_id: int | None, name: str,

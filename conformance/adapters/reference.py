@@ -101,12 +101,14 @@ class ReferenceAdapter:
         layers = _layer_index(model)
         for piece in global_regions(model):
             layer, expert, name = _identify(piece.name, layers)
-            if piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets
-                full = torch.stack([synthetic_grad(seed, step, layer, g, name[:-2], piece.global_shape[1:])
-                                    for g in range(piece.global_shape[0])])
+            if piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets, drawn for
+                rows, inner = piece.region[0], piece.region[1:]  # the rows this rank holds only (1/ep of them)
+                grad = torch.empty(tuple(r.stop - r.start for r in piece.region), dtype=torch.float32)
+                for i, g in enumerate(range(rows.start, rows.stop)):
+                    grad[i] = synthetic_grad(seed, step, layer, g, name[:-2], piece.global_shape[1:])[inner]
             else:
-                full = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)
-            grad = full[piece.region].to(device=piece.local.device, dtype=piece.param.dtype, copy=True)
+                grad = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)[piece.region]
+            grad = grad.to(device=piece.local.device, dtype=piece.param.dtype, copy=True)
             p = piece.param
             if isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
