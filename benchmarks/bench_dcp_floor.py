@@ -25,6 +25,7 @@ import socket
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -97,6 +98,7 @@ def measure(experts: int, label: str, kind: str, per_expert: bool, args: argpars
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    warnings.simplefilter("ignore", UserWarning)  # DCP's notes on each save's storage plan, four ranks' worth each
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         for experts in args.experts:
