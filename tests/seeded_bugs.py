@@ -846,3 +846,44 @@ class PackedRowsSwapped(ReferenceAdapter):
     def load(self, model: Any, optimizer: Any, path: str) -> None:
         super().load(model, optimizer, path)
         self._swap(model, optimizer)
+
+
+class PackedBalancedStart(ReferenceAdapter):
+    """The packed form's twin of :class:`BalancedStartChunkCount`: each rank offers its packed rows (the ``Shard(0)``
+    chunk it holds) at the balanced split's first id ("the first E % ep ranks get one more") instead of the chunk's.
+    At E=5, ep=4 rank 2 offers expert 4's row as row 3 (which rank 1 offers too) and no rank offers row 4: DCP
+    refuses the save plan, and the cell names the layer, expert, key and who offered what (``checkpoint``).  At E=6
+    the two splits agree on every rank that holds rows, and nothing shows."""
+
+    name = "seeded-packed-balanced-start"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        import dataclasses
+
+        import torch
+        import torch.distributed.checkpoint.planner_helpers as helpers
+
+        from reference_impl.layout import expert_range
+
+        real = helpers._create_write_items_for_dtensor
+
+        def offered(fqn: str, tensor: Any) -> Any:
+            item = real(fqn, tensor)
+            names = tensor.device_mesh.mesh_dim_names or ()
+            if not re.search(r"\.moe\.(gate|up|down)_w", fqn) or "ep" not in names:
+                return item
+            num_experts, ep = tensor.shape[0], tensor.device_mesh.size(names.index("ep"))
+            rank = tensor.device_mesh.get_local_rank("ep")
+            base, extra = divmod(num_experts, ep)
+            shift = rank * base + min(rank, extra) - expert_range(num_experts, ep, rank)[0]
+            data = item.tensor_data
+            offsets = torch.Size([data.chunk.offsets[0] + shift, *data.chunk.offsets[1:]])
+            chunk = dataclasses.replace(data.chunk, offsets=offsets)
+            return dataclasses.replace(item, index=dataclasses.replace(item.index, offset=offsets),
+                                       tensor_data=dataclasses.replace(data, chunk=chunk))
+
+        helpers._create_write_items_for_dtensor = offered
+        try:
+            super().save(model, optimizer, path)
+        finally:
+            helpers._create_write_items_for_dtensor = real

@@ -306,6 +306,10 @@ def test_a_refused_save_plan_is_read_in_expert_terms() -> None:
     assert line == (f"layer 1, key {packed!r}: the ranks disagree on its global shape: ranks [2] say (2, 8, 4); "
                     "ranks [0] say (3, 8, 4)"), line
     assert diagnose([Offer(r, key, (64, 32), (32 * r, 0), (32, 32)) for r in (0, 1)]) == []
+    balanced = [Offer(0, packed, (5, 8, 4), (0, 0, 0), (2, 8, 4)), Offer(1, packed, (5, 8, 4), (2, 0, 0), (2, 8, 4)),
+                Offer(2, packed, (5, 8, 4), (3, 0, 0), (1, 8, 4)), Offer(3, packed, (5, 8, 4), (4, 0, 0), (0, 8, 4))]
+    (line,) = diagnose(balanced)  # a rank with no expert offers an empty chunk: said as such, not as "rows 4..3"
+    assert line.endswith("ranks [3] offered nothing (an empty chunk at axis 0 row 4))"), line
 
 
 # -- issue 32: a kernel's rounding is not a wrong value; re-keyed state is named as re-keyed ---------------------
@@ -408,3 +412,17 @@ def test_two_packed_rows_of_256_swapped_round_trip_and_the_checkpoint_names_them
         assert cells[cell_id]["findings"] == ["on-disk"], cells[cell_id]
         assert _row_swap_named(first, first, 256), (cell_id, first)
         assert "[values]" not in cells[cell_id]["detail"], cells[cell_id]["detail"]
+
+
+def test_the_balanced_split_offering_packed_rows_is_refused_and_named(pytester: pytest.Pytester) -> None:
+    """NeMo's uneven-split bug in the packed form: at E=5, ep=4 each rank offers its packed rows at the balanced
+    split's first id; DCP refuses the plan (row 3 twice, row 4 never) and every cell saved packed at ep=4 names the
+    layer, expert 4, the key and who offered what.  The E=5 cells that save otherwise pass."""
+    cells = run_default_tier(pytester, "PackedBalancedStart", "E5 and not legacy", "--moe-ep-experts=4,5")
+    wrong = {i for i, c in ran(cells).items() if c["kind"].startswith("packed") and c["save_ep"] == 4}
+    assert wrong and set(failing(cells)) == wrong and len(ran(cells)) > len(wrong)
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["refused"], cell_id
+        assert re.search(r"raised SaveRefused: DCP refused the save's global plan: layer \d, expert 4, key "
+                         r"'(model|optimizer\.state)\.layers\.\d\.moe\.\w+_w[\w.]*': no rank offered axis 0 rows 4 "
+                         r"of 5; ranks \[1\] and \[2\] offered overlapping chunks", first), (cell_id, first)

@@ -77,7 +77,11 @@ def _span(a: int, b: int) -> str:
 
 
 def _rows(offsets: tuple[int, ...], sizes: tuple[int, ...], size: tuple[int, ...]) -> str:
-    """A chunk in words: the axes it does not span whole (``axis 0 rows 0..31 of 64``)."""
+    """A chunk in words: the axes it does not span whole (``axis 0 rows 0..31 of 64``); an empty one as such (a rank
+    that holds no expert offers one)."""
+    empty = next((axis for axis, n in enumerate(sizes) if n == 0), None)
+    if empty is not None:
+        return f"nothing (an empty chunk at axis {empty} row {offsets[empty]})"
     parts = [f"axis {axis} rows {_span(o, o + n)} of {full}"
              for axis, (o, n, full) in enumerate(zip(offsets, sizes, size, strict=True)) if (o, n) != (0, full)]
     return ", ".join(parts) or "the whole tensor"
