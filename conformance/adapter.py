@@ -52,6 +52,10 @@ Optional members (a check that needs one is ``n/a`` without it, with the reason)
     types its load raises as a refusal.  A legacy cell passes only on one of these.
 ``save_legacy(model, optimizer, path)``
     The framework's old, lossy save, for the legacy-refusal cell.
+``end_cell()``
+    Called on every rank when a cell ends, whatever happened in it (after its last check, or after it raised):
+    release what the cell's builds set up and the checks after the load still needed -- process groups that a
+    framework's layers keep (Megatron's), so that ``forward`` after a load can run on them.
 A member that cannot run in one cell (``forward`` on a GPU-only kernel, say) raises :class:`NotApplicable` with
 what stops it, alike on every rank: the check is skipped with that reason in the cell's record.
 
@@ -122,7 +126,7 @@ __all__ = [
 REQUIRED_MEMBERS = ("name", "version", "capabilities", "build", "save", "load", "expert_tensors",
                     "other_tensors")
 OPTIONAL_MEMBERS = ("step", "scalars", "forward", "read_checkpoint", "ep_dependent_keys", "check_saved",
-                    "refusal_errors", "save_legacy", "preload", "expert_keys")
+                    "refusal_errors", "save_legacy", "preload", "expert_keys", "end_cell")
 #: the optimizer state every Adam-family optimizer keeps per parameter.
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 #: the name of the model's output in ``forward``'s results (a plain tensor's, and the named form's).
@@ -335,6 +339,7 @@ class OptionalMembers(Protocol):
     def read_checkpoint(self, path: str) -> dict[str, Any]: ...
     def check_saved(self, model: Any, path: str) -> None: ...
     def save_legacy(self, model: Any, optimizer: Any, path: str) -> None: ...
+    def end_cell(self) -> None: ...
 
 
 def with_moments(layer: int | None, experts: Iterable[tuple[int, Any]], name: str, state: Mapping[Any, Any],

@@ -101,6 +101,7 @@ class Members:
     read_checkpoint: bool = False
     check_saved: bool = False
     save_legacy: bool = False
+    end_cell: bool = False
     ep_dependent_keys: tuple[str, ...] = ()
     refusal_errors: tuple[type[BaseException], ...] = ()
     preload: tuple[str, ...] = ()
@@ -130,7 +131,7 @@ def members_of(adapter: Any) -> Members:
 
     return Members(f"{kind.__module__}.{kind.__qualname__}", capabilities_of(adapter), step=has("step"),
                    scalars=has("scalars"), forward=has("forward"), read_checkpoint=has("read_checkpoint"),
-                   check_saved=has("check_saved"), save_legacy=has("save_legacy"),
+                   check_saved=has("check_saved"), save_legacy=has("save_legacy"), end_cell=has("end_cell"),
                    ep_dependent_keys=values("ep_dependent_keys"), refusal_errors=values("refusal_errors"),
                    preload=values("preload"), expert_keys=values("expert_keys"))
 

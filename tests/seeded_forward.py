@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from conformance.adapters.megatron import MegatronAdapter
 from conformance.adapters.nemo_automodel import NemoAutomodelAdapter
 from conformance.adapters.torchtitan import TorchtitanAdapter
 
@@ -58,3 +59,8 @@ class TorchtitanSwappedRouter(_SwappedRouterAfterLoad, TorchtitanAdapter):
 class NemoSwappedRouter(_SwappedRouterAfterLoad, NemoAutomodelAdapter):
     def routers(self, model: Any) -> list[Any]:
         return [block.mlp.gate.weight for block in model.model.layers.values()]
+
+
+class MegatronSwappedRouter(_SwappedRouterAfterLoad, MegatronAdapter):
+    def routers(self, model: Any) -> list[Any]:
+        return [moe.router.weight for moe in model.moe_layers()]

@@ -20,9 +20,11 @@ about 40 s is importing megatron-core into the pytest process and a fresh world 
 * expert tensor parallelism (``expert_tensor_parallel_size=2``, the full tier's ep2.etp2; a four-cell slice in
   ``test_megatron_expert_tensor_parallel_cells_as_found``) composes on CPU/gloo and shows the EP outcomes: model
   cells pass into and out of etp, model+optimizer cells fail on the ``chained_N.`` keys or error at ep=1 <-> ep > 1;
-* the ``forward`` check is n/a in every cell that reaches it, with what stops Megatron's ``MoELayer`` forward here
-  (``MegatronAdapter.forward`` raises NotApplicable; for the packed kind ``grouped_gemm`` first): no seeded forward
-  control is possible on this framework until it runs.
+* the ``forward`` check runs Megatron's own ``MoELayer.forward`` (``SequentialMLP``, the ``allgather`` dispatcher)
+  in every unpacked cell that reaches it and equals the ep=1 truth's, at every EP degree and under expert TP; for
+  the packed kind (``GroupedMLP``) it is n/a (``grouped_gemm`` is CUDA-only).  Its negative control
+  (``seeded_forward.MegatronSwappedRouter``: the router rows of experts 0 and 1 swapped while a loaded model's
+  forward runs) is caught by ``forward`` alone.
 
 The same run checks process hygiene: a distributed test before and after the passing cells counts the
 live process groups in each rank process (those of the harness's device meshes aside) and must find
@@ -35,6 +37,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 from matrix_expectations import (
@@ -51,7 +54,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
     pytest.skip("megatron-core is not installed (ci/install_megatron.sh installs megatron-core==0.16.0)",
                 allow_module_level=True)
 
-from conformance.adapters.megatron import FORWARD_NOT_RUN, GROUPED_MLP_NOT_RUN
+from conformance.adapters.megatron import GROUPED_MLP_NOT_RUN
 
 ADAPTER = "conformance.adapters.megatron:MegatronAdapter"
 SUBSET = "not save_ep4"
@@ -159,11 +162,13 @@ def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
         assert "first difference" not in detail, detail  # every value came back
     for cell_id in MODEL | OPTIM_PASS:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
-    for cell_id in MODEL | OPTIM_PASS | OPTIM_FAIL:  # the truth's forward already names what stops it
-        reason = FORWARD_NOT_RUN if cell_id.split("::")[2].split("->")[-1] == "unpacked" else \
-            f"{GROUPED_MLP_NOT_RUN}; and {FORWARD_NOT_RUN}"
-        assert cells[cell_id]["skipped_checks"] == {
-            "forward": f"the framework's forward cannot run on the ep=1 ground truth: {reason}"}, cells[cell_id]
+    for cell_id in MODEL | OPTIM_PASS | OPTIM_FAIL:  # Megatron's forward runs where its experts are SequentialMLP
+        if cell_id.split("::")[2].split("->")[-1] == "unpacked":
+            assert "forward" not in cells[cell_id].get("skipped_checks", {}), cells[cell_id]
+            assert cell_id in OPTIM_FAIL or "forward)" in cells[cell_id]["detail"], cells[cell_id]
+        else:
+            assert cells[cell_id]["skipped_checks"] == {"forward": "the framework's forward cannot run on the ep=1 "
+                                                        f"ground truth: {GROUPED_MLP_NOT_RUN}"}, cells[cell_id]
     for cell_id in LEGACY:
         assert "refused on every rank: refused by the load: CheckpointingException:" in cells[cell_id]["detail"], \
             cells[cell_id]
@@ -350,3 +355,19 @@ def test_ground_truth_is_built_without_parallel_state() -> None:
     assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 3 * 3 + 3 * 3)
     assert all(torch.equal(unpacked[key], packed[key]) for key in unpacked)
     assert {g for _, g, _ in unpacked if g is not None} == {0, 1, 2, 3}
+
+
+def test_a_swapped_router_after_the_load_is_caught_by_megatrons_forward(pytester: pytest.Pytester) -> None:
+    """The forward check's negative control on Megatron: experts 0 and 1 swap router rows while a loaded model's
+    forward runs (the stored tensors stay right).  Every unpacked model cell of the slice fails on ``forward``
+    alone, naming the layer; the ground truth, never loaded, is unswapped."""
+
+    pytester.makepyfile(seeded_forward=(Path(__file__).parent / "seeded_forward.py").read_text())
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_forward:MegatronSwappedRouter",
+                        "-k", "kind_unpacked and not optim and not legacy and not fsdp and load_ep4")
+    cells, statuses, _ = by_status(doc)
+    assert statuses.get("fail") and set(statuses) == {"fail"}, {i: c["detail"][:300] for i, c in cells.items()}
+    for cell in cells.values():
+        assert cell["findings"] == ["silent"], cell
+        assert re.search(r"\[forward\] rank \d: .*layers\.\d\.mlp", cell["detail"]), cell["detail"]
+        assert "first difference" not in cell["detail"], cell["detail"]

@@ -25,9 +25,12 @@ Workarounds, none of which changes what is checked:
   gradients, which the synthetic ones make moot); it gets the ``ddp_config`` and ``config`` attributes
   the optimizer reads from a wrapped model.
 * The save never starts Megatron's spawn ``Manager`` (writer results go through a process-local
-  queue), and every process group Megatron creates for a cell is destroyed at the end of the cell's
-  ``save``/``load`` (``destroy_model_parallel()`` leaves most alive).
-* ``forward`` is n/a in every cell, with the reason: :data:`FORWARD_NOT_RUN`.
+  queue), and every process group Megatron creates for a cell is destroyed after the save and at the end
+  of the cell (``end_cell``; ``destroy_model_parallel()`` leaves most alive): the loaded layers keep their EP
+  groups for the forward.
+* ``forward`` runs Megatron's ``MoELayer.forward`` (SequentialMLP, the ``allgather`` dispatcher) with three
+  CUDA hard-wires bypassed (:func:`conformance.adapters.megatron_cpu.megatron_forward_on_cpu`); the packed
+  kind's is n/a (:data:`GROUPED_MLP_NOT_RUN`).
 
 What the matrix finds: docs/frameworks/megatron.md.
 """
@@ -42,6 +45,7 @@ from typing import Any, cast
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region
 from conformance.adapters.megatron_cpu import (
+    megatron_forward_on_cpu,
     megatron_on_cpu,
     one_rank_view,
     one_rank_world,
@@ -50,14 +54,7 @@ from conformance.adapters.megatron_cpu import (
 )
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-#: why Megatron's own MoELayer forward does not run here (found trying it on the ground truth, issue 21).
-FORWARD_NOT_RUN = (
-    "Megatron's MoELayer forward does not run on this CPU/gloo set-up: on the ground truth's one-rank "
-    "pg_collection the shared expert's RowParallelLinear reduces over a tensor-parallel group that is None "
-    "(tensor_parallel/mappings.py, _reduce: 'group should not be None'); the router moves its weights to "
-    "torch.cuda.current_device() at its first forward (transformer/moe/router.py); and the layers keep the EP "
-    "groups captured at build, which the adapter destroys at the end of each load")
-#: and for the packed kind, before any of that.
+#: why the packed kind's forward does not run here.
 GROUPED_MLP_NOT_RUN = "GroupedMLP.forward calls grouped_gemm's gg.ops.gmm (a CUDA-only package, not installed)"
 WEIGHT_DECAY = 0.01
 # -- the model -----------------------------------------------------------------------------------------
@@ -305,12 +302,30 @@ class MegatronAdapter:
         _step(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
-        """n/a: raises NotApplicable naming what stops Megatron's forward here (the same on every rank)."""
-        from conformance.adapter import NotApplicable
+        """Megatron's own ``MoELayer.forward``, layer after layer, on ``[tokens, 1, dim]``: the output and each MoE
+        layer's own (:func:`forward_with_layers`).  Every rank feeds the same batch; the ``allgather`` dispatcher
+        gathers every EP rank's tokens, each rank runs its experts, and a reduce-scatter gives each rank the sum
+        for its own tokens.  The packed kind (GroupedMLP) is n/a: ``grouped_gemm`` is CUDA-only."""
+        import torch
 
-        if not hasattr(model.moe_layers()[0].experts, "local_experts"):  # GroupedMLP (packed)
-            raise NotApplicable(f"{GROUPED_MLP_NOT_RUN}; and {FORWARD_NOT_RUN}")
-        raise NotApplicable(FORWARD_NOT_RUN)
+        from conformance.adapter import NotApplicable, forward_with_layers
+
+        layers = model.moe_layers()
+        if not hasattr(layers[0].experts, "local_experts"):  # GroupedMLP (packed)
+            raise NotApplicable(GROUPED_MLP_NOT_RUN)
+
+        def run() -> Any:
+            hidden = batch.unsqueeze(1)  # Megatron's [sequence, micro-batch, hidden]
+            for moe in layers:
+                hidden = moe(hidden)[0]
+            return hidden.squeeze(1)
+
+        with torch.no_grad(), megatron_forward_on_cpu():
+            return forward_with_layers(run, {f"layers.{i}.mlp": moe for i, moe in enumerate(layers)})
+
+    def end_cell(self) -> None:
+        """The cell's Megatron process groups, destroyed: kept after the load for the forward's dispatcher."""
+        tear_down()
 
     # -- checkpoint path -----------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -323,16 +338,14 @@ class MegatronAdapter:
             tear_down()
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
+        """``dist_checkpointing.load``; the process groups stay up for the checks after it (``end_cell`` ends them)."""
         from megatron.core import dist_checkpointing
 
-        try:
-            with megatron_on_cpu():
-                loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, loading=True), path)
-                model.load_state_dict(loaded["model"], strict=True)
-                if optimizer is not None:
-                    optimizer.load_state_dict(loaded["optimizer"])
-        finally:
-            tear_down()
+        with megatron_on_cpu():
+            loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, loading=True), path)
+            model.load_state_dict(loaded["model"], strict=True)
+            if optimizer is not None:
+                optimizer.load_state_dict(loaded["optimizer"])
 
     def save_legacy(self, model: Any, optimizer: Any, path: str) -> None:
         """Megatron-LM's pre-dist_checkpointing save: per EP rank, its plain state_dict (local expert names)."""

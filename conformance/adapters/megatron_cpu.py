@@ -15,8 +15,9 @@ CUDA hard-wires on Megatron's CPU path, each bypassed only inside this adapter's
 
 In those three modules the ``torch`` global is swapped for a proxy whose ``cuda.synchronize`` does
 nothing, whose ``cuda.current_device()`` is the CPU and whose ``tensor(..., device='cuda')``
-allocates on the CPU; everything else is torch.  Not bypassed because never run here: the
-``alltoall`` dispatcher (a ``torch.cuda.Stream`` at construction), the router's first forward.
+allocates on the CPU; everything else is torch.  :func:`megatron_forward_on_cpu` does the same for
+``MoELayer.forward`` (each bypass named there).  Not bypassed because never run here: the ``alltoall``
+dispatcher (a ``torch.cuda.Stream`` at construction).
 
 Process hygiene.  The save path's writer results go through a module-global queue that Megatron
 creates as a ``multiprocessing`` *spawn* ``Manager`` (``filesystem_async._get_write_results_queue``):
@@ -25,10 +26,11 @@ save.  The save here is synchronous and runs in this process, so the bypass cont
 ``queue.Queue`` there (restored afterwards): no Manager is ever started.  Megatron still forks its
 writer processes (``write_preloaded_data_multiproc``), as in training.  ``destroy_model_parallel()``
 leaves most of the groups ``initialize_model_parallel`` created alive; the adapter destroys every
-one of them at the end of each ``save`` and ``load`` (and before a new set-up),
-so a rank process that runs many cells at several EP degrees holds no Megatron group between
-cells.  ``initialize_model_parallel`` runs with ``create_gloo_process_groups=False``: the world is
-gloo already, and the extra gloo groups serve only the distributed optimizer.
+one of them at the end of each ``save`` and at the end of each cell (``end_cell``: the layers keep their EP
+groups, which the checks after a load -- the forward -- still use), and before a new set-up, so a rank
+process that runs many cells at several EP degrees holds no Megatron group between cells.
+``initialize_model_parallel`` runs with ``create_gloo_process_groups=False``: the world is gloo already, and the
+extra gloo groups serve only the distributed optimizer.
 
 The ground truth's optimizer set-up runs under :func:`one_rank_world`: ``optimizer/__init__.py``,
 ``_get_param_groups``, aligns param-group keys with an ``all_gather_object`` over the *world*, which the
@@ -117,17 +119,24 @@ class _OneRankTorch:
         return getattr(torch, name)
 
 
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set module attributes for the duration of the block; restore them on exit, also on error."""
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    """Set module attributes for the duration of the block; restore them on exit, also on error (an attribute the
+    module did not have is deleted again)."""
+    saved = [(module, name, getattr(module, name, _ABSENT)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
             setattr(module, name, value)
         yield
     finally:
         for module, name, value in saved:
-            setattr(module, name, value)
+            if value is _ABSENT:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
 
 
 @contextlib.contextmanager
@@ -161,6 +170,29 @@ def megatron_on_cpu() -> Iterator[None]:
                                            for m in (filesystem_async, state_dict_saver, megatron_optimizer)]
     patches += [(filesystem_async, "_results_queue", queue.Queue()),
                 (grouped_gemm_util, "assert_grouped_gemm_is_available", lambda: None)]
+    with _patched(patches):
+        yield
+
+
+@contextlib.contextmanager
+def megatron_forward_on_cpu() -> Iterator[None]:
+    """``MoELayer.forward`` (SequentialMLP, the ``allgather`` dispatcher) on CPU, for one adapter ``forward`` call.
+
+    * ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction.forward`` reads the name ``te_general_gemm``,
+      which the module defines only when Transformer Engine imports (a ``NameError`` without it, megatron-core
+      0.16.0): set to ``None``, its own "no TE" branch (a plain matmul) runs;
+    * ``transformer/moe/router.py``, ``Router.gating``: moves its weight to ``torch.cuda.current_device()`` at the
+      first forward -- the CPU here, so the weight stays the tensor the adapter wrote;
+    * ``core/utils.py``, ``GlobalMemoryBuffer.get_tensor`` (the dispatcher's token gather at ep * etp > 1) and
+      ``tensor_parallel/mappings.py`` (its gathers' and reduce-scatters' buffers): allocate on
+      ``torch.cuda.current_device()``, the CPU here.
+    """
+    from megatron.core import utils as megatron_utils
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, router
+
+    patches: list[tuple[Any, str, Any]] = [(m, "torch", _CpuTorch()) for m in (router, megatron_utils, mappings)]
+    patches.append((moe_utils, "te_general_gemm", None))
     with _patched(patches):
         yield
 

@@ -202,14 +202,20 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
     rank = dist.get_rank()
     verdict = RankVerdict(rank)
     try:
-        return _run(_Timed(adapter, verdict.timings, members), cell, base, plan, rank, verdict)
+        found = _run(_Timed(adapter, verdict.timings, members), cell, base, plan, rank, verdict)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
             with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes keeps none
                 setattr(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
+        if members.end_cell:
+            with contextlib.suppress(Exception):  # the cell's own failure is the one to report
+                adapter.end_cell()
         raise
     finally:
         verdict.timings["total"] = time.perf_counter() - started
+    if members.end_cell:
+        adapter.end_cell()
+    return found
 
 
 def _member(exc: BaseException) -> str | None:
