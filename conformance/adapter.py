@@ -53,9 +53,10 @@ Optional members (a check that needs one is ``n/a`` without it, with the reason)
 ``save_legacy(model, optimizer, path)``
     The framework's old, lossy save, for the legacy-refusal cell.
 ``end_cell()``
-    Called on every rank when a cell ends, whatever happened in it (after its last check, or after it raised):
-    release what the cell's builds set up and the checks after the load still needed -- process groups that a
-    framework's layers keep (Megatron's), so that ``forward`` after a load can run on them.
+    Called on each rank when its part of a cell ends, whatever happened in it (after its last check, or after it
+    raised): release what the cell's builds set up and the checks after the load still needed -- process groups
+    that a framework's layers keep (Megatron's), so that ``forward`` after a load can run on them.  (A rank still
+    waiting in a collective when another rank's failure replaces the world ends with its process.)
 A member that cannot run in one cell (``forward`` on a GPU-only kernel, say) raises :class:`NotApplicable` with
 what stops it, alike on every rank: the check is skipped with that reason in the cell's record.
 

@@ -155,6 +155,39 @@ def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(pytester: pyte
     ])
 
 
+END_CELL = """
+import os
+
+import torch.distributed as dist
+from conformance.adapters.reference import ReferenceAdapter
+
+class EndsCells(ReferenceAdapter):
+    name = "ends-cells"
+
+    def load(self, model, optimizer, path):
+        if dist.get_rank() == 1 and model.layers[0].moe.ep_world_size == 2:
+            raise RuntimeError("deliberate failure inside load on rank 1")
+        super().load(model, optimizer, path)
+
+    def end_cell(self):
+        with open(os.path.join({out!r}, f"rank{{dist.get_rank()}}"), "a") as f:
+            f.write("ended\\n")
+"""
+
+
+def test_end_cell_is_called_on_every_rank_after_every_cell_failed_or_not(pytester: pytest.Pytester) -> None:
+    """The optional ``end_cell`` (what Megatron's process groups need): once per cell on each rank, also on the rank
+    whose part raised (the loads at ep=2 raise on rank 1).  The other ranks wait in the load's collective until the
+    failed call replaces the world: their processes end, and their groups with them."""
+    out = pytester.mkdir("ended")
+    pytester.makepyfile(ends_cells=END_CELL.format(out=str(out)))
+    result = run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=ends_cells:EndsCells",
+                 "-k", "kind_unpacked and not optim and ep-only and not E6 and not consecutive", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=2)  # the two loads at ep=2 raise on rank 1
+    ended = {rank: (out / f"rank{rank}").read_text().count("ended") for rank in range(4)}
+    assert ended == {0: 2, 1: 4, 2: 2, 3: 2}, ended
+
+
 def test_adapter_missing_a_method_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(no_load=MISSING_LOAD)
     result = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=no_load:NoLoad")
