@@ -78,11 +78,10 @@ def bare_round(state: dict[str, Any], path: str) -> None:
 def measure(experts: int, label: str, kind: str, per_expert: bool, args: argparse.Namespace, out: str) -> None:
     """One form at one E: ``--repeats`` rounds of each, alternating; rank 0 prints the medians."""
     from reference_impl import checkpoint
-    from reference_impl.expert_layout import expert_layout, packed_layers
 
     model, optimizer = build(kind, experts, args.ep)
     state = checkpoint.state_dict(model, optimizer)
-    layout = expert_layout(model, packed_form=() if per_expert else packed_layers(model))
+    layout = checkpoint.save_layout(model, per_expert=per_expert)  # the very translation save makes
     if layout is not None:
         state = layout.to_global(state)
     ref_path, bare_path = (os.path.join(out, f"{name}-{experts}-{kind}-{per_expert}") for name in ("ref", "bare"))

@@ -21,7 +21,7 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-#: the draws already made in this process, per (shape, scale, key): a session builds the same (seed, step, layer,
+#: the draws already made in this process, per (shape, scale, seed): a session builds the same (seed, step, layer,
 #: expert) many times -- every cell's save side, the truth, both kinds -- and at 256 experts a cell asked for
 #: thousands (a hash and a seeded generator each).  Callers get a copy, so none can change an entry.
 _DRAWN: dict[tuple[Any, ...], Any] = {}
@@ -33,16 +33,12 @@ def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dty
     """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone (a new tensor each call)."""
     import torch
 
-    shape = tuple(shape)
-    try:
-        cached = (shape, scale, key)
-        found = _DRAWN.get(cached)
-    except TypeError:  # a key part that is not hashable: drawn every time
-        cached, found = None, None
+    shape, seed = tuple(shape), _seed(*key)
+    cached = (shape, scale, seed)  # keyed by the seed itself: what decides the draw (1 and True differ there)
+    found = _DRAWN.get(cached)
     if found is None:
-        generator = torch.Generator().manual_seed(_seed(*key))
-        found = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
-        if cached is not None:
+        found = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * scale
+        if found.numel() <= _DRAWN_MAX_ELEMENTS:  # one draw larger than the whole budget is not kept
             if _drawn_elements[0] + found.numel() > _DRAWN_MAX_ELEMENTS:
                 _DRAWN.clear()
                 _drawn_elements[0] = 0

@@ -44,9 +44,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from reference_impl.expert_layout import check_saved_experts, expert_layout, packed_layers, saved_packed_layers
+from reference_impl.expert_layout import (
+    ExpertLayout,
+    check_saved_experts,
+    expert_layout,
+    packed_layers,
+    saved_packed_layers,
+)
 
-__all__ = ["load", "save", "save_legacy", "state_dict"]
+__all__ = ["load", "save", "save_layout", "save_legacy", "state_dict"]
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -67,10 +73,16 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     (ep, etp, FSDP/HSDP): :mod:`reference_impl.expert_layout`.
     """
     state = state_dict(model, optimizer)
-    layout = expert_layout(model, packed_form=() if per_expert else packed_layers(model))
+    layout = save_layout(model, per_expert=per_expert)
     if layout is not None:
         state = layout.to_global(state)
     dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def save_layout(model: nn.Module, *, per_expert: bool = False) -> ExpertLayout | None:
+    """The :class:`ExpertLayout` :func:`save` translates ``model``'s state with: packed layers in the packed form
+    (per expert with ``per_expert``), unpacked layers per expert; ``None`` when nothing needs translating."""
+    return expert_layout(model, packed_form=() if per_expert else packed_layers(model))
 
 
 def save_legacy(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -130,8 +142,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a
     layer than the model has (a legacy ep > 1 checkpoint).  ``check_saved=False`` skips that guard;
     only the conformance suite's ``legacy`` negative control uses it, to show the damage.  Either kind
-    also loads the packed form (``[E, ...]`` per weight, an ep=1 packed raw save): packed layers through
-    views of their rows, unpacked ones through a stacked copy of this rank's experts.
+    loads either form: the per-expert form, and the packed form (``[E, ...]`` per weight, what :func:`save`
+    writes for packed layers at any ep, or an ep=1 packed run's raw save) -- packed layers through views of
+    their rows, unpacked ones through a stacked copy of this rank's experts.
     """
     path = os.fspath(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -456,6 +456,12 @@ def _dcp_placed(name: Callable[[str], str | None]) -> Iterator[None]:
         ck.dcp = real
 
 
+def _balanced_first(num_experts: int, ep: int, rank: int) -> int:
+    """The first expert id of ``rank`` under the balanced split ("the first E % ep ranks get one more")."""
+    base, extra = divmod(num_experts, ep)
+    return rank * base + min(rank, extra)
+
+
 class _MisplacedIds(ReferencePerExpertAdapter):
     """The rank holds the experts of the layout rule (DTensor's ``Shard(0)``) but files its local expert ``i``
     under :meth:`ids`'s id -- None: the framework thinks it has no such local expert and neither saves nor loads it."""
@@ -501,9 +507,7 @@ class FirstRanksGetOneMore(_MisplacedIds):
 
     @staticmethod
     def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
-        base, extra = divmod(num_experts, ep)
-        start = rank * base + min(rank, extra)
-        mine = base + (rank < extra)
+        start, mine = _balanced_first(num_experts, ep, rank), num_experts // ep + (rank < num_experts % ep)
         return [start + i if i < mine else None for i in range(count)]
 
 
@@ -527,8 +531,7 @@ class BalancedStartChunkCount(_MisplacedIds):
 
     @staticmethod
     def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
-        base, extra = divmod(num_experts, ep)
-        return [rank * base + min(rank, extra) + i for i in range(count)]
+        return [_balanced_first(num_experts, ep, rank) + i for i in range(count)]
 
 
 class MomentsKeptUnderHsdpOrEtp(ReferenceAdapter):
@@ -765,6 +768,38 @@ class SchedulersPerGroupUnderEp(WithScheduler):
 
 
 # -- issue 34: the layout right, a save DCP refuses --------------------------------------------------------------
+@contextlib.contextmanager
+def _offered_elsewhere(shift: Callable[[str, Any], tuple[int, int] | None]) -> Iterator[None]:
+    """DCP's save plan with some DTensor chunks offered at other offsets: ``shift(fqn, dtensor)`` gives ``(axis,
+    rows)`` to move this rank's chunk of that tensor by (None: where DTensor places it), as a framework that computes
+    a chunk's offset itself would."""
+    import dataclasses
+
+    import torch
+    import torch.distributed.checkpoint.planner_helpers as helpers
+
+    real = helpers._create_write_items_for_dtensor
+
+    def offered(fqn: str, tensor: Any) -> Any:
+        item = real(fqn, tensor)
+        moved = shift(fqn, tensor)
+        if moved is None:
+            return item
+        axis, rows = moved
+        data = item.tensor_data
+        offsets = list(data.chunk.offsets)
+        offsets[axis] += rows
+        chunk = dataclasses.replace(data.chunk, offsets=torch.Size(offsets))
+        return dataclasses.replace(item, index=dataclasses.replace(item.index, offset=torch.Size(offsets)),
+                                   tensor_data=dataclasses.replace(data, chunk=chunk))
+
+    helpers._create_write_items_for_dtensor = offered
+    try:
+        yield
+    finally:
+        helpers._create_write_items_for_dtensor = real
+
+
 class EtpShardOfferedTwice(ReferencePerExpertAdapter):
     """The save offers etp rank 1's shard of every expert weight at etp rank 0's offsets (a framework that places a
     shard by its EP coordinate alone).  The layout is right -- every rank holds its experts and its own shard, so
@@ -773,34 +808,22 @@ class EtpShardOfferedTwice(ReferencePerExpertAdapter):
 
     name = "seeded-etp-shard-offered-twice"
 
-    def save(self, model: Any, optimizer: Any, path: str) -> None:
-        import dataclasses
-
-        import torch
-        import torch.distributed.checkpoint.planner_helpers as helpers
+    @staticmethod
+    def _shift(fqn: str, tensor: Any) -> tuple[int, int] | None:
         from torch.distributed.tensor import Shard
 
-        real = helpers._create_write_items_for_dtensor
+        from reference_impl.regions import local_region
 
-        def offered(fqn: str, tensor: Any) -> Any:
-            item = real(fqn, tensor)
-            mesh = tensor.device_mesh
-            names = mesh.mesh_dim_names or ()
-            if "experts" not in fqn or "etp" not in names or mesh.get_local_rank("etp") != 1:
-                return item
-            axis = next(p.dim for i, p in enumerate(tensor.placements) if names[i] == "etp" and isinstance(p, Shard))
-            data = item.tensor_data
-            offsets = list(data.chunk.offsets)
-            offsets[axis] -= data.chunk.sizes[axis]  # etp rank 0's rows
-            chunk = dataclasses.replace(data.chunk, offsets=torch.Size(offsets))
-            return dataclasses.replace(item, index=dataclasses.replace(item.index, offset=torch.Size(offsets)),
-                                       tensor_data=dataclasses.replace(data, chunk=chunk))
+        mesh = tensor.device_mesh
+        names = mesh.mesh_dim_names or ()
+        if "experts" not in fqn or "etp" not in names or mesh.get_local_rank("etp") != 1:
+            return None
+        axis = next(p.dim for i, p in enumerate(tensor.placements) if names[i] == "etp" and isinstance(p, Shard))
+        return axis, -local_region(tensor)[0].shape[axis]  # etp rank 0's rows
 
-        helpers._create_write_items_for_dtensor = offered
-        try:
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _offered_elsewhere(self._shift):
             super().save(model, optimizer, path)
-        finally:
-            helpers._create_write_items_for_dtensor = real
 
 
 # -- issue 33: the packed form's own misfiling -------------------------------------------------------------------
@@ -857,33 +880,17 @@ class PackedBalancedStart(ReferenceAdapter):
 
     name = "seeded-packed-balanced-start"
 
-    def save(self, model: Any, optimizer: Any, path: str) -> None:
-        import dataclasses
-
-        import torch
-        import torch.distributed.checkpoint.planner_helpers as helpers
-
+    @staticmethod
+    def _shift(fqn: str, tensor: Any) -> tuple[int, int] | None:
         from reference_impl.layout import expert_range
 
-        real = helpers._create_write_items_for_dtensor
+        names = tensor.device_mesh.mesh_dim_names or ()
+        if not re.search(r"\.moe\.(gate|up|down)_w", fqn) or "ep" not in names:
+            return None
+        num_experts, ep = tensor.shape[0], tensor.device_mesh.size(names.index("ep"))
+        rank = tensor.device_mesh.get_local_rank("ep")
+        return 0, _balanced_first(num_experts, ep, rank) - expert_range(num_experts, ep, rank)[0]
 
-        def offered(fqn: str, tensor: Any) -> Any:
-            item = real(fqn, tensor)
-            names = tensor.device_mesh.mesh_dim_names or ()
-            if not re.search(r"\.moe\.(gate|up|down)_w", fqn) or "ep" not in names:
-                return item
-            num_experts, ep = tensor.shape[0], tensor.device_mesh.size(names.index("ep"))
-            rank = tensor.device_mesh.get_local_rank("ep")
-            base, extra = divmod(num_experts, ep)
-            shift = rank * base + min(rank, extra) - expert_range(num_experts, ep, rank)[0]
-            data = item.tensor_data
-            offsets = torch.Size([data.chunk.offsets[0] + shift, *data.chunk.offsets[1:]])
-            chunk = dataclasses.replace(data.chunk, offsets=offsets)
-            return dataclasses.replace(item, index=dataclasses.replace(item.index, offset=offsets),
-                                       tensor_data=dataclasses.replace(data, chunk=chunk))
-
-        helpers._create_write_items_for_dtensor = offered
-        try:
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _offered_elsewhere(self._shift):
             super().save(model, optimizer, path)
-        finally:
-            helpers._create_write_items_for_dtensor = real

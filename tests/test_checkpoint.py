@@ -151,7 +151,8 @@ def test_roundtrip_every_ep_pair(kind: str, activation: str, fsdp: bool, save_ep
 @pytest.mark.parametrize(("save_kind", "load_kind"), [("packed", "unpacked"), ("unpacked", "packed")])
 def test_cross_kind_every_ep_pair(save_kind: str, load_kind: str, fsdp: bool, save_ep: int,
                                   moe_ep_shared_dir: Path) -> None:
-    """One checkpoint form for both kinds: saved packed, it loads unpacked (and back) at every ep, moments too."""
+    """Each form into the other kind: saved packed (the packed form) it loads unpacked, saved unpacked (per expert)
+    it loads packed, at every ep, moments too."""
     config = MoEConfig(num_experts=6, kind=save_kind)  # type: ignore[arg-type]
     roundtrip(moe_ep_shared_dir / "ckpt", config, fsdp, save_ep, EPS, load_kind=load_kind)
 

@@ -33,7 +33,6 @@ from reference_impl.expert_layout import (
     expert_key,
     expert_layout,
     moe_layers,
-    packed_layers,
     saved_packed_layers,
 )
 from reference_impl.moe import (
@@ -125,10 +124,10 @@ def test_check_saved_experts_refuses_a_legacy_packed_checkpoint() -> None:
 
 
 def test_check_saved_experts_reads_both_forms_for_both_kinds() -> None:
-    """The canonical per-expert form and the old packed form, into a packed or an unpacked model."""
+    """The per-expert form and the packed form (either kind's checkpoint), into a packed or an unpacked model."""
     packed, unpacked = build_model(MoEConfig(kind="packed"), 1), build_model(MoEConfig(kind="unpacked"), 1)
     for model in (packed, unpacked):
-        check_saved_experts(model, _unpacked_md(range(6)), where="x")  # canonical, complete
+        check_saved_experts(model, _unpacked_md(range(6)), where="x")  # per expert, complete
         with pytest.raises(ValueError, match=r"holds 4 experts of MoE layer 'layers\.0\.moe', but the model has 6"):
             check_saved_experts(model, _unpacked_md(range(4)), where="x")
         legacy_packed = {"model.layers.0.moe.up_w": _tensor_md(3, 64, 32),
@@ -205,7 +204,7 @@ def test_to_global_gives_both_kinds_per_expert_names_without_copying(kind: str, 
     rank = dist.get_rank()
     where = f"{kind} E={num_experts} ep={ep} fsdp={fsdp} rank {rank}"
     if kind == "unpacked" and ep == 1:
-        assert layout is None, f"{where}: a whole unpacked model is already in the canonical form"
+        assert layout is None, f"{where}: a whole unpacked model is already in the per-expert form"
         return
     assert layout is not None, where
     state = checkpoint.state_dict(model, optimizer)
@@ -315,7 +314,7 @@ def test_a_load_into_to_global_writes_in_place(kind: str, per_expert: bool, fsdp
     if fsdp:
         apply_fsdp(model, _mesh(4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, foreach=False)
-    layout = expert_layout(model, packed_form=() if per_expert else packed_layers(model))
+    layout = checkpoint.save_layout(model, per_expert=per_expert)  # what a load of that form presents
     assert layout is not None
     state = layout.to_global(checkpoint.state_dict(model, optimizer))
     dcp.load(state, checkpoint_id=str(path))

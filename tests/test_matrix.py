@@ -188,6 +188,28 @@ def test_end_cell_is_called_on_every_rank_after_every_cell_failed_or_not(pyteste
     assert ended == {0: 2, 1: 4, 2: 2, 3: 2}, ended
 
 
+END_CELL_RAISES = """
+import torch.distributed as dist
+from conformance.adapters.reference import ReferenceAdapter
+
+class EndRaises(ReferenceAdapter):
+    name = "end-raises"
+
+    def end_cell(self):
+        if dist.get_rank() == 2:
+            raise RuntimeError("deliberate failure in end_cell on rank 2")
+"""
+
+
+def test_an_end_cell_that_raises_after_green_checks_is_an_error_naming_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(end_raises=END_CELL_RAISES)
+    result = run(pytester, "--moe-ep-matrix=1", "--moe-ep-adapter=end_raises:EndRaises",
+                 "-k", "kind_unpacked and not optim and ep-only and not E6 and not legacy")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["error: *rank 2 raised AdapterError: the cell's checks ran, then end_cell() raised "
+                                 "RuntimeError: deliberate failure in end_cell on rank 2*"])
+
+
 def test_adapter_missing_a_method_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(no_load=MISSING_LOAD)
     result = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=no_load:NoLoad")

@@ -207,15 +207,33 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
             with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes keeps none
                 setattr(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
-        if members.end_cell:
-            with contextlib.suppress(Exception):  # the cell's own failure is the one to report
-                adapter.end_cell()
+        ended = _end_cell(adapter, members)
+        if ended is not None:  # the cell's own failure is the one to report; the end's is a problem beside it
+            with contextlib.suppress(AttributeError, TypeError):
+                fields = error_fields(exc)
+                fields["problems"] = [*fields.get("problems", []), {"check": "end_cell", "text": ended}]
+                setattr(exc, FIELDS_ATTR, fields)
         raise
+    else:
+        ended = _end_cell(adapter, members)
+        if ended is not None:  # an adapter error, classified as any other (the verdict's findings kept)
+            error = AdapterError(f"the cell's checks ran, then {ended}")
+            setattr(error, FIELDS_ATTR, {**failure_fields(error, adapter, verdict), "phase": "end_cell"})
+            raise error
+        return found
     finally:
         verdict.timings["total"] = time.perf_counter() - started
-    if members.end_cell:
+
+
+def _end_cell(adapter: Any, members: Members) -> str | None:
+    """The adapter's ``end_cell()`` when it has one; what it raised, in words (None when it did not)."""
+    if not members.end_cell:
+        return None
+    try:
         adapter.end_cell()
-    return found
+    except Exception as exc:
+        return f"end_cell() raised {type(exc).__name__}: {exc}"
+    return None
 
 
 def _member(exc: BaseException) -> str | None:
