@@ -90,3 +90,18 @@ def test_forward_results_and_layers_are_refused_with_what_was_expected() -> None
     with pytest.raises(AdapterError, match=r"layers \['layers.1'\] did not run"):
         forward_with_layers(lambda: model.layers[0](torch.zeros(1)), {"layers.1": model.layers[1]})
     assert not model.layers[0]._forward_hooks  # hooks removed after a failed run too
+
+
+def test_a_lower_precision_output_is_held_to_its_own_precision() -> None:
+    """bf16 outputs (Megatron's ``--bf16``): the tolerance is in units of the dtype's epsilon, so a split sum's rounding
+    passes while a wrong expert's output -- off by its own size -- does not; float32's rule is unchanged."""
+    from conformance.checks.truth import forward_rtol_atol
+
+    assert forward_rtol_atol(torch.float32) == (1e-5, 1e-6) and forward_rtol_atol(torch.float64) == (1e-5, 1e-6)
+    rtol, atol = forward_rtol_atol(torch.bfloat16)
+    assert rtol == atol == 8 * 2**-7  # ROUNDING_ULPS units of bf16's epsilon
+    want = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rounded = (want.double() * (1 + 2**-8)).bfloat16()  # an ulp of bf16 on every element
+    assert forward_problems({"output": rounded}, {"output": want}) == []
+    (line,) = forward_problems({"output": want.flip(0)}, {"output": want})  # another expert's output
+    assert f"rtol {rtol:g} x |expected| + atol {atol:g}" in line, line

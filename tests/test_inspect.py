@@ -447,6 +447,11 @@ def test_key_patterns_of_each_framework() -> None:
     opt = infos["optim.state.model.layers.3.mlp.experts.7.gate_proj.weight.exp_avg"]
     assert (opt.param, opt.stat) == ("model.layers.3.mlp.experts.7.gate_proj.weight", "exp_avg")
     assert infos["decoder.layers.3.mlp.experts.linear_fc1.weight7"].family.endswith("linear_fc1.weight*")
+    # Megatron's distributed optimizer, fully_reshardable format: the fp32 main parameter is the state ``param``
+    main = classify_keys(["optimizer.state.param.layers.0.mlp.experts.experts.linear_fc2.weight",
+                          "chained_1.optimizer.state.exp_avg.layers.0.mlp.experts.experts.linear_fc2.weight"])
+    assert [(i.kind, i.layer, i.param, i.stat) for i in main.values()] == [
+        ("packed", 0, "layers.0.mlp.experts.experts.linear_fc2.weight", stat) for stat in ("param", "exp_avg")]
     routers = classify_keys(["layers.0.moe.router.gate.weight", "layers.0.moe.deepspeed_moe.gate.wg.weight",
                              "model.layers.0.mlp.gate.weight", "layers.0.moe.router.weight",
                              "layers.0.moe.shared.gate.weight", "model.layers.0.mlp.gate_proj.weight"])

@@ -25,12 +25,11 @@ from typing import Any
 
 from conformance.adapter import FORWARD_OUTPUT, Built, NotApplicable
 from conformance.checks.truth import (
-    FORWARD_ATOL,
-    FORWARD_RTOL,
     SEED_A,
     Truth,
     batch_for,
     forward_outputs,
+    forward_rtol_atol,
     forward_tolerance,
 )
 from conformance.checks.values import Held, canonical, compare
@@ -90,6 +89,7 @@ def _outside(name: str, got: Any, want: Any) -> str:
     if got.shape != want.shape:
         return f"the forward{where} gives shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     tolerance = forward_tolerance(want).flatten()
+    rtol, atol = forward_rtol_atol(want.dtype)
     diff = (got.double() - want.double()).abs().flatten()
     outside = ~(diff <= tolerance)  # NaN is outside
     if not outside.any():
@@ -99,7 +99,7 @@ def _outside(name: str, got: Any, want: Any) -> str:
     expected, found = want.flatten()[worst].item(), got.flatten()[worst].item()
     return (f"the forward after the load differs from the ground truth's{where}: element {element} expected "
             f"{expected:.7g}, got {found:.7g} (|diff| {diff[worst].item():.3g}"
-            f" > tolerance {tolerance[worst].item():.3g} = rtol {FORWARD_RTOL:g} x |expected| + atol {FORWARD_ATOL:g}"
+            f" > tolerance {tolerance[worst].item():.3g} = rtol {rtol:g} x |expected| + atol {atol:g}"
             f" x max|expected| {want.double().abs().max().item():.3g}; {int(outside.sum())} of {outside.numel()} "
             "elements outside)")
 

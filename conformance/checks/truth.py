@@ -24,6 +24,7 @@ SEED_B = 5678
 #: ep=1 does): ``|got - want| <= FORWARD_RTOL * |want| + FORWARD_ATOL * max|want|`` elementwise.  Both terms scale
 #: with the tensor's own values, so an MoE layer's own output (``forward``'s named form) of ~1e-6 is held to its
 #: scale, not to that of the residual stream it is added to (see :func:`forward_tolerance`).
+#: Float32's; an output in a lower precision (bf16 parameters) is held to its own (:func:`forward_rtol_atol`).
 FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
 
 
@@ -65,12 +66,28 @@ def forward_outputs(result: Any, adapter: str) -> dict[str, Any]:
     return {name: t.detach().cpu().clone() for name, t in found.items()}
 
 
+def forward_rtol_atol(dtype: Any) -> tuple[float, float]:
+    """``(rtol, atol)`` for an output of ``dtype``: :data:`FORWARD_RTOL` and :data:`FORWARD_ATOL` for float32 and
+    wider; a coarser float gets both at ``ROUNDING_ULPS x eps(dtype)`` (bf16: 0.0625), the rounding rule of the
+    state checks (:mod:`conformance.rounding`): its partial sums (expert TP's, EP's) round to its own precision, and
+    a sum that cancels keeps few of its bits, while a wrong expert's output is off by its whole size."""
+    import torch
+
+    from conformance.rounding import ROUNDING_ULPS
+
+    if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
+        return FORWARD_RTOL, FORWARD_ATOL
+    coarse = ROUNDING_ULPS * torch.finfo(dtype).eps
+    return coarse, coarse
+
+
 def forward_tolerance(want: Any) -> Any:
-    """The elementwise tolerance :data:`FORWARD_RTOL` and :data:`FORWARD_ATOL` give ``want`` (float64): the one rule of
-    the forward check."""
+    """The elementwise tolerance :func:`forward_rtol_atol` gives ``want`` (float64): the one rule of the forward
+    check."""
+    rtol, atol = forward_rtol_atol(want.dtype)
     want = want.double().abs()
     scale = want.max() if want.numel() else want.new_zeros(())
-    return FORWARD_RTOL * want + FORWARD_ATOL * scale
+    return rtol * want + atol * scale
 
 
 _TRUTHS: dict[tuple[Any, ...], Truth] = {}

@@ -79,8 +79,9 @@ SHARED = re.compile(r"(?:^|\.)shared_?experts?(?:\.|$)", re.IGNORECASE)
 ROUTER = re.compile(r"(?:^|\.)(?:\w*moe|mlp|feed_forward)\.(?:router(?:\.gate)?|gate(?:\.wg)?)\.weight$")
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(?P<layer>\d+)(?:\.|$)")
 OPTIMIZER = re.compile(r"^(?:optimizer|optim|optimizers)(?:\.\d+)?\.state\.(?P<param>.+)\.(?P<stat>[A-Za-z_]\w*)$")
-#: Megatron-Core's dist-checkpointing form names the state first: ``[chained_N.]optimizer.state.<stat>.<param>``.
-STAT_FIRST = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|"
+#: Megatron-Core's dist-checkpointing form names the state first: ``[chained_N.]optimizer.state.<stat>.<param>``
+#: (its distributed optimizer's ``fully_reshardable`` format calls the fp32 main parameter ``param``).
+STAT_FIRST = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|param|"
                         r"momentum_buffer|max_exp_avg_sq)\.(?P<param>.+)$")
 
 
