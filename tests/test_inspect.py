@@ -479,3 +479,18 @@ def test_in_memory_index_and_no_expert_keys() -> None:
     result = inspect_index(index_state_dict(routers_only))
     assert [f.problem for f in result.findings] == ["no_expert_keys"] and result.moe_layers == (0, 1)
     assert "layer(s) 0..1 have a router: their experts are missing" in result.findings[0].message
+
+
+def test_saved_objects_that_nest_tensors_compare_by_structure_and_values() -> None:
+    """A non-tensor entry holding tensors (Megatron's ``dp_zero_gather_scatter`` param state) equals an identical
+    one: ``==`` on such a dict raises on the tensors' truth value, which once read as "differs"."""
+    import copy
+
+    from conformance.inspection.compare import _same_value
+
+    saved = [{"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): {"param": torch.arange(4.0)}}}]
+    assert _same_value(saved, copy.deepcopy(saved))
+    other = copy.deepcopy(saved)
+    other[0][0][(torch.bfloat16, torch.float32)]["param"][1] = 9.0
+    assert not _same_value(saved, other)
+    assert not _same_value(saved, [{**saved[0], "extra": 1}]) and not _same_value((1, 2), [1, 2])

@@ -36,6 +36,14 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter",
                                       requires="deepspeed"),
     "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter", requires="megatron.core"),
+    "megatron-distopt": Builtin("conformance.adapters.megatron_distopt:MegatronDistOptAdapter",
+                                requires="megatron.core"),
+    "megatron-distopt-fully_reshardable": Builtin(
+        "conformance.adapters.megatron_distopt:MegatronDistOptFullyReshardableAdapter", requires="megatron.core"),
+    "megatron-distopt-fully_sharded_model_space": Builtin(
+        "conformance.adapters.megatron_distopt:MegatronDistOptFullyShardedModelSpaceAdapter", requires="megatron.core"),
+    "megatron-distopt-dp_zero_gather_scatter": Builtin(
+        "conformance.adapters.megatron_distopt:MegatronDistOptDpZeroAdapter", requires="megatron.core"),
     "transformers": Builtin("conformance.adapters.transformers_ep:TransformersAdapter",
                             requires="transformers.distributed.expert_parallel"),
     "olmo_core": Builtin("conformance.adapters.olmo_core:OlmoCoreAdapter", requires="olmo_core"),

@@ -77,7 +77,9 @@ def _model_class() -> type:
     return MegatronMoEStack
 
 
-def _config(spec: Spec, ep: int, etp: int = 1) -> Any:
+def _config(spec: Spec, ep: int, etp: int = 1, *, bf16: bool = False) -> Any:
+    """Megatron's ``TransformerConfig`` for ``spec``; ``bf16``: bf16 parameters (Megatron's ``--bf16``), else
+    ``spec.dtype``."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -90,16 +92,17 @@ def _config(spec: Spec, ep: int, etp: int = 1) -> Any:
         moe_router_topk=min(spec.top_k, spec.num_experts), gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, moe_shared_expert_intermediate_size=spec.hidden if spec.shared_expert else None,
         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        use_cpu_initialization=True, params_dtype=getattr(torch, spec.dtype), bf16=False, fp16=False)
+        use_cpu_initialization=True, params_dtype=torch.bfloat16 if bf16 else getattr(torch, spec.dtype), bf16=bf16,
+        fp16=False)
 
 
-def _build_model(spec: Spec, ep: int, view: Any, etp_mesh: Any = None) -> Any:
+def _build_model(spec: Spec, ep: int, view: Any, etp_mesh: Any = None, *, bf16: bool = False) -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
     packed = spec.kind == "packed"
-    config = _config(spec, ep, 1 if etp_mesh is None else etp_mesh.size())
+    config = _config(spec, ep, 1 if etp_mesh is None else etp_mesh.size(), bf16=bf16)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=packed,
                                           moe_use_legacy_grouped_gemm=packed).submodules.mlp
     with megatron_on_cpu():
@@ -315,7 +318,7 @@ class MegatronAdapter:
             raise NotApplicable(GROUPED_MLP_NOT_RUN)
 
         def run() -> Any:
-            hidden = batch.unsqueeze(1)  # Megatron's [sequence, micro-batch, hidden]
+            hidden = batch.to(layers[0].router.weight.dtype).unsqueeze(1)  # [sequence, micro-batch, hidden]
             for moe in layers:
                 hidden = moe(hidden)[0]
             return hidden.squeeze(1)

@@ -48,7 +48,7 @@ from typing import Any
 
 #: ProcessGroupCollection fields the layers and the optimizer read (the ground truth's one-rank view).
 _PG_FIELDS = ("ep", "tp", "cp", "pp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "mp",
-              "tp_ep_pp")
+              "tp_ep_pp", "intra_dist_opt")
 #: the process groups this process's current Megatron set-up created (None: no set-up).
 _CREATED: set[Any] | None = None
 
@@ -122,11 +122,19 @@ class _OneRankTorch:
 _ABSENT = object()
 
 
+def _own(owner: Any, name: str) -> Any:
+    """``owner.name`` as ``owner`` itself holds it; :data:`_ABSENT` for a class attribute it only inherits (restored
+    by deleting, so the base class's stays the one found)."""
+    if isinstance(owner, type):
+        return vars(owner).get(name, _ABSENT)
+    return getattr(owner, name, _ABSENT)
+
+
 @contextlib.contextmanager
 def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Set module attributes for the duration of the block; restore them on exit, also on error (an attribute the
     module did not have is deleted again)."""
-    saved = [(module, name, getattr(module, name, _ABSENT)) for module, name, _ in patches]
+    saved = [(module, name, _own(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
             setattr(module, name, value)
@@ -204,9 +212,10 @@ def _live_groups() -> set[Any]:
     return set(_world.pg_map)
 
 
-def set_up(ep: int, etp: int = 1) -> None:
+def set_up(ep: int, etp: int = 1, *, gloo_groups: bool = False) -> None:
     """Megatron's parallel state at EP degree ``ep`` and expert-TP degree ``etp`` over the world's default group (a
-    collective)."""
+    collective); ``gloo_groups``: also Megatron's gloo copies of the data-parallel groups, which only the distributed
+    optimizer's gather/scatter formats use."""
     global _CREATED
     from megatron.core import parallel_state
 
@@ -214,7 +223,7 @@ def set_up(ep: int, etp: int = 1) -> None:
     before = _live_groups()
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                                 create_gloo_process_groups=False)
+                                                 create_gloo_process_groups=gloo_groups)
     finally:
         _CREATED = _live_groups() - before
 
@@ -233,13 +242,32 @@ def tear_down() -> None:
     _CREATED = None
 
 
-def one_rank_view() -> Any:
-    """A ``ProcessGroupCollection`` whose every group is a private single-rank gloo group (ground truth)."""
+_ONE_RANK_GROUP: Any = None
+
+
+def _one_rank_group() -> Any:
+    """This rank alone as a c10d-registered gloo group: made by this rank only (``use_local_synchronization``), once
+    per world, and never in a collective with another rank."""
+    global _ONE_RANK_GROUP
+    import torch.distributed as dist
+
+    if _ONE_RANK_GROUP is None or _ONE_RANK_GROUP not in _live_groups():
+        _ONE_RANK_GROUP = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+    return _ONE_RANK_GROUP
+
+
+def one_rank_view(*, registered: bool = False) -> Any:
+    """A ``ProcessGroupCollection`` whose every group is one single-rank gloo group (ground truth).
+
+    By default a private ``ProcessGroupGloo`` (never registered with c10d).  ``registered=True`` gives a registered
+    one instead (:func:`_one_rank_group`): Megatron's ``DistributedDataParallel`` reduces gradients through c10d's
+    coalescing manager, which needs a ``ProcessGroup`` (the private backend lacks
+    ``reduce_scatter_single_coalesced``)."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # torch's stub omits the default of ProcessGroupGloo's timeout (30 minutes), which the binding has
-    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # type: ignore[call-arg]
+    group = _one_rank_group() if registered else dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # type: ignore[call-arg]
     view = ProcessGroupCollection()
     for name in _PG_FIELDS:
         setattr(view, name, group)

@@ -309,13 +309,22 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """Equal non-tensor entries, compared through containers: a saved object that nests tensors (Megatron's
+    ``dp_zero_gather_scatter`` param state: dicts of buffers) is equal when its structure and every tensor are --
+    ``==`` on such a dict asks a tensor for its truth value and raises."""
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
             torch.equal(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
     try:
-        return bool(a == b) and type(a) is type(b)
+        return bool(a == b)
     except Exception:
         return False
 
