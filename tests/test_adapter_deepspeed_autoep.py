@@ -10,6 +10,12 @@ in a pytester subprocess; the outcome is asserted *as found*, cell by cell (all 
   first optimizer step raises (AutoEP experts have no Adam fragments yet) -- loud;
 * ZeRO-2 (``DeepSpeedAutoEPZero2Adapter``), model+optimizer ep1->ep2 (universal) and ep2->ep2
   (native): both pass;
+* bf16 (``DeepSpeedAutoEPBf16Adapter``, ``"bf16": {"enabled": true}``: bf16 weights, fp32 masters and moments),
+  ZeRO-1, loads at ep=1 from ep=1 and ep=2: model+optimizer passes bit for bit at both, through
+  ``ds_to_universal`` from ep=2 -- bf16 weights, fp32 masters (``<name>.master``) and moments; the model-only save
+  at 2 is refused by the conversion as in fp32; ZeRO-2 bf16 (slow) as its fp32 counterpart; with
+  ``grad_accum_dtype: fp32`` (``BF16_Optimizer``, slow) the step after a universal load 2->1 raises DeepSpeed's
+  "expert parallel group is not initialized" (refused) while the native load 2->2 passes;
 * the negative control (``DeepSpeedAutoEPNoConversionAdapter``: ``load_checkpoint`` at another EP
   without the conversion), ep4->ep2: model-only passes, model+optimizer fails -- DeepSpeed silently
   gives experts the fp32 masters and Adam moments of the saved layout ("holds expert 1's values
@@ -104,3 +110,75 @@ def test_load_without_conversion_is_silently_wrong_and_caught(pytester: pytest.P
     assert detail.split(": ", 1)[-1].startswith("first difference: rank 0, layer 0, expert 0, tensor 'w2.exp_avg': "
                                                 "values differ"), detail
     assert "other difference(s), on rank(s) 0, 1, 2, 3" in detail, detail
+
+
+def _views_per_rank(state: str, layers: int = 2, experts: int = 4, dense_per_layer: int = 3) -> int:
+    """The canonical tensors one rank compares at ep=1 (every expert local) on the matrix's default model: per
+    parameter its weight and ``.master`` (plus two Adam moments with the optimizer), and the two groups' step
+    counts.  DeepSpeed AutoEP's model: per layer 3 packed expert weights per expert and 3 dense parameters (the
+    LayerNorm's weight and bias, the router)."""
+    views = 4 if state == "model+optim" else 2
+    return layers * (experts * 3 + dense_per_layer) * views + (2 if state == "model+optim" else 0)
+
+
+def test_bf16_zero1_universal_load_compares_masters(pytester: pytest.Pytester) -> None:
+    """Held against ``ci/expectations/deepspeed-autoep-bf16.toml``: under bf16 the universal load 2->1 and the
+    native load 1->1 pass bit for bit against the bf16-aware ep=1 truth, and the model-only conversion is refused
+    as in fp32.  The fp32 masters are compared: a passing cell's count holds them (4 views per parameter with the
+    optimizer, 2 without; 3 and 1 without masters)."""
+    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed-autoep-bf16",
+                             "-k", "not unpacked and not fsdp and not E6 and not legacy and load_ep1 and "
+                                   "(save_ep1 or save_ep2)",
+                             *expectations_args("deepspeed-autoep-bf16"))
+    assert doc["adapter"]["version"] == "0.19.8", doc["adapter"]
+    assert_as_expected(result, doc)
+    cells, statuses, _ = by_status(doc)
+    passing = {ID.format(state="model+optim", s=2, t=1), ID.format(state="model+optim", s=1, t=1),
+               ID.format(state="model", s=1, t=1)}
+    unconvertible = ID.format(state="model", s=2, t=1)
+    assert set(cells) == passing | {unconvertible}, sorted(cells)
+    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in cells}
+    for cell_id in passing:
+        detail = cells[cell_id]["detail"]
+        assert BIT_FOR_BIT in detail, detail
+        assert ("resume" in detail) == (cells[cell_id]["state"] == "model+optim"), detail
+        compared = 4 * _views_per_rank(cells[cell_id]["state"])  # 4 ranks, each with every expert at ep=1
+        assert detail.startswith(f"{compared} tensors on 4 ranks "), detail
+    assert cells[unconvertible]["finding"] == "refused", cells[unconvertible]
+    assert NO_STEP_CONVERSION in cells[unconvertible]["detail"], cells[unconvertible]["detail"]
+
+
+@pytest.mark.slow
+def test_bf16_zero2_universal_and_native_loads(pytester: pytest.Pytester) -> None:
+    """``DeepSpeedAutoEPZero2Bf16Adapter`` as its fp32 counterpart: model+optimizer 1->2 (universal), 2->2 pass."""
+    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed-autoep-zero2-bf16",
+                             "-k", "not unpacked and not fsdp and not E6 and not legacy and model+optim and "
+                                   "load_ep2 and (save_ep1 or save_ep2)",
+                             *expectations_args("deepspeed-autoep-zero2-bf16"))
+    assert_as_expected(result, doc)
+    cells, statuses, _ = by_status(doc)
+    passing = {ID.format(state="model+optim", s=1, t=2), ID.format(state="model+optim", s=2, t=2)}
+    assert set(cells) == passing and statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in cells}
+    for cell_id in passing:
+        assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
+
+
+@pytest.mark.slow
+def test_bf16_optimizer_step_after_universal_load_is_refused(pytester: pytest.Pytester) -> None:
+    """``deepspeed-autoep-bf16-fp32accum`` (ZeRO-1, ``BF16_Optimizer``): the universal load 2->1 is right, but the
+    next step looks up the stale expert group name the load copied from the checkpoint -- refused, as found."""
+    result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed-autoep-bf16-fp32accum",
+                             "-k", "not unpacked and not fsdp and not E6 and not legacy and model+optim and "
+                                   "save_ep2 and (load_ep1 or load_ep2)",
+                             *expectations_args("deepspeed-autoep-bf16-fp32accum"))
+    assert_as_expected(result, doc)
+    cells, statuses, _ = by_status(doc)
+    native, universal = ID.format(state="model+optim", s=2, t=2), ID.format(state="model+optim", s=2, t=1)
+    assert statuses.get("pass", set()) == {native}, {i: cells[i]["detail"] for i in cells}
+    assert statuses.get("error", set()) == {universal}, {i: cells[i]["detail"] for i in cells}
+    assert BIT_FOR_BIT in cells[native]["detail"], cells[native]
+    cell = cells[universal]
+    assert cell["finding"] == "refused", cell
+    assert "AssertionError: expert parallel group is not initialized" in cell["detail"], cell["detail"]
+    assert {(p["check"], p["raised_at"]) for p in cell["problems"]} == {
+        ("step", "deepspeed/utils/groups.py:687 in _get_expert_parallel_group")}, cell["problems"]

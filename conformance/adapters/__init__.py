@@ -35,6 +35,12 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter", requires="deepspeed"),
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter",
                                       requires="deepspeed"),
+    "deepspeed-autoep-bf16": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPBf16Adapter",
+                                     requires="deepspeed"),
+    "deepspeed-autoep-zero2-bf16": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Bf16Adapter",
+                                           requires="deepspeed"),
+    "deepspeed-autoep-bf16-fp32accum": Builtin(
+        "conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPBf16Fp32AccumAdapter", requires="deepspeed"),
     "megatron": Builtin("conformance.adapters.megatron:MegatronAdapter", requires="megatron.core"),
     "megatron-distopt": Builtin("conformance.adapters.megatron_distopt:MegatronDistOptAdapter",
                                 requires="megatron.core"),

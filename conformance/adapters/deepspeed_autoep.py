@@ -6,7 +6,10 @@ through ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "au
 "preset_model": "mixtral", "use_grouped_mm": false}`` (consecutive EP groups; ``Spec.layout``'s
 ``ep_order="strided"`` is ``use_data_before_expert_parallelism``), ZeRO-1 (``deepspeed-autoep``;
 ``deepspeed-autoep-noconvert`` loads without the conversion) or ZeRO-2 (``deepspeed-autoep-zero2``),
-fp32, ``torch_adam`` AdamW.  ``engine.save_checkpoint``; ``engine.load_checkpoint`` at the saved EP
+fp32, ``torch_adam`` AdamW; ``deepspeed-autoep-bf16`` / ``deepspeed-autoep-zero2-bf16`` are the same under
+``"bf16": {"enabled": true}`` (bf16 parameters, fp32 masters and moments; :class:`DeepSpeedAutoEPBf16Adapter`), and
+``deepspeed-autoep-bf16-fp32accum`` adds ``grad_accum_dtype: fp32`` (DeepSpeed's ``BF16_Optimizer`` at ZeRO-1).
+``engine.save_checkpoint``; ``engine.load_checkpoint`` at the saved EP
 degree, else ``ds_to_universal`` then ``"load_universal": true`` (``_deepspeed_universal``).  Experts,
 fp32 masters and moments are read with ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``.
 The ground truth is AutoEP's conversion at ep=1 without an engine, stepped by ``torch.optim.AdamW``.
@@ -193,8 +196,13 @@ def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Itera
         yield p, synthetic_grad(seed, step, layer, None, name, p.shape)
 
 
-def _truth(spec: Spec, seed: int) -> tuple[Any, Any]:
-    """AutoEP at ep=1 on this rank alone, stepped by the optimizer the engine would make."""
+def _truth(spec: Spec, seed: int, bf16: bool = False) -> tuple[Any, Any]:
+    """AutoEP at ep=1 on this rank alone, stepped by the optimizer the engine would make.
+
+    With ``bf16`` the model's parameters are the engine's fp32 *masters*, rounded where DeepSpeed rounds: they start
+    at ``bf16(w0)`` (the engine casts the module to bf16 before it makes its fp32 partitions from it) and are stepped
+    with gradients rounded to bf16 (autograd's gradient of a bf16 parameter); the bf16 parameter is then
+    ``bf16(master)`` (:func:`_views`), as ``DeepSpeedZeroOptimizer.step`` copies it."""
     import torch
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
@@ -203,16 +211,25 @@ def _truth(spec: Spec, seed: int) -> tuple[Any, Any]:
     model = _source_model(spec, seed)
     auto_ep = AutoEP(model, parse_autoep_config(_autoep_section(1)))
     auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
+    if bf16:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
     if spec.optimizer_steps <= 0:
         return model, None
     optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=spec.lr,
                                   weight_decay=WEIGHT_DECAY)
     for step in range(spec.optimizer_steps):
-        for p, grad in _gradients(model, seed, step):
-            p.grad = grad
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _truth_step(model, optimizer, seed, step, bf16)
     return model, optimizer
+
+
+def _truth_step(model: Any, optimizer: Any, seed: int, step: int, bf16: bool) -> None:
+    """One ``torch.optim.AdamW`` step of the ground truth (gradients rounded to bf16 under ``bf16``)."""
+    for p, grad in _gradients(model, seed, step):
+        p.grad = grad.bfloat16().float() if bf16 else grad
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _relink_optimizer_states(optimizer: Any) -> None:
@@ -228,6 +245,10 @@ class DeepSpeedAutoEPAdapter:
 
     name = "deepspeed-autoep"
     zero_stage = 1
+    #: ``"bf16": {"enabled": true}``: bf16 parameters, fp32 masters (:class:`DeepSpeedAutoEPBf16Adapter`).
+    bf16 = False
+    #: ``"data_types": {"grad_accum_dtype": ...}`` when set (:class:`DeepSpeedAutoEPBf16Fp32AccumAdapter`).
+    grad_accum_dtype: str | None = None
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
                                 format="deepspeed", ep_orders=("consecutive", "strided"))
     #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR), not in each
@@ -249,10 +270,11 @@ class DeepSpeedAutoEPAdapter:
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         if spec.kind != "packed" or spec.fsdp or spec.dtype != "float32" or spec.activation != "swiglu":
             raise ValueError(f"this adapter drives DeepSpeed AutoEP's mixtral preset (packed SwiGLU experts), "
-                             f"fp32, ZeRO-{self.zero_stage}; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
+                             f"{'bf16 with fp32 masters (dtype float32)' if self.bf16 else 'fp32'}, "
+                             f"ZeRO-{self.zero_stage}; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
                              f"dtype={spec.dtype!r}, activation={spec.activation!r}")
         if mesh is None:
-            return _truth(spec, seed)
+            return _truth(spec, seed, self.bf16)
         if mesh.device_type != "cpu":
             raise ValueError(f"deepspeed-autoep runs DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) on a gloo "
                              f"world; this world's mesh is on {mesh.device_type!r} (run with --moe-ep-backend=gloo)")
@@ -273,6 +295,10 @@ class DeepSpeedAutoEPAdapter:
             "gradient_clipping": 0.0,
             "steps_per_print": 1 << 30,
         }
+        if self.bf16:  # DeepSpeed's default bf16 path: grad-accum dtype bf16, so DeepSpeedZeroOptimizer at stage 1 too
+            config["bf16"] = {"enabled": True}
+        if self.grad_accum_dtype is not None:
+            config["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}
         engine, optimizer, _, _ = deepspeed().initialize(model=_source_model(spec, seed), config=config)
         for step in range(spec.optimizer_steps):
             self.step(engine, optimizer, seed, step)
@@ -291,10 +317,7 @@ class DeepSpeedAutoEPAdapter:
         import torch
 
         if not hasattr(model, "backward"):  # the ground truth's plain model
-            for p, grad in _gradients(model, seed, step):
-                p.grad = grad
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _truth_step(model, optimizer, seed, step, self.bf16)
             return
         loss = torch.zeros((), dtype=torch.float32)
         for p, grad in _gradients(model, seed, step, expert_scale=_moe_layers(model)[0].ep_size):
@@ -307,12 +330,27 @@ class DeepSpeedAutoEPAdapter:
         AutoEP's router, its ``_AllToAllV`` dispatch over the EP group at ep > 1, its experts and combine.
 
         In the named form, each AutoEP layer's own output too: behind the residual stream a layer's part is below
-        the stream's rounding (as on the native adapter's model)."""
+        the stream's rounding (as on the native adapter's model).
+
+        Under bf16 the batch is cast to the parameters' dtype (DeepSpeed does not autocast: an fp32 batch meets bf16
+        LayerNorm weights and torch raises "mixed dtype"); the truth, whose parameters are the fp32 masters, runs
+        with them cast to bf16 for the forward (params only, as the engine casts them) and restored after it."""
         import torch
 
         layers = {f"model.layers.{i}.mlp": moe for i, moe in enumerate(_moe_layers(model))}
-        with torch.no_grad():
-            return forward_with_layers(lambda: model(batch.unsqueeze(0)).squeeze(0), layers)
+        truth_bf16 = self.bf16 and not hasattr(model, "module")
+        params = list(_module(model).parameters())
+        masters = [p.data for p in params] if truth_bf16 else []
+        try:
+            if truth_bf16:
+                for p in params:
+                    p.data = p.data.bfloat16()
+            batch = batch.to(params[0].dtype)
+            with torch.no_grad():
+                return forward_with_layers(lambda: model(batch.unsqueeze(0)).squeeze(0), layers)
+        finally:
+            for p, master in zip(params, masters, strict=False):  # masters is empty unless truth_bf16
+                p.data = master
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -354,14 +392,14 @@ class DeepSpeedAutoEPAdapter:
             ids = _expert_ids(moe)
             for name in EXPERT_WEIGHTS:
                 p = getattr(moe.experts, name)
-                for short, full in _views(name, p, optimizer, engine):
+                for short, full in _views(name, p, optimizer, engine, self.bf16):
                     for i, g in enumerate(ids):
                         yield layer, g, short, full[i]
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         engine = hasattr(model, "module")
         for layer, name, p in _dense_params(model):
-            for short, full in _views(name, p, optimizer, engine):
+            for short, full in _views(name, p, optimizer, engine, self.bf16):
                 yield layer, None, short, full
         for kind, value in _steps(optimizer).items():
             yield None, None, f"optimizer.step[{kind}]", value
@@ -383,6 +421,46 @@ class DeepSpeedAutoEPZero2Adapter(DeepSpeedAutoEPAdapter):
     zero_stage = 2
 
 
+class DeepSpeedAutoEPBf16Adapter(DeepSpeedAutoEPAdapter):
+    """AutoEP under ZeRO stage 1 in bf16: ``"bf16": {"enabled": true}``, DeepSpeed's default bf16 path.
+
+    The bf16 parameters are this adapter's production precision: the engine casts the module's parameters to bf16
+    (``DeepSpeedEngine._configure_distributed_model``) and ``DeepSpeedZeroOptimizer`` keeps fp32 partitions of them
+    (its masters, ``single_partition_of_fp32_groups``) with fp32 Adam moments; each step copies the stepped fp32
+    partition back into the bf16 one.  ``spec.dtype == "float32"`` keeps naming the fp32 masters (as on
+    ``megatron-distopt``).  The canonical views hold the bf16 weight under the weight's name, the fp32 master as
+    ``<name>.master`` and the fp32 moments.  The grad-accum dtype is left at its default (the model's, bf16), which
+    gives ``DeepSpeedZeroOptimizer`` at stage 1 too; ``"data_types": {"grad_accum_dtype": "fp32"}`` would give
+    ``BF16_Optimizer`` instead (docs/frameworks/deepspeed.md).
+
+    The ground truth is the same computation at ep=1 without an engine: fp32 masters from ``bf16(w0)``, gradients
+    rounded to bf16, ``torch.optim.AdamW`` in fp32, bf16 weights cast from the masters (:func:`_truth`).  The
+    forward casts the batch to bf16 (:meth:`DeepSpeedAutoEPAdapter.forward`)."""
+
+    name = "deepspeed-autoep-bf16"
+    bf16 = True
+
+
+class DeepSpeedAutoEPZero2Bf16Adapter(DeepSpeedAutoEPBf16Adapter):
+    """:class:`DeepSpeedAutoEPBf16Adapter` under ZeRO stage 2 (``DeepSpeedZeroOptimizer`` with gradients
+    partitioned too)."""
+
+    name = "deepspeed-autoep-zero2-bf16"
+    zero_stage = 2
+
+
+class DeepSpeedAutoEPBf16Fp32AccumAdapter(DeepSpeedAutoEPBf16Adapter):
+    """:class:`DeepSpeedAutoEPBf16Adapter` with ``"data_types": {"grad_accum_dtype": "fp32"}``: at ZeRO stage 1
+    DeepSpeed then wraps the optimizer in ``BF16_Optimizer`` (``runtime/bf16_optimizer.py``; fp32 gradient
+    accumulation, fp32 masters in ``fp32_groups_flat_partition``) instead of ``DeepSpeedZeroOptimizer``
+    (``DeepSpeedEngine._do_optimizer_sanity_check``).  Same views, truth and steps as the bf16 adapter: the
+    gradients are still bf16 when autograd makes them, so fp32 accumulation of one micro-batch changes no value."""
+
+    name = "deepspeed-autoep-bf16-fp32accum"
+    grad_accum_dtype = "fp32"
+    preload = (*DeepSpeedAutoEPAdapter.preload, "deepspeed.runtime.bf16_optimizer")
+
+
 class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
     """AutoEP under ZeRO-1 loaded the way a user who skips the conversion does: ``load_checkpoint`` at
     every EP degree.  DeepSpeed 0.19.8 neither refuses nor converts: at another degree the module's
@@ -400,11 +478,13 @@ class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
 
 
 # -- helpers of the canonical views ----------------------------------------------------------------
-def _views(name: str, p: Any, optimizer: Any, engine: bool) -> Iterator[tuple[str, Any]]:
-    """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments."""
+def _views(name: str, p: Any, optimizer: Any, engine: bool, bf16: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments.  The ground truth's
+    parameter is the master; under ``bf16`` its module parameter is the master cast to bf16 (what
+    ``DeepSpeedZeroOptimizer.step`` copies into the engine's bf16 partition)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    yield name, p.detach()
+    yield name, p.detach().bfloat16() if bf16 and not engine else p.detach()
     yield f"{name}.master", safe_get_full_fp32_param(p) if engine else p.detach()
     if optimizer is None:
         return
