@@ -15,6 +15,7 @@ from typing import Any
 from conformance.adapter import FORWARD_OUTPUT, AdapterError, NotApplicable, Spec, built
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
+from conformance.rounding import ROUNDING_ULPS
 from conformance.scalars import all_scalars
 from conformance.synthetic import synthetic_batch
 
@@ -72,8 +73,6 @@ def forward_rtol_atol(dtype: Any) -> tuple[float, float]:
     state checks (:mod:`conformance.rounding`): its partial sums (expert TP's, EP's) round to its own precision, and
     a sum that cancels keeps few of its bits, while a wrong expert's output is off by its whole size."""
     import torch
-
-    from conformance.rounding import ROUNDING_ULPS
 
     if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
         return FORWARD_RTOL, FORWARD_ATOL
