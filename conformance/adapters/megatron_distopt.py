@@ -2,10 +2,11 @@
 
 What Megatron MoE users run at scale, where the ``megatron`` adapter drives the ``FP32Optimizer`` path: the
 model wrapped in Megatron's own ``DistributedDataParallel`` (grad buffers, gradients reduce-scattered over the
-data-parallel group -- dense parameters over all of it, experts over the expert-data-parallel group), and
-``get_megatron_optimizer(use_distributed_optimizer=True)``: a ``DistributedOptimizer`` (ZeRO-1) per parameter
-kind, in **bf16 with fp32 main parameters** (Megatron's ``--bf16``, ``grad_reduce_in_fp32``), each rank holding a
-flat shard of every main parameter and moment.  The layers, EP and expert-TP set-up, synthetic weights and the
+data-parallel group; at ep > 1 the experts' over the expert-data-parallel group -- at ep=1 Megatron treats them as
+dense), and ``get_megatron_optimizer(use_distributed_optimizer=True)``: a ``DistributedOptimizer`` (ZeRO-1), one
+for the dense and one for the expert parameters at ep > 1, a single one at ep=1, in **bf16 with fp32 main
+parameters** (Megatron's ``--bf16``, ``grad_reduce_in_fp32``), each rank holding a flat shard of every main
+parameter and moment.  The layers, EP and expert-TP set-up, synthetic weights and the
 forward are the ``megatron`` adapter's (:mod:`conformance.adapters.megatron`).
 
 Each adapter saves the optimizer in one of the dist-checkpoint formats megatron-core 0.16.0 offers
@@ -19,8 +20,8 @@ Each adapter saves the optimizer in one of the dist-checkpoint formats megatron-
   and moments in model space, sharded as the model's keys are;
 * ``megatron-distopt-fully_sharded_model_space``: the method's own default when no format is passed (the
   trainer's ``--dist-ckpt-save-pre-mcore-014``);
-* ``megatron-distopt-dp_zero_gather_scatter``: the deprecated format, the whole state gathered to DP rank 0 over
-  Megatron's gloo groups.
+* ``megatron-distopt-dp_zero_gather_scatter``: the deprecated format, the whole state gathered to DP rank 0 at the
+  save (over the data-parallel group) and scattered from it at the load (over Megatron's gloo copy of that group).
 
 The canonical views: every expert's (and dense) bf16 weight under the ``megatron`` adapter's names, its fp32
 main parameter as ``<name>.master`` and its Adam moments as ``<name>.exp_avg`` / ``.exp_avg_sq``, each gathered
@@ -28,9 +29,9 @@ whole from the optimizer's data-parallel shards (a collective over that group), 
 a local name while the bf16 copy is global is compared per (layer, expert).
 
 Gradients: Megatron's DDP scales every gradient by ``1 / dp`` before it sums it over its group (dense: all data
-parallel ranks; experts: the expert-data-parallel ones).  The adapter writes ``dp x synthetic_grad`` into the
-``main_grad`` of the first rank of that group and zeros elsewhere, so Megatron's own reduce-scatter ends at
-``synthetic_grad`` exactly (a power-of-two scale and sums with zeros), as at ep=1.
+parallel ranks; experts at ep > 1: the expert-data-parallel ones).  The adapter writes ``dp x synthetic_grad`` into
+the ``main_grad`` of the first rank of that group and zeros elsewhere, so Megatron's own reduce-scatter ends at
+``synthetic_grad`` exactly -- for a power-of-two ``dp`` (every world here), which :func:`_set_main_grads` checks.
 
 Workarounds beyond the ``megatron`` adapter's (each scoped to the adapter's call, restored afterwards; the
 source lines are in docs/frameworks/megatron-distributed-optimizer.md):
@@ -43,10 +44,12 @@ source lines are in docs/frameworks/megatron-distributed-optimizer.md):
 * ``DistributedOptimizer.get_parameter_state_dp_zero`` (the save of ``fully_reshardable`` and
   ``dp_zero_gather_scatter``): receive buffers on ``torch.cuda.current_device()`` and ``send_tensor.cuda()``: the
   CPU, and ``Tensor.cuda`` returns the tensor itself while the save runs;
-* ``DistributedOptimizer._set_main_param_and_optimizer_states`` (every loader but ``dp_reshardable``'s) copies each
-  state key the destination holds, and torch's AdamW holds ``step``, which those loaders drop (a ``KeyError``
-  in megatron-core 0.16.0 without Transformer Engine): a missing ``step`` keeps the destination's own, which
-  ``load_state_dict`` has already set from the saved param groups;
+* not a CPU matter but a Megatron bug the adapter looks past, a finding of its own (docs/frameworks/megatron.md):
+  ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies each state key the destination holds, and
+  torch's AdamW (megatron-core without Transformer Engine or Apex) holds ``step``, which the ``fully_reshardable``,
+  ``dp_zero_gather_scatter`` and ``fully_sharded_model_space`` loaders drop: every load in those formats raises
+  ``KeyError: 'step'``.  A missing ``step`` keeps the destination's own, which ``load_state_dict`` has already set
+  from the saved param groups (as a fused Adam's state, which has no ``step``, would), so the checks see the rest;
 * the ground truth's DDP needs a c10d-registered one-rank group (:func:`megatron_cpu.one_rank_view`).
 
 What the matrix finds: docs/frameworks/megatron.md.
@@ -55,7 +58,7 @@ What the matrix finds: docs/frameworks/megatron.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from conformance.adapter import ADAM_MOMENTS, Spec
@@ -81,11 +84,6 @@ from conformance.adapters.megatron_cpu import (
 )
 from conformance.synthetic import synthetic_grad
 
-#: the optimizer formats the adapters save in, by adapter name (docs/frameworks/megatron-distributed-optimizer.md).
-FORMATS = {"megatron-distopt": "dp_reshardable",
-           "megatron-distopt-fully_reshardable": "fully_reshardable",
-           "megatron-distopt-fully_sharded_model_space": "fully_sharded_model_space",
-           "megatron-distopt-dp_zero_gather_scatter": "dp_zero_gather_scatter"}
 #: what the distributed optimizer keeps per main-parameter shard, and the name each has in the canonical views.
 _STATE_NAMES = {"param": "master", **{m: m for m in ADAM_MOMENTS}}
 
@@ -97,17 +95,19 @@ def _bf16_as_cuda(params: list[Any]) -> Iterator[None]:
     only CUDA tensor types); ``type()`` with arguments is torch's."""
     import torch
 
-    for p in params:
-        name = torch.Tensor.type(p).replace("torch.", "torch.cuda.", 1)
-        p.type = lambda *a, _p=p, _n=name, **k: _n if not a and not k else torch.Tensor.type(_p, *a, **k)
+    shadowed = []
     try:
+        for p in params:
+            name = torch.Tensor.type(p).replace("torch.", "torch.cuda.", 1)
+            p.type = lambda *a, _p=p, _n=name, **k: _n if not a and not k else torch.Tensor.type(_p, *a, **k)
+            shadowed.append(p)
         yield
     finally:
-        for p in params:
+        for p in shadowed:
             del p.type
 
 
-def _keep_step(set_states: Any) -> Any:
+def _keep_step(set_states: Callable[[Any, Any, dict[str, Any]], None]) -> Callable[[Any, Any, dict[str, Any]], None]:
     """``_set_main_param_and_optimizer_states`` with a ``step`` the loader dropped kept as the destination's."""
 
     def set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
@@ -162,6 +162,9 @@ def _set_main_grads(model: Any, seed: int, step: int) -> None:
     model.zero_grad_buffer()
     writes = {id(p): group.rank() == 0 for p, group in _grad_groups(model)}
     scale = model.dp_cp_group.size()
+    if scale & (scale - 1):
+        raise ValueError(f"the adapter's gradients are exact after Megatron's 1/dp scaling only for a power-of-two "
+                         f"data-parallel size; this world's is {scale}")
     with torch.no_grad():
         for layer, moe in enumerate(model.moe_layers()):
             for g, name, p, view in _expert_views(moe, model.etp_mesh):
@@ -175,6 +178,8 @@ def _set_main_grads(model: Any, seed: int, step: int) -> None:
 
 
 def _optimizer(model: Any, view: Any, lr: float, gloo_groups: bool) -> Any:
+    """``get_megatron_optimizer`` in bf16 with the distributed optimizer (its CUDA type check answered; the truth's
+    set-up as a one-rank world, without Megatron's gloo groups, which a ``pg_collection`` excludes)."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -188,8 +193,8 @@ def _optimizer(model: Any, view: Any, lr: float, gloo_groups: bool) -> Any:
 
 def _whole_states(optimizer: Any) -> dict[Any, dict[str, Any]]:
     """Model parameter -> ``{"master" | moment: the whole fp32 tensor}``, gathered from every distributed
-    optimizer's data-parallel shards (one all-reduce per state and optimizer; each element is held by exactly one
-    rank, so the sum is exact)."""
+    optimizer's data-parallel shards: per optimizer one all-reduce per state and one of which states any rank holds
+    (each element is held by exactly one rank, so the sum is exact).  A collective: every rank asks it."""
     import torch
     import torch.distributed as dist
 
@@ -246,6 +251,8 @@ class MegatronDistOptAdapter(MegatronAdapter):
             view, ep = one_rank_view(registered=True), 1
         else:
             ep, etp = mesh["ep"].size(), mesh["etp"].size()
+            if ep == 1 and etp > 1:  # experts count as dense at ep=1: _set_main_grads' one writer would be wrong
+                raise ValueError(f"this adapter writes gradients for expert TP only at ep > 1; got ep=1, etp={etp}")
             set_up(ep, etp, gloo_groups=self.gloo_groups)
             view = None
             if etp > 1:
