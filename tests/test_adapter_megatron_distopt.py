@@ -15,6 +15,7 @@ tier), and asserts what the slice shows (docs/frameworks/megatron.md, "The distr
 * ``fully_reshardable``'s checkpoint is EP-invariant and every value loads back between ep > 1 layouts; ep=1 <->
   ep > 1 is refused on the chained optimizer's structure;
 * ``fully_sharded_model_space`` (the method's own default) cannot save in 0.16.0;
+* ``dp_zero_gather_scatter`` has ``dp_reshardable``'s outcomes but keeps the checkpoint's step;
 * the seeded bug (``seeded_megatron.MainWeightMisfiledOnSave``: two experts' fp32 main weights trade places on
   save and load) is named by ``checkpoint`` and, after an EP change, by ``values``.
 """
@@ -97,8 +98,28 @@ def test_megatron_distopt_fully_reshardable_as_found(pytester: pytest.Pytester) 
     assert "Expected 2 entries in state dict, but got 4" in cells[OPTIM_EP1_EP2C]["detail"], cells[OPTIM_EP1_EP2C]
 
 
+@pytest.mark.slow
+def test_megatron_distopt_dp_zero_gather_scatter_as_found(pytester: pytest.Pytester) -> None:
+    """``dp_zero_gather_scatter``: ``dp_reshardable``'s outcomes on the same slice -- silent at ep=1 -> 1 (the shared
+    step; its own step comes back), silent after ep2.etp2 -> ep4 (another layout's buffers), refused at ep=1 ->
+    ep=2.  ``slow``: the dp_reshardable slice shows the same in the suite."""
+    result, doc = run_report(pytester, "--moe-ep-matrix=full",
+                             "--moe-ep-adapter=megatron-distopt-dp_zero_gather_scatter", "-k", SLICE_DP_RESHARDABLE,
+                             *expectations_args("megatron-distopt-dp_zero_gather_scatter"))
+    cells = assert_as_expected(result, doc)
+    _, statuses, _ = by_status(doc)
+    assert statuses == {"pass": {MODEL_EP2C_EP4}, "fail": {OPTIM_EP1_EP1, OPTIM_ETP2_EP4},
+                        "error": {OPTIM_EP1_EP2C}}, {i: c["detail"][:300] for i, c in cells.items()}
+    assert not _problems(cells[OPTIM_EP1_EP1], "scalars"), cells[OPTIM_EP1_EP1]["detail"][:500]
+    assert any("values differ from what the checkpoint holds" in text
+               for text in _problems(cells[OPTIM_ETP2_EP4], "values")), cells[OPTIM_ETP2_EP4]["detail"][:500]
+    assert cells[OPTIM_EP1_EP2C]["findings"] == ["refused"], cells[OPTIM_EP1_EP2C]["detail"][:500]
+
+
+@pytest.mark.slow
 def test_megatron_distopt_fully_sharded_model_space_cannot_save(pytester: pytest.Pytester) -> None:
-    """The format ``DistributedOptimizer.sharded_state_dict`` picks without metadata: refused at the save."""
+    """The format ``DistributedOptimizer.sharded_state_dict`` picks without metadata: refused at the save.  ``slow``
+    (14 s): every optimizer cell of its full tier is this one refusal, held by its expectations file."""
     result, doc = run_report(pytester, "--moe-ep-matrix=full",
                              "--moe-ep-adapter=megatron-distopt-fully_sharded_model_space",
                              "-k", f"{UNPACKED_E4} and optim and save_ep1 and load_ep1",

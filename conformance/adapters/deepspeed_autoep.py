@@ -256,7 +256,7 @@ class DeepSpeedAutoEPAdapter:
     #: optimizer check imports the Muon optimizer, which imports torch._dynamo; AutoEP's conversion
     #: imports transformers when installed, to retarget its router-logit recorders).  A module that is
     #: not installed is skipped by the fork server.
-    preload = ("deepspeed", "deepspeed.module_inject.auto_ep", "deepspeed.runtime.zero.stage_1_and_2",
+    preload: tuple[str, ...] = ("deepspeed", "deepspeed.module_inject.auto_ep", "deepspeed.runtime.zero.stage_1_and_2",
                "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.checkpoint.ds_to_universal",
                "transformers")
     #: see :data:`conformance.adapters._deepspeed_checkpoint.AUTOEP_EP_DEPENDENT`.

@@ -251,7 +251,7 @@ class MegatronAdapter:
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=False, uneven=False, max_ep=64,
                                 format="dcp", cross_kind=True, ep_orders=("consecutive",), etp=True)
     #: imported once by the rank fork server, not once per cell (megatron.core takes ~2 s to import).
-    preload = ("megatron.core.parallel_state", "megatron.core.dist_checkpointing",
+    preload: tuple[str, ...] = ("megatron.core.parallel_state", "megatron.core.dist_checkpointing",
                "megatron.core.optimizer", "megatron.core.models.gpt.gpt_layer_specs")
 
     @property

@@ -129,8 +129,11 @@ class NemoAutomodelAdapter:
         import tempfile
 
         checkpointer = _checkpointer(model)
-        # Workaround: save_model writes <weights_path>/model; point that at the cell's directory.
-        with tempfile.TemporaryDirectory(prefix="nemo-weights-") as weights_path:
+        # Workaround: save_model writes <weights_path>/model; point that at the cell's directory.  The link lives next
+        # to the cell's directory (in the session's work directory, removed with it), not in /tmp: a rank killed
+        # mid-save (a world replaced after another rank's failure) never runs the clean-up of its context.
+        beside = os.path.dirname(os.path.abspath(path))
+        with tempfile.TemporaryDirectory(prefix="nemo-weights-", dir=beside) as weights_path:
             os.symlink(os.path.abspath(path), os.path.join(weights_path, "model"))
             checkpointer.save_model(model, weights_path)
         if optimizer is not None:
