@@ -202,6 +202,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _as_a_terminal_starts_it() -> None:
+    """SIGINT at its default, as in a terminal's foreground job: a suite run as a background job of a script (``cmd
+    &``, ``nohup``) starts with SIGINT ignored, exec keeps that, and a pytest started so never sees the Ctrl-C this
+    test sends (it hung to the 60 s limit in two such runs; in the foreground it exits in seconds)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_hanging_session(pytester: pytest.Pytester, tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
     pytester.makepyfile(RECORD_PIDS_AND_HANG)
     pids_dir = tmp_path / "pids"
@@ -209,7 +216,8 @@ def _start_hanging_session(pytester: pytest.Pytester, tmp_path: Path) -> tuple[s
     with open(tmp_path / "session.log", "wb") as log:  # read back if the session does not exit
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
                                 cwd=pytester.path, env={**os.environ, "PIDS_DIR": str(pids_dir)},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_as_a_terminal_starts_it)
     deadline = time.monotonic() + 120
     while len(list(pids_dir.iterdir())) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
