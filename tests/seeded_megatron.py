@@ -32,8 +32,8 @@ def _sharded_tensors(tree: Any) -> Iterator[Any]:
 
 
 class MainWeightMisfiledOnSave(MegatronDistOptFullyReshardableAdapter):
-    def _sharded_state_dict(self, model: Any, optimizer: Any, *, loading: bool = False) -> dict[str, Any]:
-        out = super()._sharded_state_dict(model, optimizer, loading=loading)
+    def _state_dicts(self, model: Any, optimizer: Any, *, loading: bool = False) -> dict[str, Any]:
+        out = super()._state_dicts(model, optimizer, loading=loading)
         if optimizer is not None:  # on the load too: a framework that reads its own mistake back
             shards = {(t.global_offset[0], t.global_offset[1:]): t
                       for t in _sharded_tensors(out["optimizer"]) if t.key == MAIN_FC2}

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import cache
 from typing import Any, cast
 
@@ -219,14 +219,20 @@ def _state(optimizer: Any) -> dict[Any, Any]:
     return found
 
 
-def _sharded_state_dict(model: Any, optimizer: Any, *, loading: bool = False) -> dict[str, Any]:
-    """What Megatron's trainer hands dist_checkpointing: ``model`` and ``optimizer`` sharded state dicts."""
+def _sharded_state_dict(model: Any, optimizer: Any, *, loading: bool = False,
+                        metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What Megatron's trainer hands dist_checkpointing: ``model`` and ``optimizer`` sharded state dicts, each call
+    given its own copy of ``metadata`` (Megatron adds its data-parallel group to the dict it gets)."""
+
+    def given() -> dict[str, Any] | None:
+        return None if metadata is None else dict(metadata)
+
     model_state: dict[str, Any] = {}
     for layer, moe in enumerate(model.moe_layers()):
-        model_state.update(moe.sharded_state_dict(prefix=f"layers.{layer}.mlp."))
+        model_state.update(moe.sharded_state_dict(prefix=f"layers.{layer}.mlp.", metadata=given()))
     out = {"model": model_state}
     if optimizer is not None:
-        out["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading)
+        out["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=given())
     return out
 
 
@@ -331,22 +337,31 @@ class MegatronAdapter:
         tear_down()
 
     # -- checkpoint path -----------------------------------------------------------------------------
+    #: the ``metadata`` of the ``sharded_state_dict`` calls (``None``: Megatron's defaults).
+    checkpoint_metadata: Mapping[str, Any] | None = None
+    #: the CPU bypasses a save or load runs under (:mod:`conformance.adapters.megatron_cpu`).
+    on_cpu = staticmethod(megatron_on_cpu)
+
+    def _state_dicts(self, model: Any, optimizer: Any, *, loading: bool = False) -> dict[str, Any]:
+        return _sharded_state_dict(model, optimizer, loading=loading, metadata=self.checkpoint_metadata)
+
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from megatron.core import dist_checkpointing
 
         try:
-            with megatron_on_cpu():
-                dist_checkpointing.save(_sharded_state_dict(model, optimizer), path)
+            with self.on_cpu():
+                dist_checkpointing.save(self._state_dicts(model, optimizer), path)
         finally:
             tear_down()
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        """``dist_checkpointing.load``; the process groups stay up for the checks after it (``end_cell`` ends them)."""
+        """``dist_checkpointing.load``; the process groups stay up for the checks after it (``end_cell`` ends them).
+        The model state goes into the stack of MoE layers (inside a DDP wrapper's ``module``, if there is one)."""
         from megatron.core import dist_checkpointing
 
-        with megatron_on_cpu():
-            loaded = dist_checkpointing.load(_sharded_state_dict(model, optimizer, loading=True), path)
-            model.load_state_dict(loaded["model"], strict=True)
+        with self.on_cpu():
+            loaded = dist_checkpointing.load(self._state_dicts(model, optimizer, loading=True), path)
+            getattr(model, "module", model).load_state_dict(loaded["model"], strict=True)
             if optimizer is not None:
                 optimizer.load_state_dict(loaded["optimizer"])
 

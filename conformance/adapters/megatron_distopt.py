@@ -80,7 +80,6 @@ from conformance.adapters.megatron_cpu import (
     one_rank_view,
     one_rank_world,
     set_up,
-    tear_down,
 )
 from conformance.synthetic import synthetic_grad
 
@@ -272,40 +271,13 @@ class MegatronDistOptAdapter(MegatronAdapter):
         _set_main_grads(model, seed, step)
         _step(optimizer)
 
-    def _sharded_state_dict(self, model: Any, optimizer: Any, *, loading: bool = False) -> dict[str, Any]:
-        """The model's and optimizer's sharded state dicts with the metadata Megatron-LM's trainer passes."""
+    #: what Megatron-LM's trainer passes to ``sharded_state_dict`` (``megatron/training/checkpointing.py``).
+    @property
+    def checkpoint_metadata(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"distrib_optim_sharding_type": self.sharding_type, "chained_optim_avoid_prefix": True,
+                "singleton_local_shards": False}
 
-        def metadata() -> dict[str, Any]:
-            return {"distrib_optim_sharding_type": self.sharding_type, "chained_optim_avoid_prefix": True,
-                    "singleton_local_shards": False}
-
-        model_state: dict[str, Any] = {}
-        for layer, moe in enumerate(model.moe_layers()):
-            model_state.update(moe.sharded_state_dict(prefix=f"layers.{layer}.mlp.", metadata=metadata()))
-        out = {"model": model_state}
-        if optimizer is not None:
-            out["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=metadata())
-        return out
-
-    def save(self, model: Any, optimizer: Any, path: str) -> None:
-        from megatron.core import dist_checkpointing
-
-        try:
-            with distopt_on_cpu():
-                dist_checkpointing.save(self._sharded_state_dict(model, optimizer), path)
-        finally:
-            tear_down()
-
-    def load(self, model: Any, optimizer: Any, path: str) -> None:
-        """``dist_checkpointing.load`` into the model (its bf16 parameters, in DDP's buffers) and the optimizer (its
-        fp32 main parameters and moments); the groups stay up for the checks after it (``end_cell``)."""
-        from megatron.core import dist_checkpointing
-
-        with distopt_on_cpu():
-            loaded = dist_checkpointing.load(self._sharded_state_dict(model, optimizer, loading=True), path)
-            model.module.load_state_dict(loaded["model"], strict=True)
-            if optimizer is not None:
-                optimizer.load_state_dict(loaded["optimizer"])
+    on_cpu = staticmethod(distopt_on_cpu)
 
     save_legacy = None  # type: ignore[assignment]  # the megatron adapter's legacy save covers the old format
 
