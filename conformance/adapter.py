@@ -27,7 +27,9 @@ example adapter):
 ``expert_tensors(model, optimizer)`` / ``other_tensors(model, optimizer)``
     Yield ``(layer, global_expert_id, name, tensor)`` for this rank's experts (weights and their
     optimizer moments) and for everything else (``global_expert_id=None``).  A DTensor is compared
-    through its local shard; a plain tensor must be the whole per-expert (or whole) tensor.
+    through its local shard; a plain tensor must be the whole per-expert (or whole) tensor.  A packed
+    weight (or moment) may be yielded as one :class:`ExpertBlock` instead of a row per expert: the
+    harness reads its rows without a tensor per expert, which at hundreds of experts is most of a cell's checks.
 
 Optional members (a check that needs one is ``n/a`` without it, with the reason):
 
@@ -109,12 +111,15 @@ __all__ = [
     "Built",
     "Capabilities",
     "CheckpointAdapter",
+    "ExpertBlock",
+    "HeldTensor",
     "NotApplicable",
     "OptionalMembers",
     "Spec",
     "TensorEntry",
     "built",
     "forward_with_layers",
+    "held_tensors",
     "installed_version",
     "local_region",
     "run_steps",
@@ -305,6 +310,52 @@ class TensorEntry(NamedTuple):
     expert: int | None
     name: str
     tensor: Any
+
+
+class ExpertBlock(NamedTuple):
+    """A packed tensor's expert rows as one ``expert_tensors`` entry: row ``i`` is expert ``first + i``.
+
+    ``tensor`` is the weight (or moment) as the model holds it: a plain tensor of this rank's rows, ``first`` its
+    first expert; or a DTensor, ``first`` the id of its global row 0 (its rows cover that expert onwards), each
+    row split as its placements split it (expert TP, FSDP) -- :func:`reference_impl.regions.block_rows`, the
+    reference's own row rule.  Equivalent to a :class:`TensorEntry` per row, without a tensor made per expert.
+    """
+
+    layer: int | None
+    first: int
+    name: str
+    tensor: Any
+
+
+class HeldTensor(NamedTuple):
+    """One tensor of this rank as the checks read it: its key, its local data and its region (``None``: whole)."""
+
+    layer: int | None
+    expert: int | None
+    name: str
+    local: Any
+    region: tuple[slice, ...] | None
+
+
+def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor]:
+    """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an :class:`ExpertBlock` a row each:
+    the one place the harness reads what an adapter yields.  ``copy``: each local tensor a detached CPU copy (a
+    block's rows rows of the block's one copy)."""
+    from reference_impl.regions import block_region
+    from reference_impl.regions import local_region as reference_local_region
+
+    for entry in entries:
+        if isinstance(entry, ExpertBlock):
+            local, first, region = block_region(entry.tensor, entry.first, where=f"{entry.name!r} of layer "
+                                                                                 f"{entry.layer}")
+            if copy:
+                local = local.detach().cpu().clone()
+            for i in range(local.shape[0]):
+                yield HeldTensor(entry.layer, first + i, entry.name, local[i], region)
+            continue
+        layer, expert, name, tensor = entry
+        local, region = reference_local_region(tensor)
+        yield HeldTensor(layer, expert, name, local.detach().cpu().clone() if copy else local, region)
 
 
 @runtime_checkable

@@ -10,10 +10,11 @@ holding the wrong expert is caught and named.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["synthetic_batch", "synthetic_grad", "synthetic_tensor", "synthetic_weight"]
+__all__ = ["synthetic_batch", "synthetic_grad", "synthetic_grad_rows", "synthetic_tensor", "synthetic_weight"]
 
 
 def _seed(*parts: object) -> int:
@@ -29,21 +30,33 @@ _DRAWN_MAX_ELEMENTS = 16 << 20  # 64 MiB of float32 per process, then it starts 
 _drawn_elements = [0]
 
 
-def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
-    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone (a new tensor each call)."""
-    import torch
-
-    shape, seed = tuple(shape), _seed(*key)
-    cached = (shape, scale, seed)  # keyed by the seed itself: what decides the draw (1 and True differ there)
+def _kept(cached: tuple[Any, ...], numel: int, make: Any) -> Any:
+    """The kept tensor under ``cached``, made by ``make()`` the first time (one larger than the budget not kept)."""
     found = _DRAWN.get(cached)
     if found is None:
-        found = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * scale
-        if found.numel() <= _DRAWN_MAX_ELEMENTS:  # one draw larger than the whole budget is not kept
-            if _drawn_elements[0] + found.numel() > _DRAWN_MAX_ELEMENTS:
+        found = make()
+        if numel <= _DRAWN_MAX_ELEMENTS:
+            if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
                 _DRAWN.clear()
                 _drawn_elements[0] = 0
-            _drawn_elements[0] += found.numel()
+            _drawn_elements[0] += numel
             _DRAWN[cached] = found
+    return found
+
+
+def _draw(shape: tuple[int, ...], scale: float, seed: int) -> Any:
+    import torch
+
+    def make() -> Any:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * scale
+
+    # keyed by the seed itself: what decides the draw (1 and True differ there)
+    return _kept((shape, scale, seed), math.prod(shape), make)
+
+
+def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
+    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone (a new tensor each call)."""
+    found = _draw(tuple(shape), scale, _seed(*key))
     return found.clone() if dtype is None else found.to(dtype, copy=True)
 
 
@@ -56,6 +69,23 @@ def synthetic_grad(seed: int, step: int, layer: int | None, global_expert_id: in
     every expert, and identical at every EP degree.
     """
     return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name, dtype=dtype)
+
+
+def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range, name: str, shape: Sequence[int],
+                        dtype: Any = None) -> Any:
+    """:func:`synthetic_grad` of each expert in ``experts`` stacked (row ``i``: expert ``experts[i]``'s), for a
+    packed weight's rows: one kept block instead of a draw and a copy per expert (a new tensor each call)."""
+    import torch
+
+    shape = tuple(shape)
+
+    def make() -> Any:
+        rows = [_draw(shape, 1.0, _seed("grad", seed, step, layer, g, name)) for g in experts]
+        return torch.stack(rows) if rows else torch.empty((0, *shape))
+
+    found = _kept(("rows", shape, seed, step, layer, experts.start, experts.stop, name),
+                  len(experts) * math.prod(shape), make)
+    return found.clone() if dtype is None else found.to(dtype, copy=True)
 
 
 def synthetic_weight(seed: int, layer: int | None, global_expert_id: int | None, name: str,

@@ -21,6 +21,7 @@ with :mod:`reference_impl.collectives`.  :func:`named_modules`, :func:`named_par
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -93,20 +94,44 @@ _DRAWN_MAX_ELEMENTS = 16 << 20  # 64 MiB of float32 per process, then it starts 
 _drawn_elements = [0]
 
 
+def _drawn(shape: tuple[int, ...], std: float, key: tuple[object, ...], draw: Any) -> torch.Tensor:
+    """The kept draw of ``(shape, std, key)``, made by ``draw()`` the first time (never handed out to change)."""
+    found = _DRAWN.get((shape, std, key))
+    if found is None:
+        numel = math.prod(shape)
+        if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
+            _DRAWN.clear()
+            _drawn_elements[0] = 0
+        _drawn_elements[0] += numel
+        found = _DRAWN[(shape, std, key)] = draw()
+    return found
+
+
 def _fill(param: torch.Tensor, std: float, *key: object, mean: float = 0.0) -> None:
     """Write ``mean + N(0, std)`` drawn from ``key`` into ``param``; a meta tensor has no data to fill."""
     if param.is_meta:
         return
     shape = tuple(param.shape)
-    found = _DRAWN.get((shape, std, key))
-    if found is None:
-        if _drawn_elements[0] + param.numel() > _DRAWN_MAX_ELEMENTS:
-            _DRAWN.clear()
-            _drawn_elements[0] = 0
-        _drawn_elements[0] += param.numel()
-        found = _DRAWN[(shape, std, key)] = _normal(shape, std, torch.float32, *key)
+    found = _drawn(shape, std, key, lambda: _normal(shape, std, torch.float32, *key))
     with torch.no_grad():
         param.copy_(mean + found)
+
+
+def _fill_rows(packed: torch.Tensor, std: float, first: int, *key: object) -> None:
+    """Write row ``i`` of ``packed`` as :func:`_fill` writes expert ``first + i``'s weight (``key`` with the expert id
+    before its last part), through one kept block: at 256 experts a row at a time was most of a packed build."""
+    if packed.is_meta or not packed.shape[0]:
+        return
+    shape, row = tuple(packed.shape), tuple(packed.shape[1:])
+
+    def stack() -> torch.Tensor:
+        return torch.stack([_drawn(row, std, (*key[:-1], first + i, key[-1]),
+                                   lambda i=i: _normal(row, std, torch.float32, *key[:-1], first + i, key[-1]))
+                            for i in range(shape[0])])
+
+    found = _drawn(shape, std, ("rows", first, *key), stack)
+    with torch.no_grad():
+        packed.copy_(found)
 
 
 def _act(up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -214,6 +239,11 @@ class MoEMLP(nn.Module):
             for pname, p in self.shared.named_parameters():
                 _fill(p, c.init_std, seed, self.name, "shared", pname)
         linears = ("gate", "up", "down") if c.activation == "swiglu" else ("up", "down")
+        if self.kind == "packed":
+            for linear in linears:
+                _fill_rows(_local(getattr(self, f"{linear}_w")), c.init_std, self.local_expert_start, seed, self.name,
+                           "expert", linear)
+            return
         for i in range(self.num_local_experts):
             g = self.local_expert_start + i
             for linear in linears:
@@ -244,11 +274,12 @@ class MoEMLP(nn.Module):
                 routed = CopyToGroup.apply(routed, group)
             routed_in, routed_w = routed[:, : tokens.shape[-1]], routed[:, tokens.shape[-1]:]
             out = routed_in * 0
-        for i in range(self.num_local_experts):
-            token, slot = (top_i == self.local_expert_start + i).nonzero(as_tuple=True)
-            if token.numel():
-                y = self._expert(i, routed_in[token]) * routed_w[token, slot, None]
-                out = out.index_add(0, token, y)
+        start = self.local_expert_start
+        chosen = top_i.unique()  # ascending: the experts run in id order, those no token chose not at all
+        for g in chosen[(chosen >= start) & (chosen < start + self.num_local_experts)].tolist():
+            token, slot = (top_i == g).nonzero(as_tuple=True)
+            y = self._expert(g - start, routed_in[token]) * routed_w[token, slot, None]
+            out = out.index_add(0, token, y)
         for group in groups:
             out = ReduceOverGroup.apply(out, group)
         if self.shared is not None:

@@ -22,7 +22,8 @@ from torch import nn
 
 from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
 
-__all__ = ["GlobalRegion", "RegionError", "global_regions", "local_region", "packed_rows", "set_deterministic_grads"]
+__all__ = ["GlobalRegion", "RegionError", "block_region", "global_regions", "local_region", "packed_rows",
+           "set_deterministic_grads"]
 
 
 class RegionError(ValueError):
@@ -74,6 +75,36 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _row_split(tensor: torch.Tensor, where: str) -> dict[int, object]:
+    """The mesh dims (index -> placement) of a packed DTensor that split each row itself (an inner axis), not the
+    expert axis: expert tensor parallelism, FSDP2 sharding an inner dim.  Empty for a plain tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(tensor, DTensor):
+        return {}
+    mesh, placements = tensor.device_mesh, tensor.placements
+    keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1}
+    if any(isinstance(p, _StridedShard) for p in keep.values()):
+        raise ValueError(f"{where}: placed {tuple(placements)}, it has a strided shard of an inner axis; its "
+                         f"rows are not contiguous shards of one expert")
+    return keep
+
+
+def block_region(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed weight"
+                 ) -> tuple[torch.Tensor, int, tuple[slice, ...] | None]:
+    """A packed weight's (or moment's) rows on this rank: ``(local data, global id of its row 0, row region)``.
+
+    Row ``i`` of the local data is expert ``first + i``; ``region`` is where each row sits in the expert's whole
+    tensor (``None`` when the rows are whole here), what :func:`local_region` gives for the same row of
+    :func:`packed_rows`.  No DTensor is made per row, so a harness walks thousands of rows for one
+    :func:`local_region`.
+    """
+    local, region = local_region(tensor)
+    first = first + (region[0].start if region is not None else 0)
+    return local, first, region[1:] if region is not None and _row_split(tensor, where) else None
+
+
 def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed weight"
                 ) -> list[tuple[int, torch.Tensor]]:
     """The rows of a packed weight (or moment) this rank holds, each with its global expert id.
@@ -85,32 +116,25 @@ def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed 
     parallelism, FSDP2 sharding an inner dim), ``Shard(d)`` becoming ``Shard(d - 1)``.  Nothing is copied.
     """
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    local, region = local_region(tensor)
-    first = first + (region[0].start if region is not None else 0)
-    rows = [local[i] for i in range(local.shape[0])]
-    if isinstance(tensor, DTensor):
-        mesh, placements = tensor.device_mesh, tensor.placements
-        # mesh dim -> its shard of an inner axis, for the dims that split a row
-        keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1}
-        if any(isinstance(p, _StridedShard) for p in keep.values()):
-            raise ValueError(f"{where}: placed {tuple(placements)}, it has a strided shard of an inner axis; its "
-                             f"rows are not contiguous shards of one expert")
-        if keep:
-            names = mesh.mesh_dim_names
-            if len(keep) == mesh.ndim:
-                sub = mesh
-            elif names is None:
-                raise ValueError(f"{where}: placed {tuple(placements)} on a mesh without dim names; its rows need "
-                                 "the submesh of the dims that split them, so create the mesh with mesh_dim_names")
-            else:
-                sub = mesh[tuple(names[i] for i in keep)]
-            shards = [Shard(p.dim - 1) for p in keep.values()]
-            shape = tuple(tensor.shape[1:])
-            rows = [DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
-                                       stride=contiguous_stride(shape)) for row in rows]
-    return [(first + i, row) for i, row in enumerate(rows)]
+    local, first, _ = block_region(tensor, first, where=where)
+    rows = [(first + i, local[i]) for i in range(local.shape[0])]
+    keep = _row_split(tensor, where)
+    if keep:
+        assert isinstance(tensor, DTensor)
+        mesh, names = tensor.device_mesh, tensor.device_mesh.mesh_dim_names
+        if len(keep) == mesh.ndim:
+            sub = mesh
+        elif names is None:
+            raise ValueError(f"{where}: placed {tuple(tensor.placements)} on a mesh without dim names; its rows "
+                             "need the submesh of the dims that split them, so create the mesh with mesh_dim_names")
+        else:
+            sub = mesh[tuple(names[i] for i in keep)]
+        shards = [Shard(p.dim - 1) for p in keep.values()]  # type: ignore[attr-defined]
+        shape = tuple(tensor.shape[1:])
+        rows = [(g, DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
+                                       stride=contiguous_stride(shape))) for g, row in rows]
+    return rows
 
 
 @dataclass(frozen=True)

@@ -693,14 +693,14 @@ class OneMomentOffUnderEp(ReferenceAdapter):
     def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
-        from conformance.adapter import local_region
+        from conformance.adapter import held_tensors
 
         model, optimizer = super().build(spec, mesh, seed)
         if optimizer is not None and _ep_degree(mesh) > 1:
             with torch.no_grad():
-                for layer, expert, name, t in self.expert_tensors(model, optimizer):
-                    if (layer, expert, name) == (1, spec.num_experts - 1, "up.exp_avg"):
-                        local_region(t)[0].mul_(1 + 1e-4)
+                for held in held_tensors(self.expert_tensors(model, optimizer)):
+                    if (held.layer, held.expert, held.name) == (1, spec.num_experts - 1, "up.exp_avg"):
+                        held.local.mul_(1 + 1e-4)
         return model, optimizer
 
 

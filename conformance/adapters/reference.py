@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    ExpertBlock,
     Spec,
     TensorEntry,
     run_steps,
@@ -35,7 +36,7 @@ from conformance.adapter import (
     with_moments,
     world_device,
 )
-from conformance.synthetic import synthetic_grad
+from conformance.synthetic import synthetic_grad, synthetic_grad_rows
 
 
 class ReferenceAdapter:
@@ -93,7 +94,6 @@ class ReferenceAdapter:
     @staticmethod
     def _set_grads(model: Any, seed: int, step: int) -> None:
         """Gradients from synthetic_grad by global identity, cut to the region this rank holds."""
-        import torch
         from torch.distributed.tensor import DTensor
 
         from reference_impl.regions import global_regions
@@ -103,9 +103,8 @@ class ReferenceAdapter:
             layer, expert, name = _identify(piece.name, layers)
             if piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets, drawn for
                 rows, inner = piece.region[0], piece.region[1:]  # the rows this rank holds only (1/ep of them)
-                grad = torch.empty(tuple(r.stop - r.start for r in piece.region), dtype=torch.float32)
-                for i, g in enumerate(range(rows.start, rows.stop)):
-                    grad[i] = synthetic_grad(seed, step, layer, g, name[:-2], piece.global_shape[1:])[inner]
+                grad = synthetic_grad_rows(seed, step, layer, range(rows.start, rows.stop), name[:-2],
+                                           piece.global_shape[1:])[(slice(None), *inner)]
             else:
                 grad = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)[piece.region]
             grad = grad.to(device=piece.local.device, dtype=piece.param.dtype, copy=True)
@@ -142,10 +141,10 @@ class ReferenceAdapter:
         save_legacy(model, optimizer, path)
 
     # -- canonical views ---------------------------------------------------------------------------
-    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry | ExpertBlock]:
         """Each expert's weight and moments as the checkpoint holds them: whole tensors, or DTensors whose
-        local shard and region the harness compares (FSDP's shards, expert tensor parallelism's shards)."""
-        from reference_impl.expert_layout import expert_rows
+        local shard and region the harness compares (FSDP's shards, expert tensor parallelism's shards); a packed
+        weight and each moment as one :class:`~conformance.adapter.ExpertBlock` of its rows."""
         from reference_impl.moe import moe_layers
 
         state = optimizer.state if optimizer is not None else {}
@@ -157,10 +156,13 @@ class ReferenceAdapter:
                         g = moe.local_expert_start + i
                         yield from with_moments(layer, [(g, weight)], linear, state, weight,
                                                 rows=partial(_one_row, g))
-                else:
+                else:  # one block per packed weight and moment: its rows are experts local_expert_start on
                     weight = getattr(moe, f"{linear}_w")
-                    yield from with_moments(layer, expert_rows(moe, weight), linear, state, weight,
-                                            rows=partial(expert_rows, moe))
+                    yield ExpertBlock(layer, moe.local_expert_start, linear, weight)
+                    for moment in ADAM_MOMENTS:
+                        if moment in state.get(weight, {}):
+                            yield ExpertBlock(layer, moe.local_expert_start, f"{linear}.{moment}",
+                                              state[weight][moment])
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         from reference_impl.moe import moe_layers, named_parameters

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conformance.adapter import ExpertBlock
 from conformance.inspection.model import expert_ranges
 from conformance.layout import EP_ORDERS, ParallelLayout
 
@@ -59,7 +60,16 @@ def _ranks(layout: ParallelLayout, coordinate: int) -> str:
 
 def reported_experts(adapter: Any, model: Any, optimizer: Any) -> tuple[int, ...]:
     """The global expert ids this rank's ``expert_tensors`` yields (no copies)."""
-    return tuple(sorted({int(e) for _, e, _, _ in adapter.expert_tensors(model, optimizer) if e is not None}))
+    from reference_impl.regions import block_region
+
+    ids: set[int] = set()
+    for entry in adapter.expert_tensors(model, optimizer):
+        if isinstance(entry, ExpertBlock):
+            local, first, _ = block_region(entry.tensor, entry.first, where=f"{entry.name!r} of layer {entry.layer}")
+            ids.update(range(first, first + local.shape[0]))
+        elif entry[1] is not None:
+            ids.add(int(entry[1]))
+    return tuple(sorted(ids))
 
 
 def problem(layout: ParallelLayout, num_experts: int, held: list[tuple[int, ...]]) -> str:

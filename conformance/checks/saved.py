@@ -69,6 +69,14 @@ def _unpack(meta: list[tuple[Key, Any, tuple[int, ...], str, int]], buffers: dic
             for key, box, shape, dtype, offset in meta]
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two ranks' :func:`pack` hold the same keys, regions and values (replicas that agree), in one compare
+    per dtype instead of one per key."""
+    import torch
+
+    return bool(a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][d], b[1][d]) for d in a[1]))
+
+
 def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
     """Every rank's ``held`` on every rank (a collective), put together against the truth's global shapes."""
     import torch.distributed as dist
@@ -85,6 +93,8 @@ def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
     saved = Saved(layout)
     fill: dict[Key, tuple[Any, Any]] = {}
     for rank, packed in enumerate(found):
+        if any(_same(packed, found[other]) for other in range(rank)):
+            continue  # a replica of an earlier rank's whole state, equal to it: nothing new, nothing to name
         for key, box, local in _unpack(*packed):
             want = truth.get(key)
             if want is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import local_region
+from conformance.adapter import held_tensors
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 
@@ -25,12 +25,11 @@ def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: Rank
     """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields."""
     out: Held = {}
     for source in (adapter.expert_tensors(model, optimizer), adapter.other_tensors(model, optimizer)):
-        for layer, expert, name, tensor in source:
+        for layer, expert, name, local, region in held_tensors(source, copy=True):
             key = (layer, expert, str(name))
             if key in out and verdict is not None:
                 verdict.problem("setup", f"rank {rank}: the adapter yielded {key} twice")
-            local, region = local_region(tensor)
-            out[key] = (local.detach().cpu().clone(), region)
+            out[key] = (local, region)
     return out
 
 
