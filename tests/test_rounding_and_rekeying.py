@@ -166,6 +166,29 @@ def test_a_tensor_held_under_another_key_is_one_re_keyed_finding() -> None:
         "optimizer.state.exp_avg.w"
 
 
+def test_regions_that_meet_must_agree_where_they_meet_and_cover_the_tensor_to_count() -> None:
+    from conformance.checks.saved import assemble, pack
+
+    torch.manual_seed(7)
+    key = (0, 2, "up")
+    truth = {key: torch.rand(4, 6)}
+    w = truth[key]
+
+    def held(*boxes: tuple[slice, slice]) -> list[dict]:
+        return [{key: (w[b].clone(), b)} for b in boxes]
+
+    left, right, middle = (slice(0, 4), slice(0, 3)), (slice(0, 4), slice(3, 6)), (slice(1, 3), slice(2, 5))
+    whole = assemble([pack(r) for r in held(left, right, middle, left)], truth, "etp=2")
+    assert torch.equal(whole.state[key], w) and not whole.conflicts  # replicas and a partial overlap that agree
+    ranks = held(left, middle, right)
+    ranks[1][key][0][0, 0] += 1.0  # rank 1's element at (1, 2) disagrees with rank 0's, where their regions meet
+    named = assemble([pack(r) for r in ranks], truth, "etp=2")
+    assert [(r, k) for r, k, _ in named.conflicts] == [(1, key)] and named.holder[key] == 0
+    assert key not in assemble([pack(r) for r in held(left, middle)], truth, "etp=2").state  # not covered
+    same = [{key: (w[left].clone(), left)}] * 2 + [{key: (w[right].clone(), right)}]
+    assert torch.equal(assemble([pack(r) for r in same], truth, "etp=2").state[key], w)  # an equal replica rank
+
+
 def test_the_saved_state_is_put_together_and_replicas_that_disagree_are_named() -> None:
     from conformance.checks.saved import assemble, check_against_truth, pack
     from conformance.checks.verdict import RankVerdict

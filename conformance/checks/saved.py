@@ -87,11 +87,16 @@ def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
 
 
 def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
-    """Each rank's :func:`pack` (by rank) put together into whole tensors; replicas that disagree named."""
-    import torch
+    """Each rank's :func:`pack` (by rank) put together into whole tensors; replicas that disagree named.
 
+    Where ranks' regions of a key meet, the values must agree there; a key is whole when its regions cover it.
+    Both are box arithmetic in Python (a bool mask per key only where regions overlapped): at 256 experts a mask
+    per expert row and tensor was most of the assembly.
+    """
     saved = Saved(layout)
-    fill: dict[Key, tuple[Any, Any]] = {}
+    fill: dict[Key, Any] = {}
+    boxes: dict[Key, list[tuple[tuple[int, int], ...]]] = {}
+    overlapped: set[Key] = set()
     for rank, packed in enumerate(found):
         if any(_same(packed, found[other]) for other in range(rank)):
             continue  # a replica of an earlier rank's whole state, equal to it: nothing new, nothing to name
@@ -106,24 +111,55 @@ def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
                 elif key in saved.state and not equal(saved.state[key], local):
                     saved.disagree(rank, key)
                 continue
-            region = tuple(slice(a, b) for a, b in box)
-            if (len(region) != want.dim() or any(r.stop > n for r, n in zip(region, want.shape, strict=False))
-                    or tuple(local.shape) != tuple(r.stop - r.start for r in region)):
+            if (len(box) != want.dim() or any(b > n for (_, b), n in zip(box, want.shape, strict=False))
+                    or tuple(local.shape) != tuple(b - a for a, b in box)):
                 continue  # a region that does not fit: the load-side comparison names it
             if key not in fill:
-                fill[key] = (torch.empty(want.shape, dtype=local.dtype), torch.zeros(want.shape, dtype=torch.bool))
+                fill[key], boxes[key] = _empty_like(want, local), []
                 saved.holder[key] = rank
-            whole, mask = fill[key]
+            whole = fill[key]
             if whole.dtype != local.dtype:
                 saved.conflicts.append((rank, key, f"held as {local.dtype} at the save by rank {rank}, as "
                                         f"{whole.dtype} by rank {saved.holder[key]}"))
                 continue
-            overlap = mask[region]
-            if bool(overlap.any()) and not equal(whole[region][overlap], local[overlap]):
-                saved.disagree(rank, key)
-            whole[region], mask[region] = local, True
-    saved.state.update((key, whole) for key, (whole, mask) in fill.items() if bool(mask.all()))
+            for other in boxes[key]:
+                meet = _meet(box, other)
+                if meet is None:
+                    continue
+                overlapped.add(key)
+                mine = local[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(meet, box, strict=True))]
+                if not equal(whole[tuple(slice(a, b) for a, b in meet)], mine):
+                    saved.disagree(rank, key)
+                    break
+            whole[tuple(slice(a, b) for a, b in box)] = local
+            boxes[key].append(box)
+    saved.state.update((key, whole) for key, whole in fill.items()
+                       if _covers(boxes[key], tuple(whole.shape), key in overlapped))
     return saved
+
+
+def _empty_like(want: Any, local: Any) -> Any:
+    import torch
+
+    return torch.empty(want.shape, dtype=local.dtype)
+
+
+def _meet(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
+    """Where two boxes meet (``None``: they do not)."""
+    meet = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return meet if all(lo < hi for lo, hi in meet) else None
+
+
+def _covers(boxes: list[tuple[tuple[int, int], ...]], shape: tuple[int, ...], overlapped: bool) -> bool:
+    """Whether ``boxes`` cover a tensor of ``shape``: disjoint boxes by their volume, overlapping ones by a mask."""
+    if not overlapped:
+        return sum(math.prod(b - a for a, b in box) for box in boxes) == math.prod(shape)
+    import torch
+
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for box in boxes:
+        mask[tuple(slice(a, b) for a, b in box)] = True
+    return bool(mask.all())
 
 
 #: per checkpoint path, in each rank process: what its save held (bounded; a miss falls back to the truth).
