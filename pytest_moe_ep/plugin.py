@@ -64,10 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
         if engine.rank != 0:  # only rank 0 writes reports
             config.option.xmlpath = None
     else:
+        from pytest_moe_ep.world.engine import collective_timeout_s
         from pytest_moe_ep.world.supervisor import Supervisor
 
         engine = Supervisor(start_method=settings.start_method, capture=settings.capture,
-                            pg_timeout_s=settings.timeout_s * 0.9, default_timeout_s=settings.timeout_s,
+                            pg_timeout_s=collective_timeout_s(settings.timeout_s), default_timeout_s=settings.timeout_s,
                             preload=settings.preload)
         handler = config.stash[SIGTERM_HANDLER] = TermAsInterrupt()
         handler.install()

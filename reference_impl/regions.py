@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _row_split(tensor: torch.Tensor, where: str) -> dict[int, object]:
+def _row_split(tensor: torch.Tensor, where: str) -> dict[int, Any]:
     """The mesh dims (index -> placement) of a packed DTensor that split each row itself (an inner axis), not the
     expert axis: expert tensor parallelism, FSDP2 sharding an inner dim.  Empty for a plain tensor."""
     from torch.distributed.tensor import DTensor, Shard
@@ -130,7 +131,7 @@ def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed 
                              "need the submesh of the dims that split them, so create the mesh with mesh_dim_names")
         else:
             sub = mesh[tuple(names[i] for i in keep)]
-        shards = [Shard(p.dim - 1) for p in keep.values()]  # type: ignore[attr-defined]
+        shards = [Shard(p.dim - 1) for p in keep.values()]
         shape = tuple(tensor.shape[1:])
         rows = [(g, DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),
                                        stride=contiguous_stride(shape))) for g, row in rows]

@@ -102,9 +102,9 @@ class ReferenceAdapter:
         for piece in global_regions(model):
             layer, expert, name = _identify(piece.name, layers)
             if piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets, drawn for
-                rows, inner = piece.region[0], piece.region[1:]  # the rows this rank holds only (1/ep of them)
+                rows, inner = piece.region[0], (slice(None), *piece.region[1:])  # the rows this rank holds only
                 grad = synthetic_grad_rows(seed, step, layer, range(rows.start, rows.stop), name[:-2],
-                                           piece.global_shape[1:])[(slice(None), *inner)]
+                                           piece.global_shape[1:])[inner]
             else:
                 grad = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)[piece.region]
             grad = grad.to(device=piece.local.device, dtype=piece.param.dtype, copy=True)

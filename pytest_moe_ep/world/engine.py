@@ -26,7 +26,20 @@ __all__ = [
     "WorldError",
     "WorldStartError",
     "WorldTimeout",
+    "collective_timeout_s",
 ]
+
+#: the seconds ranks need, after their process group's timeout fires on a stuck rank, to raise, record where they
+#: were and report before the call's deadline (a tenth of a long deadline, half a very short one).
+REPORT_MARGIN_S = 3.0
+
+
+def collective_timeout_s(deadline_s: float) -> float:
+    """The process group's timeout for calls with a deadline of ``deadline_s``: early enough that ranks waiting on a
+    stuck rank raise and report in time, so the hang is diagnosed as one ("timed out in a collective waiting for a
+    stuck rank", the stuck rank named).  With 0.9 x a 6 s deadline the margin was 0.6 s, and on a slow host the
+    deadline cut the waiting ranks off mid-report."""
+    return deadline_s - max(0.1 * deadline_s, min(REPORT_MARGIN_S, 0.5 * deadline_s))
 
 #: what DCP and FSDP2 import on their first use, ``torch._dynamo`` above all (1-2 s in every rank): a caller
 #: whose ranks checkpoint or shard hands these to :meth:`Engine.add_preload` before its first world.

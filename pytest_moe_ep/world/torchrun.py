@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any, TypedDict, cast
 
 from pytest_moe_ep.world.backend import BackendUnavailable, resolve_backend
-from pytest_moe_ep.world.engine import CallResult, OutOfStep, RankFailure, RankOutput, Section, WorldTimeout
+from pytest_moe_ep.world.engine import (
+    CallResult,
+    OutOfStep,
+    RankFailure,
+    RankOutput,
+    Section,
+    WorldTimeout,
+    collective_timeout_s,
+)
 from pytest_moe_ep.world.protocol import FunctionRef, RankError, error_fields, function_ref
 from pytest_moe_ep.world.wire import dumps, loads
 
@@ -62,7 +70,7 @@ class TorchrunWorld:
                 import torch
 
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(concrete, timeout=timedelta(seconds=timeout_s * 0.9))
+            dist.init_process_group(concrete, timeout=timedelta(seconds=collective_timeout_s(timeout_s)))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.backend = dist.get_backend()
