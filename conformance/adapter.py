@@ -339,7 +339,8 @@ class HeldTensor(NamedTuple):
 
 def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor]:
     """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an :class:`ExpertBlock` a row each:
-    the one place the harness reads what an adapter yields.  ``copy``: each local tensor a detached CPU copy (a
+    the one place the harness turns what an adapter yields into tensors (the layout check reads only a block's ids,
+    from the same :func:`~reference_impl.regions.block_region`).  ``copy``: each local tensor a detached CPU copy (a
     block's rows rows of the block's one copy)."""
     from reference_impl.regions import block_region
     from reference_impl.regions import local_region as reference_local_region
