@@ -25,10 +25,13 @@ is silently dropped.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from conformance.adapter import Capabilities, Spec
 from conformance.layout import ParallelLayout
+from reference_impl.layout import UNEVEN_CLASSES, uneven_classes
 
 KINDS = ("packed", "unpacked")
 #: (saved as, loaded as) for every layer-kind combination a cell can test.
@@ -230,8 +233,9 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     found = {(a, b) for a, b in itertools.combinations(values, 2)}
     found.add(("ep pair", cell.kind, cell.save.ep, cell.load.ep))
     for side, layout in (("save", cell.save), ("load", cell.load)):
-        if _uneven(cell, layout):  # an uneven split at this degree, on this side, for this kind
-            found.add(("uneven", cell.kind, side, layout.ep))
+        if _uneven(cell, layout):  # an uneven split at this degree, on this side, for this kind, and each class
+            found.add(("uneven", cell.kind, side, layout.ep))  # of split it puts in front of the framework
+            found |= {("uneven", cell.kind, side, name) for name in uneven_classes(cell.num_experts, layout.ep)}
     if cell.state == "model+optim":  # optimizer state through every layout family and EP change
         families = {_family(cell.save), _family(cell.load)} - {None}
         if cell.save.ep != cell.load.ep:
@@ -245,7 +249,8 @@ def covering(cells: list[Cell]) -> list[Cell]:
 
     What a cell covers is what it tests: a non-legacy cell, each pair of its dimension values (save
     layout, load layout, kind, state, FSDP, E) and its (kind, save_ep, load_ep); for each side whose EP
-    degree does not divide E, (kind, side, ep); with optimizer state, (kind, family) for each layout
+    degree does not divide E, (kind, side, ep) and (kind, side, class) for each uneven class the split reaches
+    (:func:`reference_impl.layout.uneven_classes`); with optimizer state, (kind, family) for each layout
     family it uses (strided, consecutive, HSDP, ETP) and its EP change (up, down).  A legacy cell ends at
     the refusal and compares no values, so it covers only legacy pairs: each pair of its save layout,
     load layout, kind and E, and its (kind, save_ep, load_ep).
@@ -264,12 +269,27 @@ def guarantee(tier: str) -> str:
     """What a tier's green run means, for the report's coverage line (``tier`` as the report names it)."""
     if tier == "default":
         return ("covering what each cell tests: every pair of dimension values among the cells that compare "
-                "values, every (save_ep, load_ep) pair per kind, an uneven split (E % ep != 0) at every ep > 1 on "
-                "each side for each kind, optimizer state through every layout family (strided, consecutive, "
-                "HSDP, ETP) and EP change (up, down); legacy cells cover the pairs among themselves")
+                "values, every (save_ep, load_ep) pair per kind, an uneven split (E % ep != 0) at every ep > 1 and "
+                "each uneven class its expert counts reach on each side for each kind, optimizer state through "
+                "every layout family (strided, consecutive, HSDP, ETP) and EP change (up, down); legacy cells "
+                "cover the pairs among themselves")
     if tier == "full":
         return "every cell"
     return "the plain layouts at those EP degrees (see the README's Tiers)"
+
+
+def uneven_reach(records: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Which uneven classes the value-comparing cells among ``records`` (report records) put in front of the
+    framework, each with where (``"E=5 at ep=4"``): the coverage line says it, so a green tier says which
+    split bugs it could have caught (a tier that never reaches ``mislabel`` cannot catch a silent mislabel)."""
+    found: dict[str, set[tuple[int, int]]] = {}
+    for r in records:
+        if r.get("suite") != "checkpoint" or r.get("legacy") or r.get("status") == "n/a":
+            continue
+        for ep in {r["save_ep"], r["load_ep"]}:
+            for name in uneven_classes(r["num_experts"], ep) if r["num_experts"] % ep else ():
+                found.setdefault(name, set()).add((r["num_experts"], ep))
+    return {name: [f"E={e} at ep={ep}" for e, ep in sorted(found[name])] for name in UNEVEN_CLASSES if name in found}
 
 
 def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None]:

@@ -30,8 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                    "...) or module:attr (default: the pytest_moe_ep_adapter hook, else reference)")
     ini_and_option(parser, "world_size", "ranks in the world the conformance matrix runs on (default 4)",
                    default="4")
-    ini_and_option(parser, "experts", "expert counts E of the matrix's cells, comma-separated (default 4,6: one "
-                   "even and one uneven count)", default="4,6")
+    ini_and_option(parser, "experts", "expert counts E of the matrix's cells, comma-separated (default 4,5: one "
+                   "even count, and one uneven count that reaches every uneven class at ep=4: a partial chunk, a "
+                   "rank with none, and the balanced split's miscount and silent mislabel)", default="4,5")
     parser.addini("moe_ep_share_saves", "one save feeds every cell that loads it (default true; false makes each "
                   "cell write its own, the benchmark's baseline)", type="bool", default=True)
     group.addoption("--moe-ep-functions", dest="moe_ep_functions", default=None, metavar="MODULE",

@@ -28,15 +28,16 @@ import platform
 import sys
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from conformance.findings import ERROR, FINDINGS, MEANING, ON_DISK, SILENT
-from conformance.matrix import guarantee
+from conformance.matrix import guarantee, uneven_reach
 from pytest_moe_ep.text import shorten
+from reference_impl.layout import UNEVEN_CLASSES
 
 SCHEMA_VERSION = 4
 READS = (1, 2, 3, SCHEMA_VERSION)
@@ -103,7 +104,7 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
         "backend": backend,
         "world_size": world_size,
         "tier": tier or "",
-        "coverage": {"cells": checkpoint, "full_tier_cells": full_cells},
+        "coverage": {"cells": checkpoint, "full_tier_cells": full_cells, "uneven_classes": uneven_reach(records)},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "summary": _summary(records),
@@ -125,10 +126,18 @@ def not_run(selected: Iterable[str], records: Iterable[dict[str, Any]]) -> list[
     return sorted(set(selected) - done)
 
 
-def coverage_line(tier: str, cells: int, full_cells: int | None, code: str = "`") -> str:
-    """What a tier's run covered and what its green run means (``code`` quotes the tier's name)."""
+def coverage_line(tier: str, cells: int, full_cells: int | None, code: str = "`",
+                  reach: Mapping[str, list[str]] | None = None) -> str:
+    """What a tier's run covered and what its green run means (``code`` quotes the tier's name), and the uneven
+    classes its cells reached (:func:`~conformance.matrix.uneven_reach`; the ones it did not are named too)."""
     of = f" of the full tier's {full_cells}" if full_cells else ""
-    return f"Tier {code}{tier}{code}: {cells} checkpoint cells{of}: {guarantee(tier)}."
+    line = f"Tier {code}{tier}{code}: {cells} checkpoint cells{of}: {guarantee(tier)}."
+    if reach is None:
+        return line
+    reached = [f"{UNEVEN_CLASSES[name]} ({', '.join(where)})" for name, where in reach.items()]
+    missed = [UNEVEN_CLASSES[name] for name in UNEVEN_CLASSES if name not in reach]
+    return (line + f" Uneven splits reached: {'; '.join(reached) or 'none'}."
+            + (f" Not reached: {'; '.join(missed)}." if missed else ""))
 
 
 def _group_key(r: dict[str, Any]) -> tuple[Any, ...]:
@@ -192,7 +201,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [*(f"{line}" for line in lead_lines(report["cells"], code="`", bold="**")), ""]
     coverage = report.get("coverage") or {}
     if report.get("tier"):
-        lines += [coverage_line(report["tier"], coverage.get("cells", 0), coverage.get("full_tier_cells")), ""]
+        lines += [coverage_line(report["tier"], coverage.get("cells", 0), coverage.get("full_tier_cells"),
+                                reach=coverage.get("uneven_classes")), ""]
     tables = checkpoint_tables(report["cells"])
     if tables:
         lines += [LEGEND, ""]
@@ -343,7 +353,7 @@ def terminal_summary(records: list[dict[str, Any]], *, verbose: bool = False, ti
         parts.append(f"checkpoint cells by kind and state\n{counts}")
     checkpoint = [r for r in records if r.get("suite") == "checkpoint"]
     if tier:
-        parts.append(coverage_line(tier, len(checkpoint), full_cells, code=""))
+        parts.append(coverage_line(tier, len(checkpoint), full_cells, code="", reach=uneven_reach(checkpoint)))
     wanted = {_table_group(r) for r in checkpoint if r["status"] in NOT_GREEN}
     tables = checkpoint_tables([r for r in checkpoint if verbose or _table_group(r) in wanted])
     hidden = len(checkpoint_tables(checkpoint)) - len(tables)

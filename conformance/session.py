@@ -161,7 +161,7 @@ def _experts(config: pytest.Config) -> tuple[int, ...]:
     except ValueError:
         found = ()
     if not found or found[0] < 1:
-        raise _usage(f"--moe-ep-experts (ini moe_ep_experts) takes expert counts >= 1 such as 4,6 or 5; got {raw!r}")
+        raise _usage(f"--moe-ep-experts (ini moe_ep_experts) takes expert counts >= 1 such as 4,5 or 6; got {raw!r}")
     return found
 
 

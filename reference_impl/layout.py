@@ -12,7 +12,7 @@ records rows 4:6 for rank 2 and none for rank 3, so a checkpoint saved from it l
 
 from __future__ import annotations
 
-__all__ = ["expert_counts", "expert_owner", "expert_range"]
+__all__ = ["UNEVEN_CLASSES", "balanced_range", "expert_counts", "expert_owner", "expert_range", "uneven_classes"]
 
 
 def _check(num_experts: int, num_ranks: int) -> None:
@@ -44,3 +44,51 @@ def expert_owner(expert_id: int, num_experts: int, num_ranks: int) -> int:
     if isinstance(expert_id, bool) or not isinstance(expert_id, int) or not 0 <= expert_id < num_experts:
         raise ValueError(f"expert id must be an int in [0, {num_experts}), got {expert_id!r}")
     return expert_id // -(-num_experts // num_ranks)
+
+
+def balanced_range(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]:
+    """The tempting split, **not** the layout rule: the first ``E % k`` ranks hold one more expert.
+
+    Named here, beside the rule it breaks, so that where the two disagree is computed in one place: the matrix's
+    uneven classes (:func:`uneven_classes`) and the negative controls that use this split.
+    """
+    _check(num_experts, num_ranks)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
+    base, extra = divmod(num_experts, num_ranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+#: what an uneven split (``E % k != 0``) can put in front of a framework, and so what a bug needs to show itself.
+UNEVEN_CLASSES = {
+    "partial": "a rank holding a partial chunk",
+    "empty": "a rank holding no expert",
+    "miscount": "the balanced split's row counts disagreeing with the chunk's (a shape mismatch: loud)",
+    "mislabel": "the balanced split's first ids disagreeing where the row counts agree (silent: a rank files "
+                "its experts under other experts' ids)",
+}
+
+
+def uneven_classes(num_experts: int, num_ranks: int) -> tuple[str, ...]:
+    """Which of :data:`UNEVEN_CLASSES` splitting ``num_experts`` over ``num_ranks`` reaches, in that order.
+
+    E=6 on 4 ranks (``2, 2, 2, 0`` against the balanced ``2, 2, 1, 1``) reaches ``empty`` and ``miscount``; E=5 on 4
+    (``2, 2, 1, 0`` against ``2, 1, 1, 1``) reaches all four: rank 2 holds one expert under both splits, expert 4
+    by the chunk's and expert 3 by the balanced one's.
+    """
+    _check(num_experts, num_ranks)
+    chunk = -(-num_experts // num_ranks)
+    found: set[str] = set()
+    for rank in range(num_ranks):
+        start, end = expert_range(num_experts, num_ranks, rank)
+        first, last = balanced_range(num_experts, num_ranks, rank)
+        if 0 < end - start < chunk:
+            found.add("partial")
+        if end == start:
+            found.add("empty")
+        if end - start != last - first:
+            found.add("miscount")
+        elif end > start and start != first:
+            found.add("mislabel")
+    return tuple(name for name in UNEVEN_CLASSES if name in found)

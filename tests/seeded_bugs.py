@@ -36,6 +36,7 @@ from typing import Any
 
 from conformance.adapter import Capabilities
 from conformance.adapters.reference import ReferenceAdapter, ReferencePerExpertAdapter
+from reference_impl.layout import balanced_range
 
 _EXPERT_KEY = re.compile(r"(experts\.)(\d+)(\.)")
 
@@ -458,8 +459,7 @@ def _dcp_placed(name: Callable[[str], str | None]) -> Iterator[None]:
 
 def _balanced_first(num_experts: int, ep: int, rank: int) -> int:
     """The first expert id of ``rank`` under the balanced split ("the first E % ep ranks get one more")."""
-    base, extra = divmod(num_experts, ep)
-    return rank * base + min(rank, extra)
+    return balanced_range(num_experts, ep, rank)[0]
 
 
 class _MisplacedIds(ReferencePerExpertAdapter):
@@ -507,8 +507,8 @@ class FirstRanksGetOneMore(_MisplacedIds):
 
     @staticmethod
     def ids(num_experts: int, ep: int, rank: int, count: int) -> list[int | None]:
-        start, mine = _balanced_first(num_experts, ep, rank), num_experts // ep + (rank < num_experts % ep)
-        return [start + i if i < mine else None for i in range(count)]
+        start, end = balanced_range(num_experts, ep, rank)
+        return [start + i if start + i < end else None for i in range(count)]
 
 
 class FloorExpertsPerRank(_MisplacedIds):

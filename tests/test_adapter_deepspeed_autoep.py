@@ -71,7 +71,7 @@ def test_zero1_universal_and_native_loads(pytester: pytest.Pytester) -> None:
     """Held against ``ci/expectations/deepspeed-autoep.toml``: the model-only conversion's loud failure is expected,
     so the session is green."""
     result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={MODULE}:DeepSpeedAutoEPAdapter",
-                             "-k", "not unpacked and not fsdp and not E6 and load_ep4 and (save_ep2 or save_ep4)",
+                             "-k", "not unpacked and not fsdp and not E5 and load_ep4 and (save_ep2 or save_ep4)",
                              *expectations_args("deepspeed-autoep"))
     assert_as_expected(result, doc)
     cells, statuses, _ = by_status(doc)
@@ -92,7 +92,7 @@ def test_zero1_universal_and_native_loads(pytester: pytest.Pytester) -> None:
 @pytest.mark.slow
 def test_zero2_universal_and_native_loads(pytester: pytest.Pytester) -> None:
     cells, statuses, _ = run_cells(pytester, "DeepSpeedAutoEPZero2Adapter",
-                                   "not unpacked and not fsdp and not E6 and not legacy and model+optim and "
+                                   "not unpacked and not fsdp and not E5 and not legacy and model+optim and "
                                    "load_ep2 and (save_ep1 or save_ep2)")
     passing = {ID.format(state="model+optim", s=1, t=2), ID.format(state="model+optim", s=2, t=2)}
     assert set(cells) == passing and statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in cells}
@@ -102,7 +102,7 @@ def test_zero2_universal_and_native_loads(pytester: pytest.Pytester) -> None:
 
 def test_load_without_conversion_is_silently_wrong_and_caught(pytester: pytest.Pytester) -> None:
     cells, statuses, _ = run_cells(pytester, "DeepSpeedAutoEPNoConversionAdapter",
-                                   "not unpacked and not fsdp and not E6 and not legacy and save_ep4 and load_ep2")
+                                   "not unpacked and not fsdp and not E5 and not legacy and save_ep4 and load_ep2")
     model, optim = ID.format(state="model", s=4, t=2), ID.format(state="model+optim", s=4, t=2)
     assert statuses.get("pass", set()) == {model}, {i: cells[i]["detail"] for i in cells}
     assert statuses.get("fail", set()) == {optim}, {i: cells[i]["detail"] for i in cells}
@@ -127,7 +127,7 @@ def test_bf16_zero1_universal_load_compares_masters(pytester: pytest.Pytester) -
     as in fp32.  The fp32 masters are compared: a passing cell's count holds them (4 views per parameter with the
     optimizer, 2 without; 3 and 1 without masters)."""
     result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed-autoep-bf16",
-                             "-k", "not unpacked and not fsdp and not E6 and not legacy and load_ep1 and "
+                             "-k", "not unpacked and not fsdp and not E5 and not legacy and load_ep1 and "
                                    "(save_ep1 or save_ep2)",
                              *expectations_args("deepspeed-autoep-bf16"))
     assert doc["adapter"]["version"] == "0.19.8", doc["adapter"]
@@ -152,7 +152,7 @@ def test_bf16_zero1_universal_load_compares_masters(pytester: pytest.Pytester) -
 def test_bf16_zero2_universal_and_native_loads(pytester: pytest.Pytester) -> None:
     """``DeepSpeedAutoEPZero2Bf16Adapter`` as its fp32 counterpart: model+optimizer 1->2 (universal), 2->2 pass."""
     result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed-autoep-zero2-bf16",
-                             "-k", "not unpacked and not fsdp and not E6 and not legacy and model+optim and "
+                             "-k", "not unpacked and not fsdp and not E5 and not legacy and model+optim and "
                                    "load_ep2 and (save_ep1 or save_ep2)",
                              *expectations_args("deepspeed-autoep-zero2-bf16"))
     assert_as_expected(result, doc)
@@ -168,7 +168,7 @@ def test_bf16_optimizer_step_after_universal_load_is_refused(pytester: pytest.Py
     """``deepspeed-autoep-bf16-fp32accum`` (ZeRO-1, ``BF16_Optimizer``): the universal load 2->1 is right, but the
     next step looks up the stale expert group name the load copied from the checkpoint -- refused, as found."""
     result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=deepspeed-autoep-bf16-fp32accum",
-                             "-k", "not unpacked and not fsdp and not E6 and not legacy and model+optim and "
+                             "-k", "not unpacked and not fsdp and not E5 and not legacy and model+optim and "
                                    "save_ep2 and (load_ep1 or load_ep2)",
                              *expectations_args("deepspeed-autoep-bf16-fp32accum"))
     assert_as_expected(result, doc)

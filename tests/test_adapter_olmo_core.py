@@ -2,15 +2,15 @@
 
 Skipped unless OLMo-core is installed (``ci/install_olmo_core.sh`` installs the pinned 3.0.0).  The subset, from the
 full tier and asserted *as found* (the whole tier runs in ``ci/conformance.sh``; its counts are in
-docs/frameworks/olmo_core.md), is four packed cells in OLMo-core's consecutive EP groups:
+docs/frameworks/olmo_core.md), is five packed cells in OLMo-core's consecutive EP groups:
 
 * ep2c->ep2c without FSDP, model and model+optimizer: pass with every check OLMo-core can run (no ``forward``: its
   kernels need a GPU).  OLMo-core stores ``w1/w2/w3`` flattened, ``(E * rows, cols)``; the checkpoint check learns
   that from the ep=1 save's content and compares those keys by value;
-* E=6, FSDP, ep1->ep2c, model+optimizer: passes.  FSDP2 over 4 ranks cuts the flattened weights mid-expert at
-  ep=1 (24 of 96 ``w1`` rows per rank), and the load side is OLMo-core's EP + HSDP composition
+* FSDP, model+optimizer, E=5 ep1->ep1 and E=4 ep1->ep2c: pass.  FSDP2 over 4 ranks cuts the flattened weights
+  mid-expert at ep=1 (E=5: 80 ``w1`` rows, 20 per rank), and the E=4 load side is OLMo-core's EP + HSDP composition
   (``prepare_experts_for_fsdp`` shards each EP rank's experts over ``dp_replicate``);
-* E=6, ep2c->ep4, model+optimizer: a ``refused`` cell whose first line is OLMo-core's own refusal of E % ep != 0
+* E=5, ep1->ep4, model+optimizer: a ``refused`` cell whose first line is OLMo-core's own refusal of E % ep != 0
   (``MoEMLPBase._shard_experts``: ``OLMoConfigurationError``), with the file and line that raised it.
 
 The outcomes are asserted through ``ci/expectations/olmo_core.toml``, the file a framework team would keep.
@@ -30,14 +30,16 @@ from matrix_expectations import assert_as_expected, by_status, expectations_args
 pytest.importorskip("olmo_core", reason="OLMo-core is not installed (ci/install_olmo_core.sh installs "
                                         "ai2-olmo-core==3.0.0)")
 
-SUBSET = ("kind_packed and ((save_ep2 and load_ep2 and save_consecutive and load_consecutive and not fsdp and not E6 "
-          "and not legacy) or (model+optim and fsdp and E6 and save_ep1 and load_ep2 and load_consecutive) or "
-          "(model+optim and E6 and not fsdp and save_ep2 and save_consecutive and load_ep4))")
+SUBSET = ("kind_packed and ((save_ep2 and load_ep2 and save_consecutive and load_consecutive and not fsdp and not E5 "
+          "and not legacy) or (model+optim and fsdp and save_ep1 and (E5 and load_ep1 or not E5 and load_ep2 and "
+          "load_consecutive)) or "
+          "(model+optim and E5 and not fsdp and save_ep1 and load_ep4))")
 CELL = "moe-ep-matrix::checkpoint::packed::{state}::ep-only::ep2c->ep2c"
-FSDP_E6 = "moe-ep-matrix::checkpoint::packed::model+optim::fsdp::E6::ep1->ep2c"
-UNEVEN = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E6::ep2c->ep4"
-CELLS = {CELL.format(state=s) for s in ("model", "model+optim")} | {FSDP_E6}
-REFUSAL = "OLMoConfigurationError: 'num_experts' (6) must be divisible by the expert parallel shard degree (4)."
+FSDP_E5 = "moe-ep-matrix::checkpoint::packed::model+optim::fsdp::E5::ep1->ep1"
+FSDP_HSDP = "moe-ep-matrix::checkpoint::packed::model+optim::fsdp::ep1->ep2c"
+UNEVEN = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::E5::ep1->ep4"
+CELLS = {CELL.format(state=s) for s in ("model", "model+optim")} | {FSDP_E5, FSDP_HSDP}
+REFUSAL = "OLMoConfigurationError: 'num_experts' (5) must be divisible by the expert parallel shard degree (4)."
 
 
 #: the seeded bug, written into the pytester directory so the matrix subprocess (and its ranks) can import it.
@@ -59,7 +61,7 @@ def test_olmo_core_subset_as_found(pytester: pytest.Pytester) -> None:
     assert doc["adapter"] == {"name": "olmo_core", "version": "3.0.0"}
     cells = assert_as_expected(result, doc)  # the uneven cell's refusal is expected: the session is green
     assert {i for i, c in cells.items() if c["status"] == "pass"} == CELLS
-    assert doc["summary"] == {"pass": 3, "fail": 0, "error": 1, "n/a": 0}
+    assert doc["summary"] == {"pass": 4, "fail": 0, "error": 1, "n/a": 0}
     assert cells[UNEVEN]["finding"] == "refused" and cells[UNEVEN]["expectation"] in ("met", "updated")
     for cell_id in CELLS:
         cell = cells[cell_id]

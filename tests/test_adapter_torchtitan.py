@@ -5,17 +5,17 @@ matrix runs in a pytester subprocess and its outcome is asserted *as found*, cel
 change in the harness or in torchtitan that flips one is noticed:
 
 * ``torchtitan`` (``spmd_backend="partial_dtensor"``): every packed cell passes -- EP-only and
-  FSDP, model and model+optimizer, every EP pair, and E=6 at ep=4;
+  FSDP, model and model+optimizer, every EP pair, and E=5 at ep=2 and ep=4;
 * ``torchtitan-local`` (``"spmd_types"``, torchtitan's default): EP-only passes only at ep=1 ->
   ep=1; a save at ep > 1 reloaded at the same ep silently gives ranks another rank's experts
-  (fail); between different EP degrees DCP refuses the local shapes (error); E=6 at ep=4 cannot be
+  (fail); between different EP degrees DCP refuses the local shapes (error); E=5 at ep=2 or 4 cannot be
   built (error); every FSDP cell errors in ``parallelize_qwen3`` (torch 2.13's ``fully_shard``
   wants DTensors there);
 * both: unpacked and cross-kind cells and legacy cells are n/a (``GroupedExperts`` is packed;
   torchtitan has no legacy save).
 
 The ``forward`` check (torchtitan's own MoE forward with its token dispatcher): passes in every
-``torchtitan`` cell that runs it; n/a where E=6 is loaded at ep=4 (the all-to-all dispatcher's
+``torchtitan`` cell that runs it; n/a where E=5 is loaded at ep=2 or 4 (the all-to-all dispatcher's
 ``view(ep, -1)`` of the token counts) and, for ``torchtitan-local``, at every ep > 1 (spmd_types' list
 all_to_all of uneven chunks, which gloo refuses).  Its negative control: ``seeded_forward``'s router rows
 of experts 0 and 1 swapped in the forward after a load fail only ``forward``, in one cell.
@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from matrix_expectations import (
     BIT_FOR_BIT,
-    E6,
+    E5,
     EVEN,
     PACKED_ONLY_NOT_APPLICABLE,
     assert_as_expected,
@@ -55,10 +55,10 @@ def run_matrix(pytester: pytest.Pytester, adapter: str) -> tuple[pytest.RunResul
 
 
 #: the forward check's n/a reasons, as found.
-DISPATCHER_E6 = ("the framework's forward cannot run in this cell: torchtitan's AllToAllTokenDispatcher cannot split "
-                 "the token counts of E=6 experts over ep=4 (_token_count_exchange: "
-                 "num_local_tokens_per_expert_E.view(ep, -1)): RuntimeError: shape '[4, -1]' is invalid for input "
-                 "of size 6")
+DISPATCHER_E5 = ("the framework's forward cannot run in this cell: torchtitan's AllToAllTokenDispatcher cannot split "
+                 "the token counts of E=5 experts over ep={ep} (_token_count_exchange: "
+                 "num_local_tokens_per_expert_E.view(ep, -1)): RuntimeError: shape '[{ep}, -1]' is invalid for input "
+                 "of size 5")
 GLOO_LIST_ALL_TO_ALL = "list all_to_all of uneven per-rank chunks, which ProcessGroupGloo refuses"
 FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
 
@@ -67,16 +67,16 @@ FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
 def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Pytester) -> None:
     _, doc = run_matrix(pytester, "torchtitan")
     cells, statuses, na = by_status(doc)
-    passing = set(EVEN) | set(E6)
+    passing = set(EVEN) | set(E5)
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing - statuses["pass"]}
     assert na == PACKED_ONLY_NOT_APPLICABLE
-    assert doc["summary"] == {"pass": 36 + 5, "fail": 0, "error": 0, "n/a": 65}
+    assert doc["summary"] == {"pass": 36 + 8, "fail": 0, "error": 0, "n/a": 65}
     assert_even_cells_pass(cells)
-    for cell_id, (s, t) in E6.items():
-        assert (cells[cell_id]["save_ep"], cells[cell_id]["load_ep"], cells[cell_id]["num_experts"]) == (s, t, 6)
+    for cell_id, (s, t) in E5.items():
+        assert (cells[cell_id]["save_ep"], cells[cell_id]["load_ep"], cells[cell_id]["num_experts"]) == (s, t, 5)
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
-        if t == 4:  # the all-to-all dispatcher cannot split E=6 token counts over 4 ranks
-            assert cells[cell_id]["skipped_checks"] == {"forward": DISPATCHER_E6}, cells[cell_id]
+        if t > 1:  # the all-to-all dispatcher cannot split E=5 token counts over 2 or 4 ranks
+            assert cells[cell_id]["skipped_checks"] == {"forward": DISPATCHER_E5.format(ep=t)}, cells[cell_id]
         else:
             assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
     for cell_id in EVEN:  # torchtitan's forward after the load equals the ep=1 truth's, with and without FSDP
@@ -108,23 +108,23 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     fsdp = {i for i, v in EVEN.items() if v[1]}
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing ^ statuses["pass"]}
     assert statuses.get("fail", set()) == silent, {i: cells[i]["detail"] for i in silent ^ statuses["fail"]}
-    assert statuses.get("error", set()) == reshard | fsdp | set(E6)
+    assert statuses.get("error", set()) == reshard | fsdp | set(E5)
     assert na == PACKED_ONLY_NOT_APPLICABLE
-    assert doc["summary"] == {"pass": 2, "fail": 4, "error": 6 * 2 + 18 + 5, "n/a": 65}
+    assert doc["summary"] == {"pass": 2, "fail": 4, "error": 6 * 2 + 18 + 8, "n/a": 65}
 
     for cell_id in passing:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
         assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
     # How bad each red cell is: the same-EP reload hands ranks each other's experts without a word (silent, and the
     # save is lossy: on-disk); between EP degrees DCP refuses the local shapes (refused, after on-disk where the save
-    # was at ep > 1); E=6 at ep=4 is torchtitan's own split refusing; FSDP under spmd_types fails in torchtitan.
+    # was at ep > 1); E=5 at ep=2 and 4 is torchtitan's own split refusing; FSDP under spmd_types fails in torchtitan.
     assert {cells[i]["finding"] for i in silent} == {"silent"}
     assert all(cells[i]["findings"] == ["silent", "on-disk"] for i in silent)
     assert {cells[i]["finding"] for i in reshard if EVEN[i][2] > 1} == {"on-disk"}
     assert all("refused" in cells[i]["findings"] for i in reshard)
     assert {cells[i]["finding"] for i in reshard if EVEN[i][2] == 1} == {"refused"}
     assert {cells[i]["finding"] for i in fsdp} == {"refused"}
-    assert all("refused" in cells[i]["findings"] for i in E6)  # after on-disk where the save was at ep > 1
+    assert all("refused" in cells[i]["findings"] for i in E5)
     for cell_id in silent:  # the forward at ep > 1 cannot run on gloo under spmd_types: the values finding stays
         assert GLOO_LIST_ALL_TO_ALL in cells[cell_id]["skipped_checks"]["forward"], cells[cell_id]
         # DCP kept one rank's E/ep rows of each expert tensor; the other ranks got them on reload.
@@ -146,9 +146,10 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
         detail = cells[cell_id]["detail"]
         assert "torchtitan parallelize_qwen3 failed (spmd_backend='spmd_types'" in detail, detail
         assert "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh" in detail, detail
-    for cell_id in E6:
-        detail = cells[cell_id]["detail"]
-        assert re.search(r"rank 3 raised BuildFailed: the framework refused the (save|load) side's build at ep=4, "
-                         r".*FrameworkRefusal: 'w[123]_E[FD][FD]' of layer \d: ep rank 3 of 4 holds a plain expert "
-                         r"tensor of 2 rows where Shard\(0\)'s chunk rule \(ceil\(E/ep\) per rank\) gives it "
-                         r"experts \[6, 6\) of E=6", detail), detail
+    for cell_id, (s, t) in E5.items():
+        detail, ep = cells[cell_id]["detail"], s if s > 1 else t  # the save side's build refuses first
+        rank, experts = (1, r"\[3, 5\)") if ep == 2 else (2, r"\[4, 5\)")
+        assert re.search(rf"raised BuildFailed: the framework refused the (save|load) side's build at ep={ep}\b.*"
+                         rf"FrameworkRefusal: 'w[123]_E[FD][FD]' of layer \d: ep rank {rank} of {ep} holds a plain "
+                         rf"expert tensor of \d rows where Shard\(0\)'s chunk rule \(ceil\(E/ep\) per rank\) gives it "
+                         rf"experts {experts} of E=5", detail), detail

@@ -8,8 +8,8 @@ pytester subprocess and its outcome is asserted *as found*, cell by cell.
 A small stated subset of the full tier (``ci/conformance.sh`` runs all of it): packed, model+optimizer, FSDP2,
 E=4 -- ep2c -> ep4, ep4 -> ep1 and HSDP ep2.hsdp2 -> ep4 pass bit for bit with every check (``checkpoint``,
 ``values``, ``missing``, ``scalars``, ``resume``, ``forward``); the EP-only, strided-order and expert-TP cells of
-the same pair are n/a, each with its reason; E=6 at ep=4 is an ``error`` cell: transformers refuses to split 6
-experts over 4 ranks.  The negative control: the same adapter with
+the same pair are n/a, each with its reason; E=5 loaded at ep=4 is an ``error`` cell: transformers refuses to split
+5 experts over 4 ranks.  The negative control: the same adapter with
 the optimizer load left out (what a Trainer resume under ``DistributedConfig`` gives: the Trainer refuses to
 save optimizer state there) fails its cell on ``scalars`` and ``values``.
 
@@ -43,11 +43,11 @@ NOT_APPLICABLE = {
     CELL.format(mode="fsdp", experts="", pair="ep2.etp2->ep4"): "adapter does not support expert tensor parallelism "
                                                                  "(etp > 1)",
 }
-#: E=6 at ep=4: transformers' grouped_gemm refuses to split the experts (a loud refusal, as found).
-UNEVEN = CELL.format(mode="fsdp", experts="E6::", pair="ep2c->ep4")
-UNEVEN_REFUSAL = "ValueError: Cannot evenly shard 6 experts across 4 expert-parallel ranks."
+#: E=5 loaded at ep=4: transformers' expert parallelism refuses to split the experts (a loud refusal, as found).
+UNEVEN = CELL.format(mode="fsdp", experts="E5::", pair="ep1->ep4")
+UNEVEN_REFUSAL = "ValueError: Cannot evenly shard 5 experts across 4 expert-parallel ranks."
 SUBSET = ("kind_packed and optim and E4 and fsdp and ((save_ep2 and load_ep4) or (save_ep4 and load_ep1))"
-          " or kind_packed and E6 and fsdp and optim and save_ep2 and save_consecutive and load_ep4"
+          " or kind_packed and E5 and fsdp and optim and save_ep1 and load_ep4"
           " or kind_packed and optim and not fsdp and save_ep2 and save_consecutive and load_ep4")
 SEEDED = '''
 from conformance.adapters.transformers_ep import TransformersAdapter

@@ -126,7 +126,7 @@ def pytest_runtest_logfinish(nodeid, location):
     ("[[cell]\nid=", "not valid TOML: Expected ']]' at the end of an array declaration (at line 1, column 7)"),
     ('[[cell]]\nid = "checkpoint::*"\nfinding = "lost"\n', "unknown finding 'lost'"),
     ('[[cell]]\nid = "checkpoint::nope::*"\nfinding = "silent"\n', "names no cell of any tier (world size 4, "
-                                                                     "experts 4,6)"),
+                                                                     "experts 4,5)"),
     ('[[cell]]\nid = "checkpoint::*"\nfinding = "silent"\nadapter = "megatron"\n',
      "names adapter 'megatron'; this session checks 'reference'"),
 ])
@@ -190,7 +190,7 @@ def run_report_with_refusing_adapter(pytester: pytest.Pytester, cls: str = "Refu
                                      *extra: str) -> tuple[pytest.RunResult, dict[str, Any]]:
     pytester.makepyfile(refusing_adapter=REFUSING, refusing_framework=FRAMEWORK)
     return run(pytester, f"--moe-ep-adapter=refusing_adapter:{cls}", "-k", "kind_packed and model and not optim "
-               "and not fsdp and load_ep4 and not E6", *extra, out=cls)
+               "and not fsdp and load_ep4 and not E5", *extra, out=cls)
 
 
 def test_a_framework_refusal_keeps_its_file_and_line_and_an_adapter_bug_is_an_error(pytester: pytest.Pytester) -> None:
@@ -245,7 +245,7 @@ def test_xdist_workers_judge_and_the_controller_updates(pytester: pytest.Pyteste
     pytest.importorskip("xdist")
     baseline = pytester.path / "legacy.toml"
     args = ("-p", "no:cacheprovider", "-n", "2", "-p", "xdist", "--moe-ep-matrix=1,2", "--moe-ep-adapter=legacy",
-            f"--moe-ep-expectations={baseline}", "-k", "kind_unpacked and ep-only and not E6 and not consecutive and "
+            f"--moe-ep-expectations={baseline}", "-k", "kind_unpacked and ep-only and not E5 and not consecutive and "
             "not optim")
     result = pytester.runpytest_subprocess(*args, "--moe-ep-update-expectations", timeout=600)
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -270,7 +270,7 @@ def test_under_torchrun_rank_0_writes_the_file_and_every_rank_holds_to_it(pytest
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",
              "-p", "no:cacheprovider", "--moe-ep-timeout=120", "--moe-ep-matrix=2", "--moe-ep-world-size=2",
              "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}", "-k", "kind_unpacked and model and "
-             "not optim and ep-only and not E6", *extra],
+             "not optim and ep-only and not E5", *extra],
             cwd=pytester.path, env=env, capture_output=True, text=True, timeout=400)
 
     first = launch("--moe-ep-update-expectations")

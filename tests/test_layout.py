@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from reference_impl.layout import expert_counts, expert_owner, expert_range
+from reference_impl.layout import balanced_range, expert_counts, expert_owner, expert_range, uneven_classes
 
 GRID = [(e, k) for e in range(1, 17) for k in range(1, 9)]
 
@@ -63,3 +63,25 @@ def test_every_expert_has_exactly_one_owner(n_experts: int, n_ranks: int) -> Non
 def test_bad_arguments_raise_value_error(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -- the uneven classes a split reaches (issue 34: the default tier's uneven expert count) --------------------
+@pytest.mark.parametrize(("n_experts", "n_ranks", "classes"), [
+    (5, 4, ("partial", "empty", "miscount", "mislabel")),  # 2,2,1,0 vs 2,1,1,1: rank 2 holds expert 4, named 3
+    (6, 4, ("empty", "miscount")),                        # 2,2,2,0 vs 2,2,1,1: no rank with agreeing counts differs
+    (5, 2, ("partial",)),                                 # 3,2 under both splits
+    (7, 4, ("partial",)),                                 # 2,2,2,1 under both
+    (9, 8, ("partial", "empty", "miscount", "mislabel")),
+    (4, 4, ()), (8, 2, ()),
+])
+def test_uneven_classes(n_experts: int, n_ranks: int, classes: tuple[str, ...]) -> None:
+    assert uneven_classes(n_experts, n_ranks) == classes
+
+
+@pytest.mark.parametrize(("n_experts", "n_ranks"), [(e, k) for e in range(1, 13) for k in (1, 2, 3, 4, 8)])
+def test_the_balanced_split_covers_every_expert_once_and_agrees_when_k_divides_e(n_experts: int, n_ranks: int) -> None:
+    ranges = [balanced_range(n_experts, n_ranks, r) for r in range(n_ranks)]
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(n_experts))
+    if n_experts % n_ranks == 0:
+        assert ranges == [expert_range(n_experts, n_ranks, r) for r in range(n_ranks)]
+        assert uneven_classes(n_experts, n_ranks) == ()

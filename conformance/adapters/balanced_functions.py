@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import reference_impl.state_dict_utils as _reference
-from reference_impl.layout import _check
+from reference_impl.layout import _check, balanced_range
 from reference_impl.state_dict_utils import (
     EXPERT_MESH_DIMS,
     _get_expert_mesh_dim_index,
@@ -47,12 +47,7 @@ __all__ = [
 
 def expert_range(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]:
     """The bug: the first ``num_experts % num_ranks`` ranks hold one extra expert."""
-    _check(num_experts, num_ranks)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-        raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
-    base, extra = divmod(num_experts, num_ranks)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+    return balanced_range(num_experts, num_ranks, rank)
 
 
 def expert_counts(num_experts: int, num_ranks: int) -> list[int]:
