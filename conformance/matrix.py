@@ -284,11 +284,12 @@ def uneven_reach(records: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
     split bugs it could have caught (a tier that never reaches ``mislabel`` cannot catch a silent mislabel)."""
     found: dict[str, set[tuple[int, int]]] = {}
     for r in records:
-        if r.get("suite") != "checkpoint" or r.get("legacy") or r.get("status") == "n/a":
-            continue
-        for ep in {r["save_ep"], r["load_ep"]}:
-            for name in uneven_classes(r["num_experts"], ep) if r["num_experts"] % ep else ():
-                found.setdefault(name, set()).add((r["num_experts"], ep))
+        experts, eps = r.get("num_experts"), {ep for ep in (r.get("save_ep"), r.get("load_ep")) if isinstance(ep, int)}
+        if r.get("suite") != "checkpoint" or r.get("legacy") or r.get("status") == "n/a" or not experts:
+            continue  # (a record without its layout -- an older report's -- reaches nothing we can name)
+        for ep in eps:
+            for name in uneven_classes(experts, ep) if experts % ep else ():
+                found.setdefault(name, set()).add((experts, ep))
     return {name: [f"E={e} at ep={ep}" for e, ep in sorted(found[name])] for name in UNEVEN_CLASSES if name in found}
 
 

@@ -1,4 +1,5 @@
-"""The expert layout rule: which global experts an expert-parallel rank holds.
+"""The expert layout rule: which global experts an expert-parallel rank holds (and the stage rule beside it:
+which global layers a pipeline stage holds, :func:`stage_layers`).
 
 Everything in this project that needs to know where an expert lives asks :func:`expert_range`.
 The rule is DTensor's own ``Shard(0)`` rule (``torch.chunk`` semantics), because that is the
@@ -12,7 +13,8 @@ records rows 4:6 for rank 2 and none for rank 3, so a checkpoint saved from it l
 
 from __future__ import annotations
 
-__all__ = ["UNEVEN_CLASSES", "balanced_range", "expert_counts", "expert_owner", "expert_range", "uneven_classes"]
+__all__ = ["UNEVEN_CLASSES", "balanced_range", "expert_counts", "expert_owner", "expert_range", "layer_stage",
+           "stage_layers", "uneven_classes"]
 
 
 def _check(num_experts: int, num_ranks: int) -> None:
@@ -46,6 +48,13 @@ def expert_owner(expert_id: int, num_experts: int, num_ranks: int) -> int:
     return expert_id // -(-num_experts // num_ranks)
 
 
+def _first_ones_one_more(count: int, parts: int, part: int) -> tuple[int, int]:
+    """``count`` items over ``parts`` in contiguous blocks, the first ``count % parts`` one item longer."""
+    base, extra = divmod(count, parts)
+    start = part * base + min(part, extra)
+    return start, start + base + (part < extra)
+
+
 def balanced_range(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]:
     """The tempting split, **not** the layout rule: the first ``E % k`` ranks hold one more expert.
 
@@ -55,9 +64,33 @@ def balanced_range(num_experts: int, num_ranks: int, rank: int) -> tuple[int, in
     _check(num_experts, num_ranks)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
         raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
-    base, extra = divmod(num_experts, num_ranks)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+    return _first_ones_one_more(num_experts, num_ranks, rank)
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """``(start, end)`` of the global layers pipeline stage ``stage`` of ``pp`` holds (end exclusive).
+
+    The stage rule, beside the expert rule and asked the same way: contiguous blocks, the first ``L % pp`` stages one
+    layer longer -- torchtitan's default split of decoder layers (it also weighs the embedding and output, which this
+    model does not have); Megatron-Core's default needs ``pp`` to divide ``L`` and then agrees.  Layers are not rows of
+    one tensor, so no DTensor layout constrains this split: what a checkpoint needs is only that a stage names its
+    layers by their global index (stage 1 of 2 holds layers 2 and 3 of 4, saved as ``layers.2`` and ``layers.3``).
+    """
+    for name, value in (("num_layers", num_layers), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} stages need at least {pp} layers to hold one each, got num_layers={num_layers}")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
+        raise ValueError(f"stage must be an int in [0, {pp}), got {stage!r}")
+    return _first_ones_one_more(num_layers, pp, stage)
+
+
+def layer_stage(layer: int, num_layers: int, pp: int) -> int:
+    """The pipeline stage that holds global layer ``layer`` (:func:`stage_layers`' inverse)."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+    return next(s for s in range(pp) if layer < stage_layers(num_layers, pp, s)[1])
 
 
 #: what an uneven split (``E % k != 0``) can put in front of a framework, and so what a bug needs to show itself.

@@ -300,20 +300,46 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.norm(x))
 
 
+class Layers(nn.ModuleDict):
+    """A model's blocks under their global index (``layers.4``), as torchtitan keeps them: a pipeline stage drops the
+    blocks it does not hold (:func:`~reference_impl.parallelize.apply_pipeline`) and the rest keep their names, so the
+    stage's state dict names every layer globally.  A ``ModuleList`` would renumber them 0..k-1 -- the stage-local
+    naming that files stage 1's first layer where layer 0 belongs.  Indexing by int and iterating the blocks in layer
+    order work as on a ``ModuleList``."""
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __setitem__(self, index: int | str, module: nn.Module) -> None:
+        super().__setitem__(str(index), module)
+
+    def __delitem__(self, index: int | str) -> None:
+        super().__delitem__(str(index))
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter([self._modules[k] for k in sorted(self._modules, key=int)])
+
+    def indices(self) -> list[int]:
+        """The global indices of the blocks held, ascending."""
+        return sorted(int(k) for k in self._modules)
+
+
 class MoEModel(nn.Module):
     """``num_layers`` MoE blocks and a final norm: enough model for more than one MoE layer."""
 
     def __init__(self, config: MoEConfig, num_layers: int, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(MoEBlock(config, f"layers.{i}", seed) for i in range(num_layers))
-        self.norm = nn.RMSNorm(config.dim, dtype=config.dtype)
+        self.num_layers = num_layers
+        self.layers = Layers({str(i): MoEBlock(config, f"layers.{i}", seed) for i in range(num_layers)})
+        self.norm: nn.Module | None = nn.RMSNorm(config.dim, dtype=config.dtype)
         _fill(self.norm.weight, config.init_std, seed, "norm", mean=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The held blocks in layer order, then the final norm where this model (or stage) holds it."""
         for layer in self.layers:
             x = layer(x)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
 
 def build_model(config: MoEConfig, num_layers: int = 2, seed: int = 0) -> MoEModel:

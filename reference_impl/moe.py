@@ -21,7 +21,7 @@ from reference_impl.model import (
     named_parameters,
     stable_seed,
 )
-from reference_impl.parallelize import HIDDEN_AXIS, apply_expert_parallel, apply_fsdp
+from reference_impl.parallelize import HIDDEN_AXIS, apply_expert_parallel, apply_fsdp, apply_pipeline
 
 __all__ = [
     "HIDDEN_AXIS",
@@ -34,6 +34,7 @@ __all__ = [
     "MoEModel",
     "apply_expert_parallel",
     "apply_fsdp",
+    "apply_pipeline",
     "build_model",
     "moe_layers",
     "named_modules",

@@ -10,6 +10,7 @@ comes from :func:`reference_impl.layout.expert_range`, the one layout rule.
 :func:`apply_expert_parallel` also applies expert tensor parallelism (``etp``): each expert's
 weights sharded over the ``etp`` mesh dim on the hidden axis, the forward still the ep=1 one.
 :func:`apply_fsdp` composes FSDP2 (or HSDP) on top, sharding each rank's experts over ``dp_shard``.
+:func:`apply_pipeline` keeps one pipeline stage's blocks, under their global names (apply it first).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from reference_impl.layout import expert_range
-from reference_impl.model import MoEMLP, moe_modules
+from reference_impl.layout import expert_range, stage_layers
+from reference_impl.model import MoEMLP, MoEModel, moe_modules
 
-__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp"]
+__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp", "apply_pipeline"]
 
 
 #: the tensor axis that expert tensor parallelism splits, per expert weight: the hidden axis
@@ -116,4 +117,22 @@ def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
         if moe is not model:
             fully_shard(moe, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
+    """Keep pipeline stage ``stage`` of ``pp``: its blocks (:func:`reference_impl.layout.stage_layers`, the one stage
+    rule) under their global names, and the final norm on the last stage only.  Apply it before the EP split.
+
+    Nothing is copied or renamed: the stage's state dict is the whole model's restricted to its layers, so a
+    checkpoint of the stages together holds what the pp=1 model's does (the layer's twin of
+    :class:`~reference_impl.expert_layout.ExpertLayout`, free here because the blocks keep their names).  Running
+    the stages in turn, each on the last one's output, is the pp=1 forward.
+    """
+    start, end = stage_layers(model.num_layers, pp, stage)
+    for index in model.layers.indices():
+        if not start <= index < end:
+            del model.layers[str(index)]
+    if stage != pp - 1:
+        model.norm = None
     return model

@@ -7,7 +7,15 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from reference_impl.layout import balanced_range, expert_counts, expert_owner, expert_range, uneven_classes
+from reference_impl.layout import (
+    balanced_range,
+    expert_counts,
+    expert_owner,
+    expert_range,
+    layer_stage,
+    stage_layers,
+    uneven_classes,
+)
 
 GRID = [(e, k) for e in range(1, 17) for k in range(1, 9)]
 
@@ -85,3 +93,30 @@ def test_the_balanced_split_covers_every_expert_once_and_agrees_when_k_divides_e
     if n_experts % n_ranks == 0:
         assert ranges == [expert_range(n_experts, n_ranks, r) for r in range(n_ranks)]
         assert uneven_classes(n_experts, n_ranks) == ()
+
+
+# -- the stage rule (issue 34): which global layers a pipeline stage holds ------------------------------------
+def test_stages_are_contiguous_and_the_first_stages_take_the_extra_layers() -> None:
+    assert [stage_layers(4, 2, s) for s in range(2)] == [(0, 2), (2, 4)]
+    assert [stage_layers(5, 2, s) for s in range(2)] == [(0, 3), (3, 5)]  # torchtitan's split: first stages longer
+    assert [stage_layers(7, 3, s) for s in range(3)] == [(0, 3), (3, 5), (5, 7)]
+
+
+@pytest.mark.parametrize(("num_layers", "pp"), [(n, p) for n in range(1, 9) for p in range(1, n + 1)])
+def test_every_layer_has_exactly_one_stage_and_no_stage_is_empty(num_layers: int, pp: int) -> None:
+    blocks = [stage_layers(num_layers, pp, s) for s in range(pp)]
+    assert [i for a, b in blocks for i in range(a, b)] == list(range(num_layers))
+    assert all(b > a for a, b in blocks)
+    assert [layer_stage(i, num_layers, pp) for i in range(num_layers)] == [s for s, (a, b) in enumerate(blocks)
+                                                                           for _ in range(a, b)]
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: stage_layers(2, 3, 0), r"pp=3 stages need at least 3 layers"),
+    (lambda: stage_layers(4, 0, 0), r"pp must be an int >= 1, got 0"),
+    (lambda: stage_layers(4, 2, 2), r"stage must be an int in \[0, 2\), got 2"),
+    (lambda: layer_stage(4, 4, 2), r"layer must be an int in \[0, 4\), got 4"),
+])
+def test_bad_stage_arguments_raise_value_error(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()

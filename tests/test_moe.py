@@ -279,3 +279,47 @@ def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsd
                                    msg=lambda m, n=piece.name: f"{where}: gradient of {n}: {m}")
         checked += 1
     assert checked, where
+
+
+# -- pipeline stages (issue 34): the reference keeps a stage's blocks under their global names ----------------
+@pytest.mark.parametrize(("num_layers", "pp"), [(2, 2), (3, 2), (5, 3)])
+@pytest.mark.parametrize("kind", ["packed", "unpacked"])
+def test_pipeline_stages_partition_the_state_dict_and_chain_to_the_whole_forward(num_layers: int, pp: int,
+                                                                                  kind: str) -> None:
+    from reference_impl.layout import stage_layers
+    from reference_impl.moe import apply_pipeline
+
+    config = MoEConfig(num_experts=4, dim=8, hidden=16, kind=kind, top_k=2)
+    whole = build_model(config, num_layers, seed=3)
+    stages = [apply_pipeline(build_model(config, num_layers, seed=3), pp, s) for s in range(pp)]
+    want = whole.state_dict()
+    held = [m.state_dict() for m in stages]
+    keys = [k for sd in held for k in sd]
+    assert sorted(keys) == sorted(want) and len(keys) == len(set(keys))  # every key once, under its global name
+    for stage, sd in enumerate(held):
+        start, end = stage_layers(num_layers, pp, stage)
+        assert {int(k.split(".")[1]) for k in sd if k.startswith("layers.")} == set(range(start, end))
+        assert ("norm.weight" in sd) == (stage == pp - 1)
+        assert all(torch.equal(t, want[k]) for k, t in sd.items())
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
+    y = x
+    with torch.no_grad():
+        for model in stages:
+            y = model(y)
+        assert torch.equal(y, whole(x))
+
+
+def test_a_stage_that_renumbers_its_layers_files_them_where_other_layers_belong() -> None:
+    """The negative control for the names: stage 1 of 2 renumbered 0..k-1 (a ``ModuleList`` rebuilt from the
+    stage's blocks) saves layer 2's weights under ``layers.0``, the key stage 0's layer 0 also writes."""
+    from torch import nn
+
+    from reference_impl.moe import apply_pipeline
+
+    config = MoEConfig(num_experts=4, dim=8, hidden=16, kind="packed", top_k=2)
+    stage = apply_pipeline(build_model(config, 4, seed=3), 2, 1)
+    stage.layers = nn.ModuleList(list(stage.layers))  # type: ignore[assignment]
+    renumbered, whole = stage.state_dict(), build_model(config, 4, seed=3).state_dict()
+    assert "layers.0.moe.up_w" in renumbered and "layers.2.moe.up_w" not in renumbered
+    assert torch.equal(renumbered["layers.0.moe.up_w"], whole["layers.2.moe.up_w"])
+    assert not torch.equal(renumbered["layers.0.moe.up_w"], whole["layers.0.moe.up_w"])
