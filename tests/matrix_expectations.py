@@ -41,7 +41,7 @@ EVEN = {ID.format(state=state, mode=mode, pair=pair(s, t)): (state, mode == "fsd
 E5 = {ID_E5.format(pair=pair(s, t)): (s, t) for s, t in UNEVEN}
 #: the n/a reasons (and counts) of an adapter with packed layers only and no legacy save.
 PACKED_ONLY_NOT_APPLICABLE = {
-    "adapter supports layer kinds packed, not unpacked": 59,
+    "adapter supports layer kinds packed, not unpacked": 62,
     "adapter has no save_legacy (its old, lossy save)": 6,
 }
 BIT_FOR_BIT = "the ep=1 ground truth bit for bit"

@@ -5,10 +5,11 @@ transformers 5.18.0).  Both runs happen in pytester subprocesses and their outco
 cell by cell, so a change in the harness or in NeMo that flips one is noticed:
 
 * checkpoint matrix (``--moe-ep-adapter=nemo_automodel``): every packed E=4 cell passes -- EP-only and FSDP,
-  model and model+optimizer, every EP pair of 1, 2, 4; every E=6 cell (each involves ep=4) errors on ranks 2
+  model and model+optimizer, every EP pair of 1, 2, 4; every E=5 cell that involves ep=4 errors on ranks 1
   and 3 in NeMo's ``split_experts_weights_dtensor_aware`` ("Expected local tensor first dimension to be 1
-  (experts 4:5), got 2" / "(experts 5:6), got 0"): its "first E % k ranks get one more" split disagrees with
-  the ``Shard(0)`` rows its own ``ExpertParallel`` gave the ranks; unpacked, cross-kind and legacy cells are
+  (experts 2:3), got 2" / "(experts 4:5), got 0"): its "first E % k ranks get one more" split disagrees with
+  the ``Shard(0)`` rows its own ``ExpertParallel`` gave the ranks; E=5 at ep=2 (3, 2 under both splits) passes,
+  its forward n/a (``GroupedExperts.forward`` asserts E % ep == 0); unpacked, cross-kind and legacy cells are
   n/a (``GroupedExperts`` is packed; NeMo has no legacy save);
 * functions suite (``--moe-ep-functions=nemo_automodel``): 17 of 108 records pass (``is_dtensor`` everywhere,
   ``validate_dtensor_expert_sharding`` on five meshes); the rest disagree with the reference, each for the
@@ -162,12 +163,16 @@ def test_nemo_automodel_matrix_passes_where_its_split_is_shard0s_and_is_refused_
     assert statuses.get("error", set()) == at_ep4, {i: cells[i]["detail"] for i in at_ep4 ^ statuses["error"]}
     assert "fail" not in statuses
     assert na == PACKED_ONLY_NOT_APPLICABLE
-    assert doc["summary"] == {"pass": 39, "fail": 0, "error": 5, "n/a": 65}
-    result.assert_outcomes(passed=39, xfailed=5, skipped=65)
+    assert doc["summary"] == {"pass": 39, "fail": 0, "error": 5, "n/a": 68}
+    result.assert_outcomes(passed=39, xfailed=5, skipped=68)
 
     assert_even_cells_pass(cells)
     for cell_id in EVEN:  # NeMo's forward after the load equals the ep=1 truth's, with and without FSDP
         assert FORWARD_RAN.search(cells[cell_id]["detail"]) and not cells[cell_id]["skipped_checks"], cells[cell_id]
+    for cell_id in set(E5) - at_ep4:  # E=5 at ep=2 round-trips; NeMo's own forward asserts E % ep == 0 there
+        forward = cells[cell_id]["skipped_checks"].get("forward", "")
+        assert ("NeMo's GroupedExperts.forward cannot run E=5 experts at ep=2: AssertionError" in forward) == \
+            (E5[cell_id][1] == 2), cells[cell_id]
     for cell_id in at_ep4:
         cell = cells[cell_id]
         s, t = E5[cell_id]
