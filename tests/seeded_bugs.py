@@ -657,7 +657,8 @@ class PerShardRounding(ReferenceAdapter):
 class FusedAdamW(ReferenceAdapter):
     """Not a bug: the reference stepped with torch's own ``AdamW(fused=True)`` (its fused CPU kernel), whatever it
     rounds on each rank's shard (measured: under 1 ulp of a tensor on a few tensors of the E=4 cells).  Every cell
-    passes."""
+    passes but one kind: loaded at ep=4 with E=5 into unpacked layers, rank 3's expert group is empty and torch's DCP
+    optimizer load leaves it without hyperparameters (the next step: KeyError 'betas'), a refusal, as found."""
 
     name = "seeded-fused-adamw"
 

@@ -320,10 +320,18 @@ def test_an_optimizer_that_rounds_per_shard_is_no_false_alarm(pytester: pytest.P
     torch's ``AdamW(fused=True)``): the saved state is within rounding of the truth, every load gives back exactly
     what was saved, and the pass line says how many tensors a kernel rounded."""
     cells = run_default_tier(pytester, adapter, OPTIM)
-    assert ran(cells) and failing(cells) == {}
+    # Found with E=5 (issue 34): FusedAdamW keeps the experts in their own param group, as trainers do; loaded at
+    # ep=4 into unpacked layers, rank 3 holds no expert, its group is empty, and after torch's DCP optimizer load
+    # that group has lost its hyperparameters: the next step raises KeyError 'betas' on that rank (a loud refusal).
+    empty_group = {i for i, c in ran(cells).items() if adapter == "FusedAdamW" and c["num_experts"] == 5
+                   and c["load_ep"] == 4 and c["kind"].endswith("unpacked")}
+    assert ran(cells) and set(failing(cells)) == empty_group
+    for cell_id in empty_group:
+        assert "failed on rank(s) 3: rank 3 raised KeyError: 'betas'" in failing(cells)[cell_id], failing(cells)
     rounded = [c for c in cells.values() if "within a kernel's rounding" in c["detail"]]
     assert rounded, "no cell saw a rounding difference: this control would pass without the tolerance"
-    assert all("equal what the checkpoint holds bit for bit" in c["detail"] for c in ran(cells).values())
+    assert all("equal what the checkpoint holds bit for bit" in c["detail"] for i, c in ran(cells).items()
+               if i not in empty_group)
 
 
 def test_one_expert_moment_off_by_far_more_than_rounding_is_named(pytester: pytest.Pytester) -> None:
