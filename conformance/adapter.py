@@ -10,8 +10,10 @@ example adapter):
 ``build(spec, mesh, seed) -> (model, optimizer | None)`` or ``(model, optimizer | None, state)``
     The framework's own MoE model at ``spec.layout`` (a :class:`~conformance.layout.ParallelLayout`:
     degrees and EP-group order; ``mesh`` is its DeviceMesh with dims ``dp_replicate``, ``ep``,
-    ``dp_shard``, ``etp``).  ``mesh=None`` asks for the unsharded ep=1 model built on this rank alone
-    (the suite's ground truth).  Global expert weights depend only on ``seed``; when
+    ``dp_shard``, ``etp``, and ``pp`` first when ``spec.layout.pp > 1`` -- then the rank builds only its
+    stage's layers, :meth:`~conformance.layout.ParallelLayout.layers_of`, under their global index, and
+    ``expert_tensors``/``other_tensors`` name them so).  ``mesh=None`` asks for the unsharded ep=1 model
+    built on this rank alone (the suite's ground truth).  Global expert weights depend only on ``seed``; when
     ``spec.optimizer_steps > 0`` the adapter has run that many steps of the framework's optimizer at
     learning rate ``spec.lr`` with gradients from :func:`conformance.synthetic_grad` (see
     :func:`run_steps`).  ``state`` is optional: a mapping of the rest of the training state by name
@@ -194,6 +196,9 @@ class Capabilities:
     model_saves_optimizer: bool = False
     #: EP without FSDP2 (``False``: the framework composes EP only with FSDP2, so EP-only cells are n/a).
     ep_only: bool = True
+    #: the pipeline-parallel degrees the framework builds (``mesh["pp"]``, the outermost dim): each stage holds the
+    #: layers :func:`reference_impl.layout.stage_layers` gives, named by their global index.  Absent: pp=1 only.
+    pp: tuple[int, ...] = (1,)
 
 
 def world_device(mesh: Any) -> Any:

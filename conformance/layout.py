@@ -2,9 +2,13 @@
 
 :class:`ParallelLayout` is the one owner of the layout (like torchtitan's ``ParallelDims``): the cells,
 node ids, the report, the adapters and the benchmarks ask it, and nothing else spells out the
-dimensions.  A world of ``dp_replicate * ep * dp_shard * etp`` ranks is a 4-D grid; its DeviceMesh has
-the dims :data:`MESH_DIMS` in that order, every one present (size 1 where unused), so an adapter reads
-``mesh["ep"]`` whatever the layout.
+dimensions.  A world of ``pp * dp_replicate * ep * dp_shard * etp`` ranks is a 5-D grid, pipeline
+stages outermost (as torchtitan and Megatron-Core order them).  Its DeviceMesh has the dims
+:data:`STAGE_DIMS` in that order, every one present (size 1 where unused), so an adapter reads
+``mesh["ep"]`` whatever the layout -- and, under pipeline parallelism (``pp > 1``), ``pp`` before them
+(:attr:`ParallelLayout.mesh_dims`): a pp=1 cell's mesh is the 4-D one an adapter without pipeline
+support has always been given.  Within one stage the ranks form the same grid a pp=1 world of
+``world / pp`` ranks would; which layers a stage holds is :func:`reference_impl.layout.stage_layers`.
 
 Which ranks form an EP group is the ``ep_order``:
 
@@ -20,14 +24,17 @@ each expert's weights split over ``etp`` ranks (always the innermost, consecutiv
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EP_ORDERS", "MESH_DIMS", "LayoutError", "ParallelLayout"]
+__all__ = ["EP_ORDERS", "MESH_DIMS", "STAGE_DIMS", "LayoutError", "ParallelLayout"]
 
-#: the DeviceMesh's dimension names, outermost first.
-MESH_DIMS = ("dp_replicate", "ep", "dp_shard", "etp")
+#: every dimension's name, outermost first: pipeline stages, then the grid within one stage.
+MESH_DIMS = ("pp", "dp_replicate", "ep", "dp_shard", "etp")
+#: the dims within one pipeline stage: a pp=1 layout's whole DeviceMesh.
+STAGE_DIMS = MESH_DIMS[1:]
 EP_ORDERS = ("strided", "consecutive")
 
 
@@ -48,6 +55,8 @@ class ParallelLayout:
     dp_replicate: int = 1
     etp: int = 1
     ep_order: str = "strided"
+    #: pipeline stages (the outermost dim): each holds the layers :func:`reference_impl.layout.stage_layers` gives.
+    pp: int = 1
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -61,24 +70,41 @@ class ParallelLayout:
 
     @classmethod
     def for_world(cls, world_size: int, ep: int, *, dp_replicate: int = 1, etp: int = 1,
-                  ep_order: str = "strided") -> ParallelLayout:
-        """The layout at ``ep`` (and ``dp_replicate``, ``etp``) that fills a ``world_size``-rank world."""
-        inner = ep * dp_replicate * etp
+                  ep_order: str = "strided", pp: int = 1) -> ParallelLayout:
+        """The layout at ``ep`` (and ``dp_replicate``, ``etp``, ``pp``) that fills a ``world_size``-rank world."""
+        inner = ep * dp_replicate * etp * pp
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise LayoutError("world_size", world_size, "an int >= 1")
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise LayoutError("pp", pp, "an int >= 1")
         if inner < 1 or world_size % inner:
-            raise LayoutError("ep", ep, f"ep * dp_replicate * etp ({ep} * {dp_replicate} * {etp}) to divide the "
-                              f"world size {world_size}")
-        return cls(ep=ep, dp_shard=world_size // inner, dp_replicate=dp_replicate, etp=etp, ep_order=ep_order)
+            raise LayoutError("ep", ep, f"pp * ep * dp_replicate * etp ({pp} * {ep} * {dp_replicate} * {etp}) to "
+                              f"divide the world size {world_size}")
+        return cls(ep=ep, dp_shard=world_size // inner, dp_replicate=dp_replicate, etp=etp, ep_order=ep_order, pp=pp)
 
     # -- what the layout is -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        return self.pp * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """The ranks of one pipeline stage (the whole world at pp=1)."""
         return self.dp_replicate * self.ep * self.dp_shard * self.etp
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.dp_replicate, self.ep, self.dp_shard, self.etp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """Every dim's size, in :data:`MESH_DIMS` order."""
+        return (self.pp, self.dp_replicate, self.ep, self.dp_shard, self.etp)
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The DeviceMesh's dim names: :data:`STAGE_DIMS`, with ``pp`` first only under pipeline parallelism."""
+        return MESH_DIMS if self.pp > 1 else STAGE_DIMS
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return self.shape if self.pp > 1 else self.shape[1:]
 
     @property
     def order_matters(self) -> bool:
@@ -90,28 +116,37 @@ class ParallelLayout:
         return self.dp_replicate > 1
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``rank``'s index along each mesh dim."""
-        for r, e, s, t in self._coords():
-            if self.rank_at(r, e, s, t) == rank:
-                return dict(zip(MESH_DIMS, (r, e, s, t), strict=True))
+        """``rank``'s index along each dim (:data:`MESH_DIMS`, ``pp`` included)."""
+        for coords in self._coords():
+            if self.rank_at(*coords) == rank:
+                return dict(zip(MESH_DIMS, coords, strict=True))
         raise LayoutError("rank", rank, f"a rank in [0, {self.world_size})")
 
-    def _coords(self) -> list[tuple[int, int, int, int]]:
-        return [(r, e, s, t) for r in range(self.dp_replicate) for e in range(self.ep)
-                for s in range(self.dp_shard) for t in range(self.etp)]
+    def _coords(self) -> list[tuple[int, ...]]:
+        return list(itertools.product(*(range(n) for n in self.shape)))
 
-    def rank_at(self, dp_replicate: int, ep: int, dp_shard: int, etp: int) -> int:
-        """The global rank at a mesh coordinate: the one place the EP order is decided."""
+    def rank_at(self, pp: int, dp_replicate: int, ep: int, dp_shard: int, etp: int) -> int:
+        """The global rank at a coordinate (:data:`MESH_DIMS` order): the one place the EP order is decided."""
         if self.ep_order == "strided":
             inner = (ep * self.dp_shard + dp_shard) * self.etp + etp
         else:
             inner = (dp_shard * self.ep + ep) * self.etp + etp
-        return dp_replicate * (self.ep * self.dp_shard * self.etp) + inner
+        return (pp * self.dp_replicate + dp_replicate) * (self.ep * self.dp_shard * self.etp) + inner
 
-    def rank_grid(self) -> list[list[list[list[int]]]]:
-        """Global ranks as a nested list of shape :attr:`shape` (mesh dim order)."""
-        return [[[[self.rank_at(r, e, s, t) for t in range(self.etp)] for s in range(self.dp_shard)]
-                 for e in range(self.ep)] for r in range(self.dp_replicate)]
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage ``rank`` belongs to (0 at pp=1)."""
+        return self.coordinates(rank)["pp"]
+
+    def layers_of(self, rank: int, num_layers: int) -> tuple[int, int]:
+        """``(start, end)`` of the global layers ``rank`` holds: the stage rule at its ``pp`` coordinate."""
+        from reference_impl.layout import stage_layers
+
+        return stage_layers(num_layers, self.pp, self.stage_of(rank))
+
+    def rank_grid(self) -> list[Any]:
+        """Global ranks as a nested list of shape :attr:`mesh_shape` (the DeviceMesh's dims)."""
+        grid = [_nest(self, (p,), self.shape[1:]) for p in range(self.pp)]
+        return grid if self.pp > 1 else grid[0]
 
     def groups(self, *dims: str) -> list[list[int]]:
         """The rank groups that vary along ``dims`` with every other coordinate fixed (sorted ranks)."""
@@ -129,18 +164,21 @@ class ParallelLayout:
         return [sorted(g, key=lambda r: self.coordinates(r)["ep"]) for g in self.groups("ep")]
 
     def replica_groups(self, fsdp: bool) -> list[list[int]]:
-        """Sets of ranks that together hold one whole copy of the model's experts.
+        """Sets of ranks that together hold one whole copy of the model (its experts and its layers).
 
-        Without FSDP one copy is spread over ``ep`` x ``etp``; with FSDP2 each rank's experts are also
-        sharded over ``dp_shard``, so a copy spans that too.  ``dp_replicate`` always holds copies.
+        Without FSDP one copy is spread over ``ep`` x ``etp`` and over the pipeline stages (``pp``); with FSDP2
+        each rank's experts are also sharded over ``dp_shard``, so a copy spans that too.  ``dp_replicate``
+        always holds copies.
         """
-        return self.groups("ep", "etp", "dp_shard") if fsdp else self.groups("ep", "etp")
+        return self.groups("pp", "ep", "etp", "dp_shard") if fsdp else self.groups("pp", "ep", "etp")
 
     # -- names --------------------------------------------------------------------------------------
     @property
     def fragment(self) -> str:
-        """The short, ``-k`` friendly node-id part: ``ep2``, ``ep2c`` (consecutive), ``ep2.etp2``, ``ep2.hsdp2``."""
-        parts = [f"ep{self.ep}{'c' if self.ep_order == 'consecutive' else ''}"]
+        """The short, ``-k`` friendly node-id part: ``ep2``, ``ep2c`` (consecutive), ``ep2.etp2``, ``ep2.hsdp2``,
+        ``pp2.ep2`` (pipeline stages first, as they are the outermost dim)."""
+        parts = [f"pp{self.pp}"] if self.pp > 1 else []
+        parts.append(f"ep{self.ep}{'c' if self.ep_order == 'consecutive' else ''}")
         if self.etp > 1:
             parts.append(f"etp{self.etp}")
         if self.dp_replicate > 1:
@@ -151,15 +189,20 @@ class ParallelLayout:
         """``-k`` keywords: each degree, the EP order, ``hsdp``/``etp`` when they are used, and every name the node
         id shows (:attr:`fragment` and its parts: ``ep2c``, ``ep2.etp2``, ``hsdp2``), so ``-k load_ep2c`` selects."""
         words = {f"ep{self.ep}", f"dp_shard{self.dp_shard}", f"dp_replicate{self.dp_replicate}",
-                 f"etp{self.etp}", self.ep_order, self.fragment, *self.fragment.split(".")}
+                 f"etp{self.etp}", f"pp{self.pp}", self.ep_order, self.fragment, *self.fragment.split(".")}
         if self.hsdp:
             words.add("hsdp")
+        if self.pp > 1:
+            words.add("pipeline")
         return words
 
     def describe(self) -> str:
-        """For messages: ``ep=2 (consecutive EP groups), etp=1, dp_shard=2, dp_replicate=1``."""
+        """For messages: ``ep=2 (consecutive EP groups), etp=1, dp_shard=2, dp_replicate=1`` (``pp=2, `` first under
+        pipeline parallelism)."""
         order = f" ({self.ep_order} EP groups)" if self.order_matters else ""
-        return f"ep={self.ep}{order}, etp={self.etp}, dp_shard={self.dp_shard}, dp_replicate={self.dp_replicate}"
+        stages = f"pp={self.pp}, " if self.pp > 1 else ""
+        return (f"{stages}ep={self.ep}{order}, etp={self.etp}, dp_shard={self.dp_shard}, "
+                f"dp_replicate={self.dp_replicate}")
 
     def experts_of(self, rank: int, num_experts: int) -> tuple[int, int]:
         """``(start, end)`` of the global experts ``rank`` holds: the layout rule at its EP coordinate."""
@@ -194,7 +237,14 @@ class ParallelLayout:
         """This layout's DeviceMesh on the world's device (inside a rank; cached per process)."""
         from pytest_moe_ep.world.meshes import device_mesh
 
-        return device_mesh(self.shape, MESH_DIMS, self.rank_grid() if self.ep_order != "strided" else None)
+        return device_mesh(self.mesh_shape, self.mesh_dims, self.rank_grid() if self.ep_order != "strided" else None)
+
+
+def _nest(layout: ParallelLayout, prefix: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+    """The global ranks below coordinate ``prefix``, nested over the remaining dims' ``sizes``."""
+    if not sizes:
+        return layout.rank_at(*prefix)
+    return [_nest(layout, (*prefix, c), sizes[1:]) for c in range(sizes[0])]
 
 
 def _fill(layout: ParallelLayout, keep: list[int]) -> Any:

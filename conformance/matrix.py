@@ -39,6 +39,9 @@ KIND_PAIRS = (("packed", "packed"), ("unpacked", "unpacked"), ("packed", "unpack
 STATES = ("model", "model+optim")
 #: the expert count node ids leave unnamed (the matrix's first even count).
 PLAIN_EXPERTS = 4
+#: the layers a cell with pipeline stages on either side builds: 3 over 2 stages is the uneven split (2, 1), where a
+#: stage map off by one shows itself (the stage rule puts layers 0-1 on stage 0 and layer 2 on stage 1).
+PIPELINE_LAYERS = 3
 OPTIMIZER_STEPS = 2
 
 
@@ -72,6 +75,11 @@ class Cell:
         return self.load.ep
 
     @property
+    def pipeline(self) -> bool:
+        """Whether either side has pipeline stages (pp > 1)."""
+        return max(self.save.pp, self.load.pp) > 1
+
+    @property
     def node_name(self) -> str:
         """The readable part of the node id, e.g. ``checkpoint::unpacked::model+optim::fsdp::ep2c->ep4``."""
         pair = f"{self.save.fragment}->{self.load.fragment}"
@@ -93,18 +101,23 @@ class Cell:
         """The model a side builds: the side's kind and layout, steps only with the optimizer."""
         steps = OPTIMIZER_STEPS if self.state == "model+optim" else 0
         kind, layout = (self.save_kind, self.save) if side == "save" else (self.load_kind, self.load)
+        layers = max(base.num_layers, PIPELINE_LAYERS) if self.pipeline else base.num_layers
         return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps, fsdp=self.fsdp,
-                       layout=layout)
+                       layout=layout, num_layers=layers)
 
     def record(self) -> dict[str, object]:
         """The cell's fields in the report."""
         return {"kind": self.kind, "state": self.state, "fsdp": self.fsdp, "save_ep": self.save.ep,
-                "load_ep": self.load.ep, "save_layout": self.save.fragment, "load_layout": self.load.fragment,
+                "load_ep": self.load.ep, "save_pp": self.save.pp, "load_pp": self.load.pp,
+                "save_layout": self.save.fragment, "load_layout": self.load.fragment,
                 "num_experts": self.num_experts, "legacy": self.legacy}
 
 
 # -- applicability ---------------------------------------------------------------------------------
 def _layout_na(layout: ParallelLayout, caps: Capabilities) -> str:
+    if layout.pp not in caps.pp:
+        supported = f"pp in {', '.join(map(str, caps.pp))}" if len(caps.pp) > 1 else "no pipeline parallelism"
+        return f"adapter supports {supported}, not pp={layout.pp}"
     if layout.ep > caps.max_ep:
         return f"adapter supports ep up to {caps.max_ep}"
     if layout.order_matters and layout.ep_order not in caps.ep_orders:
@@ -154,14 +167,24 @@ def unwritable_legacy(cell: Cell) -> str:
 
 def _valid(cell: Cell) -> bool:
     """Combinations that are not experiments at all (rather than unsupported ones) are never cells."""
-    if cell.legacy:  # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP experiment
-        return cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp
+    if cell.legacy:  # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP, no-stages experiment
+        return cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp and not cell.pipeline
     return cell.fsdp or not (cell.save.hsdp or cell.load.hsdp)  # HSDP is FSDP2 over replicate x shard
 
 
 # -- the cells -------------------------------------------------------------------------------------
 def layouts(world_size: int) -> list[ParallelLayout]:
-    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2."""
+    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2, and two pipeline
+    stages (pp=2, the outermost dim) over each plain layout of the half world (pp2.ep1 and pp2.ep2 at 4 ranks)."""
+    found = _stage_layouts(world_size)
+    if world_size % 2 == 0 and world_size >= 4:
+        found += [replace(layout, pp=2) for layout in _stage_layouts(world_size // 2)
+                  if layout.etp == 1 and not layout.hsdp]
+    return found
+
+
+def _stage_layouts(world_size: int) -> list[ParallelLayout]:
+    """The pp=1 layouts of a ``world_size``-rank world (one stage's)."""
     found: list[ParallelLayout] = []
     for ep in (ep for ep in range(1, world_size + 1) if world_size % ep == 0):
         found.append(ParallelLayout.for_world(world_size, ep))
@@ -216,6 +239,10 @@ def _family(layout: ParallelLayout) -> str | None:
     return layout.ep_order if layout.order_matters else None
 
 
+def _ep_change(save: int, load: int) -> str:
+    return "same ep" if save == load else "ep up" if save < load else "ep down"
+
+
 def _uneven(cell: Cell, layout: ParallelLayout) -> bool:
     return layout.ep > 1 and cell.num_experts % layout.ep != 0
 
@@ -231,6 +258,11 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("state", cell.state),
               ("fsdp", cell.fsdp), ("E", cell.num_experts)]
     found = {(a, b) for a, b in itertools.combinations(values, 2)}
+    if cell.pipeline:  # not every pair of layouts: each stage change with each EP change (issue 1517's pp2.ep1 ->
+        found.discard((values[0], values[1]))  # pp1.ep2 and back), each stage layout with each other value
+        found.add(("pp change", cell.save.pp, cell.load.pp, _ep_change(cell.save.ep, cell.load.ep)))
+        if cell.save.pp != cell.load.pp and cell.save.pp * cell.save.ep == cell.load.pp * cell.load.ep:
+            found.add(("stages traded for EP ranks", cell.save.fragment, cell.load.fragment))
     found.add(("ep pair", cell.kind, cell.save.ep, cell.load.ep))
     for side, layout in (("save", cell.save), ("load", cell.load)):
         if _uneven(cell, layout):  # an uneven split at this degree, on this side, for this kind, and each class

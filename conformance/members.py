@@ -43,11 +43,15 @@ def capabilities_of(adapter: Any) -> Capabilities:
     bad = [o for o in orders if o not in EP_ORDERS]
     if bad or not orders:
         raise AdapterError(f"adapter capabilities.ep_orders must list {' and/or '.join(EP_ORDERS)}, got {orders!r}")
+    stages = tuple(get("pp", (1,)))
+    if not stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stages) or 1 not in stages:
+        raise AdapterError(f"adapter capabilities.pp must list the pipeline degrees it supports, 1 among them (ints "
+                           f">= 1), got {stages!r}")
     flags = {f.name: bool(get(f.name, f.default)) for f in fields(Capabilities)
              if f.default is not MISSING and isinstance(f.default, bool)}
     return Capabilities(kinds=kinds, optimizer=bool(get("optimizer")), fsdp=bool(get("fsdp")),
                         uneven=bool(get("uneven")), max_ep=int(get("max_ep")), format=str(get("format")),
-                        ep_orders=orders, **flags)
+                        ep_orders=orders, pp=stages, **flags)
 
 
 def missing_members(adapter: Any) -> list[str]:

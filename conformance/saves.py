@@ -1,7 +1,8 @@
 """One save feeds every load: which cell writes a checkpoint, which cells reuse it, when it is removed.
 
 A checkpoint is a pure function of the adapter and its save side -- layer kind, state, FSDP, layout,
-expert count, legacy or not -- so every cell with the same :func:`save_key` can load the one
+expert count, legacy or not, and the layer count (a cell with pipeline stages on either side builds
+:data:`~conformance.matrix.PIPELINE_LAYERS`) -- so every cell with the same :func:`save_key` can load the one
 checkpoint the first of them writes.  The controller counts each checkpoint's readers once the
 collection is final (after ``-k``) and removes it after its last reader.  The truth checkpoint (the
 ep=1 save of a spec, what the checkpoint check compares with) is shared the same way, per
@@ -47,7 +48,7 @@ class CellPlan:
 
 
 def save_key(cell: Cell) -> tuple[Any, ...]:
-    return (cell.save_kind, cell.state, cell.fsdp, cell.save, cell.num_experts, cell.legacy)
+    return (cell.save_kind, cell.state, cell.fsdp, cell.save, cell.num_experts, cell.legacy, cell.pipeline)
 
 
 def _key(cell: Cell, share: bool) -> tuple[Any, ...]:
@@ -110,7 +111,7 @@ def _empty(path: str) -> None:
 
 
 def truth_key(cell: Cell) -> tuple[Any, ...]:
-    return (cell.save_kind, cell.state, cell.num_experts)
+    return (cell.save_kind, cell.state, cell.num_experts, cell.pipeline)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +181,8 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.config = config
         self.name = name
+        #: the layer's global index in its model (a pipeline stage's first block may be layer 2).
+        self.layer = 0
         self.kind = config.kind
         self.activation = config.activation
         self.top_k = config.top_k
@@ -332,7 +334,11 @@ class MoEModel(nn.Module):
         self.config = config
         self.num_layers = num_layers
         self.layers = Layers({str(i): MoEBlock(config, f"layers.{i}", seed) for i in range(num_layers)})
+        for i, block in enumerate(self.layers):
+            cast(MoEBlock, block).moe.layer = i
         self.norm: nn.Module | None = nn.RMSNorm(config.dim, dtype=config.dtype)
+        #: which pipeline stage of how many this model is (0 of 1: the whole model; see apply_pipeline).
+        self.stage, self.num_stages = 0, 1
         _fill(self.norm.weight, config.init_std, seed, "norm", mean=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

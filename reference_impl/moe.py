@@ -21,7 +21,13 @@ from reference_impl.model import (
     named_parameters,
     stable_seed,
 )
-from reference_impl.parallelize import HIDDEN_AXIS, apply_expert_parallel, apply_fsdp, apply_pipeline
+from reference_impl.parallelize import (
+    HIDDEN_AXIS,
+    apply_expert_parallel,
+    apply_fsdp,
+    apply_pipeline,
+    pipeline_forward,
+)
 
 __all__ = [
     "HIDDEN_AXIS",
@@ -39,5 +45,6 @@ __all__ = [
     "moe_layers",
     "named_modules",
     "named_parameters",
+    "pipeline_forward",
     "stable_seed",
 ]

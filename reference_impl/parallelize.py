@@ -23,7 +23,7 @@ from torch import nn
 from reference_impl.layout import expert_range, stage_layers
 from reference_impl.model import MoEMLP, MoEModel, moe_modules
 
-__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp", "apply_pipeline"]
+__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp", "apply_pipeline", "pipeline_forward"]
 
 
 #: the tensor axis that expert tensor parallelism splits, per expert weight: the hidden axis
@@ -127,12 +127,40 @@ def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
     Nothing is copied or renamed: the stage's state dict is the whole model's restricted to its layers, so a
     checkpoint of the stages together holds what the pp=1 model's does (the layer's twin of
     :class:`~reference_impl.expert_layout.ExpertLayout`, free here because the blocks keep their names).  Running
-    the stages in turn, each on the last one's output, is the pp=1 forward.
+    the stages in turn, each on the last one's output, is the pp=1 forward (:func:`pipeline_forward`).
     """
+    if model.num_stages != 1:
+        raise ValueError(f"the model is already pipeline stage {model.stage} of {model.num_stages}")
     start, end = stage_layers(model.num_layers, pp, stage)
     for index in model.layers.indices():
         if not start <= index < end:
             del model.layers[str(index)]
     if stage != pp - 1:
         model.norm = None
+    model.stage, model.num_stages = stage, pp
     return model
+
+
+def pipeline_forward(model: nn.Module, x: torch.Tensor, pp_group: Any) -> torch.Tensor:
+    """The forward of a model split into stages over ``pp_group`` (ranks in stage order), stage by stage: stage ``s``
+    receives stage ``s - 1``'s activations, runs its blocks and sends them on; the last stage's output goes back to
+    every stage, so each rank returns the whole model's output.  ``model`` is this rank's stage (the root module an
+    FSDP2 or other wrapper may wrap: its ``stage`` attribute says which).  Plain send/recv -- a schedule without
+    micro-batches, enough to check that the stages together compute the pp=1 forward."""
+    import torch.distributed as dist
+
+    root: Any = getattr(model, "module", model)
+    stage, stages = int(root.stage), int(root.num_stages)
+    if dist.get_world_size(pp_group) != stages:
+        raise ValueError(f"pipeline_forward: the pp group has {dist.get_world_size(pp_group)} ranks, the model "
+                         f"{stages} stages")
+    peer = [dist.get_global_rank(pp_group, s) for s in range(stages)]
+    if stage > 0:
+        x = torch.empty_like(x)
+        dist.recv(x, src=peer[stage - 1], group=pp_group)
+    out = model(x)
+    if stage < stages - 1:
+        dist.send(out.contiguous(), dst=peer[stage + 1], group=pp_group)
+        out = torch.empty_like(out)
+    dist.broadcast(out, src=peer[-1], group=pp_group)
+    return out

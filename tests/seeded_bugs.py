@@ -895,3 +895,88 @@ class PackedBalancedStart(ReferenceAdapter):
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         with _offered_elsewhere(self._shift):
             super().save(model, optimizer, path)
+
+
+# -- issue 34: pipeline stages name their layers ---------------------------------------------------------------------
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+
+
+def _stage_of(model: Any) -> tuple[int, int, int]:
+    """``(stage, stages, num_layers)`` of the reference model (or stage) ``model``, FSDP2 or not."""
+    return int(model.stage), int(model.num_stages), int(model.num_layers)
+
+
+def _renumbered(first: Callable[[int, int, int], int], prefix: Callable[[int], str] = lambda stage: "") -> Any:
+    """A key function factory: ``layers.{g}.`` -> ``{prefix(stage)}layers.{g - start + first(L, pp, stage)}.`` where
+    ``start`` is the stage's first layer by the stage rule -- a framework counting layers from its stage's own
+    origin (``first``), under its own stage name (``prefix``)."""
+    from reference_impl.layout import stage_layers
+
+    def for_model(model: Any) -> Callable[[str], str]:
+        stage, stages, layers = _stage_of(model)
+        start = stage_layers(layers, stages, stage)[0]
+
+        def name(key: str) -> str:
+            found = _LAYER_KEY.match(key)
+            if not found:
+                return key
+            g = int(found.group(1))
+            return f"{prefix(stage)}layers.{g - start + first(layers, stages, stage)}.{key[found.end():]}"
+        return name
+    return for_model
+
+
+class StageLocalLayerNames(ReferencePerExpertAdapter):
+    """Each pipeline stage saves its layers under its own name and their index within the stage (``stage1.layers.0``
+    for global layer 2 at L=3, pp=2), as a trainer that writes one part per stage does.  At the same pp the keys
+    round-trip; the checkpoint is not the pp=1 one, so every cell saved with stages is caught by ``checkpoint``,
+    named by layer, and a load at another pp cannot find its keys."""
+
+    name = "seeded-stage-local-layer-names"
+    local = staticmethod(_renumbered(lambda layers, stages, stage: 0, lambda stage: f"stage{stage}."))
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(self.local(model)):
+            super().save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(self.local(model)):
+            super().load(model, optimizer, path)
+
+
+def _last_stages_longer(layers: int, stages: int, stage: int) -> int:
+    """The first layer of ``stage`` when the *last* ``L % pp`` stages are the longer ones (the other common split)."""
+    base, extra = divmod(layers, stages)
+    return stage * base + max(0, stage - (stages - extra))
+
+
+class StageMapDisagreesOnLoad(ReferenceAdapter):
+    """The save names layers by the stage rule (right); the load maps each stage's layers with the other split, the
+    last ``L % pp`` stages one longer -- as a resume whose stage map is configured otherwise.  At L=3, pp=2 stage 1
+    holds layer 2 and loads it from ``layers.1``: every cell loaded with stages is caught by ``values`` (layer 2
+    holds layer 1's values), silently; a load at pp=1 is right."""
+
+    name = "seeded-stage-map-disagrees-on-load"
+    on_load = staticmethod(_renumbered(_last_stages_longer))
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        with _dcp_with(self.on_load(model)):
+            super().load(model, optimizer, path)
+
+
+class StagesReversed(ReferenceAdapter):
+    """The pipeline's stages built in reverse (stage ``pp - 1 - s`` on the ranks of coordinate ``s``), as a framework
+    that orders its stage groups from the last rank does: the layout check stops every cell built with stages, naming
+    the stage, its ranks and the layers they hold (``layout``)."""
+
+    name = "seeded-stages-reversed"
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> Any:
+        import reference_impl.moe as moe
+
+        real = moe.apply_pipeline
+        moe.apply_pipeline = lambda model, pp, stage: real(model, pp, pp - 1 - stage)  # type: ignore[assignment]
+        try:
+            return super().build(spec, mesh, seed)
+        finally:
+            moe.apply_pipeline = real  # type: ignore[assignment]

@@ -440,3 +440,42 @@ def test_the_balanced_split_offering_packed_rows_is_refused_and_named(pytester: 
         assert re.search(r"raised SaveRefused: DCP refused the save's global plan: layer \d, expert 4, key "
                          r"'(model|optimizer\.state)\.layers\.\d\.moe\.\w+_w[\w.]*': no rank offered axis 0 rows 4 "
                          r"of 5; ranks \[1\] and \[2\] offered overlapping chunks", first), (cell_id, first)
+
+
+# -- issue 34: pipeline stages name their layers by their global index -------------------------------------------
+def test_stage_local_layer_names_are_caught_at_every_cell_with_stages(pytester: pytest.Pytester) -> None:
+    """Each stage saves ``stage{s}.layers.{local}``: a pp=1 save and load round-trip (those cells pass); a save with
+    stages is not the pp=1 checkpoint (``checkpoint``, named by layer and key), a load with stages cannot find its
+    keys in a pp=1 save (refused)."""
+    cells = run_default_tier(pytester, "StageLocalLayerNames", "pipeline or (ep2 and not legacy and not fsdp)")
+    staged = {i for i, c in ran(cells).items() if "pp2" in c["save_layout"] or "pp2" in c["load_layout"]}
+    assert staged and set(failing(cells)) == staged and len(ran(cells)) > len(staged)
+    for cell_id, first in failing(cells).items():
+        if "pp2" in cells[cell_id]["save_layout"]:
+            assert "on-disk" in cells[cell_id]["findings"], (cell_id, first)
+            assert re.search(r"checkpoint.*: layer \d, key 'model\.stage1\.layers\.\d\.moe\.", first), (cell_id, first)
+        else:
+            assert cells[cell_id]["findings"] == ["refused"], (cell_id, first)
+
+
+def test_a_stage_map_that_disagrees_on_load_is_caught_by_values(pytester: pytest.Pytester) -> None:
+    """The load maps stages with the last stage the longer one: stage 1 loads layer 1's tensors into layer 2, silently,
+    in every cell loaded with stages; a load at pp=1 is right."""
+    cells = run_default_tier(pytester, "StageMapDisagreesOnLoad", "pipeline or (ep2 and not legacy and not fsdp)")
+    loaded_staged = {i for i, c in ran(cells).items() if "pp2" in c["load_layout"]}
+    assert loaded_staged and set(failing(cells)) == loaded_staged
+    assert any("pp2" in c["save_layout"] and i not in loaded_staged for i, c in ran(cells).items())
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["silent"], cell_id
+        assert re.match(r"first difference: rank \d, layer 2, expert \d, tensor '[\w.]+': holds '[\w.]+' of layer 1, "
+                        r"expert \d instead", first), (cell_id, first)
+
+
+def test_stages_built_in_reverse_are_a_layout_error(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "StagesReversed", "pipeline and kind_unpacked")
+    assert ran(cells) and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["error"], cell_id
+        assert re.search(r"raised StageMismatch: the (save|load) side's layers are not where the cell's pipeline stages "
+                         r"put them: the ranks of pipeline stage 0 \(0, 1\) hold layers 2: not the contiguous range",
+                         first), (cell_id, first)

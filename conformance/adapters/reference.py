@@ -45,13 +45,13 @@ class ReferenceAdapter:
     #: cross_kind: either checkpoint form loads into either kind (reference_impl.expert_layout).
     capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=True, max_ep=64,
                                 format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"), hsdp=True,
-                                etp=True)
+                                etp=True, pp=(1, 2, 3))
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
-        from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, build_model
+        from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, apply_pipeline, build_model
 
         # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside its Literal
         config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden,
@@ -61,6 +61,9 @@ class ReferenceAdapter:
                            shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype))
         model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
+            if "pp" in (mesh.mesh_dim_names or ()):  # this rank's stage first: its layers keep their global names
+                apply_pipeline(model, mesh["pp"].size(), mesh["pp"].get_local_rank())
+                model.pp_mesh = mesh["pp"]
             apply_expert_parallel(model, mesh)
             if spec.fsdp:
                 apply_fsdp(model, mesh)
@@ -81,12 +84,17 @@ class ReferenceAdapter:
         return torch_optimizer_scalars(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
-        """The model's forward on ``batch``, without autograd; FSDP2's parameters resharded after it."""
+        """The model's forward on ``batch``, without autograd, stage by stage under pipeline parallelism (every rank
+        returns the last stage's output); FSDP2's parameters resharded after it."""
         import torch
         from torch.distributed.fsdp import FSDPModule
 
+        from reference_impl.moe import pipeline_forward
+
+        batch = batch.to(next(model.parameters()).device)
         with torch.no_grad():
-            out = model(batch.to(next(model.parameters()).device))
+            pp_mesh = getattr(model, "pp_mesh", None)
+            out = model(batch) if pp_mesh is None else pipeline_forward(model, batch, pp_mesh.get_group())
         if isinstance(model, FSDPModule):
             model.reshard()
         return out
@@ -148,7 +156,8 @@ class ReferenceAdapter:
         from reference_impl.moe import moe_layers
 
         state = optimizer.state if optimizer is not None else {}
-        for layer, (_, moe) in enumerate(moe_layers(model)):
+        for _, moe in moe_layers(model):
+            layer = moe.layer
             for linear in ("gate", "up", "down") if moe.activation == "swiglu" else ("up", "down"):
                 if moe.kind == "unpacked":
                     for i, expert in enumerate(moe.experts):
@@ -198,7 +207,7 @@ def _one_row(g: int, moment: Any) -> list[tuple[int, Any]]:
 def _layer_index(model: Any) -> dict[str, int]:
     from reference_impl.moe import moe_layers
 
-    return {prefix: i for i, (prefix, _) in enumerate(moe_layers(model))}
+    return {prefix: moe.layer for prefix, moe in moe_layers(model)}
 
 
 def _identify(name: str, layers: dict[str, int]) -> tuple[int | None, int | None, str]:

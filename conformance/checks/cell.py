@@ -147,7 +147,8 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     optim = cell.state == "model+optim"
     t0 = time.perf_counter()
     b = _build(adapter, spec, cell.save.build_mesh(), SEED_A, "save")
-    check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save")
+    check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save",
+                 spec.num_layers)
     if not cell.legacy:  # what the checkpoint will hold, on every rank: the reference a load must give back
         held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict)
         saved.keep(plan.path, saved.gather(held, ground_truth(adapter, spec, dist.get_rank()).state,
@@ -294,7 +295,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + LOAD_EXTRA_STEPS if optim else 0)
     b = _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load")
     model, optimizer = b.model, b.optimizer if optim else None
-    check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load")
+    check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load", load_spec.num_layers)
     before = canonical(adapter, model, optimizer, rank, verdict)
     same = {k for k, (t, region) in before.items() if equal(t, expected(truth.state, k, region))}
     experts_unchanged = sorted((k for k in same if k[1] is not None), key=repr)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.layout import MESH_DIMS, ParallelLayout
+from conformance.layout import ParallelLayout
 
 __all__ = ["FUNCTIONS", "NUM_EXPERTS", "REFERENCE", "FunctionsCell", "functions_cells", "load_functions",
            "missing_functions", "parse_placements"]
@@ -81,11 +81,11 @@ def functions_cells() -> list[FunctionsCell]:
     # groups strided and consecutive, and an expert-tensor-parallel dim sharding the hidden axis.
     for order in ("strided", "consecutive"):
         layout = ParallelLayout.for_world(4, 2, ep_order=order)
-        cells.append(FunctionsCell(f"layout:{layout.fragment}", layout.shape, MESH_DIMS,
+        cells.append(FunctionsCell(f"layout:{layout.fragment}", layout.mesh_shape, layout.mesh_dims,
                                    "(Replicate(), Shard(0), Replicate(), Replicate())", 2,
                                    layout.rank_grid() if order != "strided" else None))
     etp = ParallelLayout.for_world(4, 2, etp=2)
-    cells.append(FunctionsCell(f"layout:{etp.fragment}", etp.shape, MESH_DIMS,
+    cells.append(FunctionsCell(f"layout:{etp.fragment}", etp.mesh_shape, etp.mesh_dims,
                                "(Replicate(), Shard(0), Replicate(), Shard(1))", 2))
     return cells
 
