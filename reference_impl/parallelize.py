@@ -15,6 +15,7 @@ weights sharded over the ``etp`` mesh dim on the hidden axis, the forward still 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,24 +142,23 @@ def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
     return model
 
 
-def pipeline_forward(model: nn.Module, x: torch.Tensor, pp_group: Any) -> torch.Tensor:
-    """The forward of a model split into stages over ``pp_group`` (ranks in stage order), stage by stage: stage ``s``
-    receives stage ``s - 1``'s activations, runs its blocks and sends them on; the last stage's output goes back to
-    every stage, so each rank returns the whole model's output.  ``model`` is this rank's stage (the root module an
-    FSDP2 or other wrapper may wrap: its ``stage`` attribute says which).  Plain send/recv -- a schedule without
-    micro-batches, enough to check that the stages together compute the pp=1 forward."""
+def pipeline_forward(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, pp_group: Any,
+                     stage: int) -> torch.Tensor:
+    """A pipeline's forward over ``pp_group`` (its ranks in stage order), stage by stage: stage ``s`` receives stage
+    ``s - 1``'s activations, runs ``run`` (this rank's stage: its blocks) and sends the result on; the last stage's
+    output goes back to every stage, so each rank returns the whole model's output.  Plain send/recv -- a schedule
+    without micro-batches, enough to check that the stages together compute the pp=1 forward.  Activations keep
+    ``x``'s shape (residual blocks)."""
     import torch.distributed as dist
 
-    root: Any = getattr(model, "module", model)
-    stage, stages = int(root.stage), int(root.num_stages)
-    if dist.get_world_size(pp_group) != stages:
-        raise ValueError(f"pipeline_forward: the pp group has {dist.get_world_size(pp_group)} ranks, the model "
-                         f"{stages} stages")
+    stages = dist.get_world_size(pp_group)
+    if not 0 <= stage < stages:
+        raise ValueError(f"pipeline_forward: stage {stage} is not among the pp group's {stages} stages")
     peer = [dist.get_global_rank(pp_group, s) for s in range(stages)]
     if stage > 0:
         x = torch.empty_like(x)
         dist.recv(x, src=peer[stage - 1], group=pp_group)
-    out = model(x)
+    out = run(x)
     if stage < stages - 1:
         dist.send(out.contiguous(), dst=peer[stage + 1], group=pp_group)
         out = torch.empty_like(out)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from matrix_expectations import run_inline
 
+from conformance.adapter import Spec
 from conformance.report import SCHEMA_VERSION, diff_reports
 
 pytestmark = pytest.mark.usefixtures("shared_fork_server")
@@ -370,12 +371,17 @@ def _default(world_size: int = 4, experts: tuple[int, ...] = (4, 5)) -> list[Any
 
 
 def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
+    from dataclasses import replace
+
     from conformance.adapters.reference import ReferenceAdapter
     from conformance.matrix import checkpoint_cells, full_size
 
     assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
-    assert (len(_default()), full_size(4, (4, 5))) == (67, 1096)  # the README's Tiers paragraph
-    assert (len(_default(8)), full_size(8, (4, 5))) == (114, 2032)
+    assert (len(_default()), full_size(4, (4, 5))) == (82, 1928)  # docs/matrix.md's Tiers paragraph
+    assert (len(_default(8)), full_size(8, (4, 5))) == (138, 4464)
+    without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4, (4, 5))
+    assert len(without_stages) == 68 and [c.na for c in without_stages if c.pipeline] == [
+        "adapter supports no pipeline parallelism, not pp=2"]
     # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs)
     assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 5))) == 112
 
@@ -404,8 +410,9 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
         return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state), ("fsdp", c.fsdp),
                 ("E", c.num_experts)]
 
-    def pairs(cells: list[Any]) -> set[Any]:
-        return {p for c in cells if not c.legacy for p in itertools.combinations(values(c), 2)}
+    def pairs(cells: list[Any]) -> set[Any]:  # a cell with stages: not its pair of layouts (see the next test)
+        return {p for c in cells if not c.legacy for p in itertools.combinations(values(c), 2)
+                if not (c.pipeline and p == tuple(values(c)[:2]))}
 
     chosen = _default(world_size)
     assert pairs(chosen) == pairs(full_product(world_size, (4, 5)))
@@ -413,6 +420,22 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
     for attr in ("save", "load", "kind", "num_experts"):  # legacy cells: their own stratum
         everything = {getattr(c, attr) for c in full_product(world_size, (4, 5)) if c.legacy}
         assert {getattr(c, attr) for c in legacy} == everything, attr
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_the_default_tier_changes_stages_with_every_ep_change_and_trades_stages_for_ep_ranks(world_size: int) -> None:
+    """Issue 34: pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and issue 1517's shape,
+    stages traded for EP ranks in the same world (pp2.ep1 -> ep2) and back -- all among cells that compare values."""
+    chosen = [c for c in _default(world_size) if not c.legacy and not c.na]
+
+    def change(c: Any) -> tuple[int, int, int]:
+        return c.save.pp, c.load.pp, (c.load.ep > c.save.ep) - (c.load.ep < c.save.ep)
+
+    assert {change(c) for c in chosen if c.pipeline} == {(a, b, d) for a in (1, 2) for b in (1, 2) for d in (-1, 0, 1)
+                                                         if (a, b) != (1, 1)}
+    names = {(c.save.fragment, c.load.fragment) for c in chosen}
+    assert {("pp2.ep1", "ep2"), ("ep2", "pp2.ep1"), ("pp2.ep2", "ep4"), ("ep4", "pp2.ep2")} <= names
+    assert all(c.spec(Spec(), side).num_layers == 3 for c in chosen if c.pipeline for side in ("save", "load"))
 
 
 @pytest.mark.parametrize("experts", [(4, 6), (4, 5)])

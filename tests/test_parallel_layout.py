@@ -69,3 +69,33 @@ def test_the_mesh_has_the_layouts_groups() -> None:
             group = sorted(dist.get_process_group_ranks(mesh[dim].get_group()))
             assert group in layout.groups(dim), (layout, dim, group)
             assert mesh[dim].get_local_rank() == coords[dim], (layout, dim)
+
+
+def test_pipeline_stages_are_the_outermost_dim() -> None:
+    layout = ParallelLayout.for_world(4, 2, pp=2)
+    assert (layout.fragment, layout.dp_shard, layout.stage_size) == ("pp2.ep2", 1, 2)
+    assert [layout.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert layout.ep_groups() == [[0, 1], [2, 3]]  # EP groups within a stage
+    assert layout.replica_groups(fsdp=False) == [[0, 1, 2, 3]]  # one copy spans both stages
+    assert [layout.layers_of(r, 3) for r in range(4)] == [(0, 2), (0, 2), (2, 3), (2, 3)]
+    assert ParallelLayout.for_world(4, 1, pp=2).replica_groups(fsdp=False) == [[0, 2], [1, 3]]
+    assert {"pp2", "save_pp2"} - ParallelLayout.for_world(4, 1, pp=2).keywords() == {"save_pp2"}
+    assert "pp=2, ep=2" in layout.describe() and layout.mesh_dims[0] == "pp"
+    assert ParallelLayout.for_world(4, 2).mesh_dims == ("dp_replicate", "ep", "dp_shard", "etp")
+    with pytest.raises(LayoutError) as info:
+        ParallelLayout.for_world(4, 4, pp=2)
+    assert info.value.field == "ep"
+
+
+@pytest.mark.moe_ep_world(4)
+def test_a_pipeline_mesh_has_the_stage_groups() -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for layout in (ParallelLayout.for_world(4, 2, pp=2), ParallelLayout.for_world(4, 1, pp=2)):
+        mesh = layout.build_mesh()
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "ep", "dp_shard", "etp")
+        for dim in ("pp", "ep", "dp_shard"):
+            group = sorted(dist.get_process_group_ranks(mesh[dim].get_group()))
+            assert group in layout.groups(dim), (layout, dim, group)
+            assert mesh[dim].get_local_rank() == layout.coordinates(rank)[dim], (layout, dim)

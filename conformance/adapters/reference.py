@@ -94,7 +94,7 @@ class ReferenceAdapter:
         batch = batch.to(next(model.parameters()).device)
         with torch.no_grad():
             pp_mesh = getattr(model, "pp_mesh", None)
-            out = model(batch) if pp_mesh is None else pipeline_forward(model, batch, pp_mesh.get_group())
+            out = model(batch) if pp_mesh is None else pipeline_forward(model, batch, pp_mesh.get_group(), model.stage)
         if isinstance(model, FSDPModule):
             model.reshard()
         return out

@@ -25,6 +25,8 @@ _EXPERTS = "routed_experts.inner_experts."
 _EP_COORDS = "_conformance_ep_coords"
 #: attribute set on the built model: its torchtitan ParallelDims (None for the ground truth), for the forward.
 _PARALLEL_DIMS = "_conformance_parallel_dims"
+#: attribute set on a pipeline stage's model part: its stage index, for the forward stage by stage.
+_STAGE = "_conformance_stage"
 
 
 class TorchtitanAdapter(TorchNativeAdapter):
@@ -33,7 +35,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
     name = "torchtitan"
     spmd_backend = "partial_dtensor"
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp", ep_orders=("consecutive",))
+                                format="dcp", ep_orders=("consecutive",), pp=(1, 2))
     preload = ("torchtitan.models.qwen3", "torchtitan.components.checkpoint", "torchtitan.components.optimizer")
     distribution = "torchtitan"
 
@@ -47,13 +49,17 @@ class TorchtitanAdapter(TorchNativeAdapter):
             raise ValueError(f"torchtitan's GroupedExperts is packed SwiGLU, not {spec.kind} {spec.activation}")
         dist_utils.set_spmd_backend(self.spmd_backend)  # what Trainer.__init__ does
         ep = 1 if mesh is None else mesh["ep"].size()
+        pp = mesh["pp"].size() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
         device = world_device(mesh)
-        parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend=self.spmd_backend)
+        parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp,
+                                        spmd_backend=self.spmd_backend)
         with torch.device("meta"), set_default_dtype(getattr(torch, spec.dtype)):
             model = _build_model(spec, parallelism, enable_ep=ep > 1)
         coords, parallel_dims = (0, 1), None
         if mesh is not None:
-            parallel_dims = _parallel_dims(self.spmd_backend, ep, device.type)
+            parallel_dims = _parallel_dims(self.spmd_backend, ep, device.type, pp)
+            if pp > 1:  # this rank's stage, split as pipeline_llm splits it (its model part: layers keep their names)
+                model = _stage(model, parallel_dims, spec.num_layers, device)
             _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp, dtype=spec.dtype)
             if ep > 1:
                 coords = (parallel_dims.get_mesh("ep").get_local_rank(), ep)
@@ -107,11 +113,18 @@ class TorchtitanAdapter(TorchNativeAdapter):
         parallel_dims = getattr(model, _PARALLEL_DIMS)
         context = (dist_utils.get_spmd_context(parallel_dims=parallel_dims)() if parallel_dims is not None
                    else contextlib.nullcontext())
+        stage = getattr(model, _STAGE, None)
         try:
             with torch.no_grad(), context, warnings.catch_warnings():
                 # the router's fp32 autocast, which CPU autocast does not support (a no-op there)
                 warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
-                out = model(batch.to(device)[None])[0]
+                if stage is None:
+                    out = model(batch.to(device)[None])[0]
+                else:  # the stages in turn (send/recv), not torchtitan's PipelineSchedule: it runs only with a loss
+                    from reference_impl.parallelize import pipeline_forward
+
+                    out = pipeline_forward(lambda x: _plain(model(x[None])[0]), batch.to(device),
+                                           parallel_dims.get_mesh("pp").get_group(), stage)
         except RuntimeError as exc:
             if num_experts % ep == 0:
                 raise
@@ -120,7 +133,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
                                 f"num_local_tokens_per_expert_E.view(ep, -1)): {type(exc).__name__}: {exc}") from exc
         finally:
             reshard(model)
-        return out.full_tensor() if hasattr(out, "full_tensor") else out
+        return _plain(out)
 
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from torchtitan.components.checkpoint import MODEL, AsyncMode
@@ -145,18 +158,34 @@ class TorchtitanLocalAdapter(TorchtitanAdapter):
 
 # -- torchtitan objects (built inside rank processes only) ---------------------------------------
 @functools.cache
-def _parallel_dims(backend: str, ep: int, device_type: str) -> Any:
-    """torchtitan's ParallelDims over the whole world at EP degree ``ep``, its mesh built once."""
+def _parallel_dims(backend: str, ep: int, device_type: str, pp: int = 1) -> Any:
+    """torchtitan's ParallelDims over the whole world at EP degree ``ep`` (and ``pp`` stages), its mesh built once."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     parallel_dims_module.device_type = device_type  # workaround: torchtitan picked "cuda" at import
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend=backend)
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp, spmd_backend=backend)
     parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
     return parallel_dims
+
+
+def _stage(model: Any, parallel_dims: Any, num_layers: int, device: Any) -> Any:
+    """This rank's model part, as ``pipeline_llm`` makes it: torchtitan's default module names per stage
+    (``_generate_llm_fqn_per_model_part``, embeddings and output weighed as one layer each, as its
+    ``pipeline_parallel_first/last_stage_less_layers`` defaults do) and its ``_pipeline_module_split`` (a
+    ``PipelineStage`` per part, schedule 1F1B: one stage per pp rank)."""
+    from torchtitan.distributed import pipeline_parallel as pipelining
+
+    pp_mesh = parallel_dims.get_mesh("pp")
+    names = pipelining._generate_llm_fqn_per_model_part(pp_mesh.size(), num_layers, 1, 1)
+    _, parts = pipelining._pipeline_module_split(model, pp_mesh, "1F1B", device, names,
+                                                 get_mesh=pipelining._build_get_mesh_callback(parallel_dims))
+    (part,) = parts
+    object.__setattr__(part, _STAGE, pp_mesh.get_local_rank())
+    return part
 
 
 def _build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
@@ -244,6 +273,11 @@ def _manager(model: Any, optimizer: Any, path: str) -> Any:
     config = CheckpointManager.Config(enable=True, folder=path, keep_latest_k=0)
     return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizer,
                              lr_schedulers=None, states={}, sd_adapter=None)
+
+
+def _plain(out: Any) -> Any:
+    """A forward's output as a plain tensor (a DTensor's whole value)."""
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
 def _num_experts(model: Any) -> int:
