@@ -153,3 +153,20 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
                          rf"FrameworkRefusal: 'w[123]_E[FD][FD]' of layer \d: ep rank {rank} of {ep} holds a plain "
                          rf"expert tensor of \d rows where Shard\(0\)'s chunk rule \(ceil\(E/ep\) per rank\) gives it "
                          rf"experts {experts} of E=5", detail), detail
+
+
+def test_torchtitan_pipeline_stages_keep_their_layers_names(pytester: pytest.Pytester) -> None:
+    """Issue 34, as found: torchtitan's own pipeline split (``_generate_llm_fqn_per_model_part``'s default stage
+    names, ``_pipeline_module_split``: a ``ModuleDict`` keeps its keys) names each stage's layers globally, so every
+    pipeline cell of the default tier passes -- stages changing alone and with the EP degree (pp2.ep1 -> ep2c and
+    back), with FSDP2 and the optimizer; its forward runs stage by stage (n/a only where E=5 is loaded at ep > 1)."""
+    _, doc = run_report(pytester, "--moe-ep-matrix", "--moe-ep-adapter=torchtitan", "-k", "pipeline",
+                        *expectations_args("torchtitan"), stages=True)
+    cells, statuses, _ = by_status(doc)
+    assert set(statuses) == {"pass"} and len(statuses["pass"]) == 12, statuses
+    assert {c["save_layout"] + "->" + c["load_layout"] for c in cells.values()} >= {"pp2.ep1->ep2c", "ep2c->pp2.ep1"}
+    for cell in cells.values():
+        if cell["num_experts"] == 5 and cell["load_layout"] in ("pp2.ep2", "ep2c", "ep4"):
+            assert "forward" in cell["skipped_checks"], cell
+        else:
+            assert FORWARD_RAN.search(cell["detail"]) and not cell["skipped_checks"], cell

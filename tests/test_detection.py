@@ -476,6 +476,7 @@ def test_stages_built_in_reverse_are_a_layout_error(pytester: pytest.Pytester) -
     assert ran(cells) and set(failing(cells)) == set(ran(cells))
     for cell_id, first in failing(cells).items():
         assert cells[cell_id]["findings"] == ["error"], cell_id
-        assert re.search(r"raised StageMismatch: the (save|load) side's layers are not where the cell's pipeline stages "
-                         r"put them: the ranks of pipeline stage 0 \(0, 1\) hold layers 2: not the contiguous range",
+        assert re.search(r"raised StageMismatch: the (save|load) side's layers are not where the cell's pipeline "
+                         r"stages put them: the ranks of pipeline stage 0 \(0, 1\) hold layers 2: not the contiguous "
+                         r"range",
                          first), (cell_id, first)

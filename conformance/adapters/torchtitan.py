@@ -25,6 +25,9 @@ _EXPERTS = "routed_experts.inner_experts."
 _EP_COORDS = "_conformance_ep_coords"
 #: attribute set on the built model: its torchtitan ParallelDims (None for the ground truth), for the forward.
 _PARALLEL_DIMS = "_conformance_parallel_dims"
+#: why torchtitan's forward cannot run at E % ep != 0 (its dispatcher's token-count exchange).
+_UNEVEN_DISPATCH = ("torchtitan's AllToAllTokenDispatcher cannot split the token counts of E={num_experts} experts "
+                    "over ep={ep} (_token_count_exchange: num_local_tokens_per_expert_E.view(ep, -1))")
 #: attribute set on a pipeline stage's model part: its stage index, for the forward stage by stage.
 _STAGE = "_conformance_stage"
 
@@ -111,9 +114,11 @@ class TorchtitanAdapter(TorchNativeAdapter):
                                 "uneven per-rank chunks, which ProcessGroupGloo refuses ('ProcessGroupGloo::alltoall: "
                                 "invalid tensor size at index 1 (expected (15, 16), got (17, 16))')")
         parallel_dims = getattr(model, _PARALLEL_DIMS)
+        stage = getattr(model, _STAGE, None)
+        if stage is not None and num_experts % ep:  # decided before the stages exchange: a stage that raised inside
+            raise NotApplicable(_UNEVEN_DISPATCH.format(num_experts=num_experts, ep=ep))  # would leave the next in recv
         context = (dist_utils.get_spmd_context(parallel_dims=parallel_dims)() if parallel_dims is not None
                    else contextlib.nullcontext())
-        stage = getattr(model, _STAGE, None)
         try:
             with torch.no_grad(), context, warnings.catch_warnings():
                 # the router's fp32 autocast, which CPU autocast does not support (a no-op there)
@@ -128,9 +133,8 @@ class TorchtitanAdapter(TorchNativeAdapter):
         except RuntimeError as exc:
             if num_experts % ep == 0:
                 raise
-            raise NotApplicable(f"torchtitan's AllToAllTokenDispatcher cannot split the token counts of E="
-                                f"{num_experts} experts over ep={ep} (_token_count_exchange: "
-                                f"num_local_tokens_per_expert_E.view(ep, -1)): {type(exc).__name__}: {exc}") from exc
+            raise NotApplicable(f"{_UNEVEN_DISPATCH.format(num_experts=num_experts, ep=ep)}: {type(exc).__name__}: "
+                                f"{exc}") from exc
         finally:
             reshard(model)
         return _plain(out)
