@@ -273,6 +273,8 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
         if cell.save.ep != cell.load.ep:
             families.add("ep up" if cell.save.ep < cell.load.ep else "ep down")
         found |= {("optim", family) for family in families}
+        if cell.save.pp > 1 and cell.load.pp > 1:  # stage to stage, into each kind at each stage layout: each rank's
+            found.add(("optim", "stages", cell.load_kind, cell.load.fragment))  # param groups list its stage's own
     return found
 
 

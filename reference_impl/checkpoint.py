@@ -153,12 +153,18 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     # get_optimizer_state_dict creates a fresh optimizer's moments (a zero-lr step), so DCP has
     # tensors to load into.
     state = state_dict(model, optimizer)
+    # a param group's "params" are this rank's own names, not state: the checkpoint holds one rank's copy of each
+    # group's list (DCP keeps one of equal keys), and ranks of different pipeline stages list different parameters
+    own = [list(group["params"]) for group in state.get("optimizer", {}).get("param_groups", [])]
     layout = expert_layout(model, packed_form=saved_packed_layers(model, saved, where=path))
     if layout is not None:
         state = layout.to_global(state)
     _load_here(state, path)
     if layout is not None:
         state = layout.to_local(state)
+    if optimizer is not None:
+        for group, params in zip(state["optimizer"]["param_groups"], own, strict=True):
+            group["params"] = params
     if not _in_place(model, state["model"]):
         set_model_state_dict(model, state["model"])
     if optimizer is not None:

@@ -980,3 +980,35 @@ class StagesReversed(ReferenceAdapter):
             return super().build(spec, mesh, seed)
         finally:
             moe.apply_pipeline = real  # type: ignore[assignment]
+
+
+class ParamGroupsFromCheckpoint(ReferenceAdapter):
+    """The load hands torch's ``set_optimizer_state_dict`` each param group as the checkpoint holds it, ``params``
+    list included -- the reference's own mistake before issue 34, found by the full tier's pipeline cells.  DCP keeps
+    one rank's copy of ``param_groups.0.params``; ranks of two pipeline stages list different parameters, so the
+    other stage's ranks find none of theirs in the loaded group and lose its lr, betas, eps and weight decay: the
+    next step raises ``KeyError: 'betas'`` there (refused), in every cell that saves and loads with stages.  (The
+    reference's own version was narrower: where its expert layout translated names it put each rank's list back,
+    so only a load at ep=1 into unpacked layers showed it.)"""
+
+    name = "seeded-param-groups-from-checkpoint"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import reference_impl.checkpoint as ck
+
+        real_load, real_set = ck._load_here, ck.set_optimizer_state_dict
+        loaded: list[list[str]] = []
+
+        def load_here(state: dict[str, Any], where: str) -> None:
+            real_load(state, where)
+            loaded[:] = [list(g["params"]) for g in state.get("optimizer", {}).get("param_groups", [])]
+
+        def set_state(model: Any, optimizer: Any, state: dict[str, Any], **kwargs: Any) -> None:
+            groups = [{**g, "params": p} for g, p in zip(state["param_groups"], loaded, strict=True)]
+            real_set(model, optimizer, {**state, "param_groups": groups}, **kwargs)
+
+        ck._load_here, ck.set_optimizer_state_dict = load_here, set_state  # type: ignore[assignment]
+        try:
+            super().load(model, optimizer, path)
+        finally:
+            ck._load_here, ck.set_optimizer_state_dict = real_load, real_set  # type: ignore[assignment]

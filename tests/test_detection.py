@@ -480,3 +480,16 @@ def test_stages_built_in_reverse_are_a_layout_error(pytester: pytest.Pytester) -
                          r"stages put them: the ranks of pipeline stage 0 \(0, 1\) hold layers 2: not the contiguous "
                          r"range",
                          first), (cell_id, first)
+
+
+def test_param_groups_taken_from_another_stage_are_caught(pytester: pytest.Pytester) -> None:
+    """The load takes each param group's ``params`` from the checkpoint, where DCP kept one stage's list: the other
+    stage's ranks lose their hyperparameters, and the step after the load raises on them -- in every cell of the
+    default tier that saves and loads with stages and the optimizer (each kind at each stage layout); a load at pp=1
+    finds its parameters in any stage's list."""
+    cells = run_default_tier(pytester, "ParamGroupsFromCheckpoint", "optim and pipeline")
+    wrong = {i for i, c in ran(cells).items() if "pp2" in c["save_layout"] and "pp2" in c["load_layout"]}
+    assert len(wrong) == 4 and set(failing(cells)) == wrong and len(ran(cells)) > len(wrong)
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["refused"], cell_id
+        assert re.search(r"ranks (0, 1|2, 3) raised KeyError: 'betas'", first), (cell_id, first)
