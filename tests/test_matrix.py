@@ -342,12 +342,12 @@ def test_expert_counts_are_a_choice(pytester: pytest.Pytester) -> None:
 def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> None:
     out = pytester.path / "out"
     result = run(pytester, "--moe-ep-matrix", "--moe-ep-world-size=8", f"--moe-ep-report={out}",
-                 "-k", "(ep8 or ep4c or etp2 or hsdp2) and kind_unpacked and not E5")
+                 "-k", "(ep8 or ep4c or etp2 or hsdp2 or pp2.ep4 or pp2.ep2c) and kind_unpacked and not E5")
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
     assert doc["world_size"] == 8 and doc["summary"]["pass"] == len(doc["cells"]) > 0
     layouts = {c["save_layout"] for c in doc["cells"]} | {c["load_layout"] for c in doc["cells"]}
-    assert {"ep8", "ep4c"} <= layouts, layouts
+    assert {"ep8", "ep4c", "pp2.ep4", "pp2.ep2c"} <= layouts, layouts
 
 
 def test_a_packed_key_without_expert_in_its_name_is_still_checked(pytester: pytest.Pytester) -> None:
