@@ -271,7 +271,7 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     if cell.state == "model+optim":  # optimizer state through every layout family and EP change
         families = {_family(cell.save), _family(cell.load)} - {None}
         if cell.save.ep != cell.load.ep:
-            families.add("ep up" if cell.save.ep < cell.load.ep else "ep down")
+            families.add(_ep_change(cell.save.ep, cell.load.ep))
         found |= {("optim", family) for family in families}
         if cell.save.pp > 1 and cell.load.pp > 1:  # stage to stage, into each kind at each stage layout: each rank's
             found.add(("optim", "stages", cell.load_kind, cell.load.fragment))  # param groups list its stage's own
@@ -285,7 +285,10 @@ def covering(cells: list[Cell]) -> list[Cell]:
     layout, load layout, kind, state, FSDP, E) and its (kind, save_ep, load_ep); for each side whose EP
     degree does not divide E, (kind, side, ep) and (kind, side, class) for each uneven class the split reaches
     (:func:`reference_impl.layout.uneven_classes`); with optimizer state, (kind, family) for each layout
-    family it uses (strided, consecutive, HSDP, ETP) and its EP change (up, down).  A legacy cell ends at
+    family it uses (strided, consecutive, HSDP, ETP) and its EP change (up, down).  A cell with pipeline stages
+    covers its layouts' pairs with the other values but not its pair of layouts: instead its stage change with its
+    EP change, a trade of stages for EP ranks in one world (pp2.ep1 -> ep2), and, with optimizer state saved and
+    loaded with stages, its load kind at its load layout.  A legacy cell ends at
     the refusal and compares no values, so it covers only legacy pairs: each pair of its save layout,
     load layout, kind and E, and its (kind, save_ep, load_ep).
     """
@@ -305,8 +308,9 @@ def guarantee(tier: str) -> str:
         return ("covering what each cell tests: every pair of dimension values among the cells that compare "
                 "values, every (save_ep, load_ep) pair per kind, an uneven split (E % ep != 0) at every ep > 1 and "
                 "each uneven class its expert counts reach on each side for each kind, optimizer state through "
-                "every layout family (strided, consecutive, HSDP, ETP) and EP change (up, down); legacy cells "
-                "cover the pairs among themselves")
+                "every layout family (strided, consecutive, HSDP, ETP) and EP change (up, down); pipeline stages "
+                "changing with every EP change, traded for EP ranks in one world, and optimizer state stage to stage; "
+                "legacy cells cover the pairs among themselves")
     if tier == "full":
         return "every cell"
     return "the plain layouts at those EP degrees (see the README's Tiers)"

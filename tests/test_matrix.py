@@ -378,7 +378,7 @@ def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
 
     assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
     assert (len(_default()), full_size(4, (4, 5))) == (82, 1928)  # docs/matrix.md's Tiers paragraph
-    assert (len(_default(8)), full_size(8, (4, 5))) == (138, 4464)
+    assert (len(_default(8)), full_size(8, (4, 5))) == (136, 4464)
     without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4, (4, 5))
     assert len(without_stages) == 68 and [c.na for c in without_stages if c.pipeline] == [
         "adapter supports no pipeline parallelism, not pp=2"]
