@@ -26,14 +26,16 @@ SEEDED = (Path(__file__).parent / "seeded_bugs.py").read_text()
 OPTIM = "optim and not legacy"
 
 
-def run_default_tier(pytester: pytest.Pytester, adapter: str, select: str, *extra: str) -> dict[str, dict[str, Any]]:
-    """The default tier's cells matching ``-k select`` on the seeded ``adapter``: the report's cells by id."""
+def run_default_tier(pytester: pytest.Pytester, adapter: str, select: str, *extra: str,
+                     tier: str = "default") -> dict[str, dict[str, Any]]:
+    """The default tier's cells (or ``tier``'s) matching ``-k select`` on the seeded ``adapter``: the report's cells by
+    id."""
     pytester.makepyfile(seeded_bugs=SEEDED)
     out = pytester.path / "out"
-    result = run_inline(pytester, "--moe-ep-matrix", f"--moe-ep-adapter=seeded_bugs:{adapter}", "-k", select, *extra,
-                        f"--moe-ep-report={out}", "-p", "no:cacheprovider")
+    result = run_inline(pytester, f"--moe-ep-matrix={tier}", f"--moe-ep-adapter=seeded_bugs:{adapter}", "-k", select,
+                        *extra, f"--moe-ep-report={out}", "-p", "no:cacheprovider")
     doc = json.loads((out / "moe-ep-conformance.json").read_text())
-    assert doc["tier"] == "default"
+    assert doc["tier"] == tier
     cells = {c["id"].removeprefix("moe-ep-matrix::checkpoint::"): c for c in doc["cells"]}
     assert result.ret == (pytest.ExitCode.TESTS_FAILED if any(c["status"] in ("fail", "error")
                                                                 for c in cells.values()) else 0)
@@ -328,10 +330,15 @@ def test_an_optimizer_that_rounds_per_shard_is_no_false_alarm(pytester: pytest.P
     assert ran(cells) and set(failing(cells)) == empty_group
     for cell_id in empty_group:
         assert "failed on rank(s) 3: rank 3 raised KeyError: 'betas'" in failing(cells)[cell_id], failing(cells)
-    rounded = [c for c in cells.values() if "within a kernel's rounding" in c["detail"]]
-    assert rounded, "no cell saw a rounding difference: this control would pass without the tolerance"
     assert all("equal what the checkpoint holds bit for bit" in c["detail"] for i, c in ran(cells).items()
                if i not in empty_group)
+    if adapter == "FusedAdamW":  # the fused kernel rounds in FSDP cells with an ep=1 side, which the default tier's
+        # covering has not picked since issue 34's pipeline cells: one such cell of the full tier shows it
+        cells = run_default_tier(pytester, adapter, "packed and optim and fsdp and E4 and save_ep1 and load_ep2 and "
+                                 "not cross and not pipeline and not etp2 and not hsdp2 and not consecutive",
+                                 tier="full")
+    rounded = [c for c in cells.values() if "within a kernel's rounding" in c["detail"]]
+    assert rounded, "no cell saw a rounding difference: this control would pass without the tolerance"
 
 
 def test_one_expert_moment_off_by_far_more_than_rounding_is_named(pytester: pytest.Pytester) -> None:
