@@ -83,7 +83,7 @@ def test_nine_functions_on_layout_meshes(layout: ParallelLayout, nested: bool) -
         assert ids == list(range(start, end)), f"{where}: split ids {ids}"
         # The dims that do not split the expert axis stay (size > 1 only), Shard(d) becoming Shard(d - 1).
         placements = _placements(layout, nested)
-        remaining = [i for i, p in enumerate(placements) if p != Shard(0) and layout.shape[i] > 1]
+        remaining = [i for i, p in enumerate(placements) if p != Shard(0) and layout.mesh_shape[i] > 1]
         for expert, g in zip(experts, ids, strict=True):
             if remaining:
                 assert isinstance(expert, DTensor), f"{where}: expert {g} is not a DTensor"
@@ -119,7 +119,7 @@ def test_create_dtensor_from_local_on_layout_meshes(layout: ParallelLayout) -> N
         local = full(n_experts)[start:end, :, lo:hi].clone()
         weight = create_dtensor_from_local(local, mesh, etp_dim=2)
         where = f"{layout.fragment} E={n_experts} coords {coords}"
-        kept = tuple(n for n, size in zip(mesh.mesh_dim_names, layout.shape, strict=True) if n == "ep" or size > 1)
+        kept = tuple(n for n, size in zip(mesh.mesh_dim_names, layout.mesh_shape, strict=True) if n == "ep" or size > 1)
         assert weight.device_mesh.mesh_dim_names == kept, f"{where}: mesh {weight.device_mesh}"
         assert weight.shape == full(n_experts).shape, f"{where}: global shape {tuple(weight.shape)}"
         assert weight.to_local().data_ptr() == local.data_ptr(), f"{where}: copied"

@@ -7,19 +7,19 @@ torchtitan's own code throughout: ``MoE`` layers from its config builders (route
 ``dcp_load``.  ``torchtitan`` sets ``spmd_backend="partial_dtensor"`` (experts DTensors ``Shard(0)`` over ``ep``);
 ``torchtitan-local`` keeps the default ``"spmd_types"`` (plain local chunks, placed by this rank's place on ``ep``).
 For CPU (nothing checked changes): ``parallel_dims.device_type`` is the world's; "for-loop" optimizers ("fused" is
-CUDA only); no load-balancing hook; FSDP's ``mixed_precision_param`` is the cell's dtype.  Findings:
+CUDA only); no load-balancing hook; FSDP's ``mixed_precision_param`` is the cell's dtype.  torchtitan's objects
+(mesh, model, pipeline split, parallelize, checkpoint manager) are built in :mod:`._torchtitan_objects`.  Findings:
 docs/frameworks/torchtitan.md.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from conformance.adapter import Capabilities, NotApplicable, Spec, world_device
+from conformance.adapters import _torchtitan_objects as objects
 from conformance.adapters.torch_native import Param, TorchNativeAdapter, reshard
 
-EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 _EXPERTS = "routed_experts.inner_experts."
 #: attribute set on the built model: (rank on the ep mesh, ep degree) for plain local expert tensors.
 _EP_COORDS = "_conformance_ep_coords"
@@ -28,8 +28,6 @@ _PARALLEL_DIMS = "_conformance_parallel_dims"
 #: why torchtitan's forward cannot run at E % ep != 0 (its dispatcher's token-count exchange).
 _UNEVEN_DISPATCH = ("torchtitan's AllToAllTokenDispatcher cannot split the token counts of E={num_experts} experts "
                     "over ep={ep} (_token_count_exchange: num_local_tokens_per_expert_E.view(ep, -1))")
-#: attribute set on a pipeline stage's model part: its stage index, for the forward stage by stage.
-_STAGE = "_conformance_stage"
 
 
 class TorchtitanAdapter(TorchNativeAdapter):
@@ -57,13 +55,13 @@ class TorchtitanAdapter(TorchNativeAdapter):
         parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp,
                                         spmd_backend=self.spmd_backend)
         with torch.device("meta"), set_default_dtype(getattr(torch, spec.dtype)):
-            model = _build_model(spec, parallelism, enable_ep=ep > 1)
+            model = objects.build_model(spec, parallelism, enable_ep=ep > 1)
         coords, parallel_dims = (0, 1), None
         if mesh is not None:
-            parallel_dims = _parallel_dims(self.spmd_backend, ep, device.type, pp)
+            parallel_dims = objects.parallel_dims(self.spmd_backend, ep, device.type, pp)
             if pp > 1:  # this rank's stage, split as pipeline_llm splits it (its model part: layers keep their names)
-                model = _stage(model, parallel_dims, spec.num_layers, device)
-            _parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp, dtype=spec.dtype)
+                model = objects.stage(model, parallel_dims, spec.num_layers, device)
+            objects.parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp, dtype=spec.dtype)
             if ep > 1:
                 coords = (parallel_dims.get_mesh("ep").get_local_rank(), ep)
         object.__setattr__(model, _EP_COORDS, coords)
@@ -114,7 +112,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
                                 "uneven per-rank chunks, which ProcessGroupGloo refuses ('ProcessGroupGloo::alltoall: "
                                 "invalid tensor size at index 1 (expected (15, 16), got (17, 16))')")
         parallel_dims = getattr(model, _PARALLEL_DIMS)
-        stage = getattr(model, _STAGE, None)
+        stage = getattr(model, objects.STAGE, None)
         if stage is not None and num_experts % ep:  # decided before the stages exchange: a stage that raised inside
             raise NotApplicable(_UNEVEN_DISPATCH.format(num_experts=num_experts, ep=ep))  # would leave the next in recv
         context = (dist_utils.get_spmd_context(parallel_dims=parallel_dims)() if parallel_dims is not None
@@ -142,13 +140,13 @@ class TorchtitanAdapter(TorchNativeAdapter):
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from torchtitan.components.checkpoint import MODEL, AsyncMode
 
-        manager = _manager(model, optimizer, path)
+        manager = objects.manager(model, optimizer, path)
         # what CheckpointManager._save writes (model alone: its last-step save), to ``path``, not ``step-N``
         states = manager._flattened_model_states_sd() if optimizer is not None else manager.states[MODEL].state_dict()
         manager.dcp_save(states, checkpoint_id=path, async_mode=AsyncMode.DISABLED)
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        manager = _manager(model, optimizer, path)
+        manager = objects.manager(model, optimizer, path)
         states = manager._states_to_load(model_only=optimizer is None)
         manager.dcp_load(states, checkpoint_id=path, from_hf=False, from_quantized=False)
 
@@ -158,125 +156,6 @@ class TorchtitanLocalAdapter(TorchtitanAdapter):
 
     name = "torchtitan-local"
     spmd_backend = "spmd_types"
-
-
-# -- torchtitan objects (built inside rank processes only) ---------------------------------------
-@functools.cache
-def _parallel_dims(backend: str, ep: int, device_type: str, pp: int = 1) -> Any:
-    """torchtitan's ParallelDims over the whole world at EP degree ``ep`` (and ``pp`` stages), its mesh built once."""
-    import torch.distributed as dist
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.config import ParallelismConfig
-    from torchtitan.distributed import ParallelDims
-
-    parallel_dims_module.device_type = device_type  # workaround: torchtitan picked "cuda" at import
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp, spmd_backend=backend)
-    parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
-    parallel_dims.build_mesh()
-    return parallel_dims
-
-
-def _stage(model: Any, parallel_dims: Any, num_layers: int, device: Any) -> Any:
-    """This rank's model part, as ``pipeline_llm`` makes it: torchtitan's default module names per stage
-    (``_generate_llm_fqn_per_model_part``, embeddings and output weighed as one layer each, as its
-    ``pipeline_parallel_first/last_stage_less_layers`` defaults do) and its ``_pipeline_module_split`` (a
-    ``PipelineStage`` per part, schedule 1F1B: one stage per pp rank)."""
-    from torchtitan.distributed import pipeline_parallel as pipelining
-
-    pp_mesh = parallel_dims.get_mesh("pp")
-    names = pipelining._generate_llm_fqn_per_model_part(pp_mesh.size(), num_layers, 1, 1)
-    _, parts = pipelining._pipeline_module_split(model, pp_mesh, "1F1B", device, names,
-                                                 get_mesh=pipelining._build_get_mesh_callback(parallel_dims))
-    (part,) = parts
-    object.__setattr__(part, _STAGE, pp_mesh.get_local_rank())
-    return part
-
-
-def _build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
-    """``num_layers`` torchtitan MoE layers in a decoder-shaped container (``layers.<i>.moe``)."""
-    from torch import nn
-    from torchtitan.models.common import config_utils as make
-    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
-    from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
-    from torchtitan.protocols.module import ModuleDict
-
-    linear_init = {"weight": functools.partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
-    experts_init = {w: functools.partial(nn.init.normal_, std=0.02) for w in EXPERT_WEIGHTS}
-    top_k = min(spec.top_k, spec.num_experts)
-    config = make.make_moe_config(
-        num_experts=spec.num_experts,
-        router=make.make_router_config(dim=spec.dim, num_experts=spec.num_experts, gate_param_init=linear_init,
-                                       top_k=top_k, score_func="softmax", route_norm=True),
-        routed_experts=make.make_routed_experts_config(dim=spec.dim, hidden_dim=spec.hidden,
-                                                       num_experts=spec.num_experts, top_k=top_k,
-                                                       param_init=experts_init, comm_backend="standard"),
-        shared_experts=(make.make_ffn_config(dim=spec.dim, hidden_dim=spec.hidden, w1_param_init=linear_init,
-                                             w2w3_param_init=linear_init) if spec.shared_expert else None),
-    )
-    set_moe_sharding_config(config, enable_ep=enable_ep, enable_sp=parallelism.enable_sequence_parallel,
-                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
-    block_class, stack_class = _model_classes()
-    layers = ModuleDict({str(i): block_class(config.build()) for i in range(spec.num_layers)})
-    return stack_class(layers)
-
-
-@functools.cache
-def _model_classes() -> tuple[type, type]:
-    """A block reduced to ``x + moe(x)`` and a decoder to its layers: what ``apply_fsdp_to_decoder`` reads of them."""
-    from torchtitan.protocols.module import Module
-
-    class MoEBlock(Module):
-        moe_enabled = True
-
-        def __init__(self, moe: Any) -> None:
-            super().__init__()
-            self.moe = moe
-
-        def forward(self, x: Any) -> Any:
-            return x + self.moe(x)
-
-    class MoEStack(Module):
-        tok_embeddings = norm = lm_head = None
-        enable_weight_tying = False
-
-        def __init__(self, layers: Any) -> None:
-            super().__init__()
-            self.layers = layers
-
-        def forward(self, x: Any) -> Any:
-            for layer in self.layers.values():
-                x = layer(x)
-            return x
-
-    return MoEBlock, MoEStack
-
-
-def _parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool, dtype: str) -> None:
-    """The trainer's parallelize_fn (Qwen3's, shared by torchtitan's MoE decoders)."""
-    import tempfile
-
-    from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.models.qwen3 import parallelize_qwen3
-
-    with tempfile.TemporaryDirectory(prefix="torchtitan-dump-") as dump_folder:
-        try:
-            # FSDP computes in the cell's dtype (the default bf16 is a compute cast), as the truth does
-            training = TrainingConfig(mixed_precision_param="bfloat16" if dtype == "bfloat16" else "float32")
-            parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder,
-                              skip_dp=not fsdp)
-        except Exception as exc:  # the framework's own failure, named with the configuration it failed in
-            raise RuntimeError(f"torchtitan parallelize_qwen3 failed (spmd_backend={parallelism.spmd_backend!r}, ep="
-                               f"{parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): {type(exc).__name__}: {exc}"
-                               ) from exc
-
-
-def _manager(model: Any, optimizer: Any, path: str) -> Any:
-    from torchtitan.components.checkpoint import CheckpointManager
-
-    config = CheckpointManager.Config(enable=True, folder=path, keep_latest_k=0)
-    return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizer,
-                             lr_schedulers=None, states={}, sd_adapter=None)
 
 
 def _plain(out: Any) -> Any:

@@ -1,0 +1,132 @@
+"""torchtitan's objects for the ``torchtitan`` adapters, built inside rank processes only: its ParallelDims and mesh,
+the MoE decoder from its config builders, its pipeline split, its parallelize function and CheckpointManager -- each
+as torchtitan's ``Trainer`` makes it (:mod:`conformance.adapters.torchtitan` says what is changed for CPU)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from conformance.adapter import Spec
+
+EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
+#: attribute set on a pipeline stage's model part: its stage index, for the forward stage by stage.
+STAGE = "_conformance_stage"
+
+
+@functools.cache
+def parallel_dims(backend: str, ep: int, device_type: str, pp: int = 1) -> Any:
+    """torchtitan's ParallelDims over the whole world at EP degree ``ep`` (and ``pp`` stages), its mesh built once."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims_module.device_type = device_type  # workaround: torchtitan picked "cuda" at import
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp, spmd_backend=backend)
+    parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
+    parallel_dims.build_mesh()
+    return parallel_dims
+
+
+def stage(model: Any, parallel_dims: Any, num_layers: int, device: Any) -> Any:
+    """This rank's model part, as ``pipeline_llm`` makes it: torchtitan's default module names per stage
+    (``_generate_llm_fqn_per_model_part``, embeddings and output weighed as one layer each, as its
+    ``pipeline_parallel_first/last_stage_less_layers`` defaults do) and its ``_pipeline_module_split`` (a
+    ``PipelineStage`` per part, schedule 1F1B: one stage per pp rank)."""
+    from torchtitan.distributed import pipeline_parallel as pipelining
+
+    pp_mesh = parallel_dims.get_mesh("pp")
+    names = pipelining._generate_llm_fqn_per_model_part(pp_mesh.size(), num_layers, 1, 1)
+    _, parts = pipelining._pipeline_module_split(model, pp_mesh, "1F1B", device, names,
+                                                 get_mesh=pipelining._build_get_mesh_callback(parallel_dims))
+    (part,) = parts
+    object.__setattr__(part, STAGE, pp_mesh.get_local_rank())
+    return part
+
+
+def build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
+    """``num_layers`` torchtitan MoE layers in a decoder-shaped container (``layers.<i>.moe``)."""
+    from torch import nn
+    from torchtitan.models.common import config_utils as make
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+    from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
+    from torchtitan.protocols.module import ModuleDict
+
+    linear_init = {"weight": functools.partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+    experts_init = {w: functools.partial(nn.init.normal_, std=0.02) for w in EXPERT_WEIGHTS}
+    top_k = min(spec.top_k, spec.num_experts)
+    config = make.make_moe_config(
+        num_experts=spec.num_experts,
+        router=make.make_router_config(dim=spec.dim, num_experts=spec.num_experts, gate_param_init=linear_init,
+                                       top_k=top_k, score_func="softmax", route_norm=True),
+        routed_experts=make.make_routed_experts_config(dim=spec.dim, hidden_dim=spec.hidden,
+                                                       num_experts=spec.num_experts, top_k=top_k,
+                                                       param_init=experts_init, comm_backend="standard"),
+        shared_experts=(make.make_ffn_config(dim=spec.dim, hidden_dim=spec.hidden, w1_param_init=linear_init,
+                                             w2w3_param_init=linear_init) if spec.shared_expert else None),
+    )
+    set_moe_sharding_config(config, enable_ep=enable_ep, enable_sp=parallelism.enable_sequence_parallel,
+                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
+    block_class, stack_class = model_classes()
+    layers = ModuleDict({str(i): block_class(config.build()) for i in range(spec.num_layers)})
+    return stack_class(layers)
+
+
+@functools.cache
+def model_classes() -> tuple[type, type]:
+    """A block reduced to ``x + moe(x)`` and a decoder to its layers: what ``apply_fsdp_to_decoder`` reads of them."""
+    from torchtitan.protocols.module import Module
+
+    class MoEBlock(Module):
+        moe_enabled = True
+
+        def __init__(self, moe: Any) -> None:
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x: Any) -> Any:
+            return x + self.moe(x)
+
+    class MoEStack(Module):
+        tok_embeddings = norm = lm_head = None
+        enable_weight_tying = False
+
+        def __init__(self, layers: Any) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x: Any) -> Any:
+            for layer in self.layers.values():
+                x = layer(x)
+            return x
+
+    return MoEBlock, MoEStack
+
+
+def parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool, dtype: str) -> None:
+    """The trainer's parallelize_fn (Qwen3's, shared by torchtitan's MoE decoders)."""
+    import tempfile
+
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    with tempfile.TemporaryDirectory(prefix="torchtitan-dump-") as dump_folder:
+        try:
+            # FSDP computes in the cell's dtype (the default bf16 is a compute cast), as the truth does
+            training = TrainingConfig(mixed_precision_param="bfloat16" if dtype == "bfloat16" else "float32")
+            parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                              compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder,
+                              skip_dp=not fsdp)
+        except Exception as exc:  # the framework's own failure, named with the configuration it failed in
+            raise RuntimeError(f"torchtitan parallelize_qwen3 failed (spmd_backend={parallelism.spmd_backend!r}, ep="
+                               f"{parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): {type(exc).__name__}: {exc}"
+                               ) from exc
+
+
+def manager(model: Any, optimizer: Any, path: str) -> Any:
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(enable=True, folder=path, keep_latest_k=0)
+    return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizer,
+                             lr_schedulers=None, states={}, sd_adapter=None)
