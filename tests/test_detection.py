@@ -454,7 +454,7 @@ def test_stage_local_layer_names_are_caught_at_every_cell_with_stages(pytester: 
     """Each stage saves ``stage{s}.layers.{local}``: a pp=1 save and load round-trip (those cells pass); a save with
     stages is not the pp=1 checkpoint (``checkpoint``, named by layer and key), a load with stages cannot find its
     keys in a pp=1 save (refused)."""
-    cells = run_default_tier(pytester, "StageLocalLayerNames", "pipeline or (ep2 and not legacy and not fsdp)")
+    cells = run_default_tier(pytester, "StageLocalLayerNames", "pipeline or (save_ep2 and load_ep2 and not legacy)")
     staged = {i for i, c in ran(cells).items() if "pp2" in c["save_layout"] or "pp2" in c["load_layout"]}
     assert staged and set(failing(cells)) == staged and len(ran(cells)) > len(staged)
     for cell_id, first in failing(cells).items():
@@ -468,7 +468,7 @@ def test_stage_local_layer_names_are_caught_at_every_cell_with_stages(pytester: 
 def test_a_stage_map_that_disagrees_on_load_is_caught_by_values(pytester: pytest.Pytester) -> None:
     """The load maps stages with the last stage the longer one: stage 1 loads layer 1's tensors into layer 2, silently,
     in every cell loaded with stages; a load at pp=1 is right."""
-    cells = run_default_tier(pytester, "StageMapDisagreesOnLoad", "pipeline or (ep2 and not legacy and not fsdp)")
+    cells = run_default_tier(pytester, "StageMapDisagreesOnLoad", "pipeline")
     loaded_staged = {i for i, c in ran(cells).items() if "pp2" in c["load_layout"]}
     assert loaded_staged and set(failing(cells)) == loaded_staged
     assert any("pp2" in c["save_layout"] and i not in loaded_staged for i, c in ran(cells).items())
