@@ -137,6 +137,10 @@ class ParallelLayout:
         """The pipeline stage ``rank`` belongs to (0 at pp=1)."""
         return self.coordinates(rank)["pp"]
 
+    def stage_ranks(self) -> list[list[int]]:
+        """Each pipeline stage's ranks, in stage order (one list, the whole world, at pp=1)."""
+        return self.groups(*STAGE_DIMS)
+
     def layers_of(self, rank: int, num_layers: int) -> tuple[int, int]:
         """``(start, end)`` of the global layers ``rank`` holds: the stage rule at its ``pp`` coordinate."""
         from reference_impl.layout import stage_layers

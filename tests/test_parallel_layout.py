@@ -75,6 +75,7 @@ def test_pipeline_stages_are_the_outermost_dim() -> None:
     layout = ParallelLayout.for_world(4, 2, pp=2)
     assert (layout.fragment, layout.dp_shard, layout.stage_size) == ("pp2.ep2", 1, 2)
     assert [layout.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert layout.stage_ranks() == [[0, 1], [2, 3]] and ParallelLayout.for_world(4, 2).stage_ranks() == [[0, 1, 2, 3]]
     assert layout.ep_groups() == [[0, 1], [2, 3]]  # EP groups within a stage
     assert layout.replica_groups(fsdp=False) == [[0, 1, 2, 3]]  # one copy spans both stages
     assert [layout.layers_of(r, 3) for r in range(4)] == [(0, 2), (0, 2), (2, 3), (2, 3)]

@@ -97,7 +97,7 @@ def stage_problem(layout: ParallelLayout, num_layers: int, layers: list[tuple[in
     """
     if layout.pp == 1:
         return ""
-    stages = [[r for r in range(layout.world_size) if layout.stage_of(r) == s] for s in range(layout.pp)]
+    stages = layout.stage_ranks()
     rule = f"{num_layers} layers over {layout.pp} stages"
     start = 0
     for stage, ranks in enumerate(stages):
@@ -177,8 +177,7 @@ def check_layout(adapter: Any, model: Any, optimizer: Any, layout: ParallelLayou
     if why:
         raise StageMismatch(side, layout, num_experts, held, [], why)
     if layout.pp > 1:  # each stage is an EP world of its own: its experts are checked stage by stage
-        for stage in range(layout.pp):
-            ranks = [r for r in range(layout.world_size) if layout.stage_of(r) == stage]
+        for ranks in layout.stage_ranks():
             _check_experts(side, layout, num_experts, {r: held[r] for r in ranks})
         return
     _check_experts(side, layout, num_experts, dict(enumerate(held)))
