@@ -29,7 +29,7 @@ from conformance.matrix import Cell
 from conformance.members import Members
 from conformance.record import FUNCTION_FINDING, CellRecord, environment, function_record
 from conformance.report import INTERRUPTED, OUTCOME, RECORD
-from conformance.saves import Saves, disk_problem, save_key
+from conformance.saves import Saves, disk_problem
 from conformance.summary import structured_problems, summarize, summarize_functions, verdict_findings
 from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
@@ -309,7 +309,7 @@ def collect_items(parent: pytest.Collector, context: CellContext, *, adapter: An
                   functions: Any, functions_cells: list[Any]) -> Iterator[MatrixItem]:
     """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it is n/a)."""
     if adapter is not None:
-        for cell in sorted(cells, key=save_key):  # the loads of one save run one after another
+        for cell in sorted(cells, key=lambda cell: cell.save_key):  # the loads of one save run one after another
             yield CheckpointCellItem.from_parent(parent, name=cell.node_name, context=context, cell=cell,
                                                  adapter=adapter, base=Spec())
     if functions is not None:

@@ -25,6 +25,7 @@ is silently dropped.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -104,6 +105,12 @@ class Cell:
         layers = max(base.num_layers, PIPELINE_LAYERS) if self.pipeline else base.num_layers
         return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps, fsdp=self.fsdp,
                        layout=layout, num_layers=layers)
+
+    @property
+    def save_key(self) -> tuple[object, ...]:
+        """What the checkpoint this cell loads is a pure function of: cells with one key share one save
+        (:mod:`conformance.saves`), and the covering counts that save once (:func:`covering`)."""
+        return (self.save_kind, self.state, self.fsdp, self.save, self.num_experts, self.legacy, self.pipeline)
 
     def record(self) -> dict[str, object]:
         """The cell's fields in the report."""
@@ -278,8 +285,25 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     return found
 
 
+def cost(cell: Cell) -> tuple[float, float]:
+    """What a cell costs, ``(load side, save side)``, in units of a model-only load at pp=1: the covering's price.
+
+    Measured on the reference adapter (docs/benchmarks.md, 2026-12-04, a fit over three default-tier runs): a save
+    side costs about two loads (its build, the save, the saved state gathered and inspected); optimizer state adds
+    AdamW's steps, with FSDP2 five times as much (DTensor sharding propagation); stages build three layers; a
+    legacy load ends at the refusal.  Only the ratios matter, and they change which cells are picked, never what
+    the picked cells cover.
+    """
+    optim = cell.state == "model+optim"
+    extra = (0.7 if optim else 0.0) + (3.5 if optim and cell.fsdp else 0.0)
+    load, save = (0.5 if cell.legacy else 1.0 + extra), 2.0 + extra
+    if cell.pipeline:
+        load, save = 1.5 * load, 1.5 * save
+    return load, save
+
+
 def covering(cells: list[Cell]) -> list[Cell]:
-    """A deterministic greedy subset of ``cells`` covering everything any of them covers.
+    """A deterministic subset of ``cells`` covering everything any of them covers, at a low :func:`cost`.
 
     What a cell covers is what it tests: a non-legacy cell, each pair of its dimension values (save
     layout, load layout, kind, state, FSDP, E) and its (kind, save_ep, load_ep); for each side whose EP
@@ -291,14 +315,39 @@ def covering(cells: list[Cell]) -> list[Cell]:
     loaded with stages, its load kind at its load layout.  A legacy cell ends at
     the refusal and compares no values, so it covers only legacy pairs: each pair of its save layout,
     load layout, kind and E, and its (kind, save_ep, load_ep).
+
+    The weighted greedy set cover: each pick is the cell that covers the most not yet covered per unit of what it
+    adds to the run (its load, and its save unless a picked cell already writes that checkpoint: one save feeds
+    every load of it); then each pick whose coverage the others hold is dropped, the costliest first.
     """
     covers = [_pairs(c) for c in cells]
     wanted = set().union(*covers) if covers else set()
+    prices, keys = [cost(c) for c in cells], [c.save_key for c in cells]
+    gains = [len(pairs) for pairs in covers]  # what each cell covers of ``wanted``, kept as ``wanted`` shrinks
+    holders: dict[tuple[object, ...], list[int]] = {}
+    for i, pairs in enumerate(covers):
+        for pair in pairs:
+            holders.setdefault(pair, []).append(i)
     chosen: list[int] = []
+    written: set[tuple[object, ...]] = set()
+
+    def value(i: int) -> tuple[float, int]:
+        load, save = prices[i]
+        return gains[i] / (load + (0.0 if keys[i] in written else save)), -i
+
     while wanted:
-        best = max(range(len(cells)), key=lambda i: (len(covers[i] & wanted), -i))
+        best = max(range(len(cells)), key=value)
         chosen.append(best)
+        written.add(keys[best])
+        for pair in covers[best] & wanted:
+            for i in holders[pair]:
+                gains[i] -= 1
         wanted -= covers[best]
+    held = Counter(pair for i in chosen for pair in covers[i])
+    for i in sorted(chosen, key=lambda i: (-sum(prices[i]), -i)):
+        if all(held[pair] > 1 for pair in covers[i]):
+            chosen.remove(i)
+            held.subtract(covers[i])
     return [cells[i] for i in sorted(chosen)]
 
 

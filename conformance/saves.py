@@ -2,9 +2,10 @@
 
 A checkpoint is a pure function of the adapter and its save side -- layer kind, state, FSDP, layout,
 expert count, legacy or not, and the layer count (a cell with pipeline stages on either side builds
-:data:`~conformance.matrix.PIPELINE_LAYERS`) -- so every cell with the same :func:`save_key` can load the one
-checkpoint the first of them writes.  The controller counts each checkpoint's readers once the
-collection is final (after ``-k``) and removes it after its last reader.  The truth checkpoint (the
+:data:`~conformance.matrix.PIPELINE_LAYERS`) -- so every cell with the same
+:attr:`~conformance.matrix.Cell.save_key` can load the one checkpoint the first of them writes.  The
+controller counts each checkpoint's readers once the collection is final (after ``-k``) and removes it
+after its last reader.  The truth checkpoint (the
 ep=1 save of a spec, what the checkpoint check compares with) is shared the same way, per
 :func:`truth_key`, for the whole session.
 
@@ -47,12 +48,8 @@ class CellPlan:
     expert_keys: tuple[str, ...] = ()
 
 
-def save_key(cell: Cell) -> tuple[Any, ...]:
-    return (cell.save_kind, cell.state, cell.fsdp, cell.save, cell.num_experts, cell.legacy, cell.pipeline)
-
-
 def _key(cell: Cell, share: bool) -> tuple[Any, ...]:
-    return save_key(cell) if share else (cell,)
+    return cell.save_key if share else (cell,)
 
 
 #: the errors a save gets from its filesystem rather than from the adapter: errno -> what it means.
