@@ -14,6 +14,7 @@ import ast
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import importlib.util
 import os
 import select
@@ -35,6 +36,10 @@ INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOC
 STACK_SIGNAL = signal.SIGUSR1
 #: exit status of a rank that saw its supervisor die.
 ORPHAN_EXIT = 70
+#: a rank's collector thresholds.  A cell allocates millions of short-lived objects; at Python's (700, 10, 10) a
+#: rank spent ~0.85 s of the default tier collecting (874 young collections), at these 0.03-0.4 s.  Together with
+#: ``gc.freeze()`` of what the fork server preloaded (torch: ~300k objects no collection needs to scan again).
+GC_THRESHOLDS = (20_000, 20, 20)
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,8 @@ def _agree_on_call(call_id: int, device: Any, world_size: int) -> None:
 
 def rank_main(spec: RankSpec, conn: Any) -> None:
     """Entry point of a rank process; always ends in ``os._exit``."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     record_self(spec.record_path)
     _lifeline(spec.supervisor_pid, spec.workdir)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
