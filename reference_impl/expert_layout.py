@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from reference_impl.meshes import sliced
 from reference_impl.model import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
 from reference_impl.regions import contiguous_stride, local_region, packed_rows
 
@@ -141,7 +142,6 @@ class ExpertLayout:
                         self._split[f"{pre}{weight}"] = (moe, name, weight[:-2])
                     elif moe.ep_world_size > 1:
                         self._packed[f"{pre}{weight}"] = moe
-        self._nested_meshes: dict[tuple[str, ...], Any] = {}
         #: what to_global made: id(DTensor) -> (the DTensor, the tensor it wraps).
         self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: what to_global saw, for to_local: the state, and each packed weight's per-expert names.
@@ -170,7 +170,7 @@ class ExpertLayout:
             root, names = _root_mesh(moe.ep_mesh), tuple(value.device_mesh.mesh_dim_names or ())
             order = root.mesh_dim_names or ()
             if (not names or any(n not in order for n in names)
-                    or root[names].mesh.tolist() != value.device_mesh.mesh.tolist()):
+                    or sliced(root, names).mesh.tolist() != value.device_mesh.mesh.tolist()):
                 raise ValueError(f"{key!r}: its mesh {value.device_mesh} and the ep mesh {moe.ep_mesh} of MoE "
                                  f"layer {moe.name!r} do not come from one device mesh with named dims")
             placement_of = {**dict(zip(names, value.placements, strict=True)), ep_name: Shard(0)}
@@ -180,9 +180,7 @@ class ExpertLayout:
                 raise ValueError(f"{key!r}: mesh dims {early} split the expert rows but come before {ep_name!r} in "
                                  f"the device mesh {order}; DTensor would nest them first")
             dims = tuple(sorted({ep_name, *names}, key=order.index))
-            mesh = self._nested_meshes.get(dims)
-            if mesh is None:
-                mesh = self._nested_meshes[dims] = root[dims]
+            mesh = sliced(root, dims)
             row, placements = region[0].start if region else 0, tuple(placement_of[d] for d in dims)
         else:
             row, mesh, placements = 0, moe.ep_mesh, (Shard(0),)

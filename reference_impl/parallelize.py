@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from reference_impl.layout import expert_range, stage_layers
+from reference_impl.meshes import sliced
 from reference_impl.model import MoEMLP, MoEModel, moe_modules
 
 __all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp", "apply_pipeline", "pipeline_forward"]
@@ -48,8 +49,8 @@ def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
     1, nothing changes.
     """
     names = getattr(device_mesh, "mesh_dim_names", None) or ()
-    ep_mesh = device_mesh["ep"] if "ep" in names else None
-    etp_mesh = device_mesh["etp"] if "etp" in names else None
+    ep_mesh = sliced(device_mesh, ("ep",)) if "ep" in names else None
+    etp_mesh = sliced(device_mesh, ("etp",)) if "etp" in names else None
     ep = ep_mesh.size() if ep_mesh is not None else 1
     etp = etp_mesh.size() if etp_mesh is not None else 1
     if ep == 1 and etp == 1:
@@ -112,8 +113,8 @@ def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
     names = getattr(device_mesh, "mesh_dim_names", None) or ()
     if "dp_shard" not in names:
         raise ValueError(f"apply_fsdp needs a mesh with a 'dp_shard' dimension, got {device_mesh}")
-    hsdp = "dp_replicate" in names and device_mesh["dp_replicate"].size() > 1
-    dp_mesh = device_mesh[("dp_replicate", "dp_shard")] if hsdp else device_mesh["dp_shard"]
+    hsdp = "dp_replicate" in names and sliced(device_mesh, ("dp_replicate",)).size() > 1
+    dp_mesh = sliced(device_mesh, ("dp_replicate", "dp_shard") if hsdp else ("dp_shard",))
     for moe in list(moe_modules(model)):
         if moe is not model:
             fully_shard(moe, mesh=dp_mesh)

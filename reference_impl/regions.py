@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from reference_impl.meshes import sliced
 from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
 
 __all__ = ["GlobalRegion", "RegionError", "block_region", "global_regions", "local_region", "packed_rows",
@@ -130,7 +131,7 @@ def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed 
             raise ValueError(f"{where}: placed {tuple(tensor.placements)} on a mesh without dim names; its rows "
                              "need the submesh of the dims that split them, so create the mesh with mesh_dim_names")
         else:
-            sub = mesh[tuple(names[i] for i in keep)]
+            sub = sliced(mesh, tuple(names[i] for i in keep))
         shards = [Shard(p.dim - 1) for p in keep.values()]
         shape = tuple(tensor.shape[1:])
         rows = [(g, DTensor.from_local(row, sub, shards, run_check=False, shape=torch.Size(shape),

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from reference_impl.layout import expert_counts, expert_range
+from reference_impl.meshes import sliced
 from reference_impl.regions import RegionError, contiguous_stride, local_region
 
 __all__ = [
@@ -109,7 +110,8 @@ def get_submesh(device_mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
         raise ValueError(f"mesh dim names must not repeat, got {dims}")
     if dims == names:
         return device_mesh
-    return device_mesh[dims]
+    return sliced(device_mesh, dims)
+
 
 
 def _get_expert_mesh_dim_index(dtensor: DTensor) -> int | None:

@@ -51,6 +51,7 @@ class ReferenceAdapter:
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
+        from reference_impl.meshes import sliced
         from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, apply_pipeline, build_model
 
         # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside its Literal
@@ -62,8 +63,9 @@ class ReferenceAdapter:
         model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
             if "pp" in (mesh.mesh_dim_names or ()):  # this rank's stage first: its layers keep their global names
-                apply_pipeline(model, mesh["pp"].size(), mesh["pp"].get_local_rank())
-                model.pp_mesh = mesh["pp"]
+                pp_mesh: Any = sliced(mesh, ("pp",))
+                apply_pipeline(model, pp_mesh.size(), pp_mesh.get_local_rank())
+                model.pp_mesh = pp_mesh
             apply_expert_parallel(model, mesh)
             if spec.fsdp:
                 apply_fsdp(model, mesh)
