@@ -357,24 +357,27 @@ def build_model(config: MoEConfig, num_layers: int = 2, seed: int = 0) -> MoEMod
 
 
 #: module-name parts that wrappers insert (activation checkpointing, torch.compile, FSDP1) and
-#: get_model_state_dict leaves out of parameter names; DDP's ``module`` is left out too (see _walk).
+#: get_model_state_dict leaves out of parameter names; DDP's ``module`` is left out too (see named_modules).
 WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
-def _walk(module: nn.Module, parts: tuple[str, ...], seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
-    if id(module) in seen:
-        return
-    seen.add(id(module))
-    yield ".".join(parts), module
-    is_ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-    for child_name, child in module.named_children():
-        skip = child_name in WRAPPER_PARTS or (is_ddp and child_name == "module")
-        yield from _walk(child, parts if skip else (*parts, child_name), seen)
-
-
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Every module of ``model`` once, named as its state-dict entries are (wrapper names left out)."""
-    yield from _walk(model, (), set())
+    """Every module of ``model`` once, named as its state-dict entries are (wrapper names left out).
+
+    Pre-order, each module where it is first met, with an explicit stack: a nested generator per module cost a
+    resumption per level for every module yielded, and the canonical views walk a model often."""
+    seen: set[int] = set()
+    stack: list[tuple[tuple[str, ...], nn.Module]] = [((), model)]
+    while stack:
+        parts, found = stack.pop()
+        if id(found) in seen:
+            continue
+        seen.add(id(found))
+        yield ".".join(parts), found
+        is_ddp = isinstance(found, nn.parallel.DistributedDataParallel)
+        children = [(parts if name in WRAPPER_PARTS or (is_ddp and name == "module") else (*parts, name), child)
+                    for name, child in found.named_children()]
+        stack.extend(reversed(children))
 
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
