@@ -221,7 +221,7 @@ class _MeshWithBuggyEp:
 
     def __getitem__(self, dims: Any) -> Any:
         found = self._mesh[dims]
-        return _GlobalRankEpMesh(found) if dims == "ep" else found
+        return _GlobalRankEpMesh(found) if dims in ("ep", ("ep",)) else found
 
 
 class GlobalRankAsEpRank(ReferenceAdapter):
