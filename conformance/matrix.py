@@ -290,13 +290,19 @@ def cost(cell: Cell) -> tuple[float, float]:
 
     Measured on the reference adapter (docs/benchmarks.md, 2026-12-04, a fit over three default-tier runs): a save
     side costs about two loads (its build, the save, the saved state gathered and inspected); optimizer state adds
-    AdamW's steps, with FSDP2 five times as much (DTensor sharding propagation); stages build three layers; a
-    legacy load ends at the refusal.  Only the ratios matter, and they change which cells are picked, never what
-    the picked cells cover.
+    AdamW's steps, with FSDP2 five times as much (DTensor sharding propagation), on each side in proportion to the
+    experts a rank holds there, (1 + 4 / ep) / 5: full at ep=1, 0.4 of it at ep=4 -- at a real expert count the
+    moments of every expert a rank holds are stepped, gathered and compared, and a side at ep=1 made the E=256 tier
+    twice as slow; stages build three layers; a legacy load ends at the refusal.  Only the ratios matter, and they
+    change which cells are picked, never what the picked cells cover.
     """
     optim = cell.state == "model+optim"
     extra = (0.7 if optim else 0.0) + (3.5 if optim and cell.fsdp else 0.0)
-    load, save = (0.5 if cell.legacy else 1.0 + extra), 2.0 + extra
+
+    def side(layout: ParallelLayout, base: float) -> float:
+        return base + extra * (1 + 4 / layout.ep) / 5
+
+    load, save = (0.5 if cell.legacy else side(cell.load, 1.0)), side(cell.save, 2.0)
     if cell.pipeline:
         load, save = 1.5 * load, 1.5 * save
     return load, save

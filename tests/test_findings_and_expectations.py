@@ -22,18 +22,21 @@ from conformance.expectations import parse
 pytestmark = pytest.mark.usefixtures("shared_fork_server")
 
 #: the default tier's unpacked model-only cells: lossy legacy saves at ep > 1, and ep=1 saves that pass.
-#: cells of both the legacy and the reference adapter's default tiers (their coverings differ: legacy has no
-#: cross-kind cells): legacy's saves at ep=1 pass, its saves at ep=2 are lossy (on-disk).
-SLICE = "kind_unpacked and model and not optim and not pipeline and E5 and (save_ep1 or load_ep1 or load_ep2c)"
+#: nine cells of the full tier (the same for every adapter; the default tier is each adapter's own covering):
+#: the strided plain layouts ep1, ep2, ep4 on either side; legacy's saves at ep=1 pass, at ep > 1 they are lossy.
+SLICE = ("kind_unpacked and model and not optim and not pipeline and not fsdp and not E5 and not etp2 and "
+         "not consecutive")
+#: the tier SLICE is of.
+SLICE_TIER = "--moe-ep-matrix=full"
 
 
 def report(out: Path) -> dict[str, Any]:
     return json.loads((out / "moe-ep-conformance.json").read_text())
 
 
-def run(pytester: pytest.Pytester, *args: str, out: str = "out") -> tuple[pytest.RunResult, dict[str, Any]]:
-    result = run_inline(pytester, "--moe-ep-matrix", "-p", "no:cacheprovider", f"--moe-ep-report={pytester.path / out}",
-                        *args)
+def run(pytester: pytest.Pytester, *args: str, out: str = "out",
+        tier: str = "--moe-ep-matrix") -> tuple[pytest.RunResult, dict[str, Any]]:
+    result = run_inline(pytester, tier, "-p", "no:cacheprovider", f"--moe-ep-report={pytester.path / out}", *args)
     return result, report(pytester.path / out)
 
 
@@ -41,7 +44,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
     baseline = pytester.path / "legacy.toml"
     # 1. the first file, from the run's outcomes: exit 0, one entry per red cell
     result, doc = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}",
-                      "--moe-ep-update-expectations", "-k", SLICE)
+                      "--moe-ep-update-expectations", "-k", SLICE, tier=SLICE_TIER)
     assert result.ret == 0, result.stdout.str()[-3000:]
     red = {c["id"]: c for c in doc["cells"] if c["status"] in ("fail", "error")}
     green = [c["id"] for c in doc["cells"] if c["status"] == "pass"]
@@ -62,7 +65,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
     # 2. the same run against it: its red cells are expected (xfailed with the reason), the session is green
     baseline.write_text(baseline.read_text().replace("TODO: on-disk", "legacy saves local names, see docs", 1))
     result, doc = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}", "-k", SLICE,
-                      "-rx")
+                      "-rx", tier=SLICE_TIER)
     assert result.ret == 0, result.stdout.str()[-3000:]
     result.assert_outcomes(passed=len(green), xfailed=len(red))
     result.stdout.fnmatch_lines(["XFAIL *on-disk as expected (*): on-disk, *"])
@@ -73,9 +76,9 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
 
     # 3. the reference against legacy's file: the cells the reference gets right now pass, and fail the session
     result, doc = run(pytester, "--moe-ep-adapter=reference", f"--moe-ep-expectations={baseline}", "-k", SLICE,
-                      out="ref")
+                      out="ref", tier=SLICE_TIER)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    named = {c["id"] for c in doc["cells"] if c["id"] in red}  # the reference's covering tier picks its own cells
+    named = {c["id"] for c in doc["cells"] if c["id"] in red}  # the same full-tier cells
     assert named and all(c["status"] in ("pass", "n/a") for c in doc["cells"])
     result.assert_outcomes(passed=sum(c["status"] == "pass" for c in doc["cells"]) - len(named), failed=len(named),
                            skipped=sum(c["status"] == "n/a" for c in doc["cells"]))
@@ -86,7 +89,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
     empty = pytester.path / "empty.toml"
     empty.write_text("# nothing is expected to fail\n")
     result, _ = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={empty}", "-k", SLICE, "-v",
-                    out="e")
+                    out="e", tier=SLICE_TIER)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=len(green), failed=len(red))
     result.stdout.fnmatch_lines([f"every problem of this cell ({len(most['problems'])}):"])  # -v: all of them
@@ -99,7 +102,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(py
     before = parse(baseline, baseline.read_text())
     ran = "save_ep2 and load_ep2 and " + SLICE
     result, doc = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}",
-                      "--moe-ep-update-expectations", "-k", ran, out="slice")
+                      "--moe-ep-update-expectations", "-k", ran, out="slice", tier=SLICE_TIER)
     assert result.ret == 0
     touched = {c["id"] for c in doc["cells"] if c["status"] in ("fail", "error")}
     after = parse(baseline, baseline.read_text())
@@ -116,7 +119,7 @@ def test_an_interrupted_update_never_rewrites_the_baseline(pytester: pytest.Pyte
 def pytest_runtest_logfinish(nodeid, location):
     raise KeyboardInterrupt  # Ctrl-C after the first cell
 ''')
-    result = pytester.runpytest_subprocess("--moe-ep-matrix", "--moe-ep-adapter=legacy",  # a Ctrl-C: its own process
+    result = pytester.runpytest_subprocess(SLICE_TIER, "--moe-ep-adapter=legacy",  # a Ctrl-C: its own process
                                            f"--moe-ep-expectations={baseline}", "--moe-ep-update-expectations", "-k",
                                            SLICE, "-p", "no:cacheprovider", timeout=600)
     assert result.ret == pytest.ExitCode.INTERRUPTED
@@ -151,7 +154,8 @@ def test_expectations_without_the_matrix_are_a_usage_error_not_ignored(pytester:
 
 
 def test_tolerating_refusals_does_not_tolerate_a_lossy_checkpoint(pytester: pytest.Pytester) -> None:
-    result, doc = run(pytester, "--moe-ep-adapter=legacy", "--moe-ep-tolerate=refused,error", "-k", SLICE)
+    result, doc = run(pytester, "--moe-ep-adapter=legacy", "--moe-ep-tolerate=refused,error", "-k", SLICE,
+                      tier=SLICE_TIER)
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # on-disk is never tolerated wholesale
     assert {c.get("expectation") for c in doc["cells"] if c["status"] != "pass"} == {"unmet"}
 
@@ -222,7 +226,7 @@ def test_a_framework_refusal_keeps_its_file_and_line_and_an_adapter_bug_is_an_er
 
 def test_a_report_rebuilt_from_a_log_is_judged_against_the_file(pytester: pytest.Pytester) -> None:
     baseline, log = pytester.path / "legacy.toml", pytester.path / "log.jsonl"
-    result = pytester.runpytest_subprocess("--moe-ep-matrix", "--moe-ep-adapter=legacy", "-p", "no:cacheprovider",
+    result = pytester.runpytest_subprocess(SLICE_TIER, "--moe-ep-adapter=legacy", "-p", "no:cacheprovider",
                                            f"--report-log={log}", "-k", SLICE, timeout=600)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
