@@ -372,6 +372,23 @@ def _default(world_size: int = 4, experts: tuple[int, ...] = (4, 5)) -> list[Any
     return checkpoint_cells(ReferenceAdapter.capabilities, None, world_size, experts)
 
 
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_the_priced_covering_covers_all_the_full_tier_covers_and_keeps_no_redundant_cell(world_size: int) -> None:
+    """The prices pick which cells carry the guarantee, never the guarantee: every pair the applicable full tier
+    covers is covered, and each picked cell holds something no other pick does (the prune left none redundant)."""
+    from collections import Counter
+
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.matrix import _pairs, checkpoint_cells
+
+    everything = [c for c in checkpoint_cells(ReferenceAdapter.capabilities, "full", world_size, (4, 5)) if not c.na]
+    picked = [c for c in _default(world_size) if not c.na]
+    wanted = set().union(*(_pairs(c) for c in everything))
+    assert set().union(*(_pairs(c) for c in picked)) == wanted
+    held = Counter(pair for c in picked for pair in _pairs(c))
+    assert all(any(held[pair] == 1 for pair in _pairs(c)) for c in picked)
+
+
 def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
     from dataclasses import replace
 
