@@ -342,11 +342,22 @@ class HeldTensor(NamedTuple):
     region: tuple[slice, ...] | None
 
 
-def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor]:
-    """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an :class:`ExpertBlock` a row each:
-    the one place the harness turns what an adapter yields into tensors (the layout check reads only a block's ids,
-    from the same :func:`~reference_impl.regions.block_region`).  ``copy``: each local tensor a detached CPU copy (a
-    block's rows rows of the block's one copy)."""
+class HeldBlock(NamedTuple):
+    """An :class:`ExpertBlock` as the checks read it: row ``i`` of ``local`` is expert ``first + i``, each row at
+    ``region`` of its expert's whole tensor (``None``: whole)."""
+
+    layer: int | None
+    first: int
+    name: str
+    local: Any
+    region: tuple[slice, ...] | None
+
+
+def held_blocks(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor | HeldBlock]:
+    """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an :class:`ExpertBlock` as one
+    :class:`HeldBlock`: the one place the harness turns what an adapter yields into tensors (the layout check reads
+    only a block's ids, from the same :func:`~reference_impl.regions.block_region`).  ``copy``: each local tensor a
+    detached CPU copy (a block copied once)."""
     from reference_impl.regions import block_region
     from reference_impl.regions import local_region as reference_local_region
 
@@ -354,14 +365,21 @@ def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTen
         if isinstance(entry, ExpertBlock):
             local, first, region = block_region(entry.tensor, entry.first, where=f"{entry.name!r} of layer "
                                                                                  f"{entry.layer}")
-            if copy:
-                local = local.detach().cpu().clone()
-            for i in range(local.shape[0]):
-                yield HeldTensor(entry.layer, first + i, entry.name, local[i], region)
+            yield HeldBlock(entry.layer, first, entry.name, local.detach().cpu().clone() if copy else local, region)
             continue
         layer, expert, name, tensor = entry
         local, region = reference_local_region(tensor)
         yield HeldTensor(layer, expert, name, local.detach().cpu().clone() if copy else local, region)
+
+
+def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor]:
+    """:func:`held_blocks` a row each: a block's rows are views of its one (copied) local tensor."""
+    for held in held_blocks(entries, copy):
+        if isinstance(held, HeldBlock):
+            for i in range(held.local.shape[0]):
+                yield HeldTensor(held.layer, held.first + i, held.name, held.local[i], held.region)
+        else:
+            yield held
 
 
 @runtime_checkable

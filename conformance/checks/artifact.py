@@ -21,7 +21,7 @@ from its files on one rank, with no process group; another format through the ad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +75,7 @@ def remember(truth_path: str, found: Knowledge) -> None:
     _KNOWLEDGE[truth_path] = found
 
 
-def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], dict[Any, Any]],
+def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[Any, Any]],
               declared: tuple[KeyPattern, ...] = ()) -> Knowledge:
     """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground truth's tensors."""
     if truth_path not in _KNOWLEDGE:
@@ -83,7 +83,7 @@ def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], dict[Any,
     return _KNOWLEDGE[truth_path]
 
 
-def _learn(adapter: Any, truth_path: str, state: dict[Any, Any], declared: tuple[KeyPattern, ...]) -> list[str]:
+def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tuple[KeyPattern, ...]) -> list[str]:
     """Learn the truth checkpoint's expert keys; its findings (attribution, experts missing from it)."""
     from conformance.inspection import DEFAULT_PATTERNS, attribute_experts, inspect_index
     from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of, unexplained_volume
@@ -131,7 +131,7 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
     return list(dict.fromkeys(found))
 
 
-def truth_findings(adapter: Any, truth_path: str, truth_state: dict[Any, Any],
+def truth_findings(adapter: Any, truth_path: str, truth_state: Mapping[Any, Any],
                    declared: tuple[KeyPattern, ...] = ()) -> list[str]:
     """Learn the truth checkpoint's expert keys from its content; expert keys (or rows) holding another
     expert's tensor of the model, and experts missing from it altogether."""

@@ -27,6 +27,7 @@ from conformance import findings as F
 from conformance.adapter import AdapterError, Built, Spec, built
 from conformance.checks import artifact, completeness, refusal, resume, save_plan, saved
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
+from conformance.checks.held import settle
 from conformance.checks.layout import LayoutMismatch, check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
 from conformance.checks.values import canonical, compare, equal, expected
@@ -297,7 +298,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     model, optimizer = b.model, b.optimizer if optim else None
     check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load", load_spec.num_layers)
     before = canonical(adapter, model, optimizer, rank, verdict)
-    same = {k for k, (t, region) in before.items() if equal(t, expected(truth.state, k, region))}
+    settled, _, rest = settle(before, truth.state)  # blocks at once; the rest one by one
+    same = {*settled, *(k for k in rest if equal(before[k][0], expected(truth.state, k, before[k][1])))}
     experts_unchanged = sorted((k for k in same if k[1] is not None), key=repr)
     if before and (experts_unchanged or len(same) == len(before)):
         verdict.problem("setup", f"rank {rank}: the build with seed {SEED_B} already equals the ground truth (seed "

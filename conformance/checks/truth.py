@@ -31,13 +31,14 @@ FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
 
 @dataclass
 class Truth:
-    state: dict[Key, Any]
+    #: whole tensors by ``(layer, expert, name)``, packed blocks kept whole (:class:`~conformance.checks.held.State`).
+    state: Mapping[Key, Any]
     scalars: dict[str, Any] | None = None
     #: the forward on the suite's batch by output name (:func:`forward_outputs`), after the extra step when there is
     #: one (the check runs last).
     output: dict[str, Any] | None = None
     #: after one more optimizer step (``adapter.step``), for the resume check.
-    next_state: dict[Key, Any] | None = None
+    next_state: Mapping[Key, Any] | None = None
     next_scalars: dict[str, Any] | None = None
     #: why the framework's forward cannot run on the truth (its NotApplicable), when it cannot.
     output_not_applicable: str | None = None
@@ -104,20 +105,16 @@ def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
     return _TRUTHS[key]
 
 
-def _flat(held: dict[Key, tuple[Any, Any]]) -> dict[Key, Any]:
-    return {k: t for k, (t, _) in held.items()}
-
-
 def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
     b = built(adapter.build(spec, None, SEED_A), f"{type(adapter).__name__}.build")
     model = b.model
     optimizer = b.optimizer if spec.optimizer_steps else None
-    truth = Truth(_flat(canonical(adapter, model, optimizer, rank)))
+    truth = Truth(canonical(adapter, model, optimizer, rank).tensors())
     if optimizer is not None:
         truth.scalars = all_scalars(adapter, b, optimizer)
     if optimizer is not None and adapter.members.step:
         adapter.step(model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
-        truth.next_state = _flat(canonical(adapter, model, optimizer, rank))
+        truth.next_state = canonical(adapter, model, optimizer, rank).tensors()
         truth.next_scalars = all_scalars(adapter, b, optimizer)
     if adapter.members.forward:  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
         try:

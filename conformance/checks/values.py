@@ -11,25 +11,29 @@ matches does it read "values differ".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from conformance.adapter import held_tensors
+from conformance.adapter import HeldBlock, held_blocks
+from conformance.checks.held import Held, Region, Rows, settle
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 
-Region = tuple[slice, ...] | None
-Held = dict[Key, tuple[Any, Region]]
-
 
 def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict | None = None) -> Held:
-    """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields."""
-    out: Held = {}
+    """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields; a packed block
+    kept as one copy (:class:`~conformance.checks.held.Held`)."""
+    out = Held()
     for source in (adapter.expert_tensors(model, optimizer), adapter.other_tensors(model, optimizer)):
-        for layer, expert, name, local, region in held_tensors(source, copy=True):
-            key = (layer, expert, str(name))
-            if key in out and verdict is not None:
-                verdict.problem("setup", f"rank {rank}: the adapter yielded {key} twice")
-            out[key] = (local, region)
+        for entry in held_blocks(source, copy=True):
+            if isinstance(entry, HeldBlock):
+                again = out.put_rows(Rows(entry.layer, entry.first, str(entry.name), entry.local, entry.region))
+            else:
+                key = (entry.layer, entry.expert, str(entry.name))
+                again = [] if out.put(key, entry.local, entry.region) else [key]
+            for key in again:
+                if verdict is not None:
+                    verdict.problem("setup", f"rank {rank}: the adapter yielded {key} twice")
     return out
 
 
@@ -42,7 +46,7 @@ def cut(full: Any, region: Region) -> Any:
     return full[region]
 
 
-def expected(truth: dict[Key, Any], key: Key, region: Region) -> Any:
+def expected(truth: Mapping[Key, Any], key: Key, region: Region) -> Any:
     """The truth for ``key``, cut to ``region`` when the tensor compared is a shard."""
     return cut(truth.get(key), region)
 
@@ -103,7 +107,7 @@ def _shard_of(got: Any, region: Region, full: Any) -> str:
     return ""
 
 
-def diagnose(key: Key, got: Any, region: Region, truth: dict[Key, Any], before: Held,
+def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], before: Mapping[Key, Any],
              source: str = "the ep=1 ground truth") -> str:
     """Why ``got`` is not ``truth[key]``: what in ``truth`` (``source``: the ground truth, or what the checkpoint
     holds) it holds instead."""
@@ -159,11 +163,15 @@ def agrees(got: Any, want: Any, verdict: RankVerdict) -> bool:
     return False
 
 
-def compare(rank: int, got: Held, truth: dict[Key, Any], before: Held, verdict: RankVerdict,
-            saved: dict[Key, Any] | None = None) -> None:
+def compare(rank: int, got: Held, truth: Mapping[Key, Any], before: Held, verdict: RankVerdict,
+            saved: Mapping[Key, Any] | None = None) -> None:
     """Every tensor ``got`` holds against ``saved`` (what the checkpoint holds) bit for bit where it holds the key,
-    else against the truth within a kernel's rounding; a name the truth lacks is named too."""
-    for key, (tensor, region) in sorted(got.items(), key=lambda kv: repr(kv[0])):
+    else against the truth within a kernel's rounding; a name the truth lacks is named too.  Blocks equal to their
+    reference are settled at once (:func:`~conformance.checks.held.settle`); the rest one by one."""
+    done, differ, rest = settle(got, saved if saved is not None else truth)
+    verdict.compared += len(done)
+    for key in sorted(differ + rest, key=repr):
+        tensor, region = got[key]
         layer, expert, name = key
         verdict.compared += 1
         if key not in truth:
