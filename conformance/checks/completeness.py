@@ -12,10 +12,12 @@ world as a whole still holds them all.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from conformance.checks.held import Held
 from conformance.checks.verdict import Key, RankVerdict
 from conformance.inspection import expert_ranges
 from conformance.layout import ParallelLayout
@@ -29,11 +31,27 @@ def _box(region: Any) -> Box:
     return None if region is None else tuple((s.start, s.stop) for s in region)
 
 
-def _held(held: Mapping[Key, Any] | set[Key]) -> list[tuple[Key, Box]]:
-    """What this rank holds: each key with its region (a dict of ``(tensor, region)``), or whole (a set)."""
+def _held(held: Mapping[Key, Any] | set[Key]) -> list[tuple[Key, Box, int]]:
+    """What this rank holds, as it crosses the ranks: each key with its region (a dict of ``(tensor, region)``), or
+    whole (a set); a packed block as one entry ``(its first row's key, each row's region, its row count)``."""
+    if isinstance(held, Held):
+        found = [(k, _box(region), 0) for k, (_, region) in held.singles().items()]
+        found += [((b.layer, b.first, b.name), _box(b.region), b.stop - b.first) for b in held.blocks()]
+        return sorted(found, key=repr)
     if isinstance(held, Mapping):
-        return sorted(((k, _box(v[1])) for k, v in held.items()), key=repr)
-    return sorted(((k, None) for k in held), key=repr)
+        return sorted(((k, _box(v[1]), 0) for k, v in held.items()), key=repr)
+    return sorted(((k, None, 0) for k in held), key=repr)
+
+
+def _rows(found: list[tuple[Key, Box, int]]) -> Iterator[tuple[Key, Box]]:
+    """:func:`_held`'s entries a key each."""
+    for key, box, rows in found:
+        layer, first, name = tuple(key)
+        if not rows:
+            yield (layer, first, name), box
+            continue
+        for expert in range(first, first + rows):
+            yield (layer, expert, name), box
 
 
 def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
@@ -41,6 +59,8 @@ def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
     import torch
 
     if any(b is None for b in boxes) or not shape:
+        return ""
+    if _disjoint_cover(boxes, shape):  # the usual case (FSDP's and expert TP's shards tile it): arithmetic only
         return ""
     mask = torch.zeros(shape, dtype=torch.bool)
     for box in boxes:
@@ -61,6 +81,16 @@ def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
             shard = f": the expert-TP shard {idx[0] // (n // etp)} of {etp}"
         parts.append(f"axis {axis} rows {span} of {n}{shard}")
     return ", ".join(parts) or "some elements"
+
+
+def _disjoint_cover(boxes: list[Box], shape: tuple[int, ...]) -> bool:
+    """Whether ``boxes`` (none ``None``) are pairwise disjoint, inside ``shape``, and fill it by their volume."""
+    fits = [b for b in boxes if b is not None and len(b) == len(shape)
+            and all(0 <= lo < hi <= n for (lo, hi), n in zip(b, shape, strict=True))]
+    if len(fits) != len(boxes) or sum(math.prod(hi - lo for lo, hi in b) for b in fits) != math.prod(shape):
+        return False
+    return all(any(a[d][1] <= b[d][0] or b[d][1] <= a[d][0] for d in range(len(shape)))
+               for i, a in enumerate(fits) for b in fits[i + 1:])
 
 
 def _missing_lines(missing: set[Key], group: list[int]) -> list[str]:
@@ -112,7 +142,7 @@ def check_replicas(rank: int, held: Mapping[Key, Any] | set[Key], truth: Mapping
     if rank != 0:
         return
     shapes = {k: tuple(v.shape) for k, v in truth.items()} if isinstance(truth, Mapping) else {}
-    by_rank = [{tuple(k): box for k, box in found} for found in everyone]
+    by_rank = [dict(_rows(found)) for found in everyone]
     lines: list[str] = []
     for group in layout.replica_groups(fsdp):
         boxes: dict[Key, list[Box]] = defaultdict(list)

@@ -10,7 +10,8 @@ truth by a kernel's rounding (a fused optimizer steps a shard of a tensor differ
   trained and held the same model; another expert's, layer's or moment's values are named exactly).
 
 At the save every rank's tensors (the adapter's walks, each with its region of the global tensor) travel to every
-rank in one all-gather and are put together into whole tensors.  Each rank process keeps them per checkpoint
+rank -- once per distinct content: replica ranks send a digest, not a copy -- and are put together into whole
+tensors.  Each rank process keeps them per checkpoint
 path for every later cell that loads that checkpoint; a world started after the save (a restart) has not kept
 them, and its cells compare with the truth within rounding instead and say so.  Replicas that disagreed at the
 save are named: the checkpoint can hold only one of their values.
@@ -19,10 +20,12 @@ save are named: the checkpoint can hold only one of their values.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.checks.values import Held, agrees, diagnose, equal
+from conformance.checks.held import Held, Region, Rows, State, settle
+from conformance.checks.values import agrees, diagnose, equal
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
 
 
@@ -31,7 +34,8 @@ class Saved:
     """The save side's state put together: whole tensors of every key its ranks held completely."""
 
     layout: str
-    state: dict[Key, Any] = field(default_factory=dict)
+    #: packed blocks kept whole (:class:`~conformance.checks.held.State`).
+    state: State = field(default_factory=State)
     #: the lowest rank that held a part of each key (the rank a difference is named by).
     holder: dict[Key, int] = field(default_factory=dict)
     #: replicas that held different values for a key at the save: ``(rank, key, text)``.
@@ -43,30 +47,42 @@ class Saved:
                                f"{self.holder[key]} (replicas that disagree: the checkpoint holds one)"))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+        return self.state.nbytes()
 
 
-def pack(held: Held) -> tuple[list[tuple[Key, Any, tuple[int, ...], str, int]], dict[str, Any]]:
-    """``held`` as one flat buffer per dtype and a list of ``(key, box, shape, dtype, offset)``: thousands of small
-    tensors cross an all-gather as a few large ones (pickling each costs more than sending them all)."""
+#: one entry of a :func:`pack`: ``(key, box, shape, dtype, offset, rows)``; ``rows`` > 0 for a block of that many
+#: expert rows (``key`` its first row's, ``box`` each row's region), 0 for a single tensor.
+Entry = tuple[Key, Any, tuple[int, ...], str, int, int]
+
+
+def _box(region: Region) -> Any:
+    return None if region is None else tuple((s.start, s.stop) for s in region)
+
+
+def pack(held: Mapping[Key, Any]) -> tuple[list[Entry], dict[str, Any]]:
+    """``held`` as one flat buffer per dtype and a list of :data:`Entry`: thousands of small tensors cross the
+    ranks as a few large ones (pickling each costs more than sending them all), a packed block as one entry."""
     import torch
 
-    meta: list[tuple[Key, Any, tuple[int, ...], str, int]] = []
+    singles = held.singles() if isinstance(held, Held) else held
+    found = [(key, t, region, 0) for key, (t, region) in sorted(singles.items(), key=lambda kv: repr(kv[0]))]
+    if isinstance(held, Held):
+        found += [((b.layer, b.first, b.name), b.data, b.region, int(b.data.shape[0]))
+                  for b in sorted(held.blocks(), key=lambda b: repr((b.layer, b.first, b.name)))]
+    meta: list[Entry] = []
     parts: dict[str, list[Any]] = {}
     sizes: dict[str, int] = {}
-    for key, (t, region) in sorted(held.items(), key=lambda kv: repr(kv[0])):
+    for key, t, region, rows in found:
         dtype = str(t.dtype)
-        box = None if region is None else tuple((s.start, s.stop) for s in region)
-        meta.append((key, box, tuple(t.shape), dtype, sizes.get(dtype, 0)))
+        meta.append((key, _box(region), tuple(t.shape), dtype, sizes.get(dtype, 0), rows))
         parts.setdefault(dtype, []).append(t.reshape(-1))
         sizes[dtype] = sizes.get(dtype, 0) + t.numel()
     return meta, {dtype: torch.cat(ts) for dtype, ts in parts.items()}
 
 
-def _unpack(meta: list[tuple[Key, Any, tuple[int, ...], str, int]], buffers: dict[str, Any]
-            ) -> list[tuple[Key, Any, Any]]:
-    return [(key, box, buffers[dtype][offset:offset + math.prod(shape)].view(shape))
-            for key, box, shape, dtype, offset in meta]
+def _unpack(meta: list[Entry], buffers: dict[str, Any]) -> list[tuple[Key, Any, Any, int]]:
+    return [(key, box, buffers[dtype][offset:offset + math.prod(shape)].view(shape), rows)
+            for key, box, shape, dtype, offset, rows in meta]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -77,65 +93,220 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][d], b[1][d]) for d in a[1]))
 
 
-def gather(held: Held, truth: dict[Key, Any], layout: str) -> Saved:
-    """Every rank's ``held`` on every rank (a collective), put together against the truth's global shapes."""
+#: below this many bytes in every distinct rank state, :func:`gather` sends them all in one all-gather (a few
+#: collectives' latency is then the cost); above it, each in a broadcast of its raw bytes.
+SMALL_BYTES = 1 << 20
+
+
+def gather(held: Held, truth: Mapping[Key, Any], layout: str) -> Saved:
+    """Every rank's ``held`` on every rank (collectives), put together against the truth's global shapes.
+
+    Each rank's :func:`pack` is sent once per distinct content: the ranks first all-gather a digest of theirs,
+    then only the first rank of each distinct digest sends its pack -- all in one all-gather when they are small,
+    else each in a broadcast of raw bytes (an all-gather pads every rank's part to the largest).  A replica rank
+    (every rank at ep=1, a data-parallel peer without FSDP) sends nothing: at 256 experts the all-gather of every
+    rank's whole copy was most of a save side's time.
+    """
     import torch.distributed as dist
 
-    found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, pack(held))
+    mine = pack(held)
+    sent: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, (digest(mine), sum(b.numel() * b.element_size() for b in mine[1].values())))
+    first = [[d for d, _ in sent].index(d) == rank for rank, (d, _) in enumerate(sent)]
+    found: list[Any] = [None] * len(sent)
+    if max(n for (_, n), send in zip(sent, first, strict=True) if send) <= SMALL_BYTES:
+        dist.all_gather_object(found, mine if first[dist.get_rank()] else None)
+        return assemble(found, truth, layout)
+    for rank, send in enumerate(first):
+        if send:  # later ranks with this digest are replicas equal to it: nothing new
+            found[rank] = _broadcast(mine if rank == dist.get_rank() else None, rank)
     return assemble(found, truth, layout)
 
 
-def assemble(found: list[Any], truth: dict[Key, Any], layout: str) -> Saved:
-    """Each rank's :func:`pack` (by rank) put together into whole tensors; replicas that disagree named.
+def digest(packed: tuple[list[Any], dict[str, Any]]) -> bytes:
+    """A digest of a :func:`pack`: its keys, regions, shapes and every byte of its values."""
+    import hashlib
+    import pickle
+
+    import torch
+
+    meta, buffers = packed
+    h = hashlib.blake2b(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL), digest_size=32)
+    for dtype in sorted(buffers):
+        h.update(dtype.encode())
+        h.update(buffers[dtype].contiguous().view(torch.uint8).numpy().data)
+    return h.digest()
+
+
+def _broadcast(packed: tuple[list[Any], dict[str, Any]] | None, src: int) -> tuple[list[Any], dict[str, Any]]:
+    """``src``'s :func:`pack` on every rank: its key list as an object, each dtype's buffer as raw bytes."""
+    import torch
+    import torch.distributed as dist
+
+    head: list[Any] = [None]
+    if packed is not None:
+        head[0] = (packed[0], {dtype: b.numel() for dtype, b in packed[1].items()})
+    dist.broadcast_object_list(head, src=src)
+    meta, sizes = head[0]
+    # NCCL sends only CUDA tensors; gloo the CPU ones the pack holds
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    buffers: dict[str, Any] = {}
+    for dtype in sorted(sizes):
+        kind = getattr(torch, dtype.removeprefix("torch."))
+        buffer = packed[1][dtype].contiguous() if packed is not None else torch.empty(sizes[dtype], dtype=kind)
+        raw = buffer.view(torch.uint8)  # bytes: every dtype crosses alike
+        if wire is None:
+            dist.broadcast(raw, src=src)
+        else:
+            sent = raw.to(wire)
+            dist.broadcast(sent, src=src)
+            raw.copy_(sent.cpu())
+        buffers[dtype] = buffer
+    return meta, buffers
+
+
+def assemble(found: list[Any], truth: Mapping[Key, Any], layout: str) -> Saved:
+    """Each rank's :func:`pack` (by rank; ``None``: a replica :func:`gather` did not send) put together into whole
+    tensors; replicas that disagree named.
 
     Where ranks' regions of a key meet, the values must agree there; a key is whole when its regions cover it.
-    Both are box arithmetic in Python (a bool mask per key only where regions overlapped): at 256 experts a mask
-    per expert row and tensor was most of the assembly.
+    Both are box arithmetic in Python (a bool mask only where regions overlapped).  A block of expert rows is put
+    into the truth's whole block of its weight at once (rows named only where they disagree): at 256 experts a
+    tensor and a mask per expert row was most of the assembly.
     """
     saved = Saved(layout)
-    fill: dict[Key, Any] = {}
-    boxes: dict[Key, list[tuple[tuple[int, int], ...]]] = {}
-    overlapped: set[Key] = set()
+    fill = _Fill(saved)
     for rank, packed in enumerate(found):
-        if any(_same(packed, found[other]) for other in range(rank)):
+        if packed is None or any(found[other] is not None and _same(packed, found[other]) for other in range(rank)):
             continue  # a replica of an earlier rank's whole state, equal to it: nothing new, nothing to name
-        for key, box, local in _unpack(*packed):
-            want = truth.get(key)
-            if want is None:
+        for key, box, local, rows in _unpack(*packed):
+            block = _truth_block(truth, key, rows)
+            if block is not None:  # the rows at once, in the truth's block of this weight
+                if box is None:
+                    box = tuple((0, n) for n in block.data.shape[1:])
+                offset = key[1] - block.first
+                fill.place(rank, (block.layer, block.first, block.name), ((offset, offset + rows), *box), local,
+                           block.data, block)
                 continue
-            if box is None:  # a whole tensor: the first rank's is it, a replica's must agree
-                if key not in saved.state and key not in fill:
-                    if tuple(local.shape) == tuple(want.shape):
-                        saved.state[key], saved.holder[key] = local, rank
-                elif key in saved.state and not equal(saved.state[key], local):
-                    saved.disagree(rank, key)
-                continue
-            if (len(box) != want.dim() or any(b > n for (_, b), n in zip(box, want.shape, strict=False))
-                    or tuple(local.shape) != tuple(b - a for a, b in box)):
-                continue  # a region that does not fit: the load-side comparison names it
-            if key not in fill:
-                fill[key], boxes[key] = _empty_like(want, local), []
-                saved.holder[key] = rank
-            whole = fill[key]
-            if whole.dtype != local.dtype:
-                saved.conflicts.append((rank, key, f"held as {local.dtype} at the save by rank {rank}, as "
-                                        f"{whole.dtype} by rank {saved.holder[key]}"))
-                continue
-            for other in boxes[key]:
-                meet = _meet(box, other)
-                if meet is None:
-                    continue
-                overlapped.add(key)
-                mine = local[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(meet, box, strict=True))]
-                if not equal(whole[tuple(slice(a, b) for a, b in meet)], mine):
-                    saved.disagree(rank, key)
-                    break
-            whole[tuple(slice(a, b) for a, b in box)] = local
-            boxes[key].append(box)
-    saved.state.update((key, whole) for key, whole in fill.items()
-                       if _covers(boxes[key], tuple(whole.shape), key in overlapped))
+            for i in range(rows or 1):  # one tensor, or a block the truth does not keep whole: row by row
+                row_key = key if not rows else (key[0], key[1] + i, key[2])
+                _place_single(saved, fill, rank, row_key, box, local[i] if rows else local, truth.get(row_key))
+    fill.finish()
     return saved
+
+
+def _truth_block(truth: Mapping[Key, Any], key: Key, rows: int) -> Rows | None:
+    """The truth's whole block holding expert rows ``key[1]..key[1]+rows-1`` of ``key``'s weight, if it has one."""
+    if not rows or not isinstance(truth, State):
+        return None
+    block = truth.block_of(key)
+    return block if block is not None and key[1] + rows <= block.stop else None
+
+
+def _place_single(saved: Saved, fill: _Fill, rank: int, key: Key, box: Any, local: Any, want: Any) -> None:
+    if want is None:
+        return
+    if box is None:  # a whole tensor: the first rank's is it, a replica's must agree
+        if key not in saved.state and key not in fill.pieces:
+            if tuple(local.shape) == tuple(want.shape):
+                saved.state[key], saved.holder[key] = local, rank
+        elif key in saved.state and not equal(saved.state[key], local):
+            saved.disagree(rank, key)
+        return
+    fill.place(rank, key, box, local, want, None)
+
+
+class _Fill:
+    """Whole tensors being put together from the ranks' regions (per single key, or per truth block of rows): each
+    rank's piece kept as it came, compared with the earlier pieces where they meet, and copied into a whole tensor
+    only at the end -- not at all when one piece is the whole tensor (every row at ep=1)."""
+
+    def __init__(self, saved: Saved) -> None:
+        self.saved = saved
+        self.pieces: dict[Any, list[tuple[tuple[tuple[int, int], ...], Any]]] = {}
+        self.want: dict[Any, Any] = {}
+        self.blocks: dict[Any, Rows] = {}
+
+    def keys(self, name: Any, rows: tuple[int, int]) -> list[Key]:
+        """The row keys of ``rows`` (the first axis of a box) of ``name`` (a key, or a block's)."""
+        block = self.blocks.get(name)
+        if block is None:
+            return [name]
+        return [(block.layer, block.first + i, block.name) for i in range(*rows)]
+
+    def place(self, rank: int, name: Any, box: tuple[tuple[int, int], ...], local: Any, want: Any,
+              block: Rows | None) -> None:
+        if (len(box) != want.dim() or any(b > n for (_, b), n in zip(box, want.shape, strict=False))
+                or tuple(local.shape) != tuple(b - a for a, b in box)):
+            return  # a region that does not fit: the load-side comparison names it
+        if name not in self.pieces:
+            self.pieces[name], self.want[name] = [], want
+            if block is not None:
+                self.blocks[name] = block
+        holder = self.saved.holder
+        for key in self.keys(name, box[0]):
+            holder.setdefault(key, rank)
+        pieces = self.pieces[name]
+        if pieces and pieces[0][1].dtype != local.dtype:
+            for key in self.keys(name, box[0]):
+                self.saved.conflicts.append((rank, key, f"held as {local.dtype} at the save by rank {rank}, as "
+                                             f"{pieces[0][1].dtype} by rank {holder[key]}"))
+            return
+        differ: set[Key] = set()
+        for other, theirs in pieces:
+            meet = _meet(box, other)
+            if meet is None:
+                continue
+            mine = local[_within(meet, box)]
+            there = theirs[_within(meet, other)]
+            if equal(there, mine):
+                continue
+            if block is None:
+                differ.add(name)
+                continue
+            rows = (there != mine).reshape(mine.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+            differ.update(self.keys(name, (meet[0][0] + r, meet[0][0] + r + 1))[0] for r in rows)
+        for key in sorted(differ, key=repr):
+            self.saved.disagree(rank, key)
+        pieces.append((box, local))
+
+    def finish(self) -> None:
+        """Every whole tensor its pieces cover into the saved state (the earliest piece's values where pieces
+        meet); of a block, the rows its pieces cover."""
+        for name, pieces in self.pieces.items():
+            want, block = self.want[name], self.blocks.get(name)
+            shape = tuple(want.shape)
+            boxes = [box for box, _ in pieces]
+            overlapped = any(_meet(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+            if len(pieces) == 1 and boxes[0] == tuple((0, n) for n in shape):
+                whole = pieces[0][1]  # one piece is all of it: no copy
+            else:
+                whole = _empty_like(want, pieces[0][1])
+                for box, local in reversed(pieces):  # the earliest written last: its values stay where pieces meet
+                    whole[tuple(slice(a, b) for a, b in box)] = local
+            if block is None:
+                if _covers(boxes, shape, overlapped):
+                    self.saved.state[name] = whole
+            elif _covers(boxes, shape, overlapped):
+                self.saved.state.put_rows(Rows(block.layer, block.first, block.name, whole, None))
+            else:
+                for i, covered in enumerate(_covered_rows(boxes, shape)):
+                    if covered:
+                        self.saved.state.put((block.layer, block.first + i, block.name), whole[i])
+
+
+def _within(meet: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    """Where ``meet`` sits inside a piece of region ``box``."""
+    return tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(meet, box, strict=True))
+
+
+def _covered_rows(boxes: list[tuple[tuple[int, int], ...]], shape: tuple[int, ...]) -> list[bool]:
+    import torch
+
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for box in boxes:
+        mask[tuple(slice(a, b) for a, b in box)] = True
+    return mask.reshape(shape[0], -1).all(dim=1).tolist()
 
 
 def _empty_like(want: Any, local: Any) -> Any:
@@ -178,12 +349,13 @@ def kept(path: str) -> Saved | None:
     return _KEPT.get(path)
 
 
-def check_against_truth(saved: Saved, truth: dict[Key, Any], verdict: RankVerdict) -> None:
+def check_against_truth(saved: Saved, truth: Mapping[Key, Any], verdict: RankVerdict) -> None:
     """The saved state against the ep=1 truth within rounding; each difference named by the rank that held it."""
     for rank, (layer, expert, name), text in saved.conflicts:
         verdict.add(Mismatch(rank, layer, expert, name, text))
-    for key, whole in sorted(saved.state.items(), key=lambda kv: repr(kv[0])):
-        want = truth.get(key)
+    _, differ, rest = settle(saved.state, truth)  # blocks equal to the truth's at once; the rest one by one
+    for key in sorted(differ + rest, key=repr):
+        whole, want = saved.state[key], truth.get(key)
         if want is None or agrees(whole, want, verdict):
             continue
         layer, expert, name = key

@@ -1,0 +1,140 @@
+"""A rank's state kept a block at a time reads, compares and travels exactly as its rows did.
+
+:mod:`conformance.checks.held` keeps a packed weight's expert rows as one tensor (issue 33: at 256 experts a
+tensor per row was most of the harness's time in a cell) and answers per row as a mapping.  These tests hold each
+block shortcut to the per-row answer it replaced: the mapping itself, :func:`~conformance.checks.held.settle`
+(the block compare), the saved state's assembly from blocks (rows that disagree named one by one, rows no rank
+covered left out), and -- in real 4-rank worlds at every layout -- :func:`~conformance.checks.saved.gather`, which
+sends each distinct rank state once, against every rank's state all-gathered the old way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from conformance.adapter import Spec, held_tensors
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.checks import saved
+from conformance.checks.held import Held, Rows, settle
+from conformance.checks.truth import SEED_A, truth_spec
+from conformance.checks.values import canonical
+from conformance.layout import ParallelLayout
+
+WORLD = 4
+
+
+def _held(*blocks: Rows, **singles: Any) -> Held:
+    held = Held()
+    for block in blocks:
+        assert held.put_rows(block) == []
+    for name, tensor in singles.items():
+        held.put((None, None, name), tensor, None)
+    return held
+
+
+def test_a_held_block_reads_as_a_mapping_of_its_rows() -> None:
+    data = torch.arange(24.0).reshape(3, 2, 4)
+    held = _held(Rows(0, 5, "up", data, None), norm=torch.ones(2))
+    assert list(held) == [(None, None, "norm"), (0, 5, "up"), (0, 6, "up"), (0, 7, "up")] and len(held) == 4
+    tensor, region = held[(0, 6, "up")]
+    assert region is None and torch.equal(tensor, data[1]) and tensor.data_ptr() == data[1].data_ptr()
+    assert (0, 8, "up") not in held and (0, 7, "up") in held
+    state = held.tensors()
+    assert torch.equal(state[(0, 7, "up")], data[2]) and state.whole_rows(0, "up", 6, 8).shape == (2, 2, 4)
+    assert state.whole_rows(0, "up", 6, 9) is None and state.block_of((0, 5, "up")).first == 5
+
+
+def test_a_row_given_twice_keeps_the_later_and_is_named() -> None:
+    held = _held(Rows(0, 0, "up", torch.zeros(3, 2), None))
+    assert held.put((0, 1, "up"), torch.ones(2)) is False  # replaces the block's row: the block reads row by row
+    assert held.blocks() == [] and torch.equal(held[(0, 1, "up")][0], torch.ones(2)) and len(held) == 3
+    again = held.put_rows(Rows(0, 2, "up", torch.full((2, 2), 7.0), None))
+    assert again == [(0, 2, "up")] and torch.equal(held[(0, 2, "up")][0], torch.full((2,), 7.0)) and len(held) == 4
+
+
+def test_settle_compares_a_block_at_once_and_leaves_only_the_rows_that_differ() -> None:
+    torch.manual_seed(3)
+    truth = _held(Rows(0, 0, "up", torch.rand(8, 4, 6), None), norm=torch.rand(3)).tensors()
+    whole = truth.whole_rows(0, "up", 0, 8)
+    region = (slice(0, 4), slice(3, 6))  # an expert-TP shard of each row
+    got = _held(Rows(0, 2, "up", whole[2:6, :, 3:6].clone(), region))
+    assert settle(got, truth) == ([(0, e, "up") for e in range(2, 6)], [], [])
+    got.blocks()[0].data[1, 0, 0] += 1.0  # expert 3 differs
+    assert settle(got, truth) == ([(0, 2, "up"), (0, 4, "up"), (0, 5, "up")], [(0, 3, "up")], [])
+    assert settle(_held(Rows(0, 2, "up", whole[2:4].double(), None)), truth)[2] == [(0, 2, "up"), (0, 3, "up")]
+    assert settle(_held(norm=truth[(None, None, "norm")]), truth) == ([], [], [(None, None, "norm")])  # one by one
+    plain = {(0, 0, "up"): (whole[0], None)}
+    assert settle(plain, truth) == ([], [], [(0, 0, "up")])  # not a Held: every key is the per-key checks'
+
+
+def test_the_saved_state_assembles_blocks_as_it_did_their_rows() -> None:
+    torch.manual_seed(4)
+    truth = _held(Rows(0, 0, "up", torch.rand(6, 2, 3), None)).tensors()
+    whole = truth.whole_rows(0, "up", 0, 6)
+
+    def rank(first: int, stop: int, bump: int | None = None) -> Held:
+        data = whole[first:stop].clone()
+        if bump is not None:
+            data[bump - first, 1, 2] += 1.0
+        return _held(Rows(0, first, "up", data, None))
+
+    ranks = [rank(0, 3), rank(3, 6), rank(2, 5, bump=4)]  # rank 2 overlaps both; its expert 4 disagrees
+    got = saved.assemble([saved.pack(r) for r in ranks], truth, "ep=2")
+    rows = saved.assemble([saved.pack(dict(r.items())) for r in ranks], truth, "ep=2")  # the per-row way
+    assert [(r, k) for r, k, _ in got.conflicts] == [(2, (0, 4, "up"))] == [(r, k) for r, k, _ in rows.conflicts]
+    assert got.holder == rows.holder and set(got.state) == set(rows.state) == set(truth)
+    assert all(torch.equal(got.state[k], rows.state[k]) for k in truth) and len(got.state.blocks()) == 1
+    partial = saved.assemble([saved.pack(rank(0, 2)), saved.pack(rank(4, 6))], truth, "ep=2")
+    assert sorted(partial.state) == [(0, e, "up") for e in (0, 1, 4, 5)]  # rows no rank held are no reference
+
+
+@pytest.mark.moe_ep_world(WORLD)
+@pytest.mark.parametrize("case", ["ep1", "ep2", "ep4-E6", "ep2.etp2", "ep2.hsdp2-fsdp", "ep1-fsdp"])
+def test_gather_sends_each_distinct_rank_state_once_and_puts_together_what_all_ranks_held(case: str) -> None:
+    import torch.distributed as dist
+
+    layouts = {"ep1": (1, 1, 1, False, 4), "ep2": (2, 1, 1, False, 4), "ep4-E6": (4, 1, 1, False, 6),
+               "ep2.etp2": (2, 1, 2, False, 4), "ep2.hsdp2-fsdp": (2, 2, 1, True, 4), "ep1-fsdp": (1, 1, 1, True, 4)}
+    ep, replicate, etp, fsdp, num_experts = layouts[case]
+    layout = ParallelLayout.for_world(WORLD, ep, dp_replicate=replicate, etp=etp)
+    adapter = ReferenceAdapter()
+    spec = Spec(num_experts=num_experts, kind="packed", optimizer_steps=1, fsdp=fsdp, layout=layout)
+    model, optimizer = adapter.build(spec, layout.build_mesh(), seed=SEED_A)
+    held = canonical(adapter, model, optimizer, dist.get_rank())
+    per_row = {(h.layer, h.expert, h.name): (h.local, h.region)
+               for h in held_tensors([*adapter.expert_tensors(model, optimizer), *adapter.other_tensors(model,
+                                                                                                      optimizer)])}
+    assert held.keys() == per_row.keys() and held.blocks(), f"{case}: the packed weights are held as blocks"
+    assert all(torch.equal(held[k][0], t) and held[k][1] == r for k, (t, r) in per_row.items())
+
+    truth = canonical(adapter, *adapter.build(truth_spec(spec), None, SEED_A), dist.get_rank()).tensors()
+    sent: list[int] = []
+    real, small = saved._broadcast, saved.SMALL_BYTES
+
+    def counted(packed: Any, src: int) -> Any:
+        sent.append(src)
+        return real(packed, src)
+
+    saved._broadcast = counted
+    try:
+        in_one = saved.gather(held, truth, case)  # small: the distinct states in one all-gather
+        assert sent == [], f"{case}: a few KiB a rank went in broadcasts, not in one all-gather"
+        saved.SMALL_BYTES = 0
+        got = saved.gather(held, truth, case)  # large: a broadcast per distinct state
+    finally:
+        saved._broadcast, saved.SMALL_BYTES = real, small
+    everyone: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone, saved.pack(per_row))
+    want = saved.assemble(everyone, truth, case)
+    for found in (got, in_one):
+        assert set(found.state) == set(want.state) and found.holder == want.holder
+        assert found.conflicts == want.conflicts and all(torch.equal(found.state[k], want.state[k]) for k in want.state)
+    distinct = len({saved.digest(p) for p in everyone})
+    assert len(sent) == distinct <= WORLD, f"{case}: {len(sent)} rank states sent, {distinct} distinct"
+    if case == "ep1":
+        assert sent == [0], "every rank holds the same at ep=1 without FSDP: rank 0's state is sent, no other"
+    _, differ, rest = settle(held, truth)
+    assert differ == [] and set(rest) == set(held.singles()), f"{case}: every block equals the truth's rows"
