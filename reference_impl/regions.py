@@ -44,6 +44,11 @@ class RegionError(ValueError):
         self.placements, self.mesh = placements, mesh
 
 
+#: ``compute_local_shape_and_global_offset`` by (global shape, mesh, placements): its Python walk over the placements
+#: cost more than the rest of a walk of the model, which the checks take several times a cell.
+_PLACED: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
 def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
     """``(local data, region of the global tensor it is)``; a plain tensor is whole (region ``None``).
 
@@ -62,7 +67,13 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | Non
         raise ValueError(f"a DTensor placed {tuple(t.placements)} holds partial sums, not a region of its "
                          f"global tensor; redistribute it to Replicate() first")
     local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    key = (t.shape, t.device_mesh, tuple(t.placements))
+    placed = _PLACED.get(key)
+    if placed is None:  # a pure function of the key on this rank (its coordinates are fixed): taken once
+        if len(_PLACED) >= 4096:
+            _PLACED.clear()
+        placed = _PLACED[key] = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = placed
     if tuple(shape) != tuple(local.shape):
         raise RegionError(tuple(local.shape), tuple(shape), tuple(offset), tuple(t.placements), t.device_mesh)
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
