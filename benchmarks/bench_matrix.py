@@ -70,9 +70,19 @@ def run_matrix(tier: str, world_size: int, *extra: str, root: Path = ROOT) -> di
     return {"wall": wall, "cells": cells, "summary": doc["summary"], "exit": proc.returncode}
 
 
+def starter(found: dict[str, Any]) -> str | None:
+    """The id of the cell that started the world: the one whose wall time exceeds its ranks' own time the most (the
+    report lists cells in the matrix's order, not the order they ran in, and an expensive cell may be the longest)."""
+    cells = found["cells"]
+    if not cells:
+        return None
+    return str(max(cells, key=lambda c: c["duration_s"] - c.get("timings", {}).get("total", 0.0))["id"])
+
+
 def harness(found: dict[str, Any]) -> tuple[float, float]:
-    """``(cells' wall time, time inside the adapter)`` of a run, the first (world-starting) cell left out."""
-    cells = sorted(found["cells"], key=lambda c: c["duration_s"])[:-1] or found["cells"]
+    """``(cells' wall time, time inside the adapter)`` of a run, the world-starting cell left out."""
+    first = starter(found)
+    cells = [c for c in found["cells"] if c["id"] != first] or found["cells"]
     return (sum(c["duration_s"] for c in cells), sum(c.get("timings", {}).get("adapter", 0.0) for c in cells))
 
 
@@ -112,10 +122,10 @@ def kind_sums(found: dict[str, Any], keep: set[str]) -> dict[str, tuple[float, i
 
 
 def by_kind(found: dict[str, Any], even: dict[str, Any], count: int) -> str:
-    """Each kind's cells at ``count`` experts over the same cells at E=4, the first cell of either run (which
-    starts the world) left out (issue 33: packed-kind cells at E=256 at most 1.5x their E=4 time)."""
+    """Each kind's cells at ``count`` experts over the same cells at E=4, the cell of either run that started the
+    world left out (issue 33: packed-kind cells at E=256 at most 1.5x their E=4 time)."""
     ids = [{same_cell(c["id"]) for c in run["cells"]} for run in (found, even)]
-    starters = {same_cell(run["cells"][0]["id"]) for run in (found, even) if run["cells"]}
+    starters = {same_cell(first) for first in (starter(found), starter(even)) if first is not None}
     keep = (ids[0] & ids[1]) - starters
     here, there = kind_sums(found, keep), kind_sums(even, keep)
     parts = [f"{kind} {here[kind][0] / here[kind][1]:.3f} s ({here[kind][0] / there[kind][0]:.2f}x)"
@@ -142,11 +152,12 @@ def breakdown(found: dict[str, Any]) -> str:
 def describe(name: str, found: dict[str, Any], target: float | None = None) -> str:
     """One line: wall time (start-up included), cells, median cell, and the harness's share of a cell.
 
-    The harness cost leaves out the first cell, which pays for starting the world (the wall time has it):
-    ``cell / adapter`` is the cells' wall time over the time inside the adapter's own members, and
-    ``engine`` the median time a cell spends outside the ranks (the call, pickling, agreement).
+    The harness cost leaves out the cell that started the world (the wall time has it): ``cell / adapter`` is
+    the cells' wall time over the time inside the adapter's own members, and ``engine`` the median time a cell
+    spends outside the ranks (the call, pickling, agreement).
     """
-    cells = sorted(found["cells"], key=lambda c: c["duration_s"])[:-1] or found["cells"]
+    first = starter(found)
+    cells = [c for c in found["cells"] if c["id"] != first] or found["cells"]
     durations = [c["duration_s"] for c in cells]
     adapter = sum(c.get("timings", {}).get("adapter", 0.0) for c in cells)
     engine = statistics.median(c["duration_s"] - c.get("timings", {}).get("total", 0.0) for c in cells)
