@@ -26,7 +26,9 @@ def _seed(*parts: object) -> int:
 #: expert) many times -- every cell's save side, the truth, both kinds -- and at 256 experts a cell asked for
 #: thousands (a hash and a seeded generator each).  Callers get a copy, so none can change an entry.
 _DRAWN: dict[tuple[Any, ...], Any] = {}
-_DRAWN_MAX_ELEMENTS = 16 << 20  # 64 MiB of float32 per process, then it starts again
+#: 256 MiB of float32 per process, then it starts again: a whole tier at 256 experts draws ~19M elements of
+#: gradients per seed and kind (at 64 MiB it started again within a tier and drew everything twice).
+_DRAWN_MAX_ELEMENTS = 64 << 20
 _drawn_elements = [0]
 
 
@@ -44,14 +46,16 @@ def _kept(cached: tuple[Any, ...], numel: int, make: Any) -> Any:
     return found
 
 
-def _draw(shape: tuple[int, ...], scale: float, seed: int) -> Any:
+def _generate(shape: tuple[int, ...], scale: float, seed: int) -> Any:
     import torch
 
-    def make() -> Any:
-        return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * scale
+    drawn = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+    return drawn if scale == 1.0 else drawn * scale  # times 1.0 is exact: skipped
 
+
+def _draw(shape: tuple[int, ...], scale: float, seed: int) -> Any:
     # keyed by the seed itself: what decides the draw (1 and True differ there)
-    return _kept((shape, scale, seed), math.prod(shape), make)
+    return _kept((shape, scale, seed), math.prod(shape), lambda: _generate(shape, scale, seed))
 
 
 def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
@@ -79,8 +83,8 @@ def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range,
 
     shape = tuple(shape)
 
-    def make() -> Any:
-        rows = [_draw(shape, 1.0, _seed("grad", seed, step, layer, g, name)) for g in experts]
+    def make() -> Any:  # each row drawn as synthetic_grad draws it, but kept only in the block (not twice)
+        rows = [_generate(shape, 1.0, _seed("grad", seed, step, layer, g, name)) for g in experts]
         return torch.stack(rows) if rows else torch.empty((0, *shape))
 
     found = _kept(("rows", shape, seed, step, layer, experts.start, experts.stop, name),

@@ -60,7 +60,7 @@ class _Store(Mapping[Key, Any]):
     def put_rows(self, rows: Rows) -> list[Key]:
         """Hold a block; the keys held already (each replaced by its row)."""
         keys = rows.keys()
-        again = [k for k in keys if k in self]
+        again = sorted(self._row.keys() & keys | self._single.keys() & keys, key=keys.index) if self else []
         if again:  # an adapter that yields a row twice: rows one by one, the later winning, as a dict would
             for i, key in enumerate(keys):
                 self.put(key, rows.data[i], rows.region)
