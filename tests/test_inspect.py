@@ -494,3 +494,17 @@ def test_saved_objects_that_nest_tensors_compare_by_structure_and_values() -> No
     other[0][0][(torch.bfloat16, torch.float32)]["param"][1] = 9.0
     assert not _same_value(saved, other)
     assert not _same_value(saved, [{**saved[0], "extra": 1}]) and not _same_value((1, 2), [1, 2])
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(5, 3, 4), lambda: torch.randn(4, 6).bfloat16(),
+                                  lambda: torch.rand(3, 2) > 0.5, lambda: torch.randn(6, 4).t(),
+                                  lambda: torch.randn(3), lambda: torch.empty(2, 0)],
+                         ids=["f32", "bf16", "bool", "transposed", "1-d", "empty-rows"])
+def test_a_packed_tensors_row_digests_are_each_rows_own_digest(make: Any) -> None:
+    from conformance.inspection.compare import _row_digests, digest
+
+    t = make()
+    want = [digest(t.contiguous()[r]) for r in range(t.shape[0])]
+    assert _row_digests(t) == want
+    if t.dtype != torch.bool and t.numel():
+        assert len(set(want)) == len(want)  # distinct rows, distinct digests

@@ -257,10 +257,18 @@ def digest(t: Any) -> Digest:
 
 
 def _row_digests(t: Any) -> list[Digest]:
+    """:func:`digest` of each row of ``t``, hashing each row's bytes from one array (slicing a tensor per row cost
+    more than hashing it: 7,000 rows a packed checkpoint at 256 experts)."""
+    import torch
+
     if t.dim() == 0:
         return []
     flat = t.detach().to("cpu").contiguous()
-    return [digest(flat[r]) for r in range(flat.shape[0])]
+    if not flat.numel():
+        return [digest(flat[r]) for r in range(flat.shape[0])]
+    dtype, shape = str(flat.dtype), tuple(flat.shape[1:])
+    rows = flat.reshape(-1).view(torch.uint8).reshape(flat.shape[0], -1).numpy()
+    return [(dtype, shape, hashlib.blake2b(memoryview(row), digest_size=16).digest()) for row in rows]
 
 
 #: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth checkpoint is
