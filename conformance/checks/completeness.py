@@ -17,29 +17,21 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from conformance.checks.held import Held
+from conformance.checks.held import Box, Held, box_of
 from conformance.checks.verdict import Key, RankVerdict
 from conformance.inspection import expert_ranges
 from conformance.layout import ParallelLayout
 
 SHOWN = 4
-#: a region as it crosses the ranks: ``(start, stop)`` per axis, or None for a whole tensor.
-Box = tuple[tuple[int, int], ...] | None
-
-
-def _box(region: Any) -> Box:
-    return None if region is None else tuple((s.start, s.stop) for s in region)
-
-
 def _held(held: Mapping[Key, Any] | set[Key]) -> list[tuple[Key, Box, int]]:
     """What this rank holds, as it crosses the ranks: each key with its region (a dict of ``(tensor, region)``), or
     whole (a set); a packed block as one entry ``(its first row's key, each row's region, its row count)``."""
     if isinstance(held, Held):
-        found = [(k, _box(region), 0) for k, (_, region) in held.singles().items()]
-        found += [((b.layer, b.first, b.name), _box(b.region), b.stop - b.first) for b in held.blocks()]
+        found = [(k, box_of(region), 0) for k, (_, region) in held.singles().items()]
+        found += [((b.layer, b.first, b.name), box_of(b.region), b.stop - b.first) for b in held.blocks()]
         return sorted(found, key=repr)
     if isinstance(held, Mapping):
-        return sorted(((k, _box(v[1]), 0) for k, v in held.items()), key=repr)
+        return sorted(((k, box_of(v[1]), 0) for k, v in held.items()), key=repr)
     return sorted(((k, None, 0) for k in held), key=repr)
 
 

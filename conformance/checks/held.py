@@ -17,6 +17,13 @@ from typing import Any
 from conformance.checks.verdict import Key
 
 Region = tuple[slice, ...] | None
+#: a region as it crosses the ranks: ``(start, stop)`` per axis, or None for a whole tensor.
+Box = tuple[tuple[int, int], ...] | None
+
+
+def box_of(region: Region) -> Box:
+    """``region`` as plain ``(start, stop)`` pairs (what crosses the ranks)."""
+    return None if region is None else tuple((s.start, s.stop) for s in region)
 
 
 @dataclass(frozen=True)

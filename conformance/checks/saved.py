@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.checks.held import Held, Region, Rows, State, settle
+from conformance.checks.held import Held, Rows, State, box_of, settle
 from conformance.checks.values import agrees, diagnose, equal
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
 
@@ -55,10 +55,6 @@ class Saved:
 Entry = tuple[Key, Any, tuple[int, ...], str, int, int]
 
 
-def _box(region: Region) -> Any:
-    return None if region is None else tuple((s.start, s.stop) for s in region)
-
-
 def pack(held: Mapping[Key, Any]) -> tuple[list[Entry], dict[str, Any]]:
     """``held`` as one flat buffer per dtype and a list of :data:`Entry`: thousands of small tensors cross the
     ranks as a few large ones (pickling each costs more than sending them all), a packed block as one entry."""
@@ -74,7 +70,7 @@ def pack(held: Mapping[Key, Any]) -> tuple[list[Entry], dict[str, Any]]:
     sizes: dict[str, int] = {}
     for key, t, region, rows in found:
         dtype = str(t.dtype)
-        meta.append((key, _box(region), tuple(t.shape), dtype, sizes.get(dtype, 0), rows))
+        meta.append((key, box_of(region), tuple(t.shape), dtype, sizes.get(dtype, 0), rows))
         parts.setdefault(dtype, []).append(t.reshape(-1))
         sizes[dtype] = sizes.get(dtype, 0) + t.numel()
     return meta, {dtype: torch.cat(ts) for dtype, ts in parts.items()}
