@@ -55,19 +55,25 @@ def test_a_row_given_twice_keeps_the_later_and_is_named() -> None:
     assert again == [(0, 2, "up")] and torch.equal(held[(0, 2, "up")][0], torch.full((2,), 7.0)) and len(held) == 4
 
 
+def _listed(settled: tuple[Any, ...]) -> tuple[list[Any], ...]:
+    return tuple(list(keys) for keys in settled)
+
+
 def test_settle_compares_a_block_at_once_and_leaves_only_the_rows_that_differ() -> None:
     torch.manual_seed(3)
     truth = _held(Rows(0, 0, "up", torch.rand(8, 4, 6), None), norm=torch.rand(3)).tensors()
     whole = truth.whole_rows(0, "up", 0, 8)
     region = (slice(0, 4), slice(3, 6))  # an expert-TP shard of each row
     got = _held(Rows(0, 2, "up", whole[2:6, :, 3:6].clone(), region))
-    assert settle(got, truth) == ([(0, e, "up") for e in range(2, 6)], [], [])
+    assert _listed(settle(got, truth)) == ([(0, e, "up") for e in range(2, 6)], [], [])
     got.blocks()[0].data[1, 0, 0] += 1.0  # expert 3 differs
-    assert settle(got, truth) == ([(0, 2, "up"), (0, 4, "up"), (0, 5, "up")], [(0, 3, "up")], [])
+    same, differ, _ = settle(got, truth)
+    assert _listed(settle(got, truth)) == ([(0, 2, "up"), (0, 4, "up"), (0, 5, "up")], [(0, 3, "up")], [])
+    assert (len(same), len(differ), same[1], differ[0]) == (3, 1, (0, 4, "up"), (0, 3, "up"))  # counted, indexed
     assert settle(_held(Rows(0, 2, "up", whole[2:4].double(), None)), truth)[2] == [(0, 2, "up"), (0, 3, "up")]
-    assert settle(_held(norm=truth[(None, None, "norm")]), truth) == ([], [], [(None, None, "norm")])  # one by one
+    assert _listed(settle(_held(norm=truth[(None, None, "norm")]), truth)) == ([], [], [(None, None, "norm")])
     plain = {(0, 0, "up"): (whole[0], None)}
-    assert settle(plain, truth) == ([], [], [(0, 0, "up")])  # not a Held: every key is the per-key checks'
+    assert _listed(settle(plain, truth)) == ([], [], [(0, 0, "up")])  # not a Held: every key is the per-key checks'
 
 
 def test_the_saved_state_assembles_blocks_as_it_did_their_rows() -> None:
@@ -137,4 +143,52 @@ def test_gather_sends_each_distinct_rank_state_once_and_puts_together_what_all_r
     if case == "ep1":
         assert sent == [0], "every rank holds the same at ep=1 without FSDP: rank 0's state is sent, no other"
     _, differ, rest = settle(held, truth)
-    assert differ == [] and set(rest) == set(held.singles()), f"{case}: every block equals the truth's rows"
+    assert not differ and set(rest) == set(held.singles()), f"{case}: every block equals the truth's rows"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_replica_check_over_blocks_finds_what_a_row_by_row_check_finds(seed: int) -> None:
+    """The replica check cuts each family's experts where any rank's block starts or ends and checks a span once; on
+    random holdings (blocks, single rows, etp halves, gaps, overlaps) it names exactly the keys and parts that a check
+    of every row on its own names."""
+    import random
+
+    from conformance.checks.completeness import _gap, _held, _lacking, _truth_pieces
+    from conformance.checks.held import State
+
+    rng = random.Random(seed)
+    experts, shape = 12, (4, 6)
+    truth = State()
+    truth.put((None, None, "embed"), torch.zeros(3, 6))
+    for layer in (0, 1):
+        truth.put_rows(Rows(layer, 0, "up", torch.zeros(experts, *shape), None))
+        for e in range(experts):
+            truth.put((layer, e, "down"), torch.zeros(*shape))
+    halves = [(slice(0, 2), slice(0, 6)), (slice(2, 4), slice(0, 6)), None]
+    ranks = []
+    for _ in range(3):
+        held = Held()
+        if rng.random() < 0.8:
+            held.put((None, None, "embed"), torch.zeros(3, 6))
+        for layer in (0, 1):
+            first = rng.randrange(experts)
+            stop = rng.randrange(first + 1, experts + 1)
+            held.put_rows(Rows(layer, first, "up", torch.zeros(stop - first, *shape), rng.choice(halves)))
+            for e in rng.sample(range(experts), rng.randrange(experts)):
+                held.put((layer, e, "down"), torch.zeros(*shape), rng.choice(halves))
+        ranks.append(held)
+    found = [_held(h) for h in ranks]
+    missing, gaps = _lacking(found, _truth_pieces(truth), 2)
+
+    want_missing, want_gaps = set(), {}
+    for key in truth:
+        regions = [h[key][1] for h in ranks if key in h]
+        if not regions:
+            want_missing.add(key)
+            continue
+        boxes = [None if r is None else tuple((s.start, s.stop) for s in r) for r in regions]
+        gap = _gap(tuple(truth[key].shape), boxes, 2)
+        if gap:
+            want_gaps[key] = gap
+    assert (missing, gaps) == (want_missing, want_gaps)
+    assert missing and gaps  # every seed's holdings leave whole keys and parts out: the comparison has work to do

@@ -7,6 +7,9 @@ ranks, forked by the fork server) profiles itself and writes ``rank-<RANK>-<pid>
     I24_PROFILE_DIR=/tmp/prof PYTHONPATH=benchmarks/rank_profile:. python -m pytest --moe-ep-matrix=default \\
         --moe-ep-experts=64 -k "ep4 and not legacy"
     python -c "import pstats; pstats.Stats('/tmp/prof/rank-0-<pid>.prof').sort_stats('cumulative').print_stats(60)"
+
+``I24_PROFILE_CPU=1`` times each function by the process's CPU time instead of the wall clock: with more ranks than
+cores a rank's wall time includes the time it waited for a core, which hides where the CPU went.
 """
 
 import os
@@ -16,7 +19,9 @@ if _DIR:
     def _child() -> None:
         import cProfile
 
-        prof = cProfile.Profile()
+        import time
+
+        prof = cProfile.Profile(time.process_time) if os.environ.get("I24_PROFILE_CPU") else cProfile.Profile()
         real_exit = os._exit
 
         def _exit(code: int) -> None:

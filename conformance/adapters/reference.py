@@ -117,7 +117,8 @@ class ReferenceAdapter:
                                            piece.global_shape[1:])[inner]
             else:
                 grad = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)[piece.region]
-            grad = grad.to(device=piece.local.device, dtype=piece.param.dtype, copy=True)
+            # synthetic_grad(_rows) hands out a new tensor: copied again only to move, convert or pack a cut of it
+            grad = grad.to(device=piece.local.device, dtype=piece.param.dtype).contiguous()
             p = piece.param
             if isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,

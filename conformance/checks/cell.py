@@ -311,7 +311,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     if cell.legacy:  # decided by the refusal; a load that succeeded shows its damage in the values
         if refusal.load_legacy(adapter, b, _saved_optimizer(adapter, b, optim), plan.path, verdict):
             verdict.timings["load"] = time.perf_counter() - t3
-            compare(rank, canonical(adapter, model, optimizer, rank, verdict), truth.state, before, verdict)
+            compare(rank, canonical(adapter, model, optimizer, rank, verdict, copy=False), truth.state, before, verdict)
         return verdict  # the later checks' collectives may not pair after a lossy load
     evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
     try:
@@ -319,7 +319,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     except load_errors() as exc:
         raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3
-    got = canonical(adapter, model, optimizer, rank, verdict)
+    got = canonical(adapter, model, optimizer, rank, verdict, copy=False)  # read before the next step changes it
     held = saved.kept(plan.path)
     if held is None:
         verdict.skipped["values against the checkpoint"] = (

@@ -12,9 +12,10 @@ world as a whole still holds them all.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from conformance.checks.held import Box, Held, box_of
@@ -35,15 +36,90 @@ def _held(held: Mapping[Key, Any] | set[Key]) -> list[tuple[Key, Box, int]]:
     return sorted(((k, None, 0) for k in held), key=repr)
 
 
-def _rows(found: list[tuple[Key, Box, int]]) -> Iterator[tuple[Key, Box]]:
-    """:func:`_held`'s entries a key each."""
+#: one family's pieces: ``(first expert, stop, what)`` -- a rank's box, or the truth's row shape.
+Pieces = dict[tuple[Any, str], list[tuple[int, int, Any]]]
+
+
+def _pieces(found: list[tuple[Key, Box, int]], into: Pieces, dense: dict[Key, list[Box]]) -> None:
+    """:func:`_held`'s entries added to ``into`` per ``(layer, name)`` (expert keys) or to ``dense``."""
     for key, box, rows in found:
         layer, first, name = tuple(key)
-        if not rows:
-            yield (layer, first, name), box
-            continue
-        for expert in range(first, first + rows):
-            yield (layer, expert, name), box
+        if first is None:
+            dense.setdefault((layer, None, name), []).append(box)
+        else:
+            into.setdefault((layer, name), []).append((first, first + (rows or 1), box))
+
+
+def _truth_pieces(truth: Mapping[Key, Any] | set[Key]) -> tuple[Pieces, dict[Key, Any]]:
+    """The truth's experts per ``(layer, name)`` as ``(first, stop, row shape or None)`` (a kept block is one
+    piece), and its dense keys with their shapes (``None`` when ``truth`` is keys only)."""
+    experts: Pieces = {}
+    dense: dict[Key, Any] = {}
+    blocks = getattr(truth, "blocks", None)
+    if blocks is not None:
+        singles: Iterable[tuple[Key, tuple[Any, Any]]] = truth.singles().items()  # type: ignore[union-attr]
+    elif isinstance(truth, Mapping):
+        singles = ((k, (v, None)) for k, v in truth.items())
+    else:
+        singles = ((k, (None, None)) for k in truth)
+    for (layer, expert, name), (tensor, _) in singles:
+        shape = None if tensor is None else tuple(tensor.shape)
+        if expert is None:
+            dense[(layer, None, name)] = shape
+        else:
+            experts.setdefault((layer, name), []).append((expert, expert + 1, shape))
+    for block in blocks() if blocks is not None else ():
+        experts.setdefault((block.layer, block.name), []).append((block.first, block.stop,
+                                                                   tuple(block.data.shape[1:])))
+    return experts, dense
+
+
+def _spans(wanted: list[tuple[int, int, Any]], pieces: list[tuple[int, int, Any]]
+           ) -> Iterator[tuple[int, int, Any, list[Box]]]:
+    """The truth's experts (``wanted``: disjoint ``(first, stop, row shape)``) cut where any piece starts or ends:
+    ``(a, b, row shape, the boxes of the pieces covering experts a..b-1)`` -- the experts of a span are held alike,
+    so a span is checked once for all of them (a packed block: one span, not a row each).  One sweep, in order."""
+    starts: dict[int, list[int]] = defaultdict(list)
+    stops: dict[int, list[int]] = defaultdict(list)
+    for i, (first, stop, _) in enumerate(pieces):
+        starts[first].append(i)
+        stops[stop].append(i)
+    truth_at = {first: (stop, shape) for first, stop, shape in wanted}
+    cuts = sorted({*starts, *stops, *truth_at, *(stop for _, stop, _ in wanted)})
+    active: dict[int, Box] = {}
+    current: tuple[int, Any] | None = None
+    for a, b in itertools.pairwise(cuts):
+        for i in stops.get(a, ()):
+            active.pop(i, None)
+        for i in starts.get(a, ()):
+            active[i] = pieces[i][2]
+        if current is not None and a >= current[0]:
+            current = None
+        current = truth_at.get(a, current)
+        if current is not None:
+            yield a, b, current[1], list(active.values())
+
+
+def _lacking(found: list[list[tuple[Key, Box, int]]], wanted: tuple[Pieces, dict[Key, Any]], etp: int
+             ) -> tuple[set[Key], dict[Key, str]]:
+    """``(keys of the truth no entry holds, {key: the part of it none holds})`` over one replica group's entries
+    (:func:`_held`'s, a rank each) against the truth's pieces (:func:`_truth_pieces`)."""
+    pieces: Pieces = {}
+    dense: dict[Key, list[Box]] = {}
+    for entries in found:
+        _pieces(entries, pieces, dense)
+    truth_experts, truth_dense = wanted
+    missing = {k for k in truth_dense if k not in dense}
+    gaps = {k: gap for k, shape in truth_dense.items() if k in dense and shape is not None
+            for gap in [_gap(shape, dense[k], etp)] if gap}
+    for (layer, name), experts in truth_experts.items():
+        for a, b, shape, boxes in _spans(experts, pieces.get((layer, name), [])):
+            gap = "" if not boxes or shape is None else _gap(shape, boxes, etp)
+            if not boxes:
+                missing.update((layer, e, name) for e in range(a, b))
+            elif gap:
+                gaps.update(((layer, e, name), gap) for e in range(a, b))
+    return missing, gaps
 
 
 def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
@@ -133,17 +209,11 @@ def check_replicas(rank: int, held: Mapping[Key, Any] | set[Key], truth: Mapping
     dist.all_gather_object(everyone, _held(held))
     if rank != 0:
         return
-    shapes = {k: tuple(v.shape) for k, v in truth.items()} if isinstance(truth, Mapping) else {}
-    by_rank = [dict(_rows(found)) for found in everyone]
+    wanted = _truth_pieces(truth)
     lines: list[str] = []
     for group in layout.replica_groups(fsdp):
-        boxes: dict[Key, list[Box]] = defaultdict(list)
-        for r in group:
-            for k, box in by_rank[r].items():
-                boxes[k].append(box)
-        lines += _missing_lines(set(shapes or truth) - set(boxes), group)
-        gaps = {k: gap for k, shape in shapes.items() if k in boxes
-                for gap in [_gap(shape, boxes[k], layout.etp)] if gap}
+        missing, gaps = _lacking([everyone[r] for r in group], wanted, layout.etp)
+        lines += _missing_lines(missing, group)
         lines += _partial_lines(gaps, group)
     if len(lines) > SHOWN:
         lines[SHOWN - 1] += f" (and {len(lines) - SHOWN} more missing tensor families)"

@@ -10,9 +10,9 @@ the rows that differ.  A mapping that is not one of these (a test's dict) is rea
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from conformance.checks.verdict import Key
 
@@ -46,35 +46,53 @@ class Rows:
 
 
 class _Store(Mapping[Key, Any]):
-    """Single tensors and :class:`Rows` blocks under one row-keyed index; a key given twice keeps the later."""
+    """Single tensors and :class:`Rows` blocks, read as one row-keyed mapping; a key given twice keeps the later.
+
+    Blocks are found per ``(layer, name)`` (a family holds a block or a few), not through an index of every row:
+    at 256 experts such an index was 7,000 entries made per state, and a cell makes several states."""
 
     def __init__(self) -> None:
         self._single: dict[Key, tuple[Any, Region]] = {}
         self._blocks: list[Rows | None] = []
-        self._row: dict[Key, tuple[int, int]] = {}
+        self._family: dict[tuple[Any, str], list[int]] = {}  # (layer, name) -> its live blocks' indices
+        self._rows = 0  # rows in live blocks
 
     def _value(self, tensor: Any, region: Region) -> Any:
         raise NotImplementedError
 
+    def _find(self, key: Key) -> tuple[int, int] | None:
+        """``(block index, row)`` of the live block holding ``key``, if one does."""
+        layer, expert, name = key
+        for index in self._family.get((layer, name), ()):
+            block = self._blocks[index]
+            if block is not None and isinstance(expert, int) and block.first <= expert < block.stop:
+                return index, expert - block.first
+        return None
+
     def put(self, key: Key, tensor: Any, region: Region = None) -> bool:
         """Hold ``tensor`` under ``key``; False when ``key`` was held already (the new one replaces it)."""
         new = key not in self
-        if key in self._row:
-            self._explode(self._row[key][0])
+        at = self._find(key)
+        if at is not None:
+            self._explode(at[0])
         self._single[key] = (tensor, region)
         return new
 
     def put_rows(self, rows: Rows) -> list[Key]:
         """Hold a block; the keys held already (each replaced by its row)."""
-        keys = rows.keys()
-        again = sorted(self._row.keys() & keys | self._single.keys() & keys, key=keys.index) if self else []
-        if again:  # an adapter that yields a row twice: rows one by one, the later winning, as a dict would
-            for i, key in enumerate(keys):
-                self.put(key, rows.data[i], rows.region)
-            return again
-        index = len(self._blocks)
+        family = self._family.setdefault((rows.layer, rows.name), [])
+        overlaps = any(b is not None and b.first < rows.stop and rows.first < b.stop
+                       for b in (self._blocks[i] for i in family))
+        if overlaps or self._single:
+            keys = rows.keys()
+            again = [k for k in keys if k in self] if overlaps else [k for k in keys if k in self._single]
+            if again:  # an adapter that yields a row twice: rows one by one, the later winning, as a dict would
+                for i, key in enumerate(keys):
+                    self.put(key, rows.data[i], rows.region)
+                return again
+        family.append(len(self._blocks))
         self._blocks.append(rows)
-        self._row.update((key, (index, i)) for i, key in enumerate(keys))
+        self._rows += rows.stop - rows.first
         return []
 
     def _explode(self, index: int) -> None:
@@ -82,10 +100,10 @@ class _Store(Mapping[Key, Any]):
         block = self._blocks[index]
         assert block is not None
         self._blocks[index] = None
+        self._family[(block.layer, block.name)].remove(index)
+        self._rows -= block.stop - block.first
         for i, key in enumerate(block.keys()):
-            if self._row.get(key, (None,))[0] == index:
-                del self._row[key]
-                self._single[key] = (block.data[i], block.region)
+            self._single[key] = (block.data[i], block.region)
 
     def blocks(self) -> list[Rows]:
         return [b for b in self._blocks if b is not None]
@@ -95,7 +113,7 @@ class _Store(Mapping[Key, Any]):
 
     def block_of(self, key: Key) -> Rows | None:
         """The block of whole rows (region ``None``) that holds ``key``, if one does."""
-        at = self._row.get(key)
+        at = self._find(key)
         block = None if at is None else self._blocks[at[0]]
         return block if block is not None and block.region is None else None
 
@@ -116,20 +134,23 @@ class _Store(Mapping[Key, Any]):
         found = self._single.get(key)
         if found is not None:
             return self._value(*found)
-        index, i = self._row[key]
-        block = self._blocks[index]
+        at = self._find(key)
+        if at is None:
+            raise KeyError(key)
+        block = self._blocks[at[0]]
         assert block is not None
-        return self._value(block.data[i], block.region)
+        return self._value(block.data[at[1]], block.region)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._single or key in self._row
+        return key in self._single or (isinstance(key, tuple) and len(key) == 3 and self._find(key) is not None)
 
     def __iter__(self) -> Iterator[Key]:
         yield from self._single
-        yield from self._row
+        for block in self.blocks():
+            yield from block.keys()
 
     def __len__(self) -> int:
-        return len(self._single) + len(self._row)
+        return len(self._single) + self._rows
 
 
 class Held(_Store):
@@ -141,7 +162,8 @@ class Held(_Store):
     def tensors(self) -> State:
         """The same tensors without their regions (sharing the storage): the ground truth's form."""
         state = State()
-        state._single, state._blocks, state._row = self._single, self._blocks, self._row
+        state._single, state._blocks, state._family, state._rows = (self._single, self._blocks, self._family,
+                                                                      self._rows)
         return state
 
 
@@ -165,7 +187,37 @@ def _cut_rows(rows: Any, region: Region) -> Any:
     return rows[index]
 
 
-def settle(held: Mapping[Key, Any], reference: Mapping[Key, Any]) -> tuple[list[Key], list[Key], list[Key]]:
+class Keys(Sequence[Key]):
+    """Keys: whole rows of blocks and single keys, a block's rows made into keys only when read (most of what
+    :func:`settle` returns is only counted, or left unread)."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[Rows, int, int]] = []  # (block, first row, stop row)
+        self._keys: list[Key] = []
+
+    def rows(self, block: Rows, start: int = 0, stop: int | None = None) -> None:
+        self._spans.append((block, start, block.stop - block.first if stop is None else stop))
+
+    def add(self, key: Key) -> None:
+        self._keys.append(key)
+
+    def __len__(self) -> int:
+        return len(self._keys) + sum(stop - start for _, start, stop in self._spans)
+
+    def __iter__(self) -> Iterator[Key]:
+        for block, start, stop in self._spans:
+            yield from ((block.layer, e, block.name) for e in range(block.first + start, block.first + stop))
+        yield from self._keys
+
+    @overload
+    def __getitem__(self, index: int) -> Key: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Key]: ...
+    def __getitem__(self, index: int | slice) -> Key | list[Key]:
+        return list(self)[index]
+
+
+def settle(held: Mapping[Key, Any], reference: Mapping[Key, Any]) -> tuple[Keys, Keys, list[Key]]:
     """``(keys equal to the reference bit for bit, keys that differ from it, keys left to check one by one)``, a
     block at a time.
 
@@ -176,22 +228,23 @@ def settle(held: Mapping[Key, Any], reference: Mapping[Key, Any]) -> tuple[list[
     """
     import torch
 
+    same, differ = Keys(), Keys()
     if not isinstance(held, _Store) or not isinstance(reference, _Store):
-        return [], [], list(held)
-    same: list[Key] = []
-    differ: list[Key] = []
+        return same, differ, list(held)
     rest: list[Key] = list(held.singles())
     for block in held.blocks():
         want = reference.whole_rows(block.layer, block.name, block.first, block.stop)
         want = None if want is None else _cut_rows(want, block.region)
-        keys = block.keys()
         if want is None or want.shape != block.data.shape or want.dtype != block.data.dtype:
-            rest += keys
+            rest += block.keys()
             continue
         if torch.equal(block.data, want):
-            same += keys
+            same.rows(block)
             continue
-        equal = (block.data == want).reshape(len(keys), -1).all(dim=1).tolist()
-        for key, ok in zip(keys, equal, strict=True):
-            (same if ok else differ).append(key)
+        equal = (block.data == want).reshape(block.data.shape[0], -1).all(dim=1).tolist()
+        start = 0
+        for i in range(1, len(equal) + 1):  # runs of equal rows and of differing rows
+            if i == len(equal) or equal[i] != equal[start]:
+                (same if equal[start] else differ).rows(block, start, i)
+                start = i
     return same, differ, rest

@@ -140,7 +140,7 @@ def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Tr
         verdict.skipped["resume"] = "the adapter has no step(model, optimizer, seed, step)"
         return
     adapter.step(b.model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
-    after = canonical(adapter, b.model, optimizer, rank)
+    after = canonical(adapter, b.model, optimizer, rank, copy=False)
     resumed = RankVerdict(rank)
     compare(rank, after, truth.next_state, before, resumed)
     for m in resumed.mismatches:

@@ -350,7 +350,7 @@ def check_against_truth(saved: Saved, truth: Mapping[Key, Any], verdict: RankVer
     for rank, (layer, expert, name), text in saved.conflicts:
         verdict.add(Mismatch(rank, layer, expert, name, text))
     _, differ, rest = settle(saved.state, truth)  # blocks equal to the truth's at once; the rest one by one
-    for key in sorted(differ + rest, key=repr):
+    for key in sorted([*differ, *rest], key=repr):
         whole, want = saved.state[key], truth.get(key)
         if want is None or agrees(whole, want, verdict):
             continue

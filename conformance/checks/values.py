@@ -20,17 +20,20 @@ from conformance.checks.verdict import Key, Mismatch, RankVerdict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 
 
-def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict | None = None) -> Held:
+def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict | None = None, *,
+              copy: bool = True) -> Held:
     """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields; a packed block
-    kept as one copy (:class:`~conformance.checks.held.Held`)."""
+    kept as one copy (:class:`~conformance.checks.held.Held`).  ``copy=False``: the tensors themselves (on the CPU),
+    for a state checked before anything changes the model again (a copy of 256 experts' state is not free)."""
     out = Held()
     for source in (adapter.expert_tensors(model, optimizer), adapter.other_tensors(model, optimizer)):
-        for entry in held_blocks(source, copy=True):
+        for entry in held_blocks(source, copy=copy):
+            local = entry.local if copy else entry.local.detach().cpu()
             if isinstance(entry, HeldBlock):
-                again = out.put_rows(Rows(entry.layer, entry.first, str(entry.name), entry.local, entry.region))
+                again = out.put_rows(Rows(entry.layer, entry.first, str(entry.name), local, entry.region))
             else:
                 key = (entry.layer, entry.expert, str(entry.name))
-                again = [] if out.put(key, entry.local, entry.region) else [key]
+                again = [] if out.put(key, local, entry.region) else [key]
             for key in again:
                 if verdict is not None:
                     verdict.problem("setup", f"rank {rank}: the adapter yielded {key} twice")
@@ -170,7 +173,7 @@ def compare(rank: int, got: Held, truth: Mapping[Key, Any], before: Held, verdic
     reference are settled at once (:func:`~conformance.checks.held.settle`); the rest one by one."""
     done, differ, rest = settle(got, saved if saved is not None else truth)
     verdict.compared += len(done)
-    for key in sorted(differ + rest, key=repr):
+    for key in sorted([*differ, *rest], key=repr):
         tensor, region = got[key]
         layer, expert, name = key
         verdict.compared += 1

@@ -19,19 +19,26 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, Digest, _batches, _fingerprints, digest
-from conformance.inspection.keys import KeyInfo, KeyPattern, optimizer_parts
+from conformance.inspection.compare import (
+    DEFAULT_MEMORY_BYTES,
+    WHOLE_ONLY,
+    Digest,
+    _batches,
+    _fingerprints,
+    _row_digests,
+    digest,
+)
+from conformance.inspection.keys import KeyPattern, optimizer_parts
 from conformance.inspection.model import CheckpointIndex, paused_gc
 
 __all__ = ["LearnedKey", "learn_expert_keys", "learned_patterns", "owners_of", "unexplained_volume"]
 
 _DIGITS = re.compile(r"\d+")
 #: every key read as a plain tensor (no row digests): what learning needs of the comparison's digest cache.
-_WHOLE_ONLY: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "dense"))
 #: who holds a tensor of the model: ``(layer, global expert, name)``.
 Owner = tuple[Any, Any, str]
 
@@ -62,7 +69,7 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
         # The whole-tensor digests come from (and stay in) the comparison's per-checkpoint cache: the attribution
         # and the comparison with this checkpoint then read it no more.  Only a key whose whole value is no
         # tensor of the model is read again, for its rows or blocks.
-        whole, _ = _fingerprints(index, keys, _WHOLE_ONLY, memory_bytes)
+        whole, _ = _fingerprints(index, keys, WHOLE_ONLY, memory_bytes)
         rest = []
         for key in keys:
             owner = owners.get(whole.get(key))  # type: ignore[arg-type]
@@ -74,9 +81,9 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
             for key, value in index.reader(batch).items():
                 if not isinstance(value, torch.Tensor) or not value.dim():
                     continue
-                cuts = (("packed", list(value) if value.dim() > 1 else []), ("blocks", _blocks(value, shapes)))
+                cuts = (("packed", value if value.dim() > 1 else None), ("blocks", _blocks(value, shapes)))
                 for kind, rows in cuts:
-                    held = [owners.get(digest(r)) for r in rows]
+                    held = [owners.get(d) for d in _row_digests(rows)] if rows is not None else []
                     if held and all(o is not None and o[1] is not None for o in held):
                         layers = {o[0] for o in held if o is not None}
                         found[key] = LearnedKey(key, kind, layers.pop() if len(layers) == 1 else None,
@@ -89,14 +96,14 @@ def _owner_shapes(owners: Mapping[Digest, Owner]) -> list[tuple[Digest, Owner, t
     return [(d, o, tuple(d[1])) for d, o in owners.items()]
 
 
-def _blocks(value: Any, shapes: set[tuple[int, ...]]) -> list[Any]:
+def _blocks(value: Any, shapes: set[tuple[int, ...]]) -> Any:
     """``value`` cut along its first axis into blocks of an expert tensor's shape (experts stored flattened,
-    ``[E * rows, ...]``, as OLMo-core does), or ``[]`` when no expert shape tiles it."""
+    ``[E * rows, ...]``, as OLMo-core does): ``[blocks, *shape]``, or ``None`` when no expert shape tiles it."""
     for shape in sorted(shapes):
         if value.dim() == len(shape) and tuple(value.shape[1:]) == shape[1:] and shape[0] and \
                 value.shape[0] % shape[0] == 0 and value.shape[0] > shape[0]:
-            return list(value.reshape(-1, *shape))
-    return []
+            return value.reshape(-1, *shape)
+    return None
 
 
 def _param(key: str) -> str:
@@ -153,13 +160,27 @@ def owners_of(state: Mapping[Any, Any]) -> tuple[dict[Digest, Owner], int]:
     element count)``; a value two tensors share (zeros) identifies neither and is left out."""
     owners: dict[Digest, Owner | None] = {}
     volume = 0
-    for (layer, expert, name), t in state.items():
-        if not t.dim():
-            continue
-        d = digest(t)
+    for (layer, expert, name), d, numel in _digests(state):
         owners[d] = (layer, expert, name) if d not in owners else None  # two tensors alike: say nothing
-        volume += t.numel() if expert is not None else 0
+        volume += numel if expert is not None else 0
     return {d: o for d, o in owners.items() if o is not None}, volume
+
+
+def _digests(state: Mapping[Any, Any]) -> Iterator[tuple[Owner, Digest, int]]:
+    """``(key, digest, element count)`` of each non-scalar tensor of ``state``; a state that keeps packed rows as
+    blocks (``blocks()`` and ``singles()``: :class:`conformance.checks.held.State`) has each block's rows hashed
+    from one array (256 experts: thousands of row views otherwise)."""
+    blocks = getattr(state, "blocks", None)
+    if blocks is None:
+        yield from ((key, digest(t), t.numel()) for key, t in state.items() if t.dim())
+        return
+    for key, (t, _) in state.singles().items():  # type: ignore[attr-defined]
+        if t.dim():
+            yield key, digest(t), t.numel()
+    for block in blocks():
+        numel = block.data[0].numel() if block.data.shape[0] else 0
+        for i, d in enumerate(_row_digests(block.data) if block.data.dim() > 1 else []):
+            yield (block.layer, block.first + i, block.name), d, numel
 
 
 def unexplained_volume(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Sequence[str]) -> int:
