@@ -70,6 +70,8 @@ def test_settle_compares_a_block_at_once_and_leaves_only_the_rows_that_differ() 
     same, differ, _ = settle(got, truth)
     assert _listed(settle(got, truth)) == ([(0, 2, "up"), (0, 4, "up"), (0, 5, "up")], [(0, 3, "up")], [])
     assert (len(same), len(differ), same[1], differ[0]) == (3, 1, (0, 4, "up"), (0, 3, "up"))  # counted, indexed
+    got.blocks()[0].data[3, -1, -1] += 1.0  # expert 5 differs in its last element only (its first agrees)
+    assert _listed(settle(got, truth)) == ([(0, 2, "up"), (0, 4, "up")], [(0, 3, "up"), (0, 5, "up")], [])
     assert settle(_held(Rows(0, 2, "up", whole[2:4].double(), None)), truth)[2] == [(0, 2, "up"), (0, 3, "up")]
     assert _listed(settle(_held(norm=truth[(None, None, "norm")]), truth)) == ([], [], [(None, None, "norm")])
     plain = {(0, 0, "up"): (whole[0], None)}

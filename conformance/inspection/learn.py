@@ -32,7 +32,7 @@ from conformance.inspection.compare import (
     _row_digests,
     digest,
 )
-from conformance.inspection.keys import KeyPattern, optimizer_parts
+from conformance.inspection.keys import KeyInfo, KeyPattern, optimizer_parts
 from conformance.inspection.model import CheckpointIndex, paused_gc
 
 __all__ = ["LearnedKey", "learn_expert_keys", "learned_patterns", "owners_of", "unexplained_volume"]
@@ -77,18 +77,35 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
                 rest.append(key)
             elif owner[1] is not None:
                 found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
-        for batch in _batches(index, rest, memory_bytes):
-            for key, value in index.reader(batch).items():
-                if not isinstance(value, torch.Tensor) or not value.dim():
-                    continue
-                cuts = (("packed", value if value.dim() > 1 else None), ("blocks", _blocks(value, shapes)))
-                for kind, rows in cuts:
-                    held = [owners.get(d) for d in _row_digests(rows)] if rows is not None else []
-                    if held and all(o is not None and o[1] is not None for o in held):
-                        layers = {o[0] for o in held if o is not None}
-                        found[key] = LearnedKey(key, kind, layers.pop() if len(layers) == 1 else None,
-                                                tuple(int(o[1]) for o in held if o is not None))
-                        break
+        # a key read for its rows keeps them in the same cache: the attribution (rows of every packed key) reads
+        # the checkpoint no more
+        multi = [k for k in rest if len(index.entries[k].shape or ()) > 1]
+        _, rows_of = _fingerprints(index, multi, _AS_PACKED, memory_bytes)
+        blocky = [k for k in rest if _block_shape(tuple(index.entries[k].shape or ()), shapes) is not None]
+        for key in rest:
+            if _learn_rows(found, key, "packed", rows_of.get(key), owners):
+                continue
+            if key in blocky:  # experts flattened into the first axis (OLMo-core): read for its blocks
+                for value in index.reader([key]).values():
+                    if isinstance(value, torch.Tensor):
+                        _learn_rows(found, key, "blocks", _row_digests(_blocks(value, shapes)), owners)
+    return found
+
+
+#: infos that read every key as packed: :func:`_fingerprints` takes the digests of its rows too.
+_AS_PACKED: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "expert", "packed"))
+
+
+def _learn_rows(found: dict[str, LearnedKey], key: str, kind: str, rows: list[Digest] | None,
+                owners: Mapping[Digest, Owner]) -> bool:
+    """Whether every row of ``key`` (their digests) is an expert tensor of the model; if so it is learned."""
+    held = [owners.get(d) for d in rows or ()]
+    if not held or not all(o is not None and o[1] is not None for o in held):
+        return False
+    layers = {o[0] for o in held if o is not None}
+    found[key] = LearnedKey(key, kind, layers.pop() if len(layers) == 1 else None,
+                            tuple(int(o[1]) for o in held if o is not None))
+    return True
     return found
 
 
@@ -96,14 +113,22 @@ def _owner_shapes(owners: Mapping[Digest, Owner]) -> list[tuple[Digest, Owner, t
     return [(d, o, tuple(d[1])) for d, o in owners.items()]
 
 
-def _blocks(value: Any, shapes: set[tuple[int, ...]]) -> Any:
-    """``value`` cut along its first axis into blocks of an expert tensor's shape (experts stored flattened,
-    ``[E * rows, ...]``, as OLMo-core does): ``[blocks, *shape]``, or ``None`` when no expert shape tiles it."""
-    for shape in sorted(shapes):
-        if value.dim() == len(shape) and tuple(value.shape[1:]) == shape[1:] and shape[0] and \
-                value.shape[0] % shape[0] == 0 and value.shape[0] > shape[0]:
-            return value.reshape(-1, *shape)
+def _block_shape(shape: tuple[int, ...], shapes: set[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The expert tensor shape whose blocks tile a ``shape`` tensor along its first axis (experts stored flattened,
+    ``[E * rows, ...]``, as OLMo-core does), if one does."""
+    for found in sorted(shapes):
+        if len(shape) == len(found) and shape[1:] == found[1:] and found[0] and shape[0] % found[0] == 0 and \
+                shape[0] > found[0]:
+            return found
     return None
+
+
+def _blocks(value: Any, shapes: set[tuple[int, ...]]) -> Any:
+    """``value`` cut along its first axis into ``[blocks, *shape]`` of an expert tensor's shape (see
+    :func:`_block_shape`)."""
+    shape = _block_shape(tuple(value.shape), shapes)
+    assert shape is not None, "only a key _block_shape accepts is cut"
+    return value.reshape(-1, *shape)
 
 
 def _param(key: str) -> str:
