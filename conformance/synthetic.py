@@ -40,6 +40,7 @@ def _kept(cached: tuple[Any, ...], numel: int, make: Any) -> Any:
         if numel <= _DRAWN_MAX_ELEMENTS:
             if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
                 _DRAWN.clear()
+                _ROWS.clear()
                 _drawn_elements[0] = 0
             _drawn_elements[0] += numel
             _DRAWN[cached] = found
@@ -72,24 +73,61 @@ def synthetic_grad(seed: int, step: int, layer: int | None, global_expert_id: in
     ``global_expert_id=None`` (and ``layer=None`` outside MoE layers).  Deterministic, different for
     every expert, and identical at every EP degree.
     """
-    return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name, dtype=dtype)
+    if global_expert_id is None or isinstance(global_expert_id, bool) or not isinstance(global_expert_id, int) \
+            or global_expert_id < 0:
+        return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name, dtype=dtype)
+    g = global_expert_id
+    return synthetic_grad_rows(seed, step, layer, range(g, g + 1), name, shape, dtype)[0]
 
 
 def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range, name: str, shape: Sequence[int],
                         dtype: Any = None) -> Any:
     """:func:`synthetic_grad` of each expert in ``experts`` stacked (row ``i``: expert ``experts[i]``'s), for a
-    packed weight's rows: one kept block instead of a draw and a copy per expert (a new tensor each call)."""
+    packed weight's rows (a new tensor each call)."""
     import torch
 
     shape = tuple(shape)
-
-    def make() -> Any:  # each row drawn as synthetic_grad draws it, but kept only in the block (not twice)
-        rows = [_generate(shape, 1.0, _seed("grad", seed, step, layer, g, name)) for g in experts]
-        return torch.stack(rows) if rows else torch.empty((0, *shape))
-
-    found = _kept(("rows", shape, seed, step, layer, experts.start, experts.stop, name),
-                  len(experts) * math.prod(shape), make)
+    if experts.step != 1 or experts.start < 0:
+        rows = [synthetic_grad(seed, step, layer, g, name, shape) for g in experts]
+        found = torch.stack(rows) if rows else torch.empty((0, *shape))
+    else:
+        found = _expert_rows(shape, ("grad", seed, step, layer, name), experts)
     return found.clone() if dtype is None else found.to(dtype, copy=True)
+
+
+#: the expert rows drawn so far, per (shape, family): row ``g`` is expert ``g``'s draw (seeded by the family's key
+#: with ``g`` before its last part), ``drawn[g]`` whether it has been.  One array a family: a rank asks for the same
+#: experts under many ranges (the truth's all, ep=2's halves, ep=4's quarters, a kind's single experts), and each
+#: row is drawn once whatever the ranges were (a draw is ~10 us; 256 experts' rows, thousands a cell).
+_ROWS: dict[tuple[Any, ...], tuple[Any, bytearray]] = {}
+
+
+def _expert_rows(shape: tuple[int, ...], family: tuple[Any, ...], experts: range) -> Any:
+    """Rows ``experts`` (step 1) of ``family``'s expert draws, as a view of the kept array (never handed out)."""
+    import torch
+
+    key = (shape, family)
+    data, drawn = _ROWS.get(key, (None, bytearray()))
+    if data is None or data.shape[0] < experts.stop:
+        size = max(experts.stop, 0 if data is None else int(data.shape[0]))
+        grown = torch.empty((size, *shape), dtype=torch.float32)
+        if data is not None:
+            grown[:data.shape[0]] = data
+        numel = grown.numel() - (0 if data is None else data.numel())
+        if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
+            _DRAWN.clear()
+            _ROWS.clear()
+            _drawn_elements[0] = grown.numel()
+        else:
+            _drawn_elements[0] += numel
+        data, drawn = grown, drawn + bytearray(size - len(drawn))
+        _ROWS[key] = (data, drawn)
+    *head, last = family
+    for g in experts:
+        if not drawn[g]:  # drawn as synthetic_tensor draws (seed, ..., g, last): the same values, in place
+            data[g].normal_(generator=torch.Generator().manual_seed(_seed(*head, g, last)))
+            drawn[g] = 1
+    return data[experts.start:experts.stop]
 
 
 def synthetic_weight(seed: int, layer: int | None, global_expert_id: int | None, name: str,

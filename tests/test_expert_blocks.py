@@ -114,3 +114,18 @@ def test_gradient_rows_are_each_experts_own_gradient() -> None:
     assert torch.equal(synthetic_grad_rows(7, 1, 0, range(2, 6), "up", (3, 5))[0], synthetic_grad(7, 1, 0, 2, "up",
                                                                                                   (3, 5)))
     assert synthetic_grad_rows(7, 1, 0, range(4, 4), "up", (3, 5)).shape == (0, 3, 5)
+
+
+def test_gradient_rows_under_any_ranges_are_the_experts_own_draws() -> None:
+    """Rows are kept per expert whatever range asked first (a quarter, then all, then a half across both): each is
+    the draw of its own seed, as ``synthetic_tensor`` makes it, and a single expert's gradient is its row."""
+    from conformance.synthetic import synthetic_tensor
+
+    for experts in (range(8, 12), range(0, 16), range(6, 14), range(15, 16)):
+        block = synthetic_grad_rows(9, 2, 1, experts, "down", (4, 3))
+        for i, g in enumerate(experts):
+            assert torch.equal(block[i], synthetic_tensor((4, 3), "grad", 9, 2, 1, g, "down")), (experts, g)
+    synthetic_grad(9, 2, 1, 3, "down", (4, 3)).fill_(1.0)  # a copy too
+    assert torch.equal(synthetic_grad_rows(9, 2, 1, range(3, 4), "down", (4, 3))[0],
+                       synthetic_tensor((4, 3), "grad", 9, 2, 1, 3, "down"))
+    assert synthetic_grad_rows(9, 2, 1, range(3, 0, -1), "down", (4, 3)).shape == (3, 4, 3)  # not a step-1 range
