@@ -120,30 +120,34 @@ def test_gather_sends_each_distinct_rank_state_once_and_puts_together_what_all_r
 
     truth = canonical(adapter, *adapter.build(truth_spec(spec), None, SEED_A), dist.get_rank()).tensors()
     sent: list[int] = []
-    real, small = saved._broadcast, saved.SMALL_BYTES
+    real, small = saved._send, saved.SMALL_BYTES
 
-    def counted(packed: Any, src: int) -> Any:
-        sent.append(src)
-        return real(packed, src)
+    def counted(packed: Any, dst: int) -> None:
+        sent.append(dst)
+        real(packed, dst)
 
-    saved._broadcast = counted
+    saved._send = counted
     try:
         in_one = saved.gather(held, truth, case)  # small: the distinct states in one all-gather
-        assert sent == [], f"{case}: a few KiB a rank went in broadcasts, not in one all-gather"
+        assert sent == [], f"{case}: a few KiB a rank went point to point, not in one all-gather"
         saved.SMALL_BYTES = 0
-        got = saved.gather(held, truth, case)  # large: a broadcast per distinct state
+        got = saved.gather(held, truth, case)  # large: each distinct state to each rank that does not hold it
     finally:
-        saved._broadcast, saved.SMALL_BYTES = real, small
+        saved._send, saved.SMALL_BYTES = real, small
     everyone: list[Any] = [None] * WORLD
     dist.all_gather_object(everyone, saved.pack(per_row))
     want = saved.assemble(everyone, truth, case)
     for found in (got, in_one):
         assert set(found.state) == set(want.state) and found.holder == want.holder
         assert found.conflicts == want.conflicts and all(torch.equal(found.state[k], want.state[k]) for k in want.state)
-    distinct = len({saved.digest(p) for p in everyone})
-    assert len(sent) == distinct <= WORLD, f"{case}: {len(sent)} rank states sent, {distinct} distinct"
+    digests = [saved.digest(p) for p in everyone]
+    sends: list[Any] = [None] * WORLD
+    dist.all_gather_object(sends, sent)
+    lacking = sum(len(set(digests) - {d}) for d in digests)  # the distinct states each rank does not hold itself
+    assert sum(map(len, sends)) == lacking, f"{case}: {sends} sent, {lacking} states lacking"
+    assert all(len(set(to)) == len(to) for to in sends), f"{case}: a state sent twice to one rank: {sends}"
     if case == "ep1":
-        assert sent == [0], "every rank holds the same at ep=1 without FSDP: rank 0's state is sent, no other"
+        assert lacking == 0, "every rank holds the same at ep=1 without FSDP: nothing crosses"
     _, differ, rest = settle(held, truth)
     assert not differ and set(rest) == set(held.singles()), f"{case}: every block equals the truth's rows"
 

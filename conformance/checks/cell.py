@@ -151,7 +151,8 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save",
                  spec.num_layers)
     if not cell.legacy:  # what the checkpoint will hold, on every rank: the reference a load must give back
-        held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict)
+        # not copied: gather packs it into buffers of its own before anything changes the model
+        held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict, copy=False)
         saved.keep(plan.path, saved.gather(held, ground_truth(adapter, spec, dist.get_rank()).state,
                                            cell.save.describe()))
         del held

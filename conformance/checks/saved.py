@@ -99,9 +99,10 @@ def gather(held: Held, truth: Mapping[Key, Any], layout: str) -> Saved:
 
     Each rank's :func:`pack` is sent once per distinct content: the ranks first all-gather a digest of theirs,
     then only the first rank of each distinct digest sends its pack -- all in one all-gather when they are small,
-    else each in a broadcast of raw bytes (an all-gather pads every rank's part to the largest).  A replica rank
-    (every rank at ep=1, a data-parallel peer without FSDP) sends nothing: at 256 experts the all-gather of every
-    rank's whole copy was most of a save side's time.
+    else as raw bytes to each rank that does not hold that state itself (an all-gather pads every rank's part to
+    the largest; a broadcast reaches the replicas too).  A replica rank (every rank at ep=1, a data-parallel peer
+    without FSDP) sends nothing, and at ep=1 nothing crosses at all: at 256 experts the all-gather of every rank's
+    whole copy was most of a save side's time.
     """
     import torch.distributed as dist
 
@@ -113,9 +114,17 @@ def gather(held: Held, truth: Mapping[Key, Any], layout: str) -> Saved:
     if max(n for (_, n), send in zip(sent, first, strict=True) if send) <= SMALL_BYTES:
         dist.all_gather_object(found, mine if first[dist.get_rank()] else None)
         return assemble(found, truth, layout)
-    for rank, send in enumerate(first):
-        if send:  # later ranks with this digest are replicas equal to it: nothing new
-            found[rank] = _broadcast(mine if rank == dist.get_rank() else None, rank)
+    me, digests = dist.get_rank(), [d for d, _ in sent]
+    for src, send in enumerate(first):  # one source per distinct state; later ranks with its digest are replicas
+        if not send:
+            continue
+        if digests[me] == digests[src]:  # this rank holds that state itself, byte for byte: nothing crosses
+            found[src] = mine
+        for dst in (r for r, d in enumerate(digests) if d != digests[src]):  # every rank in the same order
+            if me == src:
+                _send(mine, dst)
+            elif me == dst:
+                found[src] = _receive(src)
     return assemble(found, truth, layout)
 
 
@@ -134,28 +143,47 @@ def digest(packed: tuple[list[Any], dict[str, Any]]) -> bytes:
     return h.digest()
 
 
-def _broadcast(packed: tuple[list[Any], dict[str, Any]] | None, src: int) -> tuple[list[Any], dict[str, Any]]:
-    """``src``'s :func:`pack` on every rank: its key list as an object, each dtype's buffer as raw bytes."""
+def _wire() -> Any:
+    """The device the raw bytes cross on: CUDA under NCCL (it sends only CUDA tensors), else ``None`` (gloo sends
+    the CPU tensors the pack holds)."""
     import torch
     import torch.distributed as dist
 
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+
+
+def _send(packed: tuple[list[Any], dict[str, Any]], dst: int) -> None:
+    """This rank's :func:`pack` to rank ``dst`` (:func:`_receive` there): its key list as an object, each dtype's
+    buffer as raw bytes."""
+    import torch
+    import torch.distributed as dist
+
+    wire = _wire()
+    dist.send_object_list([(packed[0], {dtype: b.numel() for dtype, b in packed[1].items()})], dst=dst,
+                          device=wire)
+    for dtype in sorted(packed[1]):
+        raw = packed[1][dtype].contiguous().view(torch.uint8)  # bytes: every dtype crosses alike
+        dist.send(raw if wire is None else raw.to(wire), dst=dst)
+
+
+def _receive(src: int) -> tuple[list[Any], dict[str, Any]]:
+    """Rank ``src``'s :func:`pack`, as :func:`_send` sends it."""
+    import torch
+    import torch.distributed as dist
+
+    wire = _wire()
     head: list[Any] = [None]
-    if packed is not None:
-        head[0] = (packed[0], {dtype: b.numel() for dtype, b in packed[1].items()})
-    dist.broadcast_object_list(head, src=src)
+    dist.recv_object_list(head, src=src, device=wire)
     meta, sizes = head[0]
-    # NCCL sends only CUDA tensors; gloo the CPU ones the pack holds
-    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     buffers: dict[str, Any] = {}
     for dtype in sorted(sizes):
-        kind = getattr(torch, dtype.removeprefix("torch."))
-        buffer = packed[1][dtype].contiguous() if packed is not None else torch.empty(sizes[dtype], dtype=kind)
-        raw = buffer.view(torch.uint8)  # bytes: every dtype crosses alike
+        buffer = torch.empty(sizes[dtype], dtype=getattr(torch, dtype.removeprefix("torch.")))
+        raw = buffer.view(torch.uint8)
         if wire is None:
-            dist.broadcast(raw, src=src)
+            dist.recv(raw, src=src)
         else:
-            sent = raw.to(wire)
-            dist.broadcast(sent, src=src)
+            sent = torch.empty_like(raw, device=wire)
+            dist.recv(sent, src=src)
             raw.copy_(sent.cpu())
         buffers[dtype] = buffer
     return meta, buffers
