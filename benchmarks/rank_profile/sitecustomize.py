@@ -18,7 +18,6 @@ _DIR = os.environ.get("I24_PROFILE_DIR")
 if _DIR:
     def _child() -> None:
         import cProfile
-
         import time
 
         prof = cProfile.Profile(time.process_time) if os.environ.get("I24_PROFILE_CPU") else cProfile.Profile()

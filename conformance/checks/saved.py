@@ -10,8 +10,8 @@ truth by a kernel's rounding (a fused optimizer steps a shard of a tensor differ
   trained and held the same model; another expert's, layer's or moment's values are named exactly).
 
 At the save every rank's tensors (the adapter's walks, each with its region of the global tensor) travel to every
-rank -- once per distinct content: replica ranks send a digest, not a copy -- and are put together into whole
-tensors.  Each rank process keeps them per checkpoint
+rank -- once per distinct content: replica ranks send a digest, not a copy, and a rank that holds a state itself
+receives none of it -- and are put together into whole tensors.  Each rank process keeps them per checkpoint
 path for every later cell that loads that checkpoint; a world started after the save (a restart) has not kept
 them, and its cells compare with the truth within rounding instead and say so.  Replicas that disagreed at the
 save are named: the checkpoint can hold only one of their values.
@@ -90,7 +90,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 #: below this many bytes in every distinct rank state, :func:`gather` sends them all in one all-gather (a few
-#: collectives' latency is then the cost); above it, each in a broadcast of its raw bytes.
+#: collectives' latency is then the cost); above it, each as raw bytes to each rank that does not hold it.
 SMALL_BYTES = 1 << 20
 
 
