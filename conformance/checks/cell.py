@@ -151,11 +151,11 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save",
                  spec.num_layers)
     if not cell.legacy:  # what the checkpoint will hold, on every rank: the reference a load must give back
-        # not copied: gather packs it into buffers of its own before anything changes the model
+        truth = ground_truth(adapter, spec, dist.get_rank()).state  # first: its build (once a spec) runs the framework
+        # not copied: gather packs it into buffers of its own before the framework runs again
         held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict, copy=False)
-        saved.keep(plan.path, saved.gather(held, ground_truth(adapter, spec, dist.get_rank()).state,
-                                           cell.save.describe()))
-        del held
+        saved.keep(plan.path, saved.gather(held, truth, cell.save.describe()))
+        del held, truth
     t1 = time.perf_counter()
     with save_plan.recorded() as offered:
         try:
@@ -320,14 +320,16 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     except load_errors() as exc:
         raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3
-    got = canonical(adapter, model, optimizer, rank, verdict, copy=False)  # read before the next step changes it
     held = saved.kept(plan.path)
+    saved_truth = ground_truth(adapter, save_spec, rank).state if held is not None and rank == 0 else None
+    # not copied: read by the checks below before anything (the next step, a truth's build) runs the framework again
+    got = canonical(adapter, model, optimizer, rank, verdict, copy=False)
     if held is None:
         verdict.skipped["values against the checkpoint"] = (
             "the save side's state was not kept in this world (started after the save): the load was compared with "
             "the ep=1 truth within a kernel's rounding")
-    elif rank == 0:
-        saved.check_against_truth(held, ground_truth(adapter, save_spec, rank).state, verdict)
+    elif saved_truth is not None:
+        saved.check_against_truth(held, saved_truth, verdict)
     compare(rank, got, truth.state, before, verdict, held.state if held is not None else None)
     completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
     resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
