@@ -189,26 +189,21 @@ def _cut_rows(rows: Any, region: Region) -> Any:
 
 
 class Keys(Sequence[Key]):
-    """Keys: whole rows of blocks and single keys, a block's rows made into keys only when read (most of what
-    :func:`settle` returns is only counted, or left unread)."""
+    """The keys of runs of blocks' rows, made into keys only when read (most of what :func:`settle` returns is only
+    counted, or left unread)."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[Rows, int, int]] = []  # (block, first row, stop row)
-        self._keys: list[Key] = []
 
     def rows(self, block: Rows, start: int = 0, stop: int | None = None) -> None:
         self._spans.append((block, start, block.stop - block.first if stop is None else stop))
 
-    def add(self, key: Key) -> None:
-        self._keys.append(key)
-
     def __len__(self) -> int:
-        return len(self._keys) + sum(stop - start for _, start, stop in self._spans)
+        return sum(stop - start for _, start, stop in self._spans)
 
     def __iter__(self) -> Iterator[Key]:
         for block, start, stop in self._spans:
             yield from ((block.layer, e, block.name) for e in range(block.first + start, block.first + stop))
-        yield from self._keys
 
     @overload
     def __getitem__(self, index: int) -> Key: ...
