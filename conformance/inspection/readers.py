@@ -287,12 +287,17 @@ class _DcpReader:
 
         wanted: dict[str, list[tuple[Any, Any]]] = {}  # data file -> [(item's storage info, where it goes)]
         state: dict[str, Any] = {}
+        whole: set[str] = set()
         root = Path(self.path)
         for key in keys:
             md = metadata.state_dict_metadata[key]
             pieces: list[tuple[MetadataIndex, tuple[str, ChunkStorageMetadata | None]]]
             if isinstance(md, TensorStorageMetadata):
-                state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+                if not (len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)):
+                    state[key] = torch.empty(md.size, dtype=md.properties.dtype)  # chunks put together below
+                else:  # one chunk, the whole tensor: its decoded item is the value (no copy into an empty one)
+                    state[key] = None  # its place in the order asked for
+                    whole.add(key)
                 pieces = [(MetadataIndex(key, chunk.offsets), (key, chunk)) for chunk in md.chunks]
             else:
                 pieces = [(MetadataIndex(key), (key, None))]
@@ -315,10 +320,14 @@ class _DcpReader:
                             state[key] = _decode(raw)
                             continue
                         value = _tensor(raw)
-                        if tuple(value.shape) != tuple(chunk.sizes) or value.dtype != state[key].dtype:
+                        dtype = metadata.state_dict_metadata[key].properties.dtype
+                        if tuple(value.shape) != tuple(chunk.sizes) or value.dtype != dtype:
                             raise CheckpointError(str(root / name), f"{key!r}: its chunk at {tuple(chunk.offsets)} "
                                                   f"holds {tuple(value.shape)} {value.dtype}", f"{tuple(chunk.sizes)} "
-                                                  f"{state[key].dtype} as .metadata says")
+                                                  f"{dtype} as .metadata says")
+                        if key in whole:
+                            state[key] = value
+                            continue
                         target = state[key]
                         for axis, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                             target = target.narrow(axis, start, size)
