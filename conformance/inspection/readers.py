@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import struct
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -287,17 +288,14 @@ class _DcpReader:
 
         wanted: dict[str, list[tuple[Any, Any]]] = {}  # data file -> [(item's storage info, where it goes)]
         state: dict[str, Any] = {}
-        whole: set[str] = set()
         root = Path(self.path)
         for key in keys:
             md = metadata.state_dict_metadata[key]
             pieces: list[tuple[MetadataIndex, tuple[str, ChunkStorageMetadata | None]]]
             if isinstance(md, TensorStorageMetadata):
-                if not (len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)):
-                    state[key] = torch.empty(md.size, dtype=md.properties.dtype)  # chunks put together below
-                else:  # one chunk, the whole tensor: its decoded item is the value (no copy into an empty one)
-                    state[key] = None  # its place in the order asked for
-                    whole.add(key)
+                # one chunk that is the whole tensor: its decoded item is the value (None keeps its place in the order)
+                whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
+                state[key] = None if whole else torch.empty(md.size, dtype=md.properties.dtype)
                 pieces = [(MetadataIndex(key, chunk.offsets), (key, chunk)) for chunk in md.chunks]
             else:
                 pieces = [(MetadataIndex(key), (key, None))]
@@ -325,10 +323,10 @@ class _DcpReader:
                             raise CheckpointError(str(root / name), f"{key!r}: its chunk at {tuple(chunk.offsets)} "
                                                   f"holds {tuple(value.shape)} {value.dtype}", f"{tuple(chunk.sizes)} "
                                                   f"{dtype} as .metadata says")
-                        if key in whole:
+                        target = state[key]
+                        if target is None:  # the whole tensor, no copy
                             state[key] = value
                             continue
-                        target = state[key]
                         for axis, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                             target = target.narrow(axis, start, size)
                         target.copy_(value)
@@ -363,15 +361,9 @@ class _TensorUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _tensor_pickle() -> Any:
-    import types
-
-    module = types.ModuleType("conformance_tensor_pickle")
-    module.Unpickler = _TensorUnpickler  # type: ignore[attr-defined]
-    return module
-
-
-_TENSOR_PICKLE = _tensor_pickle()
+#: the ``pickle_module`` ``torch.load`` takes: a module whose ``Unpickler`` is :class:`_TensorUnpickler`.
+_TENSOR_PICKLE = types.ModuleType("conformance_tensor_pickle")
+_TENSOR_PICKLE.Unpickler = _TensorUnpickler  # type: ignore[attr-defined]
 
 
 def _tensor(raw: bytes) -> Any:
