@@ -73,8 +73,7 @@ def synthetic_grad(seed: int, step: int, layer: int | None, global_expert_id: in
     ``global_expert_id=None`` (and ``layer=None`` outside MoE layers).  Deterministic, different for
     every expert, and identical at every EP degree.
     """
-    if global_expert_id is None or isinstance(global_expert_id, bool) or not isinstance(global_expert_id, int) \
-            or global_expert_id < 0:
+    if not isinstance(global_expert_id, int) or isinstance(global_expert_id, bool) or global_expert_id < 0:
         return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name, dtype=dtype)
     g = global_expert_id
     return synthetic_grad_rows(seed, step, layer, range(g, g + 1), name, shape, dtype)[0]

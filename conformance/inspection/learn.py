@@ -38,7 +38,6 @@ from conformance.inspection.model import CheckpointIndex, paused_gc
 __all__ = ["LearnedKey", "learn_expert_keys", "learned_patterns", "owners_of", "unexplained_volume"]
 
 _DIGITS = re.compile(r"\d+")
-#: every key read as a plain tensor (no row digests): what learning needs of the comparison's digest cache.
 #: who holds a tensor of the model: ``(layer, global expert, name)``.
 Owner = tuple[Any, Any, str]
 
@@ -106,7 +105,6 @@ def _learn_rows(found: dict[str, LearnedKey], key: str, kind: str, rows: list[Di
     found[key] = LearnedKey(key, kind, layers.pop() if len(layers) == 1 else None,
                             tuple(int(o[1]) for o in held if o is not None))
     return True
-    return found
 
 
 def _owner_shapes(owners: Mapping[Digest, Owner]) -> list[tuple[Digest, Owner, tuple[int, ...]]]:
