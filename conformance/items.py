@@ -54,6 +54,8 @@ class CellContext:
     expert_keys: tuple[str, ...] = ()
     #: the record of a cell stopped by Ctrl-C or SIGTERM (pytest makes no report for it).
     interrupted: list[dict[str, Any]] = field(default_factory=list)
+    #: the last cell whose setup passed: a SIGTERM can land after that and before its run begins.
+    running: MatrixItem | None = None
     #: the session's expectations (``None``: every red cell fails the session, as without a file).
     baseline: Baseline | None = None
 
@@ -131,6 +133,19 @@ class MatrixItem(pytest.Item):
         #: what the machine got wrong (a full disk): the cell is an ``error``, whatever the ranks raised.
         self.environment_problem = ""
 
+    def setup(self) -> None:
+        self.context.running = self
+
+    def interrupt_if_unfinished(self) -> None:
+        """The session was interrupted after this cell's setup passed: if its run had not begun (the signal landed
+        between the two), its record is ``interrupted`` too, as the ``--from-log`` rebuild says."""
+        if not self.record.status:
+            self._interrupted("interrupted before its run began", time.perf_counter())
+
+    def _interrupted(self, detail: str, started: float) -> None:
+        self._finish(INTERRUPTED, detail, started)
+        self.context.interrupted.append(self.record.to_dict())
+
     def _finish(self, status: str, detail: str, started: float) -> Judgement | None:
         self.record.finish(status, detail, time.perf_counter() - started)
         judgement = self._judge()
@@ -175,9 +190,7 @@ class MatrixItem(pytest.Item):
             self._settle(judgement, CellError(exc, F.headline(self.record.findings)))
             return
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
-            self._finish(INTERRUPTED, f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "),
-                         started)
-            self.context.interrupted.append(self.record.to_dict())
+            self._interrupted(f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "), started)
             raise
         except BaseException as exc:  # the harness's own failure in this process
             self.record.findings = [F.ERROR]

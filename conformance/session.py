@@ -359,6 +359,9 @@ class MatrixSession:
                 "ids": self.selected}
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        running = self.context.running if self.context is not None else None
+        if exitstatus == pytest.ExitCode.INTERRUPTED and running is not None:
+            running.interrupt_if_unfinished()
         if self.report_dir is not None and self._writes_report():
             env = self._environment()
             records = self.records + self.interrupted

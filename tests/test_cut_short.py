@@ -152,6 +152,38 @@ def test_sigterm_writes_every_report_with_what_finished(pytester: pytest.Pyteste
     assert not list(out.glob(f"{TMP_PREFIX}*")), "a temporary report file was left behind"
 
 
+SIGTERM_BEFORE_THE_RUN = """
+import os, signal, time
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    if item.nodeid.endswith("ep1->ep2"):  # after this cell's setup report, before its runtest
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+"""
+
+
+def test_sigterm_after_a_cells_setup_and_before_its_run_reports_it_interrupted(pytester: pytest.Pytester,
+                                                                               tmp_path: Path) -> None:
+    """The window CI once hit: the log says the cell started (its setup passed), so the live report must too."""
+    pytester.makeconftest(SIGTERM_BEFORE_THE_RUN)
+    proc, out, log = _start(pytester, tmp_path)
+    try:
+        text = proc.communicate(timeout=300)[0].decode()
+    finally:
+        alive, _ = _left_behind(proc, tmp_path)
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, text
+    doc = json.loads((out / JSON_NAME).read_text())
+    cells = {c["id"]: c for c in doc["cells"]}
+    [running] = [i for i, c in cells.items() if c["status"] == "interrupted"]
+    assert running.endswith("ep1->ep2") and "before its run began" in cells[running]["detail"], cells
+    _assert_holds_what_finished(doc, _finished(log), _selected(log))
+    rebuilt = _rebuild(log, tmp_path / "rebuilt")
+    assert {c["id"]: c["status"] for c in rebuilt["cells"]} == {i: c["status"] for i, c in cells.items()}
+    assert not alive, f"processes of the run alive after it exited: {alive}"
+
+
 SLOW_FINISH = """
 import os, time
 from pathlib import Path
