@@ -54,7 +54,7 @@ class CellContext:
     expert_keys: tuple[str, ...] = ()
     #: the record of a cell stopped by Ctrl-C or SIGTERM (pytest makes no report for it).
     interrupted: list[dict[str, Any]] = field(default_factory=list)
-    #: the last cell whose setup passed: a SIGTERM can land after that and before its run begins.
+    #: the last cell whose setup report passed: a SIGTERM can land after it and before its run begins.
     running: MatrixItem | None = None
     #: the session's expectations (``None``: every red cell fails the session, as without a file).
     baseline: Baseline | None = None
@@ -132,9 +132,6 @@ class MatrixItem(pytest.Item):
         self.na = na
         #: what the machine got wrong (a full disk): the cell is an ``error``, whatever the ranks raised.
         self.environment_problem = ""
-
-    def setup(self) -> None:
-        self.context.running = self
 
     def interrupt_if_unfinished(self) -> None:
         """The session was interrupted after this cell's setup passed: if its run had not begun (the signal landed

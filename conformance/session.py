@@ -314,8 +314,14 @@ class MatrixSession:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-        """The first cell's setup report carries the selection and the environment, for ``--from-log``."""
+        """The first cell's setup report carries the selection and the environment, for ``--from-log``; a cell
+        whose setup passed is the running one (``--from-log`` says so too: the report and the log are made and
+        logged with a SIGTERM held, see :mod:`pytest_moe_ep.signals`)."""
+        from conformance.items import MatrixItem
+
         outcome = yield
+        if call.when == "setup" and call.excinfo is None and self.context is not None and isinstance(item, MatrixItem):
+            self.context.running = item
         if call.when != "setup" or self.selection_sent or not self.selected or item.nodeid not in self.selected:
             return
         self.selection_sent = True

@@ -71,7 +71,8 @@ def pytest_configure(config: pytest.Config) -> None:
                             pg_timeout_s=collective_timeout_s(settings.timeout_s), default_timeout_s=settings.timeout_s,
                             preload=settings.preload)
         handler = config.stash[SIGTERM_HANDLER] = TermAsInterrupt()
-        handler.install()
+        if handler.install():
+            config.pluginmanager.register(handler, TermAsInterrupt.NAME)
     config.stash[ENGINE] = engine
 
 

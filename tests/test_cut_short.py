@@ -152,22 +152,35 @@ def test_sigterm_writes_every_report_with_what_finished(pytester: pytest.Pyteste
     assert not list(out.glob(f"{TMP_PREFIX}*")), "a temporary report file was left behind"
 
 
-SIGTERM_BEFORE_THE_RUN = """
+#: SIGTERM in the window between a cell's setup report and its run: in a hook that runs before the other loggers
+#: have the report (held until they do), and in the call phase before the cell's runtest.
+SIGTERM_AFTER_THE_SETUP = """
 import os, signal, time
 import pytest
 
+def _stop():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # a held signal waits here; the run must not
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logreport(report):
+    if report.when == "setup" and report.nodeid.endswith("ep1->ep2") and os.environ["WHERE"] == "logreport":
+        _stop()
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item):
-    if item.nodeid.endswith("ep1->ep2"):  # after this cell's setup report, before its runtest
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)
+    if item.nodeid.endswith("ep1->ep2") and os.environ["WHERE"] == "call":
+        _stop()
 """
 
 
-def test_sigterm_after_a_cells_setup_and_before_its_run_reports_it_interrupted(pytester: pytest.Pytester,
-                                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["logreport", "call"])
+def test_sigterm_after_a_cells_setup_reports_it_interrupted_as_the_log_does(pytester: pytest.Pytester,
+                                                                            tmp_path: Path, where: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The window CI once hit: the log says the cell started (its setup passed), so the live report must too."""
-    pytester.makeconftest(SIGTERM_BEFORE_THE_RUN)
+    pytester.makeconftest(SIGTERM_AFTER_THE_SETUP)
+    monkeypatch.setenv("WHERE", where)
     proc, out, log = _start(pytester, tmp_path)
     try:
         text = proc.communicate(timeout=300)[0].decode()
