@@ -11,15 +11,29 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["synthetic_batch", "synthetic_grad", "synthetic_grad_rows", "synthetic_tensor", "synthetic_weight"]
 
 
 def _seed(*parts: object) -> int:
-    digest = hashlib.sha256("\x1f".join(map(repr, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return _seed_of(hashlib.sha256("\x1f".join(map(repr, parts)).encode()))
+
+
+def _seed_of(hashed: Any) -> int:
+    return int.from_bytes(hashed.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _row_seeds(head: tuple[Any, ...], last: object, experts: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """``(g, _seed(*head, g, last))`` for each expert ``g``, the common prefix hashed once (a 256-expert tier asks
+    for thousands of rows a process)."""
+    prefix = hashlib.sha256("".join(f"{part!r}\x1f" for part in head).encode())
+    tail = f"\x1f{last!r}"
+    for g in experts:
+        hashed = prefix.copy()
+        hashed.update(f"{g!r}{tail}".encode())
+        yield g, _seed_of(hashed)
 
 
 #: the draws already made in this process, per (shape, scale, seed): a session builds the same (seed, step, layer,
@@ -121,10 +135,12 @@ def _expert_rows(shape: tuple[int, ...], family: tuple[Any, ...], experts: range
             _drawn_elements[0] += numel
         data, drawn = grown, drawn + bytearray(size - len(drawn))
         _ROWS[key] = (data, drawn)
-    *head, last = family
-    for g in experts:
-        if not drawn[g]:  # drawn as synthetic_tensor draws (seed, ..., g, last): the same values, in place
-            data[g].normal_(generator=torch.Generator().manual_seed(_seed(*head, g, last)))
+    first = drawn.find(0, experts.start, experts.stop)  # -1: every row asked for was drawn before
+    if first >= 0:
+        *head, last = family
+        generator = torch.Generator()  # manual_seed resets all of its state: one generator serves every row
+        for g, seed in _row_seeds(tuple(head), last, (g for g in range(first, experts.stop) if not drawn[g])):
+            data[g].normal_(generator=generator.manual_seed(seed))  # as synthetic_tensor draws (seed, .., g, last)
             drawn[g] = 1
     return data[experts.start:experts.stop]
 

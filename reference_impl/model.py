@@ -124,10 +124,21 @@ def _fill_rows(packed: torch.Tensor, std: float, first: int, *key: object) -> No
         return
     shape, row = tuple(packed.shape), tuple(packed.shape[1:])
 
-    def stack() -> torch.Tensor:
-        return torch.stack([_drawn(row, std, (*key[:-1], first + i, key[-1]),
-                                   lambda i=i: _normal(row, std, torch.float32, *key[:-1], first + i, key[-1]))
-                            for i in range(shape[0])])
+    def stack() -> torch.Tensor:  # each row drawn in place as _normal draws it, or copied where _fill kept it
+        block = torch.empty(shape, dtype=torch.float32)
+        generator = torch.Generator()  # manual_seed resets all of its state: one generator serves every row
+        kept: dict[int, torch.Tensor] = {}
+        for i in range(shape[0]):
+            ids = (*key[:-1], first + i, key[-1])
+            found = _DRAWN.get((row, std, ids))
+            if found is not None:
+                kept[i] = found
+            else:
+                block[i].normal_(generator=generator.manual_seed(stable_seed(*ids)))
+        block.mul_(std)  # as _normal scales its draw
+        for i, found in kept.items():
+            block[i] = found
+        return block
 
     found = _drawn(shape, std, ("rows", first, *key), stack)
     with torch.no_grad():

@@ -129,3 +129,5 @@ def test_gradient_rows_under_any_ranges_are_the_experts_own_draws() -> None:
     assert torch.equal(synthetic_grad_rows(9, 2, 1, range(3, 4), "down", (4, 3))[0],
                        synthetic_tensor((4, 3), "grad", 9, 2, 1, 3, "down"))
     assert synthetic_grad_rows(9, 2, 1, range(3, 0, -1), "down", (4, 3)).shape == (3, 4, 3)  # not a step-1 range
+    outside = synthetic_grad_rows(9, 2, None, range(0, 3), "shared.up", (4, 3))  # layer None: the seed's repr
+    assert all(torch.equal(outside[g], synthetic_tensor((4, 3), "grad", 9, 2, None, g, "shared.up")) for g in range(3))

@@ -237,23 +237,24 @@ def settle(held: Mapping[Key, Any], reference: Mapping[Key, Any]) -> tuple[Keys,
         if torch.equal(block.data, want):
             same.rows(block)
             continue
-        start = 0
-        for ok, run in itertools.groupby(_equal_rows(block.data, want)):
-            stop = start + sum(1 for _ in run)  # a run of equal rows, or of differing ones
-            (same if ok else differ).rows(block, start, stop)
-            start = stop
+        equal = _equal_rows(block.data, want)
+        bounds = [0, *(equal[1:] != equal[:-1]).nonzero().flatten().add(1).tolist(), len(equal)]
+        for start, stop in itertools.pairwise(bounds):  # runs of equal rows and of differing ones
+            (same if equal[start] else differ).rows(block, start, stop)
     return same, differ, rest
 
 
-def _equal_rows(data: Any, want: Any) -> list[bool]:
-    """Whether each row of ``data`` equals that of ``want`` (same shape), reading whole rows only where their first
-    elements agree: a block that differs (a load side's own build, before the load) differs in nearly every row,
-    and is told so from one element a row."""
-    if not data.shape[0] or not data[0].numel():
-        return [True] * int(data.shape[0])
+def _equal_rows(data: Any, want: Any) -> Any:
+    """Whether each row of ``data`` equals that of ``want`` (same shape, at least one row), as a bool tensor,
+    reading whole rows only where their first elements agree: a block that differs (a load side's own build, before
+    the load) differs in nearly every row, and is told so from one element a row."""
+    import torch
+
+    if not data[0].numel():
+        return torch.ones(data.shape[0], dtype=torch.bool)
     first = (slice(None), *([0] * (data.dim() - 1)))
     equal = data[first] == want[first]
     maybe = equal.nonzero().flatten()
     if len(maybe):
         equal[maybe] = (data[maybe] == want[maybe]).reshape(len(maybe), -1).all(dim=1)
-    return [bool(ok) for ok in equal.tolist()]
+    return equal

@@ -36,15 +36,25 @@ class Saved:
     layout: str
     #: packed blocks kept whole (:class:`~conformance.checks.held.State`).
     state: State = field(default_factory=State)
-    #: the lowest rank that held a part of each key (the rank a difference is named by).
+    #: the lowest rank that held a part of each single key (the rank a difference is named by); of expert rows,
+    #: :meth:`holder_of` reads ``held_rows``.
     holder: dict[Key, int] = field(default_factory=dict)
+    #: per ``(layer, name)`` of a block: ``(first expert, stop, rank)`` in the order ranks were placed.
+    held_rows: dict[tuple[int | None, str], list[tuple[int, int, int]]] = field(default_factory=dict)
     #: replicas that held different values for a key at the save: ``(rank, key, text)``.
     conflicts: list[tuple[int, Key, str]] = field(default_factory=list)
 
     def disagree(self, rank: int, key: Key) -> None:
         """``rank`` held other values for ``key`` than its first holder: replicas the checkpoint holds one of."""
         self.conflicts.append((rank, key, f"rank {rank} held other values for it at the save than rank "
-                               f"{self.holder[key]} (replicas that disagree: the checkpoint holds one)"))
+                               f"{self.holder_of(key)} (replicas that disagree: the checkpoint holds one)"))
+
+    def holder_of(self, key: Key) -> int:
+        """The lowest rank that held a part of ``key``: rows are kept a block's span at a time, not per row."""
+        found = self.holder.get(key)
+        if found is not None:
+            return found
+        return next(r for first, stop, r in self.held_rows[(key[0], key[2])] if first <= key[1] < stop)
 
     def nbytes(self) -> int:
         return self.state.nbytes()
@@ -267,14 +277,16 @@ class _Fill:
             self.pieces[name], self.want[name] = [], want
             if block is not None:
                 self.blocks[name] = block
-        holder = self.saved.holder
-        for key in self.keys(name, box[0]):
-            holder.setdefault(key, rank)
+        if block is None:
+            self.saved.holder.setdefault(name, rank)
+        else:
+            self.saved.held_rows.setdefault((block.layer, block.name), []).append(
+                (block.first + box[0][0], block.first + box[0][1], rank))
         pieces = self.pieces[name]
         if pieces and pieces[0][1].dtype != local.dtype:
             for key in self.keys(name, box[0]):
                 self.saved.conflicts.append((rank, key, f"held as {local.dtype} at the save by rank {rank}, as "
-                                             f"{pieces[0][1].dtype} by rank {holder[key]}"))
+                                             f"{pieces[0][1].dtype} by rank {self.saved.holder_of(key)}"))
             return
         differ: set[Key] = set()
         for other, theirs in pieces:
@@ -383,5 +395,5 @@ def check_against_truth(saved: Saved, truth: Mapping[Key, Any], verdict: RankVer
         if want is None or agrees(whole, want, verdict):
             continue
         layer, expert, name = key
-        verdict.add(Mismatch(saved.holder[key], layer, expert, name,
+        verdict.add(Mismatch(saved.holder_of(key), layer, expert, name,
                              f"as saved at {saved.layout} (before any load): {diagnose(key, whole, None, truth, {})}"))
