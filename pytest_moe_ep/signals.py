@@ -98,6 +98,20 @@ class TermAsInterrupt:
         finally:
             self.release()
 
+    # A report made without being logged (a plugin's own ``call_and_report(log=False)``) must not hold a SIGTERM
+    # through the next test's run: each phase begins by letting a held one through.
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self) -> None:
+        self.release()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self) -> None:
+        self.release()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self) -> None:
+        self.release()
+
     def _raise(self) -> None:
         raise Terminated("SIGTERM received: stopping like Ctrl-C (reports are written with the finished "
                          "tests); a second SIGTERM stops at once")

@@ -239,6 +239,42 @@ def test_a_second_sigterm_stops_at_once(pytester: pytest.Pytester, tmp_path: Pat
     assert not alive
 
 
+LOGS_REPORTS_LATER = """
+import pytest
+from _pytest.runner import runtestprotocol
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):  # as pytest-rerunfailures does: run unlogged, then log the reports
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in runtestprotocol(item, nextitem=nextitem, log=False):
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+"""
+STOPS_ITSELF = """
+import os, signal, time
+
+def test_first():
+    pass
+
+def test_stops():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+"""
+
+
+def test_a_report_made_but_not_logged_does_not_hold_a_sigterm_through_the_next_run(pytester: pytest.Pytester,
+                                                                                    tmp_path: Path) -> None:
+    """A plugin that makes reports and logs them later: the hold its report-making starts ends when a phase begins."""
+    pytester.makeconftest(LOGS_REPORTS_LATER)
+    pytester.makepyfile(STOPS_ITSELF)
+    started = time.monotonic()
+    code, out = _run([str(pytester.path)], pytester.path, timeout=120)
+    assert code == pytest.ExitCode.INTERRUPTED, out
+    assert time.monotonic() - started < 40, f"the SIGTERM waited for the test's sleep:\n{out}"
+    assert "SIGTERM received" in out, out
+
+
 # -- kill -9: the report log survives, and rebuilds the report -------------------------------------
 def test_kill_9_with_a_report_log_rebuilds_every_finished_cell(pytester: pytest.Pytester, tmp_path: Path) -> None:
     proc, out, log = _start(pytester, tmp_path)
