@@ -481,6 +481,21 @@ def test_in_memory_index_and_no_expert_keys() -> None:
     assert "layer(s) 0..1 have a router: their experts are missing" in result.findings[0].message
 
 
+def test_a_layer_another_prefix_holds_is_not_missing_from_this_one() -> None:
+    """Stage-prefixed names (stage 0 holds layers 0 and 1, stage 1 holds layer 2 as its own 0) or a second stack
+    number their own layers: no prefix is "missing" a layer another prefix holds that tensor of; a layer no prefix
+    holds it of still is."""
+    def experts(prefix: str, layer: int, weights: tuple[str, ...] = ("up", "down")) -> dict[str, torch.Tensor]:
+        return {f"{prefix}layers.{layer}.moe.experts.{e}.{w}.weight": torch.zeros(3, 2) for e in range(2)
+                for w in weights}
+
+    staged = {**experts("stage0.", 0), **experts("stage0.", 1), **experts("stage1.", 0)}
+    assert "layer_missing" not in problems(inspect_index(index_state_dict(staged)).findings)
+    dropped = {**experts("stage0.", 0), **experts("stage0.", 1, ("up",)), **experts("stage1.", 0)}
+    found = problems(inspect_index(index_state_dict(dropped)).findings)["layer_missing"]
+    assert ("stage0.layers.1.moe.experts.*.down.weight", 1) in [(f.key, f.layer) for f in found], found
+
+
 def test_saved_objects_that_nest_tensors_compare_by_structure_and_values() -> None:
     """A non-tensor entry holding tensors (Megatron's ``dp_zero_gather_scatter`` param state) equals an identical
     one: ``==`` on such a dict raises on the tensors' truth value, which once read as "differs"."""

@@ -282,8 +282,13 @@ def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any], n
         out.append(Finding("layer_missing", example, f"the layer has a router but none of the {len(present)} "
                            "expert tensors the other MoE layers hold: a whole layer's experts are missing", layer,
                            every))
+    # A layer whose tensor a class with another prefix holds is not missing from this one: stage-prefixed names
+    # (``stage1.layers.0`` for layer 2) or a second stack (``mtp.layers.0``) number their own layers.
+    held_as: dict[str, set[int]] = defaultdict(set)  # by what follows the layer index
+    for cls, layers in present.items():
+        held_as[cls.split("#", 1)[-1]] |= layers
     for cls, layers in sorted(present.items()):
-        for layer in sorted(expert_layers - layers):
+        for layer in sorted(expert_layers - held_as[cls.split("#", 1)[-1]]):
             out.append(Finding("layer_missing", cls.replace("#", str(layer), 1), f"absent, but layers "
                                f"{expert_ranges(sorted(layers))} hold it: this layer's experts are missing from it",
                                layer, every))
