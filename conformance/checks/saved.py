@@ -54,7 +54,10 @@ class Saved:
         found = self.holder.get(key)
         if found is not None:
             return found
-        return next(r for first, stop, r in self.held_rows[(key[0], key[2])] if first <= key[1] < stop)
+        for first, stop, rank in self.held_rows.get((key[0], key[2]), ()):
+            if key[1] is not None and first <= key[1] < stop:
+                return rank
+        raise KeyError(key)  # no rank held any of it: not in the saved state either
 
     def nbytes(self) -> int:
         return self.state.nbytes()
