@@ -45,7 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from conformance.findings import ERROR, FINDINGS, PASS, severity
+from conformance.findings import FINDINGS, PASS, severity
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -225,16 +225,6 @@ def read(path: str | Path, *, adapter: str | None = None, universe: Iterable[str
                 raise ExpectationsError(path, f"[[cell]] entry {entry.index + 1}: the {what} {entry.id!r} names no "
                                               f"cell of any tier{universe_note}")
     return found
-
-
-def outcome_of(record: Mapping[str, Any]) -> str | None:
-    """A finished record's outcome for expectations: ``pass``, its finding, or ``None`` (n/a, interrupted)."""
-    status = record.get("status")
-    if status == "pass":
-        return PASS
-    if status in ("fail", "error"):
-        return str(record.get("finding") or ERROR)
-    return None
 
 
 @dataclass(frozen=True)
@@ -437,4 +427,4 @@ def parse_tolerate(given: str | None) -> tuple[str, ...]:
 
 __all__ = ["MET", "OUTCOMES", "TOLERABLE", "TOLERATED", "UNMET", "UPDATED", "Baseline", "Entry", "Expectations",
            "ExpectationsError", "Expected", "Judgement", "Update", "judge", "normalize_adapter", "normalize_id",
-           "outcome_of", "parse", "parse_tolerate", "placeholder", "read", "updated_text", "written_by"]
+           "parse", "parse_tolerate", "placeholder", "read", "updated_text", "written_by"]

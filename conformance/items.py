@@ -21,16 +21,23 @@ from typing import Any
 
 import pytest
 
-from conformance import findings as F
 from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
-from conformance.expectations import Baseline, Judgement, outcome_of
+from conformance.expectations import Baseline, Judgement
+from conformance.findings import ERROR, headline
 from conformance.matrix import Cell
 from conformance.members import Members
-from conformance.record import FUNCTION_FINDING, CellRecord, environment, function_record
-from conformance.report import INTERRUPTED, OUTCOME, RECORD
+from conformance.outcome import (
+    INTERRUPTED,
+    CellOutcome,
+    checkpoint_outcome,
+    error_outcome,
+    functions_outcome,
+    judged_outcome,
+)
+from conformance.record import CellRecord, environment, function_record
+from conformance.report import OUTCOME, RECORD
 from conformance.saves import Saves, disk_problem
-from conformance.summary import structured_problems, summarize, summarize_functions, verdict_findings
 from pytest_moe_ep.distributed import call_on_world
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
 from pytest_moe_ep.text import first_line
@@ -70,35 +77,6 @@ class CellError(Exception):
     def __init__(self, error: WorldError, lead: str = "") -> None:
         super().__init__(error.cause)
         self.error, self.lead = error, lead
-
-
-def error_findings(exc: WorldError) -> list[str]:
-    """What the ranks at fault say the cell found (:func:`conformance.checks.cell.failure_fields`; a victim that
-    timed out waiting for them says nothing of its own); a world that hung, died or never started is an ``error``,
-    and so is a rank that raised outside a cell's checks."""
-    blamed = [e for r, e in exc.errors.items() if not exc.at_fault or r in exc.at_fault]
-    found = [f for e in blamed for f in e.fields.get("findings") or ()]
-    if exc.kind in ("hang", "start"):
-        found = [f for f in found if f == F.ON_DISK] + [F.ERROR]
-    return F.ordered(found) or [F.ERROR]
-
-
-def error_problems(exc: WorldError) -> list[dict[str, Any]]:
-    """Each rank's error and the checkpoint findings it carried, structured, for the record."""
-    out: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for rank, e in sorted(exc.errors.items()):
-        for p in e.fields.get("problems") or ():
-            if p.get("text") not in seen:
-                seen.add(p.get("text", ""))
-                out.append({**p, "finding": F.ON_DISK, "rank": rank})
-        own = F.ordered(e.fields.get("findings") or ())
-        out.append({"check": e.fields.get("phase", "run"), "finding": own[-1] if own else F.ERROR, "rank": rank,
-                    "exception": e.fields.get("exception", e.type_name), "raised_in": e.fields.get("raised_in"),
-                    "raised_at": e.fields.get("raised_at", ""), "text": first_line(e.message)})
-    if not exc.errors:  # a hang or a rank that died: the engine's cause is all there is
-        out.append({"check": "run", "finding": F.ERROR, "ranks": list(exc.at_fault), "text": exc.cause})
-    return out
 
 
 def _torch_version() -> str:
@@ -151,7 +129,7 @@ class MatrixItem(pytest.Item):
 
     def _judge(self) -> Judgement | None:
         """The finished cell against the session's expectations (``None`` without any, or for n/a)."""
-        got = outcome_of({"status": self.record.status, "finding": self.record.finding})
+        got = judged_outcome({"status": self.record.status, "finding": self.record.finding})
         baseline = self.context.baseline
         if got is None:
             return None
@@ -173,31 +151,37 @@ class MatrixItem(pytest.Item):
             self._finish("n/a", self.na, started)
             pytest.skip(f"n/a: {self.na}")
         try:
-            status, detail = self.check()
+            found = self.check()
         except pytest.skip.Exception as exc:
             self._finish("n/a", str(exc.msg), started)
             raise
         except WorldError as exc:  # the cause alone: the node id already names the call
-            if exc.errors:  # each distinct error in full, for whoever reads the JSON record
-                self.record.errors = {str(r): e.message for r, e in sorted(exc.errors.items())
-                                         if e.message not in {x.message for q, x in exc.errors.items() if q < r}}
-            self.record.findings = [F.ERROR] if self.environment_problem else error_findings(exc)
-            self.record.problems = error_problems(exc)
-            judgement = self._finish("error", f"{F.headline(self.record.findings)} {exc.cause}", started)
-            self._settle(judgement, CellError(exc, F.headline(self.record.findings)))
+            found = error_outcome(exc, self.environment_problem)
+            judgement = self._conclude(found, started)
+            self._settle(judgement, CellError(exc, headline(found.findings)))
             return
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
-            self._interrupted(f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "), started)
+            self._interrupted(f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "),
+                              started)
             raise
         except BaseException as exc:  # the harness's own failure in this process
-            self.record.findings = [F.ERROR]
-            judgement = self._finish("error", f"{F.headline(self.record.findings)} "
-                                     f"{type(exc).__name__}: {exc}".splitlines()[0], started)
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            judgement = self._conclude(CellOutcome("error", f"{headline([ERROR])} {text}", [ERROR]),
+                                       started)
             if judgement is not None and judgement.met:
                 self._settle(judgement, exc)
             raise
-        judgement = self._finish(status, detail, started)
-        self._settle(judgement, CellFailed(detail) if status == "fail" else None)
+        judgement = self._conclude(found, started)
+        self._settle(judgement, CellFailed(found.detail) if found.status == "fail" else None)
+
+    def _conclude(self, found: CellOutcome, started: float) -> Judgement | None:
+        """The record of a cell that ran: its outcome, then its judgement against the expectations."""
+        record = self.record
+        record.findings = found.findings or None
+        record.problems = found.problems or None
+        record.errors = found.errors
+        record.checks_passed = found.passed
+        return self._finish(found.status, found.detail, started)
 
     def _settle(self, judgement: Judgement | None, failure: BaseException | None) -> None:
         """End the item as its outcome and expectation say: a met red cell is xfailed with the expectation's
@@ -213,7 +197,7 @@ class MatrixItem(pytest.Item):
             raise failure
         raise CellFailed(f"unexpected: {judgement.text}\n{self.record.detail}")
 
-    def check(self) -> tuple[str, str]:
+    def check(self) -> CellOutcome:
         raise NotImplementedError
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
@@ -251,7 +235,7 @@ class CheckpointCellItem(MatrixItem):
         self.cell, self.adapter, self.base = cell, adapter, base
         self.extra_keyword_matches.update(cell.keywords())
 
-    def check(self) -> tuple[str, str]:
+    def check(self) -> CellOutcome:
         saves, members = self.context.saves, self.context.members
         assert saves is not None and members is not None, "checkpoint cells come with the session's saves"
         plan = saves.plan(self.cell, self.context.expert_keys)
@@ -274,11 +258,7 @@ class CheckpointCellItem(MatrixItem):
         self.record.timings = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
         self.record.shared_save = not plan.save
         self.record.skipped_checks = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))
-        status, detail = summarize(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
-        if status == "fail":
-            self.record.findings = verdict_findings(self.cell, verdicts) or [F.ERROR]
-            self.record.problems = structured_problems(verdicts)
-        return status, detail
+        return checkpoint_outcome(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
 
 
 class FunctionsCellItem(MatrixItem):
@@ -290,19 +270,15 @@ class FunctionsCellItem(MatrixItem):
         #: one report record per function, attached once the cell is judged (they carry its expectation).
         self.function_records: list[dict[str, Any]] = []
 
-    def check(self) -> tuple[str, str]:
+    def check(self) -> CellOutcome:
         from conformance.functions.merge import merge_rank_records
 
-        result = call_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {}, world_size=self.cell.world_size,
-                              backend=self.backend)
+        result = call_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {},
+                               world_size=self.cell.world_size, backend=self.backend)
         records = merge_rank_records(result.values)
         self.function_records = [function_record(self.record, r, _torch_version()) for r in records]
         self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
-        status, detail = summarize_functions(self.cell, records)
-        if status == "fail":  # a function that answers wrong without a word: the functions' silent finding
-            self.record.findings = [FUNCTION_FINDING["fail"]]
-            detail = f"{F.headline(self.record.findings)} {detail}"
-        return status, detail
+        return functions_outcome(self.cell, records)
 
     def _finish(self, status: str, detail: str, started: float) -> Judgement | None:
         # The per-function records carry the report; the item's own record is dropped from it.

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.outcome import FUNCTION_FINDING
+
 
 @dataclass
 class CellRecord:
@@ -42,6 +44,8 @@ class CellRecord:
     problems: list[dict[str, Any]] | None = None
     #: the cell against the expectations file: expected, expected_reason, expected_by, expectation.
     expectation: dict[str, Any] | None = None
+    #: the checks that ran to their end and found nothing (a red cell's too: what still held).
+    checks_passed: list[str] | None = None
 
     @property
     def finding(self) -> str | None:
@@ -53,7 +57,7 @@ class CellRecord:
     def to_dict(self) -> dict[str, Any]:
         found: dict[str, Any] = {"id": self.id, "suite": self.suite, "adapter": self.adapter,
                                  "adapter_version": self.adapter_version, **self.fields}
-        for name in ("timings", "shared_save", "skipped_checks", "errors"):
+        for name in ("timings", "shared_save", "skipped_checks", "checks_passed", "errors"):
             value = getattr(self, name)
             if value is not None:
                 found[name] = value
@@ -70,9 +74,6 @@ def environment(torch: str, world_size: int, backend: str) -> dict[str, Any]:
     """What every finished record says of where it ran (a report rebuilt from a log has it)."""
     return {"torch": torch, "world_size": world_size, "backend": backend}
 
-
-#: a functions record's finding by its status: a function that answers wrong without a word is silent.
-FUNCTION_FINDING = {"fail": "silent", "error": "error"}
 
 
 def function_record(cell: CellRecord, merged: dict[str, Any], torch: str) -> dict[str, Any]:

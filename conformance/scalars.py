@@ -104,7 +104,7 @@ def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
     """The adapter's ``scalars`` and the training state's (:func:`state_scalars`) for a build ``b``
     (:class:`~conformance.adapter.Built`); ``None`` when there are neither.  ``adapter`` is the cell's (its
     ``members`` resolved by the controller)."""
-    found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.scalars else None
+    found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.has("scalars") else None
     extra = state_scalars(b.state)
     if extra:
         found = {**(found or {}), **extra}

@@ -277,7 +277,7 @@ class MatrixSession:
         if self.adapter is not None and self.members is not None and self.tier is not None:
             try:
                 cells = checkpoint_cells(self.members.capabilities, (self.tier.name, self.tier.eps), self.world_size,
-                                         self.num_experts, has_legacy=self.members.save_legacy)
+                                         self.num_experts, has_legacy=self.members.has("save_legacy"))
             except MatrixError as exc:
                 raise _usage(str(exc)) from exc
             context.saves = Saves(engine, self.adapter, share=bool(config.getini("moe_ep_share_saves")),
@@ -286,7 +286,7 @@ class MatrixSession:
         modules = [*CHECKPOINT_PRELOAD, "conformance.checks", "conformance.inspection", "reference_impl.checkpoint",
                    "conformance.functions.rank"]
         if self.adapter is not None and self.members is not None:
-            modules += [type(self.adapter).__module__, *self.members.preload]
+            modules += [type(self.adapter).__module__, *self.members.value("preload")]
         engine.add_preload(modules)
         collector = MatrixCollector.from_parent(session, name=MATRIX, nodeid=MATRIX)
         fcells = functions_cells() if self.functions is not None else []

@@ -1,5 +1,6 @@
 """A cell's outcome in words, from every rank's verdict (or, for a functions cell, every function's merged
-record): the first line is the diagnosis.
+record): the first line is the diagnosis.  What the outcome *is* (status, findings) is decided in
+:mod:`conformance.outcome`, which asks this module for the words.
 
 The first line is what the report's failure list, the index and the README table show, so it names
 the rank, layer, expert and tensor (or the checkpoint key and experts) and ends with the cell's
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance import findings as F
 from conformance.checks import CHECKS, Mismatch, RankVerdict
 from conformance.matrix import Cell
 from conformance.rounding import ROUNDING_ULPS
@@ -62,49 +62,9 @@ def _rounding(verdicts: list[RankVerdict]) -> str:
             f"{ROUNDING_ULPS})")
 
 
-def verdict_findings(cell: Cell, verdicts: list[RankVerdict]) -> list[str]:
-    """Every finding the ranks' verdicts are evidence of (:mod:`conformance.findings`), worst first."""
-    found = [F.CHECK_FINDING.get(m.check, F.ERROR) for v in verdicts for m in v.mismatches]
-    found += [F.CHECK_FINDING.get(p.check, F.ERROR) for v in verdicts for p in v.problems]
-    if cell.legacy and not all(v.refused for v in verdicts):
-        # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised it is loud
-        found.append(F.ON_DISK)
-        if any(v.load_raised for v in verdicts if not v.refused):
-            found.append(F.REFUSED)
-    return F.ordered(found)
-
-
-def structured_problems(verdicts: list[RankVerdict]) -> list[dict[str, Any]]:
-    """Every difference and problem the ranks found, as the record keeps them: no limit, one dict each."""
-    out: list[dict[str, Any]] = []
-    for v in sorted(verdicts, key=lambda v: v.rank):
-        out += [{"check": m.check, "finding": F.CHECK_FINDING.get(m.check, F.ERROR), "rank": m.rank,
-                 "layer": m.layer, "expert": m.expert, "tensor": m.name, "text": f"{m.where()}: {m.problem}"}
-                for m in v.mismatches]
-        if v.not_refused and not v.refused:
-            out.append({"check": "refusal", "finding": F.ON_DISK, "rank": v.rank, "text": v.not_refused})
-    ranks: dict[tuple[str, str], list[int]] = {}
-    for v in sorted(verdicts, key=lambda v: v.rank):
-        for p in v.problems:
-            ranks.setdefault((p.check, p.text), []).append(v.rank)
-    order = list(CHECKS)
-    for (check, text), where in sorted(ranks.items(), key=lambda kv: order.index(kv[0][0]) if kv[0][0] in order
-                                       else len(order)):
-        out.append({"check": check, "finding": F.CHECK_FINDING.get(check, F.ERROR), "ranks": sorted(set(where)),
-                    "text": text})
-    return out
-
-
 def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
-    """``(status, detail)`` of a cell from every rank's verdict; the detail fits one screen, and a red cell's
-    first line leads with its findings (``silent, on-disk: ...``)."""
-    status, detail = _summarize(cell, verdicts, adapter)
-    if status == "fail":
-        detail = f"{F.headline(verdict_findings(cell, verdicts) or [F.ERROR])} {detail}"
-    return status, detail
-
-
-def _summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
+    """``(status, detail)`` of a cell from every rank's verdict, in words: the detail fits one screen.
+    Its findings, and the headline that leads with them, are :mod:`conformance.outcome`'s."""
     context = _context(cell, adapter)
     if cell.legacy:
         refused = {v.rank: v.refused for v in verdicts if v.refused}

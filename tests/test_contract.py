@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.adapter import AdapterError, built, state_scalars
+from conformance.adapter import AdapterError, state_scalars
 from conformance.checks.blame import load_failed, translate
 from conformance.checks.layout import formed_groups, problem
 from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, index_state_dict, inspect_index
 from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of
 from conformance.layout import LayoutError, ParallelLayout
+from conformance.members import built
 
 E, H, D = 4, 3, 2
 
@@ -167,8 +168,9 @@ def test_check_adapter_resolves_the_optional_members_once_and_refuses_a_bare_val
 
     members = check_adapter(ReferenceAdapter(), "reference")
     assert members.of == "conformance.adapters.reference.ReferenceAdapter"
-    assert members.step and members.scalars and members.forward and members.check_saved and members.save_legacy
-    assert not members.read_checkpoint and members.refusal_errors == () and members.preload == ()
+    assert all(members.has(m) for m in ("step", "scalars", "forward", "check_saved", "save_legacy"))
+    assert not members.has("read_checkpoint")
+    assert members.value("refusal_errors") == () and members.value("preload") == ()
     assert members.unreadable() == "" and members.capabilities.format == "dcp"
 
     class BareRefusal(ReferenceAdapter):

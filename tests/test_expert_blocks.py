@@ -1,7 +1,7 @@
 """An :class:`~conformance.adapter.ExpertBlock` reads as exactly the rows it stands for.
 
 The reference yields each packed weight and moment as one block (issue 33: at 256 experts a DTensor per row was
-most of a cell's checks).  The harness expands a block in one place (:func:`conformance.adapter.held_tensors`,
+most of a cell's checks).  The harness expands a block in one place (:func:`conformance.checks.held.held_tensors`,
 on :func:`reference_impl.regions.block_region`); these tests hold it to the per-row path it replaced
 (:func:`reference_impl.regions.packed_rows` and :func:`~reference_impl.regions.local_region` of each row) in
 real 4-rank worlds: plain rows, expert-TP rows (a region of each expert), FSDP2 and HSDP shards of the expert
@@ -16,8 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conformance.adapter import ExpertBlock, Spec, held_tensors
+from conformance.adapter import ExpertBlock, Spec
 from conformance.adapters.reference import ReferenceAdapter
+from conformance.checks.held import held_tensors
 from conformance.checks.layout import reported_experts
 from conformance.layout import ParallelLayout
 from conformance.synthetic import synthetic_grad, synthetic_grad_rows

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from conformance.adapter import Spec, held_tensors
+from conformance.adapter import Spec
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.checks import saved
-from conformance.checks.held import Held, Rows, settle
+from conformance.checks.held import Held, Rows, held_tensors, settle
 from conformance.checks.truth import SEED_A, truth_spec
 from conformance.checks.values import canonical
 from conformance.layout import ParallelLayout

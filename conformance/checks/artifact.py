@@ -40,7 +40,7 @@ def read_index(adapter: Any, path: str) -> Any:
     members = adapter.members
     if members.capabilities.format == "dcp":
         return read_dcp(path)
-    if members.read_checkpoint:
+    if members.has("read_checkpoint"):
         return index_state_dict(adapter.read_checkpoint(path), path, format=members.capabilities.format)
     return None
 
@@ -49,7 +49,7 @@ def declared_patterns(adapter: Any, extra: Sequence[str] = ()) -> tuple[KeyPatte
     """The expert-key regexes the adapter declares (``expert_keys``) and the user gives (``--moe-ep-expert-key``)."""
     from conformance.inspection import pattern
 
-    return tuple(pattern(r, "declared") for r in (*adapter.members.expert_keys, *extra))
+    return tuple(pattern(r, "declared") for r in (*adapter.members.value("expert_keys"), *extra))
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
     index, truth = read_index(adapter, path), read_index(adapter, truth_path)
     found = [str(f) for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
              if f.problem != "no_expert_keys"]
-    ignore = adapter.members.ep_dependent_keys
+    ignore = adapter.members.value("ep_dependent_keys")
     found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
                                               names=("checkpoint", "ep=1 checkpoint"), rounding_ulps=ROUNDING_ULPS)]
     return list(dict.fromkeys(found))

@@ -23,19 +23,19 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance import findings as F
-from conformance.adapter import AdapterError, Built, Spec, built
+from conformance.adapter import AdapterError, Spec, framework_calls
 from conformance.checks import artifact, completeness, refusal, resume, save_plan, saved
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
 from conformance.checks.held import settle
 from conformance.checks.layout import LayoutMismatch, check_layout
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
 from conformance.checks.values import canonical, compare, equal, expected
-from conformance.checks.verdict import RankVerdict
+from conformance.checks.verdict import VERDICT, RankFailure, RankVerdict
 from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
-from conformance.members import Members
+from conformance.members import Built, Members, built
 from conformance.saves import CellPlan
+from pytest_moe_ep.text import first_line
 from pytest_moe_ep.world.protocol import FIELDS_ATTR, StructuredError, error_fields
 
 __all__ = ["LOAD_EXTRA_STEPS", "BuildFailed", "CellPlan", "load_errors", "run_cell"]
@@ -46,18 +46,18 @@ LOAD_EXTRA_STEPS = 1
 
 
 class _Timed:
-    """The adapter as the checks see it: the time spent in its members added up (``timings["adapter"]``), so
-    the report can tell the framework's own work from the harness's, and ``members``, what the controller's
-    :func:`~conformance.members.check_adapter` resolved of it."""
-
-    MEMBERS = frozenset({"build", "save", "save_legacy", "load", "check_saved", "step", "scalars", "forward"})
+    """The adapter as the checks see it.  Its framework calls (:func:`conformance.adapter.framework_calls`)
+    are timed (``timings["adapter"]``), so the report can tell the framework's own work from the
+    harness's, and the call an exception came out of is remembered beside it (:meth:`raised_from`), a
+    fact the controller's outcome reads.  ``members`` is what the controller resolved of the adapter."""
 
     def __init__(self, adapter: Any, timings: dict[str, float], members: Members) -> None:
         self.__wrapped__, self._timings, self.members = adapter, timings, members
+        self._raised: list[tuple[BaseException, str]] = []
 
     def __getattr__(self, name: str) -> Any:
         found = getattr(self.__wrapped__, name)
-        if name not in self.MEMBERS or not callable(found):
+        if name not in framework_calls() or not callable(found):
             return found
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -65,50 +65,49 @@ class _Timed:
             try:
                 return found(*args, **kwargs)
             except BaseException as exc:
-                _annotate(exc, MEMBER_ATTR, name)  # which of the adapter's calls raised it: see failure_fields
+                if not any(seen is exc for seen, _ in self._raised):  # the innermost call keeps it
+                    self._raised.append((exc, name))
                 raise
             finally:
-                self._timings["adapter"] = self._timings.get("adapter", 0.0) + time.perf_counter() - t0
+                self._timings["adapter"] = (self._timings.get("adapter", 0.0)
+                                            + time.perf_counter() - t0)
         return timed
 
-
-#: the attribute :class:`_Timed` sets on an exception an adapter member raised: the member's name.
-MEMBER_ATTR = "moe_ep_member"
-#: the adapter's calls whose loud failure in the framework's code is a refusal (``refused``); elsewhere a
-#: framework's exception is still the adapter's or the harness's failure to run the cell (``error``).
-FRAMEWORK_CALLS = frozenset({"build", "save", "save_legacy", "load", "check_saved", "step", "scalars", "forward"})
-
-
-def _annotate(exc: BaseException, attr: str, value: Any) -> None:
-    """Set ``attr`` on ``exc`` unless an inner call set it first (some exception types take no attributes)."""
-    if getattr(exc, attr, None) is None:
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(exc, attr, value)
+    def raised_from(self, exc: BaseException) -> str | None:
+        """The framework call that raised ``exc`` or what it wraps (``raise ... from``)."""
+        seen: BaseException | None = exc
+        for _ in range(8):
+            if seen is None:
+                break
+            member = next((name for raised, name in self._raised if raised is seen), None)
+            if member is not None:
+                return member
+            seen = seen.__cause__
+        return None
 
 
-class BuildFailed(StructuredError):
-    """The cell's model could not be built: the framework refused (``refused``: its own message, file and line),
-    or the adapter's code failed (``error``: not a finding about the framework)."""
+class BuildFailed(Exception):
+    """The cell's model could not be built: the framework refused (its own message, file and line),
+    or the adapter's code failed (not a finding about the framework)."""
 
 
 def _build(adapter: Any, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
-    """``adapter.build`` as a :class:`Built`; its failure becomes :class:`BuildFailed`, told by where it raised."""
+    """``adapter.build`` as a :class:`Built`; its failure becomes :class:`BuildFailed`, worded by where
+    it raised."""
     where = f"the {side} side's build at {spec.layout.describe() if spec.layout else 'ep=1'}"
     what = f"(E={spec.num_experts}, {spec.kind}{', FSDP' if spec.fsdp else ''})"
     try:
         result = adapter.build(spec, mesh, seed)
     except load_errors() as exc:
-        raised_in, raised_at = raised_where(exc, adapter)
-        fields = {"phase": "build", "side": side, "raised_in": raised_in, "raised_at": raised_at}
+        raised_in, _ = raised_where(exc, adapter)
         if raised_in == "framework":
-            raise BuildFailed(f"the framework refused {where} {what}: {located(exc, adapter)}", fields=fields) from exc
-        raise BuildFailed(f"the adapter's code failed in {where} {what}: {located(exc, adapter)} (an error in the "
-                          f"{raised_in}, not a finding about the framework)", fields=fields) from exc
+            raise BuildFailed(f"the framework refused {where} {what}: {located(exc, adapter)}") from exc
+        raise BuildFailed(f"the adapter's code failed in {where} {what}: {located(exc, adapter)} (an "
+                          f"error in the {raised_in}, not a finding about the framework)") from exc
     try:
         return built(result, f"{type(adapter).__name__}.build")
     except AdapterError as exc:
-        raise BuildFailed(str(exc), fields={"phase": "build", "side": side, "raised_in": "adapter",
-                                            "raised_at": ""}) from None
+        raise BuildFailed(str(exc)) from exc
 
 
 def _saved_optimizer(adapter: Any, b: Built, optim: bool) -> Any:
@@ -198,39 +197,55 @@ def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> art
 
 
 def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Members) -> RankVerdict:
-    """The whole experiment of ``cell`` on this rank; its verdict goes back to the controller."""
+    """The whole experiment of ``cell`` on this rank; its verdict goes back to the controller.
+
+    When the cell stops on an exception, the exception still propagates (the engine must see every
+    rank that failed, and replace the world), carrying this rank's verdict -- what it found so far and
+    a :class:`RankFailure` of why it stopped -- in the engine's structured channel.
+    """
     import torch.distributed as dist
 
     started = time.perf_counter()
-    rank = dist.get_rank()
-    verdict = RankVerdict(rank)
+    verdict = RankVerdict(dist.get_rank())
+    timed = _Timed(adapter, verdict.timings, members)
     try:
-        found = _run(_Timed(adapter, verdict.timings, members), cell, base, plan, rank, verdict)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if not isinstance(exc, KeyboardInterrupt | SystemExit):
-            with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes keeps none
-                setattr(exc, FIELDS_ATTR, {**error_fields(exc), **failure_fields(exc, adapter, verdict)})
+        try:
+            _run(timed, cell, base, plan, verdict.rank, verdict)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            verdict.failure = _failure(exc, timed)
+            ended = _end_cell(adapter, members)
+            if ended is not None:  # the cell's own failure is the one to report; this one beside it
+                verdict.problem("end_cell", ended)
+            carried = _carrying(exc, verdict)
+            if carried is exc:
+                raise
+            raise carried from exc
         ended = _end_cell(adapter, members)
-        if ended is not None:  # the cell's own failure is the one to report; the end's is a problem beside it
-            with contextlib.suppress(AttributeError, TypeError):
-                fields = error_fields(exc)
-                fields["problems"] = [*fields.get("problems", []), {"check": "end_cell", "text": ended}]
-                setattr(exc, FIELDS_ATTR, fields)
-        raise
-    else:
-        ended = _end_cell(adapter, members)
-        if ended is not None:  # an adapter error, classified as any other (the verdict's findings kept)
+        if ended is not None:  # an adapter error, classified as any other (the findings kept)
             error = AdapterError(f"the cell's checks ran, then {ended}")
-            setattr(error, FIELDS_ATTR, {**failure_fields(error, adapter, verdict), "phase": "end_cell"})
-            raise error
-        return found
+            verdict.failure = RankFailure("end_cell", "AdapterError", str(error), None, "adapter", "",
+                                          "adapter")
+            raise _carrying(error, verdict)
+        return verdict
     finally:
         verdict.timings["total"] = time.perf_counter() - started
 
 
+def _carrying(exc: BaseException, verdict: RankVerdict) -> BaseException:
+    """``exc`` with ``verdict`` in the engine's structured channel (:data:`FIELDS_ATTR`)."""
+    with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes keeps none
+        setattr(exc, FIELDS_ATTR, {**error_fields(exc), VERDICT: verdict})
+        return exc
+    carrier = StructuredError(f"{type(exc).__name__}: {exc}", fields={VERDICT: verdict})
+    carrier.__cause__ = exc
+    return carrier
+
+
 def _end_cell(adapter: Any, members: Members) -> str | None:
     """The adapter's ``end_cell()`` when it has one; what it raised, in words (None when it did not)."""
-    if not members.end_cell:
+    if not members.has("end_cell"):
         return None
     try:
         adapter.end_cell()
@@ -239,38 +254,29 @@ def _end_cell(adapter: Any, members: Members) -> str | None:
     return None
 
 
-def _member(exc: BaseException) -> str | None:
-    """The adapter member whose call raised ``exc`` or what it wraps (``raise ... from``): the first on the chain."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            break
-        if getattr(seen, MEMBER_ATTR, None):
-            return str(getattr(seen, MEMBER_ATTR))
-        seen = seen.__cause__
-    return None
-
-
-def failure_fields(exc: BaseException, adapter: Any, verdict: RankVerdict) -> dict[str, Any]:
-    """What a cell that raised on this rank found (:mod:`conformance.findings`), as plain data for the controller:
-    ``on-disk`` when the checkpoint check had found the save not EP-invariant (whatever raised next); ``refused``
-    when the framework's code raised in one of its calls (build, save, load, a step or forward after the load);
-    ``error`` when the adapter's or the harness's code did, or the framework did not form the cell's layout."""
-    given = error_fields(exc)
-    raised_in, raised_at = given.get("raised_in"), given.get("raised_at")
-    if raised_in is None:
-        raised_in, raised_at = raised_where(exc, adapter)
-    member = _member(exc)
-    found: list[str] = []
-    if verdict.findings or verdict.truth_findings or (isinstance(exc, LoadFailed) and exc.side == "checkpoint"):
-        found.append(F.ON_DISK)
-    refused = isinstance(exc, save_plan.SaveRefused) or (raised_in == "framework" and member in FRAMEWORK_CALLS)
-    found.append(F.REFUSED if refused and not isinstance(exc, (LayoutMismatch, AdapterError)) else F.ERROR)
-    phase = given.get("phase") or ("load" if isinstance(exc, LoadFailed) else member or "harness")
-    problems = [{"check": "checkpoint", "text": f"checkpoint: {finding}"}
-                for finding in (*verdict.truth_findings, *verdict.findings)]
-    return {"findings": F.ordered(found), "phase": phase, "raised_in": raised_in, "raised_at": raised_at or "",
-            "exception": type(original(exc)).__name__, "problems": problems}
+def _failure(exc: BaseException, adapter: _Timed) -> RankFailure:
+    """The facts of why this rank stopped; the controller decides what they make the cell."""
+    raised_in, raised_at = raised_where(exc, adapter)
+    member = adapter.raised_from(exc)
+    first = original(exc)
+    if isinstance(exc, LayoutMismatch):
+        kind = "layout"
+    elif isinstance(exc, save_plan.SaveRefused):
+        kind = "save-plan"
+    elif isinstance(exc, AdapterError) or isinstance(first, AdapterError):
+        kind = "adapter"
+    elif isinstance(exc, LoadFailed) and exc.side == "checkpoint":
+        kind = "checkpoint"
+    else:
+        kind = ""
+    if isinstance(exc, BuildFailed):
+        phase = "build"
+    elif isinstance(exc, LoadFailed):
+        phase = "load"
+    else:
+        phase = member or "harness"
+    return RankFailure(phase, type(first).__name__, first_line(str(exc)), member, raised_in,
+                       raised_at or "", kind)
 
 
 def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdict: RankVerdict) -> RankVerdict:
@@ -292,6 +298,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
         known = _share_knowledge(adapter, plan, save_spec, rank)
         if rank == 0 and known.note:
             verdict.skipped["checkpoint attribution"] = known.note
+        if not cell.legacy:
+            verdict.done("checkpoint")
 
     truth = ground_truth(adapter, load_spec, rank)
     side_b = replace(load_spec, optimizer_steps=load_spec.optimizer_steps + LOAD_EXTRA_STEPS if optim else 0)
@@ -331,11 +339,23 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     elif saved_truth is not None:
         saved.check_against_truth(held, saved_truth, verdict)
     compare(rank, got, truth.state, before, verdict, held.state if held is not None else None)
+    verdict.done("values")
     completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
-    resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
+    verdict.done("missing")
+    if optim:
+        resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
+        _done_unless_skipped(verdict, "scalars")
     resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)
+    if optim:
+        _done_unless_skipped(verdict, "resume")
     resume.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
+    _done_unless_skipped(verdict, "forward")
     return verdict
+
+
+def _done_unless_skipped(verdict: RankVerdict, check: str) -> None:
+    if check not in verdict.skipped:
+        verdict.done(check)
 
 
 @dataclass(frozen=True)

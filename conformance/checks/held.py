@@ -11,10 +11,11 @@ the rows that differ.  A mapping that is not one of these (a test's dict) is rea
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
+from conformance.adapter import ExpertBlock
 from conformance.checks.verdict import Key
 
 Region = tuple[slice, ...] | None
@@ -258,3 +259,53 @@ def _equal_rows(data: Any, want: Any) -> Any:
     if len(maybe):
         equal[maybe] = (data[maybe] == want[maybe]).reshape(len(maybe), -1).all(dim=1)
     return equal
+
+
+class HeldTensor(NamedTuple):
+    """One tensor of this rank as the checks read it: its key, its local data and its region (``None``: whole)."""
+
+    layer: int | None
+    expert: int | None
+    name: str
+    local: Any
+    region: tuple[slice, ...] | None
+
+
+class HeldBlock(NamedTuple):
+    """An :class:`ExpertBlock` as the checks read it: row ``i`` of ``local`` is expert ``first + i``, each row at
+    ``region`` of its expert's whole tensor (``None``: whole)."""
+
+    layer: int | None
+    first: int
+    name: str
+    local: Any
+    region: tuple[slice, ...] | None
+
+
+def held_blocks(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor | HeldBlock]:
+    """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an :class:`ExpertBlock` as one
+    :class:`HeldBlock`: the one place the harness turns what an adapter yields into tensors (the layout check reads
+    only a block's ids, from the same :func:`~reference_impl.regions.block_region`).  ``copy``: each local tensor a
+    detached CPU copy (a block copied once)."""
+    from reference_impl.regions import block_region
+    from reference_impl.regions import local_region as reference_local_region
+
+    for entry in entries:
+        if isinstance(entry, ExpertBlock):
+            local, first, region = block_region(entry.tensor, entry.first, where=f"{entry.name!r} of layer "
+                                                                                 f"{entry.layer}")
+            yield HeldBlock(entry.layer, first, entry.name, local.detach().cpu().clone() if copy else local, region)
+            continue
+        layer, expert, name, tensor = entry
+        local, region = reference_local_region(tensor)
+        yield HeldTensor(layer, expert, name, local.detach().cpu().clone() if copy else local, region)
+
+
+def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor]:
+    """:func:`held_blocks` a row each: a block's rows are views of its one (copied) local tensor."""
+    for held in held_blocks(entries, copy):
+        if isinstance(held, HeldBlock):
+            for i in range(held.local.shape[0]):
+                yield HeldTensor(held.layer, held.first + i, held.name, held.local[i], held.region)
+        else:
+            yield held

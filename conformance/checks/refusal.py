@@ -11,22 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import Built
 from conformance.checks.blame import load_errors, one_line
 from conformance.checks.verdict import RankVerdict
+from conformance.members import Built
 
 
 def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: RankVerdict) -> bool:
     """Try to load the legacy checkpoint at ``path``; ``True`` only when it loaded (not refused: the values
     show the damage), with ``verdict.refused`` or ``verdict.not_refused`` saying which."""
     members = adapter.members
-    if members.check_saved:
+    if members.has("check_saved"):
         try:
             adapter.check_saved(b.model, path)
         except load_errors() as exc:  # the framework's own guard refused before loading: that is the point
             verdict.refused = f"refused by check_saved: {one_line(exc)}"
             return False
-    refusals = members.refusal_errors
+    refusals = members.value("refusal_errors")
     try:
         adapter.load(b.model, optimizer, path, **b.extra)
     except load_errors() as exc:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import FORWARD_OUTPUT, Built, NotApplicable
+from conformance.adapter import FORWARD_OUTPUT, NotApplicable
 from conformance.checks.truth import (
     SEED_A,
     Truth,
@@ -35,6 +35,7 @@ from conformance.checks.truth import (
 from conformance.checks.values import Held, canonical, compare
 from conformance.checks.verdict import Mismatch, RankVerdict
 from conformance.inspection.keys import field_of
+from conformance.members import Built
 from conformance.scalars import all_scalars
 
 
@@ -119,7 +120,7 @@ def forward_problems(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 
 def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
     """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
-    if not adapter.members.forward or truth.output is None:
+    if not adapter.members.has("forward") or truth.output is None:
         verdict.skipped["forward"] = truth.output_not_applicable or "the adapter has no forward(model, batch)"
         return
     try:
@@ -136,7 +137,7 @@ def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Tr
     """One more step (a collective under FSDP2), then every tensor against the truth's next state."""
     if optimizer is None:
         return
-    if not adapter.members.step or truth.next_state is None:
+    if not adapter.members.has("step") or truth.next_state is None:
         verdict.skipped["resume"] = "the adapter has no step(model, optimizer, seed, step)"
         return
     adapter.step(b.model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)

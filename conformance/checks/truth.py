@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import FORWARD_OUTPUT, AdapterError, NotApplicable, Spec, built
+from conformance.adapter import FORWARD_OUTPUT, AdapterError, NotApplicable, Spec
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
+from conformance.members import built
 from conformance.rounding import ROUNDING_ULPS
 from conformance.scalars import all_scalars
 from conformance.synthetic import synthetic_batch
@@ -112,11 +113,12 @@ def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
     truth = Truth(canonical(adapter, model, optimizer, rank).tensors())
     if optimizer is not None:
         truth.scalars = all_scalars(adapter, b, optimizer)
-    if optimizer is not None and adapter.members.step:
+    if optimizer is not None and adapter.members.has("step"):
         adapter.step(model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
         truth.next_state = canonical(adapter, model, optimizer, rank).tensors()
         truth.next_scalars = all_scalars(adapter, b, optimizer)
-    if adapter.members.forward:  # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
+    # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
+    if adapter.members.has("forward"):
         try:
             truth.output = forward_outputs(adapter.forward(model, batch_for(spec)), type(adapter).__name__)
         except NotApplicable as exc:

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from conformance.adapter import HeldBlock, held_blocks
-from conformance.checks.held import Held, Region, Rows, settle
+from conformance.checks.held import Held, HeldBlock, Region, Rows, held_blocks, settle
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 

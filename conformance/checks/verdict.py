@@ -21,11 +21,16 @@ CHECKS = {
     "refusal": "a lossy legacy checkpoint is refused",
     "setup": "the experiment itself is sound",
 }
+#: the checks a passing cell lists as run ("checks: ..."), in that order: the promises a green cell kept.
+LISTED = ("checkpoint", "values", "missing", "scalars", "resume", "forward")
 #: mismatches a rank keeps (the record holds them all; the terminal shows a few): a bound against a pathological
 #: model, far above any cell's tensor count (E=256 x 2 layers x 3 weights x 3 with moments is 4,608).
 KEEP = 100_000
 
-Key = tuple[Any, Any, str]  # (layer, global_expert_id or None, name)
+Key = tuple[Any, Any, str]
+#: the key under which a rank that stopped on an exception sends its verdict through the engine's
+#: structured channel (:data:`pytest_moe_ep.world.protocol.FIELDS_ATTR`).
+VERDICT = "verdict"  # (layer, global_expert_id or None, name)
 
 
 @dataclass
@@ -51,6 +56,25 @@ class Problem:
 
 
 @dataclass
+class RankFailure:
+    """Why this rank's part of a cell stopped, as plain facts: which adapter call raised (``member``;
+    ``None`` when the adapter's or the harness's own code did), where (``raised_in``: ``framework``,
+    ``adapter`` or ``harness``; ``raised_at``: ``path:line in function``) and what kind of stop it was
+    (``kind``: ``layout`` -- the framework did not form the cell's layout; ``save-plan`` -- DCP refused
+    the save's global plan; ``adapter`` -- an :class:`~conformance.adapter.AdapterError`;
+    ``checkpoint`` -- a load that raised on a checkpoint that is not EP-invariant; ``""`` otherwise).
+    The controller's :mod:`conformance.outcome` decides the finding from these, nothing else."""
+
+    phase: str
+    exception: str
+    text: str
+    member: str | None = None
+    raised_in: str = "harness"
+    raised_at: str = ""
+    kind: str = ""
+
+
+@dataclass
 class RankVerdict:
     rank: int
     compared: int = 0
@@ -73,6 +97,10 @@ class RankVerdict:
     #: and the largest such difference in ulps: no finding, but the pass line says so.
     rounded_count: int = 0
     rounded_ulps: float = 0.0
+    #: the checks that ran to their end on this rank, in order (a failing cell lists those that passed).
+    ran: list[str] = field(default_factory=list)
+    #: set when this rank's part of the cell stopped on an exception.
+    failure: RankFailure | None = None
 
     def rounded(self, ulps: float) -> None:
         self.rounded_count += 1
@@ -85,3 +113,8 @@ class RankVerdict:
 
     def problem(self, check: str, text: str) -> None:
         self.problems.append(Problem(check, text))
+
+    def done(self, check: str) -> None:
+        """``check`` ran to its end on this rank (whatever it found)."""
+        if check not in self.ran:
+            self.ran.append(check)
