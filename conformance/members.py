@@ -195,13 +195,13 @@ class Built(NamedTuple):
 
     model: Any
     optimizer: Any
-    state: Mapping[str, Any] | None = None
+    training_state: Mapping[str, Any] | None = None
 
     @property
     def extra(self) -> dict[str, Any]:
         """The keyword arguments ``save``/``load``/``step``/``scalars`` of this model get: ``state=``
-        if any."""
-        return {} if self.state is None else {"state": self.state}
+        (the contract's name for the training state) if any."""
+        return {} if self.training_state is None else {"state": self.training_state}
 
 
 def built(result: Any, where: str = "build") -> Built:

@@ -105,7 +105,7 @@ def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
     (:class:`~conformance.adapter.Built`); ``None`` when there are neither.  ``adapter`` is the cell's (its
     ``members`` resolved by the controller)."""
     found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.has("scalars") else None
-    extra = state_scalars(b.state)
+    extra = state_scalars(b.training_state)
     if extra:
         found = {**(found or {}), **extra}
     return found

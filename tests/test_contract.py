@@ -137,7 +137,7 @@ def test_training_state_scalars_and_build_results() -> None:
     found = state_scalars({"scheduler": sched, "train": {"tokens": 5, "blob": torch.zeros(100)}})
     assert found["state.scheduler.last_epoch"] == 0 and found["state.scheduler.base_lrs"] == [0.1]
     assert found["state.train.tokens"] == 5 and "state.train.blob" not in found
-    assert built((1, None)).state is None and built((1, None, {"s": 1})).extra == {"state": {"s": 1}}
+    assert built((1, None)).training_state is None and built((1, None, {"s": 1})).extra == {"state": {"s": 1}}
     with pytest.raises(AdapterError, match="expected \\(model, optimizer\\) or"):
         built([1, 2])
     with pytest.raises(AdapterError, match="mapping"):

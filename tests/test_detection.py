@@ -246,7 +246,7 @@ def test_the_global_rank_as_ep_rank_under_expert_tp_is_a_layout_error(pytester: 
 
 def test_a_replica_missing_an_etp_shard_is_named() -> None:
     """No world needed: the ``missing`` check's coverage of one replica's regions names the absent etp shard."""
-    from conformance.checks.completeness import _gap
+    from conformance.checks.missing import _gap
 
     assert _gap((64, 32), [((0, 32), (0, 32)), ((0, 32), (0, 32))], 2) == "axis 0 rows 32..63 of 64: the expert-TP " \
         "shard 1 of 2"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conformance.adapter import AdapterError, forward_with_layers
-from conformance.checks.resume import forward_problems
+from conformance.checks.forward import forward_problems
 from conformance.checks.truth import forward_outputs
 
 

@@ -93,12 +93,12 @@ def test_the_saved_state_assembles_blocks_as_it_did_their_rows() -> None:
     got = saved.assemble([saved.pack(r) for r in ranks], truth, "ep=2")
     rows = saved.assemble([saved.pack(dict(r.items())) for r in ranks], truth, "ep=2")  # the per-row way
     assert [(r, k) for r, k, _ in got.conflicts] == [(2, (0, 4, "up"))] == [(r, k) for r, k, _ in rows.conflicts]
-    assert set(got.state) == set(rows.state) == set(truth) and not got.holder  # rows held by spans, not per row
+    assert set(got.tensors) == set(rows.tensors) == set(truth) and not got.holder  # rows held by spans, not per row
     assert {k: got.holder_of(k) for k in truth} == {k: rows.holder_of(k) for k in truth} == {
         (0, e, "up"): 0 if e < 3 else 1 for e in range(6)}
-    assert all(torch.equal(got.state[k], rows.state[k]) for k in truth) and len(got.state.blocks()) == 1
+    assert all(torch.equal(got.tensors[k], rows.tensors[k]) for k in truth) and len(got.tensors.blocks()) == 1
     partial = saved.assemble([saved.pack(rank(0, 2)), saved.pack(rank(4, 6))], truth, "ep=2")
-    assert sorted(partial.state) == [(0, e, "up") for e in (0, 1, 4, 5)]  # rows no rank held are no reference
+    assert sorted(partial.tensors) == [(0, e, "up") for e in (0, 1, 4, 5)]  # rows no rank held are no reference
 
 
 @pytest.mark.moe_ep_world(WORLD)
@@ -140,9 +140,10 @@ def test_gather_sends_each_distinct_rank_state_once_and_puts_together_what_all_r
     dist.all_gather_object(everyone, saved.pack(per_row))
     want = saved.assemble(everyone, truth, case)
     for found in (got, in_one):
-        assert set(found.state) == set(want.state)
-        assert {k: found.holder_of(k) for k in want.state} == {k: want.holder_of(k) for k in want.state}
-        assert found.conflicts == want.conflicts and all(torch.equal(found.state[k], want.state[k]) for k in want.state)
+        assert set(found.tensors) == set(want.tensors)
+        assert {k: found.holder_of(k) for k in want.tensors} == {k: want.holder_of(k) for k in want.tensors}
+        assert found.conflicts == want.conflicts
+        assert all(torch.equal(found.tensors[k], want.tensors[k]) for k in want.tensors)
     digests = [saved.digest(p) for p in everyone]
     sends: list[Any] = [None] * WORLD
     dist.all_gather_object(sends, sent)
@@ -162,8 +163,8 @@ def test_the_replica_check_over_blocks_finds_what_a_row_by_row_check_finds(seed:
     of every row on its own names."""
     import random
 
-    from conformance.checks.completeness import _gap, _held, _lacking, _truth_pieces
     from conformance.checks.held import State
+    from conformance.checks.missing import _gap, _held, _lacking, _truth_pieces
 
     rng = random.Random(seed)
     experts, shape = 12, (4, 6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.checks.resume import _scalar_lines
+from conformance.checks.scalars import scalar_lines
 from conformance.inspection import compare_indexes, index_state_dict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 from conformance.scalars import state_scalars
@@ -71,21 +71,21 @@ def test_a_scheduler_re_keyed_under_ep_is_no_missing_scalar() -> None:
     truth = {"state.scheduler.last_epoch": 3, "state.scheduler.base_lrs": [0.1], "step": [3.0]}
     under_ep = {"state.scheduler.experts.last_epoch": 3, "state.scheduler.rest.last_epoch": 3,
                 "state.scheduler.experts.base_lrs": [0.1], "state.scheduler.rest.base_lrs": [0.1], "step": [3.0]}
-    assert _scalar_lines(under_ep, truth, "after the load") == []
+    assert scalar_lines(under_ep, truth, "after the load") == []
     wrong = {**under_ep, "state.scheduler.rest.last_epoch": 4}
-    (line,) = _scalar_lines(wrong, truth, "after the load")
+    (line,) = scalar_lines(wrong, truth, "after the load")
     assert line.startswith("optimizer scalar 'state.scheduler.last_epoch' is re-keyed after the load as "
                            "'state.scheduler.experts.last_epoch' and 1 more: values 3, 4, expected 3"), line
     grown = {"state.scheduler.rest.last_epoch": 3, "state.scheduler.experts.last_epoch": 3}
-    assert _scalar_lines(grown, {"state.scheduler.rest.last_epoch": 3}, "after the load") == []
-    assert _scalar_lines({**grown, "state.scheduler.experts.last_epoch": 5}, {"state.scheduler.rest.last_epoch": 3},
+    assert scalar_lines(grown, {"state.scheduler.rest.last_epoch": 3}, "after the load") == []
+    assert scalar_lines({**grown, "state.scheduler.experts.last_epoch": 5}, {"state.scheduler.rest.last_epoch": 3},
                          "after the load") == ["optimizer scalar 'state.scheduler.experts.last_epoch' = 5 after the "
                                                "load is not in the ground truth"]
     lost_group = {"param_groups.0.lr": 0.1}
-    assert _scalar_lines(lost_group, {"param_groups.0.lr": 0.1, "param_groups.1.lr": 0.1}, "after the load") == [
+    assert scalar_lines(lost_group, {"param_groups.0.lr": 0.1, "param_groups.1.lr": 0.1}, "after the load") == [
         "optimizer scalar 'param_groups.1.lr' is missing after the load (expected 0.1)"]
     gone = {k: v for k, v in under_ep.items() if "last_epoch" not in k}
-    assert _scalar_lines(gone, truth, "after the load") == [
+    assert scalar_lines(gone, truth, "after the load") == [
         "optimizer scalar 'state.scheduler.last_epoch' is missing after the load (expected 3)"]
 
 
@@ -179,14 +179,14 @@ def test_regions_that_meet_must_agree_where_they_meet_and_cover_the_tensor_to_co
 
     left, right, middle = (slice(0, 4), slice(0, 3)), (slice(0, 4), slice(3, 6)), (slice(1, 3), slice(2, 5))
     whole = assemble([pack(r) for r in held(left, right, middle, left)], truth, "etp=2")
-    assert torch.equal(whole.state[key], w) and not whole.conflicts  # replicas and a partial overlap that agree
+    assert torch.equal(whole.tensors[key], w) and not whole.conflicts  # replicas and a partial overlap that agree
     ranks = held(left, middle, right)
     ranks[1][key][0][0, 0] += 1.0  # rank 1's element at (1, 2) disagrees with rank 0's, where their regions meet
     named = assemble([pack(r) for r in ranks], truth, "etp=2")
     assert [(r, k) for r, k, _ in named.conflicts] == [(1, key)] and named.holder[key] == 0
-    assert key not in assemble([pack(r) for r in held(left, middle)], truth, "etp=2").state  # not covered
+    assert key not in assemble([pack(r) for r in held(left, middle)], truth, "etp=2").tensors  # not covered
     same = [{key: (w[left].clone(), left)}] * 2 + [{key: (w[right].clone(), right)}]
-    assert torch.equal(assemble([pack(r) for r in same], truth, "etp=2").state[key], w)  # an equal replica rank
+    assert torch.equal(assemble([pack(r) for r in same], truth, "etp=2").tensors[key], w)  # an equal replica rank
 
 
 def test_the_saved_state_is_put_together_and_replicas_that_disagree_are_named() -> None:
@@ -201,11 +201,11 @@ def test_the_saved_state_is_put_together_and_replicas_that_disagree_are_named() 
              (0, 1, "up"): (truth[(0, 1, "up")].clone(), None), norm: (truth[norm].clone(), None)} for r in range(2)]
     rank[1][(0, 1, "up")][0][0, 0] += 1.0  # rank 1's replica of expert 1 disagrees with rank 0's
     saved = assemble([pack(r) for r in rank], truth, "ep=2")
-    assert set(saved.state) == set(truth) and torch.equal(saved.state[(0, 0, "up")], truth[(0, 0, "up")])
+    assert set(saved.tensors) == set(truth) and torch.equal(saved.tensors[(0, 0, "up")], truth[(0, 0, "up")])
     assert saved.holder[(0, 1, "up")] == 0 and [(r, k) for r, k, _ in saved.conflicts] == [(1, (0, 1, "up"))]
     verdict = RankVerdict(0)
     check_against_truth(saved, truth, verdict)
     (m,) = verdict.mismatches
     assert (m.rank, m.expert, m.name) == (1, 1, "up") and "replicas that disagree" in m.problem
     only_half = assemble([pack({(0, 0, "up"): rank[0][(0, 0, "up")]})], truth, "ep=2")
-    assert (0, 0, "up") not in only_half.state  # half a tensor is no reference: the truth within rounding is
+    assert (0, 0, "up") not in only_half.tensors  # half a tensor is no reference: the truth within rounding is

@@ -1,17 +1,19 @@
-"""What one checkpoint cell checks, on every rank, and the diagnosis when it fails.
+"""What one checkpoint cell checks, on every rank: one module per check, named as the report names it.
 
-One module per promise of the matrix:
+- :mod:`.checkpoint` -- the checkpoint is EP-invariant (with :mod:`conformance.inspection`, which
+  reads checkpoints, and :mod:`.save_plan`, which explains a save DCP refused);
+- :mod:`.layout` -- the framework formed the cell's EP groups and pipeline stages;
+- :mod:`.values` -- every tensor equals what the checkpoint holds after the load (:mod:`.saved`: the
+  save side's tensors), and that the ep=1 ground truth;
+- :mod:`.missing` -- nothing goes missing, per replica group;
+- :mod:`.scalars` -- the optimizer's and the training state's scalars come back;
+- :mod:`.resume` -- the next training step equals uninterrupted training;
+- :mod:`.forward` -- the framework's forward after the load equals the truth's;
+- :mod:`.refusal` -- a legacy (lossy) checkpoint is refused;
 
-- :mod:`.artifact` -- the checkpoint is EP-invariant (``checkpoint``);
-- :mod:`.values` -- every tensor equals the ep=1 ground truth after the load (``values``);
-- :mod:`.completeness` -- nothing goes missing, per replica group (``missing``);
-- :mod:`.resume` -- optimizer scalars, the forward and the next step (``scalars``, ``forward``, ``resume``);
-- :mod:`.layout` -- the framework formed the cell's EP groups (a mismatch is an ``error``);
-- :mod:`.refusal` -- a legacy (lossy) checkpoint is refused (``refusal``);
-- :mod:`.blame` -- a load that raises is blamed on the side the evidence shows wrong;
-
-with :mod:`.truth` (the ground truth, cached per spec), :mod:`.verdict` (what a rank reports) and
-:mod:`.cell` (the experiment that runs them all: :func:`run_cell`).
+with :mod:`.truth` (the ground truth), :mod:`.held` (a rank's tensors as the checks read them),
+:mod:`.blame` (a load that raises is blamed on the side the evidence shows wrong), :mod:`.verdict`
+(what a rank reports) and :mod:`.cell` (the experiment that runs them all: :func:`run_cell`).
 """
 
 from conformance.checks.blame import LoadFailed
@@ -19,4 +21,5 @@ from conformance.checks.cell import CellPlan, run_cell
 from conformance.checks.truth import SEED_A, SEED_B
 from conformance.checks.verdict import CHECKS, Mismatch, Problem, RankVerdict
 
-__all__ = ["CHECKS", "SEED_A", "SEED_B", "CellPlan", "LoadFailed", "Mismatch", "Problem", "RankVerdict", "run_cell"]
+__all__ = ["CHECKS", "SEED_A", "SEED_B", "CellPlan", "LoadFailed", "Mismatch", "Problem", "RankVerdict",
+           "run_cell"]

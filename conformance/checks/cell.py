@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance.adapter import AdapterError, Spec, framework_calls
-from conformance.checks import artifact, completeness, refusal, resume, save_plan, saved
+from conformance.checks import checkpoint, forward, missing, refusal, resume, save_plan, saved
+from conformance.checks import scalars as scalars_check
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
 from conformance.checks.held import settle
 from conformance.checks.layout import LayoutMismatch, check_layout
@@ -117,7 +118,7 @@ def _saved_optimizer(adapter: Any, b: Built, optim: bool) -> Any:
 
 
 def _truth_state(adapter: Any, spec: Spec, rank: int) -> Any:
-    return lambda: ground_truth(adapter, spec, rank).state
+    return lambda: ground_truth(adapter, spec, rank).tensors
 
 
 def _save_truth(adapter: Any, spec: Spec, optim: bool, plan: CellPlan, rank: int) -> tuple[str, ...]:
@@ -133,8 +134,8 @@ def _save_truth(adapter: Any, spec: Spec, optim: bool, plan: CellPlan, rank: int
     dist.barrier()
     found: list[Any] = [()]
     if rank == 0:
-        declared = artifact.declared_patterns(adapter, plan.expert_keys)
-        found[0] = tuple(artifact.truth_findings(adapter, plan.truth_path, ground_truth(adapter, spec, rank).state,
+        declared = checkpoint.declared_patterns(adapter, plan.expert_keys)
+        found[0] = tuple(checkpoint.truth_findings(adapter, plan.truth_path, ground_truth(adapter, spec, rank).tensors,
                                                  declared))
     dist.broadcast_object_list(found, src=0)
     return tuple(found[0])
@@ -150,7 +151,8 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts, "save",
                  spec.num_layers)
     if not cell.legacy:  # what the checkpoint will hold, on every rank: the reference a load must give back
-        truth = ground_truth(adapter, spec, dist.get_rank()).state  # first: its build (once a spec) runs the framework
+        # first: its build (once a spec) runs the framework
+        truth = ground_truth(adapter, spec, dist.get_rank()).tensors
         # not copied: gather packs it into buffers of its own before the framework runs again
         held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict, copy=False)
         saved.keep(plan.path, saved.gather(held, truth, cell.save.describe()))
@@ -171,16 +173,16 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan, verdict: RankVer
     found: list[Any] = [()]
     if dist.get_rank() == 0 and plan.truth_path and not cell.legacy:
         t2 = time.perf_counter()
-        known = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, 0),
-                                   artifact.declared_patterns(adapter, plan.expert_keys))
-        found[0] = tuple(artifact.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
+        known = checkpoint.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, 0),
+                                   checkpoint.declared_patterns(adapter, plan.expert_keys))
+        found[0] = tuple(checkpoint.checkpoint_findings(adapter, plan.path, plan.truth_path, cell.num_experts,
                                                       known.patterns))
         verdict.timings["inspect"] = time.perf_counter() - t2
     dist.broadcast_object_list(found, src=0)
     return tuple(found[0])
 
 
-def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> artifact.Knowledge:
+def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> checkpoint.Knowledge:
     """What rank 0 knows of the truth checkpoint's expert keys (learned now if this process has not yet), on every
     rank: a load that raises is then read with the same keys everywhere, with no new work while ranks raise."""
     import torch.distributed as dist
@@ -188,11 +190,11 @@ def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> art
     assert plan.truth_path is not None
     sent: list[Any] = [None]
     if rank == 0:
-        sent[0] = artifact.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, rank),
-                                     artifact.declared_patterns(adapter, plan.expert_keys))
+        sent[0] = checkpoint.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, rank),
+                                     checkpoint.declared_patterns(adapter, plan.expert_keys))
     dist.broadcast_object_list(sent, src=0)
     if rank != 0:
-        artifact.remember(plan.truth_path, sent[0])
+        checkpoint.remember(plan.truth_path, sent[0])
     return sent[0]
 
 
@@ -307,8 +309,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     model, optimizer = b.model, b.optimizer if optim else None
     check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load", load_spec.num_layers)
     before = canonical(adapter, model, optimizer, rank, verdict)
-    settled, _, rest = settle(before, truth.state)  # blocks at once; the rest one by one
-    same = {*settled, *(k for k in rest if equal(before[k][0], expected(truth.state, k, before[k][1])))}
+    settled, _, rest = settle(before, truth.tensors)  # blocks at once; the rest one by one
+    same = {*settled, *(k for k in rest if equal(before[k][0], expected(truth.tensors, k, before[k][1])))}
     experts_unchanged = sorted((k for k in same if k[1] is not None), key=repr)
     if before and (experts_unchanged or len(same) == len(before)):
         verdict.problem("setup", f"rank {rank}: the build with seed {SEED_B} already equals the ground truth (seed "
@@ -320,7 +322,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
     if cell.legacy:  # decided by the refusal; a load that succeeded shows its damage in the values
         if refusal.load_legacy(adapter, b, _saved_optimizer(adapter, b, optim), plan.path, verdict):
             verdict.timings["load"] = time.perf_counter() - t3
-            compare(rank, canonical(adapter, model, optimizer, rank, verdict, copy=False), truth.state, before, verdict)
+            got = canonical(adapter, model, optimizer, rank, verdict, copy=False)
+            compare(rank, got, truth.tensors, before, verdict)
         return verdict  # the later checks' collectives may not pair after a lossy load
     evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
     try:
@@ -329,7 +332,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
         raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3
     held = saved.kept(plan.path)
-    saved_truth = ground_truth(adapter, save_spec, rank).state if held is not None and rank == 0 else None
+    saved_truth = ground_truth(adapter, save_spec, rank).tensors if held is not None and rank == 0 else None
     # not copied: read by the checks below before anything (the next step, a truth's build) runs the framework again
     got = canonical(adapter, model, optimizer, rank, verdict, copy=False)
     if held is None:
@@ -338,17 +341,17 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
             "the ep=1 truth within a kernel's rounding")
     elif saved_truth is not None:
         saved.check_against_truth(held, saved_truth, verdict)
-    compare(rank, got, truth.state, before, verdict, held.state if held is not None else None)
+    compare(rank, got, truth.tensors, before, verdict, held.tensors if held is not None else None)
     verdict.done("values")
-    completeness.check_replicas(rank, got, truth.state, cell.load, cell.fsdp, verdict)
+    missing.check_replicas(rank, got, truth.tensors, cell.load, cell.fsdp, verdict)
     verdict.done("missing")
     if optim:
-        resume.check_scalars(adapter, b, optimizer, truth, rank, verdict)
+        scalars_check.check_scalars(adapter, b, optimizer, truth, rank, verdict)
         _done_unless_skipped(verdict, "scalars")
     resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)
     if optim:
         _done_unless_skipped(verdict, "resume")
-    resume.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
+    forward.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
     _done_unless_skipped(verdict, "forward")
     return verdict
 
@@ -371,8 +374,8 @@ class _Evidence:
 
     def failure(self, exc: BaseException, rank: int) -> LoadFailed:
         """No new work here (every rank must raise at once): the expert keys rank 0 learned and sent, if any."""
-        known = artifact.known(self.plan.truth_path) if self.plan.truth_path else None
-        patterns = known.patterns if known is not None else artifact.declared_patterns(self.adapter,
+        known = checkpoint.known(self.plan.truth_path) if self.plan.truth_path else None
+        patterns = known.patterns if known is not None else checkpoint.declared_patterns(self.adapter,
                                                                                        self.plan.expert_keys)
         return load_failed(exc, findings=self.findings, checked=self.checked, layout=self.cell.load,
                            num_experts=self.cell.num_experts, patterns=patterns, rank=rank, adapter=self.adapter)

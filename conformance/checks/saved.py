@@ -35,7 +35,7 @@ class Saved:
 
     layout: str
     #: packed blocks kept whole (:class:`~conformance.checks.held.State`).
-    state: State = field(default_factory=State)
+    tensors: State = field(default_factory=State)
     #: the lowest rank that held a part of each single key (the rank a difference is named by); of expert rows,
     #: :meth:`holder_of` reads ``held_rows``.
     holder: dict[Key, int] = field(default_factory=dict)
@@ -60,7 +60,7 @@ class Saved:
         raise KeyError(key)  # no rank held any of it: not in the saved state either
 
     def nbytes(self) -> int:
-        return self.state.nbytes()
+        return self.tensors.nbytes()
 
 
 #: one entry of a :func:`pack`: ``(key, box, shape, dtype, offset, rows)``; ``rows`` > 0 for a block of that many
@@ -244,10 +244,10 @@ def _place_single(saved: Saved, fill: _Fill, rank: int, key: Key, box: Any, loca
     if want is None:
         return
     if box is None:  # a whole tensor: the first rank's is it, a replica's must agree
-        if key not in saved.state and key not in fill.pieces:
+        if key not in saved.tensors and key not in fill.pieces:
             if tuple(local.shape) == tuple(want.shape):
-                saved.state[key], saved.holder[key] = local, rank
-        elif key in saved.state and not equal(saved.state[key], local):
+                saved.tensors[key], saved.holder[key] = local, rank
+        elif key in saved.tensors and not equal(saved.tensors[key], local):
             saved.disagree(rank, key)
         return
     fill.place(rank, key, box, local, want, None)
@@ -325,13 +325,13 @@ class _Fill:
                     whole[tuple(slice(a, b) for a, b in box)] = local
             if block is None:
                 if _covers(boxes, shape, overlapped):
-                    self.saved.state[name] = whole
+                    self.saved.tensors[name] = whole
             elif _covers(boxes, shape, overlapped):
-                self.saved.state.put_rows(Rows(block.layer, block.first, block.name, whole, None))
+                self.saved.tensors.put_rows(Rows(block.layer, block.first, block.name, whole, None))
             else:
                 for i, covered in enumerate(_covered_rows(boxes, shape)):
                     if covered:
-                        self.saved.state.put((block.layer, block.first + i, block.name), whole[i])
+                        self.saved.tensors.put((block.layer, block.first + i, block.name), whole[i])
 
 
 def _within(meet: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
@@ -392,9 +392,9 @@ def check_against_truth(saved: Saved, truth: Mapping[Key, Any], verdict: RankVer
     """The saved state against the ep=1 truth within rounding; each difference named by the rank that held it."""
     for rank, (layer, expert, name), text in saved.conflicts:
         verdict.add(Mismatch(rank, layer, expert, name, text))
-    _, differ, rest = settle(saved.state, truth)  # blocks equal to the truth's at once; the rest one by one
+    _, differ, rest = settle(saved.tensors, truth)  # blocks equal to the truth's at once; the rest one by one
     for key in sorted([*differ, *rest], key=repr):
-        whole, want = saved.state[key], truth.get(key)
+        whole, want = saved.tensors[key], truth.get(key)
         if want is None or agrees(whole, want, verdict):
             continue
         layer, expert, name = key

@@ -33,13 +33,13 @@ FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
 @dataclass
 class Truth:
     #: whole tensors by ``(layer, expert, name)``, packed blocks kept whole (:class:`~conformance.checks.held.State`).
-    state: Mapping[Key, Any]
+    tensors: Mapping[Key, Any]
     scalars: dict[str, Any] | None = None
     #: the forward on the suite's batch by output name (:func:`forward_outputs`), after the extra step when there is
     #: one (the check runs last).
     output: dict[str, Any] | None = None
     #: after one more optimizer step (``adapter.step``), for the resume check.
-    next_state: Mapping[Key, Any] | None = None
+    next_tensors: Mapping[Key, Any] | None = None
     next_scalars: dict[str, Any] | None = None
     #: why the framework's forward cannot run on the truth (its NotApplicable), when it cannot.
     output_not_applicable: str | None = None
@@ -115,7 +115,7 @@ def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
         truth.scalars = all_scalars(adapter, b, optimizer)
     if optimizer is not None and adapter.members.has("step"):
         adapter.step(model, optimizer, SEED_A, spec.optimizer_steps, **b.extra)
-        truth.next_state = canonical(adapter, model, optimizer, rank).tensors()
+        truth.next_tensors = canonical(adapter, model, optimizer, rank).tensors()
         truth.next_scalars = all_scalars(adapter, b, optimizer)
     # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
     if adapter.members.has("forward"):

@@ -1,4 +1,4 @@
-"""Nothing goes missing: every name the ground truth holds is held after the load, per replica group.
+"""The `missing` check: every name the ground truth holds is held after the load, per replica group.
 
 A *replica group* is a set of ranks that together hold one whole copy of the model (its EP ranks,
 times its expert-tensor-parallel and, under FSDP2, its dp_shard ranks: see

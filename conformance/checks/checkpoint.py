@@ -1,4 +1,4 @@
-"""The checkpoint itself is EP-invariant: saved at any layout, it holds what the ep=1 save holds.
+"""The `checkpoint` check: the checkpoint itself is EP-invariant, holding what the ep=1 save holds.
 
 Two questions, both answered by :mod:`conformance.inspection` (the same code ``python -m
 conformance.inspect`` runs on real checkpoints):

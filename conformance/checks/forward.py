@@ -1,0 +1,72 @@
+"""The ``forward`` check: the framework's own forward after the load equals the ground truth's.
+
+On the suite's batch, each named output (the model's, and each MoE layer's own where the adapter
+gives them) within a tolerance of its own scale (:func:`~conformance.checks.truth.forward_tolerance`:
+EP sums the experts' parts in another order).  Without ``forward`` the check is skipped with the
+reason; a ``forward`` that raises :class:`~conformance.adapter.NotApplicable` skips it with the
+adapter's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.adapter import FORWARD_OUTPUT, NotApplicable
+from conformance.checks.truth import (
+    Truth,
+    batch_for,
+    forward_outputs,
+    forward_rtol_atol,
+    forward_tolerance,
+)
+from conformance.checks.verdict import RankVerdict
+
+
+def _outside(name: str, got: Any, want: Any) -> str:
+    """Why output ``name`` leaves the tolerance ("" when it does not): its worst element, expected vs got."""
+    import torch
+
+    where = "" if name == FORWARD_OUTPUT else f" in output {name!r}"
+    if got.shape != want.shape:
+        return f"the forward{where} gives shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    tolerance = forward_tolerance(want).flatten()
+    rtol, atol = forward_rtol_atol(want.dtype)
+    diff = (got.double() - want.double()).abs().flatten()
+    outside = ~(diff <= tolerance)  # NaN is outside
+    if not outside.any():
+        return ""
+    worst = int(torch.where(outside, diff.nan_to_num(float("inf")), -1.0).argmax())  # the largest |diff| outside
+    element = [int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)]
+    expected, found = want.flatten()[worst].item(), got.flatten()[worst].item()
+    return (f"the forward after the load differs from the ground truth's{where}: element {element} expected "
+            f"{expected:.7g}, got {found:.7g} (|diff| {diff[worst].item():.3g}"
+            f" > tolerance {tolerance[worst].item():.3g} = rtol {rtol:g} x |expected| + atol {atol:g}"
+            f" x max|expected| {want.double().abs().max().item():.3g}; {int(outside.sum())} of {outside.numel()} "
+            "elements outside)")
+
+
+def forward_problems(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """Where the forward's outputs (by name, :func:`~conformance.checks.truth.forward_outputs`) leave the tolerance
+    (:func:`~conformance.checks.truth.forward_tolerance`): one line, the first such output in detail and the names
+    of any others; empty when all match."""
+    if list(got) != list(want):
+        return [f"the forward gives outputs {list(got)}, expected {list(want)}"]
+    found = [(name, line) for name in got if (line := _outside(name, got[name], want[name]))]
+    if not found:
+        return []
+    others = f"; also outside: {', '.join(repr(name) for name, _ in found[1:])}" if len(found) > 1 else ""
+    return [found[0][1] + others]
+
+
+def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+    """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
+    if not adapter.members.has("forward") or truth.output is None:
+        verdict.skipped["forward"] = truth.output_not_applicable or "the adapter has no forward(model, batch)"
+        return
+    try:
+        result = adapter.forward(model, batch_for(spec))
+    except NotApplicable as exc:
+        verdict.skipped["forward"] = f"the framework's forward cannot run in this cell: {exc}"
+        return
+    for line in forward_problems(forward_outputs(result, type(adapter).__name__), truth.output):
+        verdict.problem("forward", f"rank {rank}: {line}")
