@@ -204,10 +204,22 @@ def error_outcome(error: WorldError, environment: str = "") -> CellOutcome:
     for rank, e in sorted(error.errors.items()):
         if e.message not in errors.values():
             errors[str(rank)] = e.message
-    detail = f"{headline(findings)} {error.cause}"
+    detail = f"{headline(findings)} {_lead(findings, blamed)}{error.cause}"
     if passed:
         detail += f"\nchecks that passed before it: {', '.join(passed)}"
     return CellOutcome("error", detail, findings, problems, errors or None, passed)
+
+
+def _lead(findings: list[str], blamed: list[RankVerdict]) -> str:
+    """What a red cell's first sentence says before the engine's cause, so that it is about the
+    finding it leads with: a cell on-disk whose ranks then stopped for another reason (a build
+    refused, an adapter error) names the checkpoint's first difference first."""
+    if not findings or findings[0] != ON_DISK:
+        return ""
+    if any(v.failure is not None and v.failure.kind == "checkpoint" for v in blamed):
+        return ""  # the load's own message leads with the checkpoint's difference
+    first = next((f for v in blamed for f in (*v.truth_findings, *v.findings)), None)
+    return f"the checkpoint is not EP-invariant: {first}; then " if first else ""
 
 
 def _error_problems(error: WorldError, verdicts: dict[int, RankVerdict]) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import shutil
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ class CellPlan:
     truth_findings: tuple[str, ...] = ()
     #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth teaches.
     expert_keys: tuple[str, ...] = ()
+    #: the matrix session's id: a rank that sees a new one drops its world state
+    #: (:meth:`conformance.world_state.WorldState.begin`).
+    session: str = ""
 
 
 def _key(cell: Cell, share: bool) -> tuple[Any, ...]:
@@ -133,6 +137,8 @@ class Saves:
     members: Members | None = None
     #: whether cells get a truth checkpoint: the checkpoint check can read this adapter's checkpoints.
     truths_wanted: bool = field(init=False, default=True)
+    #: this session's id, sent with every plan.
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
         self.truths_wanted = not (self.members or members_of(self.adapter)).unreadable()
@@ -154,7 +160,8 @@ class Saves:
             truth_path, save_truth = truth.path, not truth.written
         truth_findings = self.truths[truth_key(cell)].findings if truth_path else ()
         return CellPlan(entry.path, save=not entry.written, truth_path=truth_path, save_truth=save_truth,
-                        findings=entry.findings, truth_findings=truth_findings, expert_keys=expert_keys)
+                        findings=entry.findings, truth_findings=truth_findings, expert_keys=expert_keys,
+                        session=self.session)
 
     def finished(self, cell: Cell, plan: CellPlan, verdict: Any) -> None:
         """After the cell's world call: ``verdict`` is rank 0's, ``None`` when the call failed."""

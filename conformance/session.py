@@ -141,6 +141,21 @@ def _report_dir(given: str | None) -> Path | None:
     return path
 
 
+def _named(config: pytest.Config) -> list[str]:
+    """Cells named on the command line by node id: taken out of pytest's own arguments (no file holds
+    them; ``>`` in an id cannot be written in ``-k``) and selected at collection."""
+    named = [arg for arg in config.args if arg == MATRIX or arg.startswith(f"{MATRIX}::")]
+    if named:
+        config.args[:] = [arg for arg in config.args if arg not in named]
+    return named
+
+
+def _names(name: str, nodeid: str) -> bool:
+    """Whether the command line's ``name`` selects ``nodeid``: the id itself, or a prefix of it that ends
+    where one of its parts does."""
+    return nodeid == name or nodeid.startswith(f"{name}::")
+
+
 def _expert_keys(config: pytest.Config) -> tuple[str, ...]:
     """``--moe-ep-expert-key`` regexes, each compiled now so a bad one is a usage error before any world starts."""
     from conformance.inspection import pattern
@@ -230,6 +245,8 @@ class MatrixSession:
     selection_sent: bool = False
     #: the expectations (file, tolerated findings, update run), ``None`` without any.
     baseline: Baseline | None = None
+    #: cells named on the command line by node id (or an id's prefix): only those run.
+    named: list[str] = field(default_factory=list)
     #: every matrix item's outcome for expectations (id -> pass or finding), from the test reports.
     outcomes: dict[str, str] = field(default_factory=dict)
     #: what the update run said of the file, for the terminal summary.
@@ -247,7 +264,7 @@ class MatrixSession:
         return cls(config, world_size, _tier(given, world_size), adapter, members,
                    _functions(config.getoption("moe_ep_functions")), _report_dir(config.getoption("moe_ep_report")),
                    experts, expert_keys=_expert_keys(config),
-                   baseline=_baseline(config, adapter, members, world_size, experts))
+                   baseline=_baseline(config, adapter, members, world_size, experts), named=_named(config))
 
     @property
     def interrupted(self) -> list[dict[str, Any]]:
@@ -256,8 +273,11 @@ class MatrixSession:
     # -- collection -------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
     def pytest_ignore_collect(self, collection_path: Path, config: pytest.Config) -> bool | None:
-        """With no test paths on the command line, the matrix is the whole run."""
-        return True if config.args_source != pytest.Config.ArgsSource.ARGS else None
+        """With no test paths on the command line (or only cells' node ids), the matrix is the whole
+        run."""
+        if config.args_source != pytest.Config.ArgsSource.ARGS or (self.named and not config.args):
+            return True
+        return None
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         return f"moe-ep matrix: world_size={self.world_size} experts={','.join(map(str, self.num_experts))}"
@@ -292,11 +312,25 @@ class MatrixSession:
         fcells = functions_cells() if self.functions is not None else []
         cell_items = list(collect_items(collector, context, adapter=self.adapter, cells=cells,
                                         functions=self.functions, functions_cells=fcells))
+        cell_items = self._only_named(cell_items, config)
         # Report the cells as collected, so "collected N items" and -k's counts include them.
         # CollectReport only reads its result list: a list of items is one of items and collectors
         result = cast("list[pytest.Item | pytest.Collector]", cell_items)
         config.hook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, result))
         items.extend(cell_items)
+
+    def _only_named(self, found: list[Any], config: pytest.Config) -> list[Any]:
+        """The cells the command line named by node id (all of them when it named none); a name that
+        selects no cell is a usage error, as pytest's own for a test that does not exist."""
+        if not self.named:
+            return found
+        kept = [item for item in found if any(_names(name, item.nodeid) for name in self.named)]
+        unknown = [name for name in self.named if not any(_names(name, i.nodeid) for i in found)]
+        if unknown:
+            raise _usage(f"no cell of this matrix has the node id {unknown[0]!r} (the ids are listed by "
+                         "--collect-only -q)")
+        config.hook.pytest_deselected(items=[item for item in found if item not in kept])
+        return kept
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """The final selection (after ``-k``): how many cells read each checkpoint."""
@@ -386,14 +420,15 @@ class MatrixSession:
 
     def _expectations_line(self, records: list[dict[str, Any]]) -> str:
         """How the run stood against the expectations: red cells expected, cells not as expected."""
+        from conformance.outcome import expected_line
+
         assert self.baseline is not None
-        red = [r for r in records if r.get("status") in ("fail", "error")]
-        expected = sum(r.get("expectation") in ("met", "tolerated", "updated") for r in red)
+        expected, red = expected_line(records)
         unmet = [r["id"] for r in records if r.get("expectation") == "unmet"]
         source = str(self.baseline.file.path) if self.baseline.file.exists else "no file"
         tolerating = f", tolerating {','.join(self.baseline.tolerate)}" if self.baseline.tolerate else ""
-        line = (f"expectations ({source}{tolerating}): {expected} of {len(red)} red cell(s) expected, {len(unmet)} "
-                "cell(s) not as expected")
+        line = (f"expectations ({source}{tolerating}): {expected} of {red} red cell(s) expected, "
+                f"{len(unmet)} cell(s) not as expected")
         return line + (f"; the first: {unmet[0]}" if unmet else "")
 
     def _update_expectations(self, exitstatus: int) -> None:

@@ -10,9 +10,10 @@ holding the wrong expert is caught and named.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
+
+from conformance.world_state import world_state
 
 __all__ = ["synthetic_batch", "synthetic_grad", "synthetic_grad_rows", "synthetic_tensor", "synthetic_weight"]
 
@@ -36,29 +37,16 @@ def _row_seeds(head: tuple[Any, ...], last: object, experts: Iterable[int]) -> I
         yield g, _seed_of(hashed)
 
 
-#: the draws already made in this process, per (shape, scale, seed): a session builds the same (seed, step, layer,
-#: expert) many times -- every cell's save side, the truth, both kinds -- and at 256 experts a cell asked for
-#: thousands (a hash and a seeded generator each).  Callers get a copy, so none can change an entry.
-_DRAWN: dict[tuple[Any, ...], Any] = {}
-#: 256 MiB of float32 per process, then it starts again: a whole tier at 256 experts draws ~19M elements of
-#: gradients per seed and kind (at 64 MiB it started again within a tier and drew everything twice).
-_DRAWN_MAX_ELEMENTS = 64 << 20
-_drawn_elements = [0]
+#: the draws already made in this process, per (shape, scale, seed) (the world state's): a session
+#: builds the same (seed, step, layer, expert) many times -- every cell's save side, the truth, both
+#: kinds -- and at 256 experts a cell asked for thousands (a hash and a seeded generator each).  Callers
+#: get a copy, so none can change an entry.
+_DRAWN = world_state().store("synthetic draws")
 
 
-def _kept(cached: tuple[Any, ...], numel: int, make: Any) -> Any:
-    """The kept tensor under ``cached``, made by ``make()`` the first time (one larger than the budget not kept)."""
-    found = _DRAWN.get(cached)
-    if found is None:
-        found = make()
-        if numel <= _DRAWN_MAX_ELEMENTS:
-            if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
-                _DRAWN.clear()
-                _ROWS.clear()
-                _drawn_elements[0] = 0
-            _drawn_elements[0] += numel
-            _DRAWN[cached] = found
-    return found
+def _kept(cached: tuple[Any, ...], make: Any) -> Any:
+    """The kept tensor under ``cached``, made by ``make()`` the first time."""
+    return _DRAWN.keep(cached, make)
 
 
 def _generate(shape: tuple[int, ...], scale: float, seed: int) -> Any:
@@ -70,7 +58,7 @@ def _generate(shape: tuple[int, ...], scale: float, seed: int) -> Any:
 
 def _draw(shape: tuple[int, ...], scale: float, seed: int) -> Any:
     # keyed by the seed itself: what decides the draw (1 and True differ there)
-    return _kept((shape, scale, seed), math.prod(shape), lambda: _generate(shape, scale, seed))
+    return _kept((shape, scale, seed), lambda: _generate(shape, scale, seed))
 
 
 def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
@@ -108,11 +96,11 @@ def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range,
     return found.clone() if dtype is None else found.to(dtype, copy=True)
 
 
-#: the expert rows drawn so far, per (shape, family): row ``g`` is expert ``g``'s draw (seeded by the family's key
-#: with ``g`` before its last part), ``drawn[g]`` whether it has been.  One array a family: a rank asks for the same
-#: experts under many ranges (the truth's all, ep=2's halves, ep=4's quarters, a kind's single experts), and each
-#: row is drawn once whatever the ranges were (a draw is ~10 us; 256 experts' rows, thousands a cell).
-_ROWS: dict[tuple[Any, ...], tuple[Any, bytearray]] = {}
+#: the expert rows drawn so far, per (shape, family) (the world state's): row ``g`` is expert ``g``'s
+#: draw (seeded by the family's key with ``g`` before its last part), ``drawn[g]`` whether it has been.
+#: One array a family: a rank asks for the same experts under many ranges (the truth's all, ep=2's
+#: halves, ep=4's quarters, a kind's single experts), and each row is drawn once whatever the ranges.
+_ROWS = world_state().store("synthetic expert rows")
 
 
 def _expert_rows(shape: tuple[int, ...], family: tuple[Any, ...], experts: range) -> Any:
@@ -120,21 +108,14 @@ def _expert_rows(shape: tuple[int, ...], family: tuple[Any, ...], experts: range
     import torch
 
     key = (shape, family)
-    data, drawn = _ROWS.get(key, (None, bytearray()))
+    data, drawn = _ROWS.get(key) or (None, bytearray())
     if data is None or data.shape[0] < experts.stop:
         size = max(experts.stop, 0 if data is None else int(data.shape[0]))
         grown = torch.empty((size, *shape), dtype=torch.float32)
         if data is not None:
             grown[:data.shape[0]] = data
-        numel = grown.numel() - (0 if data is None else data.numel())
-        if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
-            _DRAWN.clear()
-            _ROWS.clear()
-            _drawn_elements[0] = grown.numel()
-        else:
-            _drawn_elements[0] += numel
         data, drawn = grown, drawn + bytearray(size - len(drawn))
-        _ROWS[key] = (data, drawn)
+        _ROWS.put(key, (data, drawn), grown.element_size() * grown.numel())
     first = drawn.find(0, experts.start, experts.stop)  # -1: every row asked for was drawn before
     if first >= 0:
         *head, last = family

@@ -21,7 +21,6 @@ with :mod:`reference_impl.collectives`.  :func:`named_modules`, :func:`named_par
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference_impl.collectives import CopyToGroup, ReduceOverGroup
+from reference_impl.memo import Memo
 
 __all__ = [
     "PACKED_WEIGHTS",
@@ -86,25 +86,17 @@ def _normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, *key: object
     return (torch.randn(shape, generator=generator) * std).to(dtype)
 
 
-#: ``_fill``'s draws, per (shape, std, key): a session builds the same model (seed, layer, expert) for many cells
-#: and both kinds, and at 64-256 experts drawing each expert's weights again was most of a build.  Entries are
-#: never handed out (``_fill`` copies from them), so no caller can change one.
-_DRAWN: dict[tuple[Any, ...], torch.Tensor] = {}
-_DRAWN_MAX_ELEMENTS = 16 << 20  # 64 MiB of float32 per process, then it starts again
-_drawn_elements = [0]
+#: ``_fill``'s draws, per (shape, std, key): a session builds the same model (seed, layer, expert) for
+#: many cells and both kinds, and at 64-256 experts drawing each expert's weights again was most of a
+#: build.  Entries are never handed out (``_fill`` copies from them), so no caller can change one.
+#: 64 MiB of float32 per process, then it starts again.
+_DRAWN = Memo("weight draws", 16 << 20, size=lambda t: t.numel())
 
 
 def _drawn(shape: tuple[int, ...], std: float, key: tuple[object, ...], draw: Any) -> torch.Tensor:
-    """The kept draw of ``(shape, std, key)``, made by ``draw()`` the first time (never handed out to change)."""
+    """The kept draw of ``(shape, std, key)``, made by ``draw()`` the first time (never handed out)."""
     found = _DRAWN.get((shape, std, key))
-    if found is None:
-        numel = math.prod(shape)
-        if _drawn_elements[0] + numel > _DRAWN_MAX_ELEMENTS:
-            _DRAWN.clear()
-            _drawn_elements[0] = 0
-        _drawn_elements[0] += numel
-        found = _DRAWN[(shape, std, key)] = draw()
-    return found
+    return _DRAWN.put((shape, std, key), draw()) if found is None else found
 
 
 def _fill(param: torch.Tensor, std: float, *key: object, mean: float = 0.0) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from reference_impl.memo import Memo
 from reference_impl.meshes import sliced
 from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
 
@@ -46,7 +47,7 @@ class RegionError(ValueError):
 
 #: ``compute_local_shape_and_global_offset`` by (global shape, mesh, placements): its Python walk over the placements
 #: cost more than the rest of a walk of the model, which the checks take several times a cell.
-_PLACED: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+_PLACED = Memo("placements", 4096)
 
 
 def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
@@ -70,9 +71,8 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | Non
     key = (t.shape, t.device_mesh, tuple(t.placements))
     placed = _PLACED.get(key)
     if placed is None:  # a pure function of the key on this rank (its coordinates are fixed): taken once
-        if len(_PLACED) >= 4096:
-            _PLACED.clear()
-        placed = _PLACED[key] = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        placed = _PLACED.put(key, compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                        t.placements))
     shape, offset = placed
     if tuple(shape) != tuple(local.shape):
         raise RegionError(tuple(local.shape), tuple(shape), tuple(offset), tuple(t.placements), t.device_mesh)

@@ -36,6 +36,7 @@ from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
 from conformance.members import Built, Members, built
 from conformance.saves import CellPlan
+from conformance.world_state import world_state
 from pytest_moe_ep.text import first_line
 from pytest_moe_ep.world.protocol import FIELDS_ATTR, StructuredError, error_fields
 
@@ -208,6 +209,7 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
     import torch.distributed as dist
 
     started = time.perf_counter()
+    world_state().begin(plan.session)
     verdict = RankVerdict(dist.get_rank())
     timed = _Timed(adapter, verdict.timings, members)
     try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from conformance.rounding import ROUNDING_ULPS
+from conformance.world_state import world_state
 
 if TYPE_CHECKING:
     from conformance.inspection import KeyPattern
@@ -61,26 +62,31 @@ class Knowledge:
     note: str = ""
 
 
-#: per truth checkpoint path, in the rank-0 process that inspects (cells reuse what the first one learned).
-_KNOWLEDGE: dict[str, Knowledge] = {}
+#: per truth checkpoint path (the world state's): cells reuse what the first one learned.
+_KNOWLEDGE = world_state().store("expert keys learned")
 
 
 def known(truth_path: str) -> Knowledge | None:
     """What this process already knows of ``truth_path`` (rank 0 learned it; the others were sent it)."""
-    return _KNOWLEDGE.get(truth_path)
+    found = _KNOWLEDGE.get(truth_path)
+    return found if isinstance(found, Knowledge) else None
 
 
 def remember(truth_path: str, found: Knowledge) -> None:
     """Keep what rank 0 learned, on a rank that did not learn it itself."""
-    _KNOWLEDGE[truth_path] = found
+    _KNOWLEDGE.put(truth_path, found)
 
 
 def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[Any, Any]],
               declared: tuple[KeyPattern, ...] = ()) -> Knowledge:
-    """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground truth's tensors."""
-    if truth_path not in _KNOWLEDGE:
+    """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground truth's
+    tensors."""
+    found = known(truth_path)
+    if found is None:
         _learn(adapter, truth_path, truth_state(), declared)
-    return _KNOWLEDGE[truth_path]
+        found = known(truth_path)
+        assert found is not None, "_learn keeps what it learned"
+    return found
 
 
 def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tuple[KeyPattern, ...]) -> list[str]:
@@ -106,9 +112,7 @@ def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tu
                     "matched (a fused or transposed form?): the checkpoints were compared key by key and value by "
                     "value without expert attribution; name the expert keys with the adapter's expert_keys or "
                     "--moe-ep-expert-key for findings in expert terms")
-    _KNOWLEDGE[truth_path] = Knowledge(patterns, note)
-    if len(_KNOWLEDGE) > 64:
-        _KNOWLEDGE.pop(next(iter(_KNOWLEDGE)))
+    _KNOWLEDGE.put(truth_path, Knowledge(patterns, note))
     return found
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from conformance.checks.held import Held, Rows, State, box_of, settle
 from conformance.checks.values import agrees, diagnose, equal
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
+from conformance.world_state import world_state
 
 
 @dataclass
@@ -372,20 +373,17 @@ def _covers(boxes: list[tuple[tuple[int, int], ...]], shape: tuple[int, ...], ov
     return bool(mask.all())
 
 
-#: per checkpoint path, in each rank process: what its save held (bounded; a miss falls back to the truth).
-_KEPT: dict[str, Saved] = {}
-KEEP_BYTES = 1 << 30
+#: what each checkpoint's save held, per path (the world state's: a miss falls back to the truth).
+_KEPT = world_state().store("saved tensors")
 
 
 def keep(path: str, saved: Saved) -> None:
-    _KEPT.pop(path, None)
-    _KEPT[path] = saved
-    while len(_KEPT) > 1 and sum(s.nbytes() for s in _KEPT.values()) > KEEP_BYTES:
-        _KEPT.pop(next(iter(_KEPT)))
+    _KEPT.put(path, saved)
 
 
 def kept(path: str) -> Saved | None:
-    return _KEPT.get(path)
+    found = _KEPT.get(path)
+    return found if isinstance(found, Saved) else None
 
 
 def check_against_truth(saved: Saved, truth: Mapping[Key, Any], verdict: RankVerdict) -> None:

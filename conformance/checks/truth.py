@@ -19,6 +19,7 @@ from conformance.members import built
 from conformance.rounding import ROUNDING_ULPS
 from conformance.scalars import all_scalars
 from conformance.synthetic import synthetic_batch
+from conformance.world_state import nbytes, world_state
 
 SEED_A = 1234
 SEED_B = 5678
@@ -43,6 +44,16 @@ class Truth:
     next_scalars: dict[str, Any] | None = None
     #: why the framework's forward cannot run on the truth (its NotApplicable), when it cannot.
     output_not_applicable: str | None = None
+
+    def nbytes(self) -> int:
+        """What this truth holds, for the world state's budget."""
+        found = _held_bytes(self.tensors) + _held_bytes(self.next_tensors or {})
+        return found + _held_bytes(self.output or {})
+
+
+def _held_bytes(tensors: Mapping[Any, Any]) -> int:
+    told = getattr(tensors, "nbytes", None)
+    return int(told()) if callable(told) else sum(nbytes(t) for t in tensors.values())
 
 
 def truth_spec(spec: Spec) -> Spec:
@@ -91,19 +102,16 @@ def forward_tolerance(want: Any) -> Any:
     return rtol * want + atol * scale
 
 
-_TRUTHS: dict[tuple[Any, ...], Truth] = {}
+#: the ground truths this process built, per adapter class, version and spec (the world state's).
+_TRUTHS = world_state().store("ground truths")
 
 
 def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
-    """The ep=1 build with seed A, on this rank alone (no communication); cached per adapter class, version and
-    spec.  ``adapter`` is the cell's (its ``members`` resolved by the controller)."""
+    """The ep=1 build with seed A, on this rank alone (no communication), kept per adapter class,
+    version and spec.  ``adapter`` is the cell's (its ``members`` resolved by the controller)."""
     spec = truth_spec(spec)
-    key = (adapter.members.of, str(adapter.version), spec)
-    if key not in _TRUTHS:
-        if len(_TRUTHS) >= 32:
-            _TRUTHS.clear()
-        _TRUTHS[key] = _build(adapter, spec, rank)
-    return _TRUTHS[key]
+    return _TRUTHS.keep((adapter.members.of, str(adapter.version), spec),
+                        lambda: _build(adapter, spec, rank))
 
 
 def _build(adapter: Any, spec: Spec, rank: int) -> Truth:

@@ -21,6 +21,7 @@ from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys, field_of
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
+from conformance.world_state import world_state
 from pytest_moe_ep.text import shorten
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
@@ -276,8 +277,9 @@ WHOLE_ONLY: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "dense")
 
 #: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth checkpoint is
 #: compared with every checkpoint saved from its model, and read once, not once per cell.
-_SEEN: dict[tuple[str, tuple[Any, ...]], dict[str, tuple[Any, list[Digest] | None]]] = {}
-_SEEN_MAX = 64
+_SEEN = world_state().store("checkpoint digests")
+#: what one digest is counted as against the world state's budget (its tuple, strings and 16 bytes).
+_DIGEST_BYTES = 200
 
 
 def _stamp(index: CheckpointIndex) -> tuple[Any, ...] | None:
@@ -304,9 +306,9 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
     if index.reader is None:
         raise ValueError(f"{index.path}: this index has no reader; values cannot be compared")
     stamp = _stamp(index)
-    seen = _SEEN.setdefault((index.path, stamp), {}) if stamp is not None else {}
-    if len(_SEEN) > _SEEN_MAX:
-        _SEEN.pop(next(iter(_SEEN)))
+    seen: dict[str, tuple[Any, list[Digest] | None]] = {}
+    if stamp is not None:
+        seen = _SEEN.get((index.path, stamp)) or {}
     wanted = [k for k in keys if k not in seen or (infos[k].kind == "packed" and seen[k][1] is None)]
     for batch in _batches(index, wanted, memory_bytes):
         for key, value in index.reader(batch).items():
@@ -314,6 +316,9 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
                 seen[key] = (digest(value), _row_digests(value) if infos[key].kind == "packed" else None)
             else:
                 seen[key] = (value, None)
+    if stamp is not None and wanted:
+        count = sum(1 + len(rows or ()) for _, rows in seen.values())
+        _SEEN.put((index.path, stamp), seen, count * _DIGEST_BYTES)
     whole = {k: seen[k][0] for k in keys if k in seen}
     rows = {k: found for k in keys if infos[k].kind == "packed" and k in seen and (found := seen[k][1]) is not None}
     return whole, rows

@@ -14,6 +14,7 @@ from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
+from conformance.world_state import world_state
 
 __all__ = ["ExpertGroup", "Inspection", "inspect_checkpoint", "inspect_index"]
 
@@ -78,18 +79,18 @@ def _overlaps(chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool
     return False
 
 
-_CHUNK_VERDICTS: dict[tuple[Any, Any], tuple[int, int, bool]] = {}
+#: ``_chunk_verdict``'s results (the world state's): most keys share a few layouts.
+_CHUNK_VERDICTS = world_state().store("chunk coverage")
 
 
 def _chunk_verdict(shape: tuple[int, ...], chunks: Any) -> tuple[int, int, bool]:
-    """``(elements, elements the chunks hold, overlap)``, cached: most keys share a few layouts."""
+    """``(elements, elements the chunks hold, overlap)``."""
     verdict = _CHUNK_VERDICTS.get((shape, chunks))
     if verdict is None:
-        if len(_CHUNK_VERDICTS) > 100_000:
-            _CHUNK_VERDICTS.clear()
         total = math.prod(shape)
         volume = sum(math.prod(s) for _, s in chunks)
-        verdict = _CHUNK_VERDICTS[(shape, chunks)] = (total, volume, volume >= total and _overlaps(chunks))
+        verdict = _CHUNK_VERDICTS.put((shape, chunks), (total, volume, volume >= total and _overlaps(chunks)),
+                                      200 + 100 * len(chunks))
     return verdict
 
 
