@@ -194,3 +194,26 @@ def test_cell_record_keeps_the_report_schema_and_its_key_order() -> None:
     assert record.to_dict()["duration_s"] == 1.235
     errored = CellRecord("i", "checkpoint", "a", "1", {}, errors={"1": "boom"})
     assert "timings" not in errored.to_dict() and errored.to_dict()["errors"] == {"1": "boom"}
+
+
+def test_the_guide_names_the_members_the_protocols_declare() -> None:
+    """docs/adapters.md's table and the contract's Protocols name the same members, required and optional
+    alike, and mark the same framework calls: the contract is written once."""
+    import re
+    from pathlib import Path
+
+    from conformance.adapter import CheckpointAdapter, OptionalMembers, framework_calls, members
+
+    guide = (Path(__file__).parents[1] / "docs" / "adapters.md").read_text()
+    table = guide.split("### The contract at a glance", 1)[1].split("\n\n| member |", 1)[1]
+    rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| `")]
+    named: dict[str, str] = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for name in re.findall(r"`(\w+)", cells[0]):
+            named[name] = cells[1]
+    required = {n for group in members(CheckpointAdapter) for n in group}
+    optional = {n for group in members(OptionalMembers) for n in group}
+    assert set(named) == required | optional, set(named) ^ (required | optional)
+    assert {n for n, kind in named.items() if kind.startswith("required")} == required
+    assert {n for n, kind in named.items() if "framework call" in kind} == framework_calls()
