@@ -17,9 +17,7 @@ with :mod:`.truth` (the ground truth), :mod:`.held` (a rank's tensors as the che
 """
 
 from conformance.checks.blame import LoadFailed
-from conformance.checks.cell import CellPlan, run_cell
 from conformance.checks.truth import SEED_A, SEED_B
 from conformance.checks.verdict import CHECKS, Mismatch, Problem, RankVerdict
 
-__all__ = ["CHECKS", "SEED_A", "SEED_B", "CellPlan", "LoadFailed", "Mismatch", "Problem", "RankVerdict",
-           "run_cell"]
+__all__ = ["CHECKS", "SEED_A", "SEED_B", "LoadFailed", "Mismatch", "Problem", "RankVerdict"]

@@ -23,9 +23,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import conformance.checks.checkpoint as checkpoint
+import conformance.checks.forward as forward
+import conformance.checks.missing as missing
+import conformance.checks.refusal as refusal
+import conformance.checks.resume as resume
+import conformance.checks.save_plan as save_plan
+import conformance.checks.saved as saved
+import conformance.checks.scalars as scalars_check
 from conformance.adapter import AdapterError, Spec, framework_calls
-from conformance.checks import checkpoint, forward, missing, refusal, resume, save_plan, saved
-from conformance.checks import scalars as scalars_check
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
 from conformance.checks.held import settle
 from conformance.checks.layout import LayoutMismatch, check_layout
