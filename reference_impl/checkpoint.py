@@ -8,13 +8,15 @@ The whole fix is two calls around DCP::
 and a guard, :func:`reference_impl.expert_layout.check_saved_experts`, that refuses a checkpoint
 written without the layout before the load touches anything.
 
-Each layer kind saves the form its weights already have (seed 001's ExpertLayout): a packed layer one
-``[E, ...]`` tensor per weight and moment, an unpacked layer one tensor per expert.  The packed form is
-one DCP item per weight and moment per rank's chunk whatever E is, where the per-expert form of a packed
-layer is one per expert (4,608 items at E=256 with AdamW: DCP's per-item cost dominates); either form
-loads into either kind, so the form is a choice of speed and of what other tools read, never of what
-loads.  ``save(..., per_expert=True)`` writes packed layers per expert too (what Hugging Face and
-Megatron checkpoints hold).
+Each layer kind saves the form its weights already have (seed 001's ExpertLayout): a packed layer
+one ``[E, ...]`` tensor per weight and moment, a fused layer the same with ``gate_up_w`` ``[E, 2, h,
+dim]``, an unpacked layer one tensor per expert.  The packed form is one DCP item per weight and
+moment per rank's chunk whatever E is, where the per-expert form of a packed layer is one per expert
+(4,608 items at E=256 with AdamW: DCP's per-item cost dominates); either form loads into any kind,
+so the form is a choice of speed and of what other tools read, never of what loads.  ``save(...,
+per_expert=True)`` writes packed and fused layers per expert too (what Hugging Face and Megatron
+checkpoints hold).  A router's ``expert_bias`` is saved and loaded as any whole replicated tensor;
+its ``tokens_per_expert`` counter is non-persistent and never saved.
 
 After ``dcp.load`` the model's parameters and the optimizer's moments already hold the loaded
 values, because every tensor DCP loaded into is the original or a view of it.  What a load
@@ -49,7 +51,7 @@ from reference_impl.expert_layout import (
     check_saved_experts,
     expert_layout,
     packed_layers,
-    saved_packed_layers,
+    saved_forms,
 )
 
 __all__ = ["load", "save", "save_layout", "save_legacy", "state_dict"]
@@ -67,10 +69,11 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
          per_expert: bool = False) -> None:
     """Save ``model`` (and ``optimizer``) so that every expert is stored once under its global id.
 
-    Packed layers save the packed form (``up_w`` ``[E, ...]`` and its moments, each rank's rows at their
-    global offset; nothing copied), unpacked layers the per-expert form (``experts.G.up.weight``);
-    ``per_expert=True`` saves packed layers per expert too.  Either form loads into either kind at any
-    (ep, etp, FSDP/HSDP): :mod:`reference_impl.expert_layout`.
+    Packed layers save the packed form (``up_w`` ``[E, ...]`` and its moments, each rank's rows at
+    their global offset; nothing copied), fused layers the fused form (``gate_up_w`` ``[E, 2, h,
+    dim]``), unpacked layers the per-expert form (``experts.G.up.weight``); ``per_expert=True``
+    saves packed and fused layers per expert too.  Every form loads into every kind at any (ep, etp,
+    FSDP/HSDP): :mod:`reference_impl.expert_layout`.
     """
     state = state_dict(model, optimizer)
     layout = save_layout(model, per_expert=per_expert)
@@ -80,8 +83,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
 
 
 def save_layout(model: nn.Module, *, per_expert: bool = False) -> ExpertLayout | None:
-    """The :class:`ExpertLayout` :func:`save` translates ``model``'s state with: packed layers in the packed form
-    (per expert with ``per_expert``), unpacked layers per expert; ``None`` when nothing needs translating."""
+    """The :class:`ExpertLayout` :func:`save` translates ``model``'s state with: packed and fused
+    layers in their own form (per expert with ``per_expert``), unpacked layers per expert; ``None``
+    when nothing needs translating."""
     return expert_layout(model, packed_form=() if per_expert else packed_layers(model))
 
 
@@ -139,12 +143,13 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
          check_saved: bool = True) -> None:
     """Load a checkpoint of :func:`save`, saved at any ep, into ``model`` (and ``optimizer``).
 
-    Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a
-    layer than the model has (a legacy ep > 1 checkpoint).  ``check_saved=False`` skips that guard;
-    only the conformance suite's ``legacy`` negative control uses it, to show the damage.  Either kind
-    loads either form: the per-expert form, and the packed form (``[E, ...]`` per weight, what :func:`save`
-    writes for packed layers at any ep, or an ep=1 packed run's raw save) -- packed layers through views of
-    their rows, unpacked ones through a stacked copy of this rank's experts.
+    Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a layer
+    than the model has (a legacy ep > 1 checkpoint).  ``check_saved=False`` skips that guard; only
+    the conformance suite's ``legacy`` negative control uses it, to show the damage.  Either kind
+    loads any form: the per-expert form, the packed form (``[E, ...]`` per weight, what :func:`save`
+    writes for packed layers at any ep, or an ep=1 packed run's raw save) and the fused form --
+    through views of the model's own tensors, or a stacked copy where no view can present them (the
+    module docstring of :mod:`reference_impl.expert_layout`).
     """
     path = os.fspath(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -156,7 +161,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     # a param group's "params" are this rank's own names, not state: the checkpoint holds one rank's copy of each
     # group's list (DCP keeps one of equal keys), and ranks of different pipeline stages list different parameters
     own = [list(group["params"]) for group in state.get("optimizer", {}).get("param_groups", [])]
-    layout = expert_layout(model, packed_form=saved_packed_layers(model, saved, where=path))
+    forms = saved_forms(model, saved)
+    layout = expert_layout(model, packed_form={n for n, f in forms.items() if f != "per-expert"},
+                           fused_form={n for n, f in forms.items() if f == "fused"})
     if layout is not None:
         state = layout.to_global(state)
     _load_here(state, path)

@@ -1,4 +1,4 @@
-"""Experts under their global identity in a DCP state dict: the packed form and the per-expert form.
+"""Experts under their global identity in a DCP state dict: the packed, fused and per-expert forms.
 
 After :func:`reference_impl.parallelize.apply_expert_parallel` every EP rank names and shapes its experts
 as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank, and a
@@ -7,72 +7,114 @@ torch.distributed.checkpoint (DCP) writes one copy per name and offset, so a che
 state dicts keeps one rank's experts in place of all of them: loading at the same ep silently
 hands every rank that rank's experts, and at another ep the load fails.
 
-:class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in, into one of two
-**global checkpoint forms**, each holding every expert of every layer once under its global id:
+:class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in, into one of
+three **global checkpoint forms**, each holding every expert of every layer once under its global
+id:
 
 - the **packed form** (seed 001's, what :func:`reference_impl.checkpoint.save` writes for packed
   layers): ``layers.N.moe.up_w`` ``[E, ...]`` and its moments, row ``G`` expert ``G``.  A packed layer
   presents its weight as a DTensor whose rows cover all experts (``Shard(0)`` over ``ep``, nested with
   the FSDP/HSDP and ``etp`` placements the weight already has; no copy), so a rank's rows sit at their
   global offset.  It is one DCP item per weight and moment per rank's chunk whatever E is.
-- the **per-expert form** (what unpacked layers save, and packed ones with ``per_expert=True``):
-  ``layers.N.moe.experts.G.{gate,up,down}.weight`` with the expert's full shape (``[hidden, dim]``,
-  ``[dim, hidden]``), and its optimizer state under the same name
-  (``optimizer.state.layers.N.moe.experts.G.up.weight.exp_avg`` ...): an unpacked local expert ``i`` is
-  renamed to its global index ``local_expert_start + i``; a packed weight (and each moment) is cut into
-  its rows, row ``i`` presented as expert ``local_expert_start + i`` -- a view of the row, or, under
-  expert tensor parallelism, a DTensor over the ``etp`` mesh on the view (:func:`expert_rows`).
+- the **fused form** (what fused layers save): the packed form with ``gate_up_w`` ``[E, 2, h, dim]``
+  (gate at ``[:, 0]``, up at ``[:, 1]``, whatever the layer's row order) in place of ``gate_w`` and
+  ``up_w``: :func:`~reference_impl.fused.canonical_fused` says why this shape.
+- the **per-expert form** (what unpacked layers save, and packed or fused ones with
+  ``per_expert=True``): ``layers.N.moe.experts.G.{gate,up,down}.weight`` with the expert's full
+  shape (``[hidden, dim]``, ``[dim, hidden]``), and its optimizer state under the same name
+  (``optimizer.state.layers.N.moe.experts.G.up.weight.exp_avg`` ...): an unpacked local expert ``i``
+  is renamed to its global index ``local_expert_start + i``; a packed weight (and each moment) is
+  cut into its rows, row ``i`` presented as expert ``local_expert_start + i`` -- a view of the row,
+  or, under expert tensor parallelism, a DTensor over the ``etp`` mesh on the view
+  (:func:`expert_rows`); a fused weight is cut into its gate and up halves first
+  (:func:`~reference_impl.fused.fused_halves`), views too.
 
-DCP reshards either form exactly (a whole tensor, or the ``ep``/FSDP/``etp`` shards of one), so a
-checkpoint saved at any (ep, etp, kind, FSDP/HSDP) loads at any other; optimizer moments follow their
-weights.  Each form loads into either kind (``packed_form`` names the layers a checkpoint holds packed):
+DCP reshards every form exactly (a whole tensor, or the ``ep``/FSDP/``etp`` shards of one), so a
+checkpoint saved at any (ep, etp, kind, FSDP/HSDP) loads at any other; optimizer moments follow
+their weights.  Each form loads into each kind (``packed_form`` and ``fused_form`` name the layers a
+checkpoint holds packed and fused):
 
-- per-expert into packed, and either form into its own kind: every tensor of the translated dict is
-  the original or a view of it, so nothing is copied and a load writes straight into the model and the
-  optimizer;
-- packed into unpacked: an unpacked layer's experts are separate tensors that no DTensor can present as
-  one ``[E, ...]``, so they are **copied**: this rank's experts are stacked into one staging tensor per
-  weight and moment (each expert's placements one dim further in), presented as a packed layer's are,
-  loaded, and copied back into each expert and its moments by :meth:`ExpertLayout.to_local` (one copy of
-  this rank's expert weights and moments each way; ``benchmarks/bench_layout.py`` measures it).  A save
-  never needs it: unpacked layers save per expert.
+- into a layer of its own kind, the per-expert form into any kind, and the packed form into fused
+  layers (their halves are a packed layer's ``gate_w`` and ``up_w``): every tensor of the translated
+  dict is the original or a view of it, so nothing is copied and a load writes straight into the
+  model and the optimizer;
+- the packed form into unpacked layers, and the fused form into packed or unpacked ones: no DTensor
+  can present separate tensors (an unpacked layer's experts, a packed layer's ``gate_w`` and
+  ``up_w``) as one, so they are **copied**: this rank's tensors are stacked into one staging tensor
+  per weight and moment (placements moved with the new axes), presented as the other form's, loaded,
+  and copied back by :meth:`ExpertLayout.to_local` (one copy of this rank's expert weights and
+  moments each way; ``benchmarks/bench_layout.py`` measures it). A save never needs it: each kind
+  saves its own form, or the per-expert form.
 
-:func:`check_saved_experts` refuses checkpoints written the old, lossy way, before they do harm.
+A router's ``expert_bias`` buffer is whole (``[E]``) on every rank under its global name, so it
+passes through as it is, and its ``tokens_per_expert`` counter is non-persistent:
+:meth:`ExpertLayout.to_global` refuses a state that holds it.  :func:`check_saved_experts` refuses
+checkpoints written the old, lossy way, before they do harm.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from reference_impl.fused import canonical_fused, fused_halves
 from reference_impl.meshes import sliced
-from reference_impl.model import PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
+from reference_impl.model import FUSED_WEIGHT, PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
 from reference_impl.regions import contiguous_stride, local_region, packed_rows
+from reference_impl.saved import (
+    check_saved_experts,
+    saved_forms,
+    saved_fused_layers,
+    saved_packed_layers,
+)
+from reference_impl.staging import Staged, copy_back, stack
 
-__all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows", "moe_layers",
-           "packed_layers", "saved_packed_layers"]
+__all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows",
+           "fused_layers", "layer_form", "moe_layers", "packed_layers", "saved_forms",
+           "saved_fused_layers", "saved_packed_layers"]
 
 
-def expert_layout(model: nn.Module, packed_form: Collection[str] = ()) -> ExpertLayout | None:
+def layer_form(name: str, moe: MoEMLP, packed_form: Collection[str],
+               fused_form: Collection[str] | None) -> str:
+    """The form layer ``name`` is presented in: ``"per-expert"`` unless ``packed_form`` names it,
+    then ``"fused"`` where ``fused_form`` names it (``None``: where the layer is fused) and
+    ``"packed"`` elsewhere."""
+    if name not in packed_form:
+        return "per-expert"
+    fused = moe.kind == "fused" if fused_form is None else name in fused_form
+    return "fused" if fused else "packed"
+
+
+def expert_layout(model: nn.Module, packed_form: Collection[str] = (),
+                  fused_form: Collection[str] | None = None) -> ExpertLayout | None:
     """The layout of ``model``'s MoE layers; ``None`` when no layer needs translating.
 
-    Every packed layer and every split unpacked layer is translated to the per-expert form; whole
-    unpacked layers already are in it.  ``packed_form`` names layers (either kind) to present in the
-    packed ``[E, ...]`` form instead: a save's packed layers (:func:`packed_layers`), a load's whatever
-    its checkpoint holds packed (:func:`saved_packed_layers`).
+    Every packed or fused layer and every split unpacked layer is translated to the per-expert form;
+    whole unpacked layers already are in it.  ``packed_form`` names layers (any kind) to present in
+    a packed ``[E, ...]`` form instead, and of those ``fused_form`` the ones in the fused form
+    (``None``: the fused layers): a save's packed and fused layers (:func:`packed_layers`), a load's
+    whatever its checkpoint holds packed and fused (:func:`saved_packed_layers`,
+    :func:`saved_fused_layers`).
     """
     layers = [(name, moe) for name, moe in moe_layers(model)
-              if moe.kind == "packed" or moe.ep_world_size > 1 or name in packed_form]
-    return ExpertLayout(layers, packed_form) if layers else None
+              if moe.kind != "unpacked" or moe.ep_world_size > 1 or name in packed_form]
+    return ExpertLayout(layers, packed_form, fused_form) if layers else None
 
 
 def packed_layers(model: nn.Module) -> set[str]:
-    """The names of ``model``'s packed MoE layers: what :func:`reference_impl.checkpoint.save` keeps packed."""
-    return {name for name, moe in moe_layers(model) if moe.kind == "packed"}
+    """The names of ``model``'s packed and fused MoE layers: what
+    :func:`reference_impl.checkpoint.save` keeps in a packed form (each its own)."""
+    return {name for name, moe in moe_layers(model) if moe.kind != "unpacked"}
+
+
+def fused_layers(model: nn.Module) -> set[str]:
+    """The names of ``model``'s fused MoE layers."""
+    return {name for name, moe in moe_layers(model) if moe.kind == "fused"}
 
 
 def expert_key(layer: str, expert: int, linear: str) -> str:
@@ -95,6 +137,37 @@ def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tens
     return packed_rows(tensor, moe.local_expert_start, where=f"MoE layer {moe.name!r}: a packed weight")
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _half(order: str, half: int, where: str, t: torch.Tensor) -> torch.Tensor:
+    return fused_halves(t, order, where)[half]
+
+
+@dataclass(frozen=True)
+class _View:
+    """How one of a translated layer's packed weights is presented: each part ``(name, view)`` is
+    ``view`` of the weight (and of each of its moments), cut into its experts' rows named
+    ``experts.G.{name}.weight`` when ``per_expert``, else presented whole, among all of the layer's
+    experts, under the key ``name``."""
+
+    moe: MoEMLP
+    layer: str
+    parts: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...]
+    per_expert: bool
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """A staging copy presented under one key: this rank's ``members`` (FQNs) stacked as ``how``
+    says (:data:`reference_impl.staging.STACKINGS`)."""
+
+    moe: MoEMLP
+    members: tuple[str, ...]
+    how: str
+
+
 class ExpertLayout:
     """Translates a DCP state dict between one rank's experts and the global checkpoint forms.
 
@@ -104,53 +177,88 @@ class ExpertLayout:
     record :meth:`to_global` kept, so one layout serves one save or one load.
 
     ``layers`` are the :class:`MoEMLP` layers to translate with their names, as :func:`moe_layers`
-    gives; ``packed_form`` names the layers (either kind) to present in the packed ``[E, ...]`` form, the
-    others are presented per expert.
+    gives; each is presented in the form :func:`layer_form` gives for ``packed_form`` and
+    ``fused_form``.
     """
 
-    def __init__(self, layers: list[tuple[str, MoEMLP]], packed_form: Collection[str] = ()) -> None:
+    def __init__(self, layers: list[tuple[str, MoEMLP]], packed_form: Collection[str] = (),
+                 fused_form: Collection[str] | None = None) -> None:
         self.layers = list(layers)
         #: local FQN -> global FQN of every unpacked expert parameter.
         self._to_global: dict[str, str] = {}
-        #: packed weight FQN -> (its layer, its layer's name, linear): saved per expert.
-        self._split: dict[str, tuple[MoEMLP, str, str]] = {}
-        #: packed weight FQN -> its layer: presented in the packed form (split layers only).
-        self._packed: dict[str, MoEMLP] = {}
-        #: packed-form FQN of an unpacked layer -> (its layer, its local experts' FQNs): loaded through a stack.
-        self._staged: dict[str, tuple[MoEMLP, list[str]]] = {}
-        #: an unpacked expert's FQN -> the packed-form FQN it is staged under.
+        #: packed (or fused) weight FQN -> how it is presented, through views of it.
+        self._views: dict[str, _View] = {}
+        #: FQN presented in a packed form through a staging copy -> what is stacked into it.
+        self._staged: dict[str, _Stage] = {}
+        #: a staged member's FQN -> the FQN it is staged under.
         self._members: dict[str, str] = {}
-        #: what to_global stacked, for to_local: (the stack, the tensors it copied), in that order.
-        self._stacks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        #: the layers' non-persistent buffers (the expert-bias counter): never in a state dict.
+        self._transient: set[str] = set()
+        #: what to_global stacked, for to_local: (the stack, each tensor it copied with its index in
+        #: the stack).
+        self._stacks: list[Staged] = []
         for name, moe in self.layers:
-            pre = _prefix(name)
+            form, pre = layer_form(name, moe, packed_form, fused_form), _prefix(name)
+            transient = moe.router._non_persistent_buffers_set
+            self._transient.update(f"{pre}router.{b}" for b in transient)
             if moe.kind == "unpacked":
-                for i, expert in enumerate(moe.experts):
-                    g = moe.local_expert_start + i
-                    for pname, _ in expert.named_parameters():
-                        pname = ".".join(p for p in pname.split(".") if p not in WRAPPER_PARTS)
-                        self._to_global[f"{pre}experts.{i}.{pname}"] = f"{pre}experts.{g}.{pname}"
-                if name in packed_form and len(moe.experts):
-                    for weight in PACKED_WEIGHTS:
-                        if hasattr(moe.experts[0], weight[:-2]):
-                            members = [f"{pre}experts.{i}.{weight[:-2]}.weight" for i in range(len(moe.experts))]
-                            self._staged[f"{pre}{weight}"] = (moe, members)
-                            self._members.update(dict.fromkeys(members, f"{pre}{weight}"))
-            else:
-                for weight in moe.packed_weights():
-                    if name not in packed_form:
-                        self._split[f"{pre}{weight}"] = (moe, name, weight[:-2])
-                    elif moe.ep_world_size > 1:
-                        self._packed[f"{pre}{weight}"] = moe
-        #: what to_global made: id(DTensor) -> (the DTensor, the tensor it wraps).
-        self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        #: what to_global saw, for to_local: the state, and each packed weight's per-expert names.
+                self._unpacked(name, moe, form)
+                continue
+            for weight in moe.packed_weights():
+                key, part = f"{pre}{weight}", (weight[:-2], _same)
+                if weight == FUSED_WEIGHT:
+                    where = f"MoE layer {moe.name!r}: {weight}"
+                    order = moe.fused_order
+                    halves = tuple((w, partial(_half, order, i, where))
+                                   for i, w in enumerate(("gate", "up")))
+                    if form == "fused":
+                        canonical = partial(canonical_fused, order=order, where=where)
+                        self._views[key] = _View(moe, name, ((key, canonical),), False)
+                    elif form == "packed":
+                        parts = tuple((f"{pre}{w}_w", v) for w, v in halves)
+                        self._views[key] = _View(moe, name, parts, False)
+                    else:
+                        self._views[key] = _View(moe, name, halves, True)
+                elif form == "per-expert":
+                    self._views[key] = _View(moe, name, (part,), True)
+                elif form == "fused" and weight in ("gate_w", "up_w"):
+                    members = (f"{pre}gate_w", f"{pre}up_w")
+                    self._stage(f"{pre}{FUSED_WEIGHT}", moe, members, "halves")
+                elif moe.ep_world_size > 1:  # a packed weight's packed form: its rows among all
+                    self._views[key] = _View(moe, name, ((key, _same),), False)
+        #: what to_global saw, for to_local: the state, and the keys each translated FQN is
+        #: presented under.
         self._seen: dict[str, Any] = {}
-        self._expert_keys: dict[str, list[str]] = {}
+        self._shown: dict[str, list[str]] = {}
         #: this rank's parameter names per optimizer param group, as to_global found them.
         self._local_groups: list[list[str]] | None = None
 
-    # ---------------------------------------------------------------- the packed form
+    def _unpacked(self, name: str, moe: MoEMLP, form: str) -> None:
+        """An unpacked layer: its experts under their global ids, and staged into the packed or
+        fused form."""
+        pre = _prefix(name)
+        for i, expert in enumerate(moe.experts):
+            g = moe.local_expert_start + i
+            for pname, _ in expert.named_parameters():
+                pname = ".".join(p for p in pname.split(".") if p not in WRAPPER_PARTS)
+                self._to_global[f"{pre}experts.{i}.{pname}"] = f"{pre}experts.{g}.{pname}"
+        if form == "per-expert" or not len(moe.experts):
+            return
+        count = range(len(moe.experts))
+        linears = [w[:-2] for w in PACKED_WEIGHTS if hasattr(moe.experts[0], w[:-2])]
+        if form == "fused":
+            members = tuple(f"{pre}experts.{i}.{w}.weight" for i in count for w in ("gate", "up"))
+            self._stage(f"{pre}{FUSED_WEIGHT}", moe, members, "expert-halves")
+            linears = ["down"]
+        for linear in linears:
+            experts = tuple(f"{pre}experts.{i}.{linear}.weight" for i in count)
+            self._stage(f"{pre}{linear}_w", moe, experts, "experts")
+
+    def _stage(self, key: str, moe: MoEMLP, members: tuple[str, ...], how: str) -> None:
+        self._staged[key] = _Stage(moe, members, how)
+        self._members.update(dict.fromkeys(members, key))
+
+    # ---------------------------------------------------------------- the packed forms
 
     def _globalize(self, key: str, moe: MoEMLP, value: torch.Tensor) -> torch.Tensor:
         """``value`` (this rank's rows) as a DTensor over all ``num_experts`` rows; no copy.
@@ -199,43 +307,32 @@ class ExpertLayout:
                 region is not None and placed[1:] != region[1:])):
             raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, but DTensor "
                              f"{placements} on {mesh} places them at {placed}")
-        self._made[id(wrapped)] = (wrapped, value)
         return wrapped
 
-    def _stack(self, key: str, moe: MoEMLP, values: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's experts' ``values`` as one packed tensor of its rows among all experts: a copy (see the
-        module docstring), each DTensor placement of an expert ``Shard(d)`` becoming ``Shard(d + 1)``."""
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        first = values[0]
-        with torch.no_grad():
-            if isinstance(first, DTensor):
-                shape = torch.Size((len(values), *first.shape))
-                # a new outer dim: every shard (FSDP's over etp's is strided) splits the same rows one dim further in
-                placements = [_StridedShard(p.dim + 1, split_factor=p.split_factor) if isinstance(p, _StridedShard)
-                              else Shard(p.dim + 1) if isinstance(p, Shard) else p for p in first.placements]
-                stacked: torch.Tensor = DTensor.from_local(
-                    torch.stack([local_region(v)[0] for v in values]), first.device_mesh, placements, run_check=False,
-                    shape=shape, stride=contiguous_stride(tuple(shape)))
+    def _present(self, key: str, value: torch.Tensor,
+                 suffix: str = "") -> list[tuple[str, torch.Tensor]]:
+        """What ``value`` (the weight ``key``, or its moment ``suffix``) is presented as: ``(key,
+        view)`` each."""
+        view = self._views[key]
+        out: list[tuple[str, torch.Tensor]] = []
+        for part, make in view.parts:
+            shown = make(value)
+            if view.per_expert:
+                rows = expert_rows(view.moe, shown)
+                out.extend((expert_key(view.layer, g, part), row) for g, row in rows)
+            elif view.moe.ep_world_size > 1:
+                out.append((part, self._globalize(f"{part}{suffix}", view.moe, shown)))
             else:
-                stacked = torch.stack(list(values))
-        self._stacks.append((stacked, values))
-        return self._globalize(key, moe, stacked) if moe.ep_world_size > 1 else stacked
+                out.append((part, shown))
+        return out
 
-    def _copy_back(self) -> None:
-        """Each stacked expert's loaded rows into the expert (and moment) they were copied from."""
-        with torch.no_grad():
-            for stacked, values in self._stacks:
-                rows = local_region(stacked)[0]
-                for i, value in enumerate(values):
-                    local_region(value)[0].copy_(rows[i])
-
-    def _unwrap(self, value: Any) -> Any:
-        made = self._made.get(id(value))
-        if made is not None and made[0] is value:
-            return made[1]
-        return value
+    def _stack(self, key: str, stage: _Stage, values: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's ``values`` stacked as ``stage.how`` says, among all experts: a copy
+        (:func:`reference_impl.staging.stack`)."""
+        staged = stack(values, stage.how)
+        self._stacks.append(staged)
+        stacked = staged[0]
+        return self._globalize(key, stage.moe, stacked) if stage.moe.ep_world_size > 1 else stacked
 
     # ---------------------------------------------------------------- the two directions
 
@@ -243,37 +340,41 @@ class ExpertLayout:
         """``state`` with each rank's experts in the global form, among all of the layer's experts.
 
         Returns a new dict and leaves ``state`` as it is.  Each tensor in the result is the one it
-        replaces or a view of it, so a load into the result loads them.
+        replaces or a view of it, so a load into the result loads them (a staging copy is copied
+        back by :meth:`to_local`).
 
-        Raises ValueError when the model state lacks the expert weights of a translated layer, or the
-        optimizer holds a tensor for a packed weight in a shape other than the weight's: the
-        checkpoint could not hold every rank's experts.
+        Raises ValueError when the model state lacks the expert weights of a translated layer, holds
+        a non-persistent buffer (the expert-bias counter: a checkpoint must not), or the optimizer
+        holds a tensor for a packed weight in a shape other than the weight's: the checkpoint could
+        not hold every rank's experts.
         """
         model = state.get("model")
         if not isinstance(model, Mapping):
             raise ValueError("the state has no 'model' entry; ExpertLayout needs the model's expert weights")
-        missing = [k for k in (*self._to_global, *self._split, *self._packed) if k not in model]
+        missing = [k for k in (*self._to_global, *self._views, *self._members) if k not in model]
         if missing:
             raise ValueError(f"the model state lacks {len(missing)} expert weight(s) of split MoE layers, "
                              f"first {missing[:3]}; was it taken from another model or filtered?")
-        self._made.clear()
+        transient = sorted(self._transient & set(model))
+        if transient:
+            raise ValueError(f"the model state holds the non-persistent buffer(s) "
+                             f"{transient[:3]}: a per-step token count, which a checkpoint must "
+                             f"not hold (take the state with get_model_state_dict or state_dict(), "
+                             f"which leave them out)")
         self._stacks.clear()
         self._seen = {"state": state}
-        self._expert_keys = {}
+        self._shown = {}
         out = dict(state)
         out["model"] = {}
         for key, value in model.items():
-            if key in self._split:
-                moe, layer, linear = self._split[key]
-                rows = expert_rows(moe, value)
-                self._expert_keys[key] = [expert_key(layer, g, linear) for g, _ in rows]
-                out["model"].update((expert_key(layer, g, linear), row) for g, row in rows)
-            elif key in self._packed:
-                out["model"][key] = self._globalize(key, self._packed[key], value)
+            if key in self._views:
+                shown = self._present(key, value)
+                self._shown[key] = [new for new, _ in shown]
+                out["model"].update(shown)
             elif key not in self._members:
                 out["model"][self._to_global.get(key, key)] = value
-        for key, (moe, members) in self._staged.items():
-            out["model"][key] = self._stack(key, moe, [model[m] for m in members])
+        for key, stage in self._staged.items():
+            out["model"][key] = self._stack(key, stage, [model[m] for m in stage.members])
         optimizer = state.get("optimizer")
         if optimizer is not None:
             out["optimizer"] = self._optimizer_to_global(optimizer, model)
@@ -288,7 +389,8 @@ class ExpertLayout:
             if key in self._members:
                 out[self._members[key]] = value
                 continue
-            for new in self._expert_keys.get(key, [self._to_global.get(key, key)] if key not in self._split else []):
+            unshown = [] if key in self._views else [self._to_global.get(key, key)]
+            for new in self._shown.get(key, unshown):
                 out[new] = value
         return out
 
@@ -297,34 +399,29 @@ class ExpertLayout:
         for key, entry in optimizer.get("state", {}).items():
             if key in self._members:
                 continue
-            if key not in self._split and key not in self._packed:
+            if key not in self._views:
                 states[self._to_global.get(key, key)] = dict(entry) if isinstance(entry, Mapping) else entry
                 continue
-            moe = self._split[key][0] if key in self._split else self._packed[key]
-            expected = tuple(model[key].shape)
-            tensors: dict[str, Any] = {}
+            moe, expected = self._views[key].moe, tuple(model[key].shape)
+            shown: dict[str, list[tuple[str, torch.Tensor]]] = {}
             for name, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:  # scalars such as `step` stay
                     if tuple(value.shape) != expected:
                         raise ValueError(f"optimizer state {key!r}[{name!r}] has shape {tuple(value.shape)}, "
                                          f"expected {expected} (the packed weight's); it cannot be placed "
                                          f"among all {moe.num_experts} experts")
-                    tensors[name] = value
-            if key in self._packed:
-                states[key] = {n: self._globalize(f"{key}.{n}", moe, v) if n in tensors else v
-                               for n, v in entry.items()}
-                continue
-            rows = {name: expert_rows(moe, value) for name, value in tensors.items()}
-            for i, new in enumerate(self._expert_keys[key]):
-                states[new] = {n: rows[n][i][1] if n in rows else v for n, v in entry.items()}
-        for key, (moe, members) in self._staged.items():
-            entries = [optimizer.get("state", {}).get(m) for m in members]
+                    shown[name] = self._present(key, value, f".{name}")
+            for i, new in enumerate(self._shown[key]):
+                states[new] = {n: shown[n][i][1] if n in shown else v for n, v in entry.items()}
+        for key, stage in self._staged.items():
+            entries = [optimizer.get("state", {}).get(m) for m in stage.members]
             if all(e is None for e in entries):
                 continue
             if any(e is None or set(e) != set(entries[0]) for e in entries):
-                raise ValueError(f"the optimizer holds state for some experts of MoE layer {moe.name!r} only (or "
-                                 f"different entries for them): {members}; they cannot be stacked into {key!r}")
-            states[key] = {n: self._stack(f"{key}.{n}", moe, [e[n] for e in entries])
+                raise ValueError(f"the optimizer holds state for some of {list(stage.members)} "
+                                 f"of MoE layer {stage.moe.name!r} only (or different entries for "
+                                 f"them); they cannot be stacked into {key!r}")
+            states[key] = {n: self._stack(f"{key}.{n}", stage, [e[n] for e in entries])
                            if isinstance(v, torch.Tensor) and v.dim() > 0 else v for n, v in entries[0].items()}
         groups = optimizer.get("param_groups", [])
         self._local_groups = [list(group["params"]) for group in groups]
@@ -337,21 +434,22 @@ class ExpertLayout:
     def to_local(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Undo :meth:`to_global` on the state dict that a load filled.
 
-        Names go back to this rank's, and each view :meth:`to_global` made goes back to the tensor
-        it views, which holds what the load wrote.  Each optimizer param group lists this rank's
-        parameters again and keeps the loaded settings (lr, betas, ...).  A packed weight's scalar
-        state (AdamW's ``step``) comes from its first expert's entry; a rank that holds no row of
-        it has no entry to load it from, so it takes the step of its param group's first parameter whose
-        state was loaded (AdamW steps a group's parameters together), or, in a group of such weights alone (the
-        experts in a group of their own on a rank that holds none), another group's.
+        Names go back to this rank's, and each weight :meth:`to_global` presented through views goes
+        back to itself, which holds what the load wrote (a staged copy is copied back into its
+        members first).  Each optimizer param group lists this rank's parameters again and keeps the
+        loaded settings (lr, betas, ...).  A presented weight's scalar state (AdamW's ``step``)
+        comes from the entry of its first presented key; a rank that holds no row of it has none in
+        the per-expert form, so it takes the step of its param group's first parameter whose state
+        was loaded (AdamW steps a group's parameters together), or, in a group of such weights alone
+        (the experts in a group of their own on a rank that holds none), another group's.
         """
         seen = self._seen.get("state")
         if seen is None:
             raise ValueError("to_local needs the record of to_global; call it on the dict to_global returned")
-        self._copy_back()
+        copy_back(self._stacks)
         out = dict(state)
         if isinstance(state.get("model"), Mapping):
-            out["model"] = self._names_to_local(state["model"], seen["model"], self._unwrap)
+            out["model"] = self._names_to_local(state["model"], seen["model"])
         optimizer = state.get("optimizer")
         if optimizer is not None:
             groups = optimizer.get("param_groups", [])
@@ -369,31 +467,31 @@ class ExpertLayout:
         for key, value in state.items():
             if key not in ("model", "optimizer") and isinstance(value, Mapping):
                 before = seen.get(key)
-                out[key] = self._names_to_local(value, before if isinstance(before, Mapping) else {},
-                                                lambda v: v)
+                before = before if isinstance(before, Mapping) else {}
+                out[key] = self._names_to_local(value, before)
         return out
 
-    def _names_to_local(self, loaded: Mapping[Any, Any], before: Mapping[Any, Any], back: Any) -> dict[Any, Any]:
-        """``loaded`` under this rank's names, in this rank's order; a packed weight's entry is the one it
-        had before to_global (the load wrote into it through the per-expert views)."""
+    def _names_to_local(self, loaded: Mapping[Any, Any],
+                        before: Mapping[Any, Any]) -> dict[Any, Any]:
+        """``loaded`` under this rank's names, in this rank's order; a presented weight's (and a
+        staged member's) entry is the one it had before to_global (the load wrote into it through
+        the views, or the copy back)."""
         to_local = {v: k for k, v in self._to_global.items()}
-        per_expert = {new for news in self._expert_keys.values() for new in news} | set(self._staged)
-        found = {to_local.get(k, k): back(v) for k, v in loaded.items() if k not in per_expert}
-        found.update((key, before[key]) for key in (*self._split, *self._members) if key in before)
+        presented = {new for news in self._shown.values() for new in news} | set(self._staged)
+        found = {to_local.get(k, k): v for k, v in loaded.items() if k not in presented}
+        found.update((key, before[key]) for key in (*self._views, *self._members) if key in before)
         out = {key: found.pop(key) for key in before if key in found}
         out.update(found)
         return out
 
     def _optimizer_state_to_local(self, loaded: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
-        out = self._names_to_local(
-            loaded, before,
-            lambda entry: {n: self._unwrap(v) for n, v in entry.items()} if isinstance(entry, Mapping) else entry)
+        out = self._names_to_local(loaded, before)
         empty = []
-        for key in self._split:
+        for key in self._views:
             if key not in before:
                 continue
             entry = out[key] = dict(before[key])
-            firsts = [loaded[k] for k in self._expert_keys.get(key, []) if k in loaded]
+            firsts = [loaded[k] for k in self._shown.get(key, []) if k in loaded]
             scalars = [n for n, v in entry.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)]
             if firsts:
                 entry.update((n, firsts[0][n]) for n in scalars if n in firsts[0])
@@ -427,61 +525,3 @@ class ExpertLayout:
                 else:
                     out[key][name] = theirs
         return out
-
-
-# ---------------------------------------------------------------- what a checkpoint holds
-
-_EXPERT_KEY = re.compile(r"^(.*?)experts\.(\d+)\.")
-
-
-def _held(model: nn.Module, saved: Mapping[str, Any]) -> Iterator[tuple[str, MoEMLP, str | None, int | None]]:
-    """Each MoE layer with the form its checkpoint entries take ("per-expert", "packed" or None) and
-    how many experts they hold.  Model entries are ``model.<name>``; bare ``<name>`` is read too."""
-    per_expert: dict[str, set[int]] = {}
-    for key in saved:
-        match = _EXPERT_KEY.match(key)
-        if match:
-            per_expert.setdefault(match.group(1), set()).add(int(match.group(2)))
-    for name, moe in moe_layers(model):
-        pre = _prefix(name)
-        form, held = None, None
-        for candidate in (f"model.{pre}", pre):
-            rows = [saved[f"{candidate}{w}"].size[0] for w in PACKED_WEIGHTS
-                    if hasattr(saved.get(f"{candidate}{w}"), "size")]
-            if candidate in per_expert:
-                form, held = "per-expert", len(per_expert[candidate])
-            elif rows:
-                form, held = "packed", min(rows)
-            if form is not None:
-                break
-        yield name, moe, form, held
-
-
-def check_saved_experts(model: nn.Module, saved: Mapping[str, Any], where: str) -> None:
-    """Refuse a checkpoint whose MoE layers hold fewer experts than ``model``'s.
-
-    ``saved`` is the checkpoint's DCP index, its ``Metadata.state_dict_metadata``; its keys are
-    the flattened names (``"model.layers.0.moe.experts.3.up.weight"``, ``"model.layers.0.moe.up_w"``;
-    bare names are read too).  Either form counts, whatever the model's kind.  A checkpoint saved
-    with ep > 1 before the experts had a global identity holds ``num_experts / ep`` experts of each
-    layer: every EP rank wrote its own under the same names and the checkpoint kept one rank's.
-    Loading it at the same ep would give every rank that rank's experts, and at another ep it
-    fails on the experts it lacks, so it is refused here with what it holds.  A layer the
-    checkpoint holds no expert of is left to the load.
-    """
-    for name, moe, _, held in _held(model, saved):
-        if held is not None and held < moe.num_experts:
-            raise ValueError(
-                f"{where}: the checkpoint holds {held} experts of MoE layer {name or '<model>'!r}, but the "
-                f"model has {moe.num_experts}. It was probably saved with expert parallelism before experts "
-                f"had a global identity (every EP rank wrote its experts under the same names and the "
-                f"checkpoint kept one rank's), so it cannot restore every expert; refusing to load it")
-
-
-def saved_packed_layers(model: nn.Module, saved: Mapping[str, Any], where: str) -> set[str]:
-    """The MoE layers of ``model`` (either kind) whose checkpoint holds them in the packed ``[E, ...]`` form.
-
-    ``where`` names the checkpoint in errors (kept for callers; the form itself is never an error: an
-    unpacked layer loads the packed form through a copy, see the module docstring).
-    """
-    return {name for name, _, form, _ in _held(model, saved) if form == "packed"}

@@ -1,5 +1,6 @@
-"""The expert layout rule: which global experts an expert-parallel rank holds (and the stage rule beside it:
-which global layers a pipeline stage holds, :func:`stage_layers`).
+"""The expert layout rule: which global experts an expert-parallel rank holds (and the stage rules
+beside it: which global layers a pipeline stage holds, :func:`stage_layers`, and which stage holds
+the multi-token-prediction layers, :func:`mtp_stage`).
 
 Everything in this project that needs to know where an expert lives asks :func:`expert_range`.
 The rule is DTensor's own ``Shard(0)`` rule (``torch.chunk`` semantics), because that is the
@@ -14,7 +15,7 @@ records rows 4:6 for rank 2 and none for rank 3, so a checkpoint saved from it l
 from __future__ import annotations
 
 __all__ = ["UNEVEN_CLASSES", "balanced_range", "expert_counts", "expert_owner", "expert_range", "layer_stage",
-           "stage_layers", "uneven_classes"]
+           "mtp_stage", "stage_layers", "stage_mtp_layers", "uneven_classes"]
 
 
 def _check(num_experts: int, num_ranks: int) -> None:
@@ -86,10 +87,38 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
     return _first_ones_one_more(num_layers, pp, stage)
 
 
-def layer_stage(layer: int, num_layers: int, pp: int) -> int:
-    """The pipeline stage that holds global layer ``layer`` (:func:`stage_layers`' inverse)."""
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-        raise ValueError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+def mtp_stage(pp: int) -> int:
+    """The pipeline stage of ``pp`` that holds every multi-token-prediction layer: the last.
+
+    The stage rule of the MTP layers, beside the main stack's: they read the main stack's last
+    hidden state and feed the output head, both on the last stage (DeepSeek-V3 puts them there,
+    Megatron-Core's ``mtp_num_layers`` builds them in the last stage's model; torchtitan 0.3.0
+    refuses MTP with pipeline parallelism).  MTP layer ``i`` is global layer ``num_layers + i``
+    (:func:`stage_mtp_layers`), named ``mtp.{i}`` in the state dict, whatever the stage it runs on.
+    """
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be an int >= 1, got {pp!r}")
+    return pp - 1
+
+
+def stage_mtp_layers(num_layers: int, mtp_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """``(start, end)`` of the global layer ids of the MTP layers stage ``stage`` of ``pp`` holds
+    (end exclusive): ``(num_layers, num_layers + mtp_layers)`` on :func:`mtp_stage`, an empty range
+    at ``num_layers`` elsewhere."""
+    stage_layers(num_layers, pp, stage)  # the same checks of num_layers, pp and stage
+    if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
+        raise ValueError(f"mtp_layers must be an int >= 0, got {mtp_layers!r}")
+    return num_layers, num_layers + (mtp_layers if stage == mtp_stage(pp) else 0)
+
+
+def layer_stage(layer: int, num_layers: int, pp: int, mtp_layers: int = 0) -> int:
+    """The pipeline stage that holds global layer ``layer`` (:func:`stage_layers`' inverse); a layer
+    id from ``num_layers`` on is an MTP layer's (``mtp_layers`` of them), on :func:`mtp_stage`."""
+    layers = num_layers + mtp_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+        raise ValueError(f"layer must be an int in [0, {layers}), got {layer!r}")
+    if layer >= num_layers:
+        return mtp_stage(pp)
     return next(s for s in range(pp) if layer < stage_layers(num_layers, pp, s)[1])
 
 

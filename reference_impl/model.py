@@ -1,15 +1,26 @@
 """A small, real MoE model whose checkpoints this project tests: its layers, its weights, its names.
 
 :class:`MoEMLP` routes each token to ``top_k`` of ``num_experts`` experts (plus an optional shared
-expert every token uses).  Its experts come in the two forms frameworks use:
+expert every token uses).  Its experts come in the three forms frameworks use:
 
 - **unpacked**: ``experts`` is a ``ModuleList`` of small MLPs, ``experts.{i}.{up,gate,down}.weight``;
 - **packed**: one Parameter per weight with a leading expert axis, ``up_w``/``gate_w`` ``[E, hidden,
-  dim]`` and ``down_w`` ``[E, dim, hidden]``, so ``up_w[g]`` is unpacked ``experts[g].up.weight``.
+  dim]`` and ``down_w`` ``[E, dim, hidden]``, so ``up_w[g]`` is unpacked ``experts[g].up.weight``;
+- **fused**: packed, with gate and up in one Parameter ``gate_up_w`` ``[E, 2 * hidden, dim]``
+  (transformers 5's ``gate_up_proj``, Megatron-Core's fused ``linear_fc1``, NeMo's
+  ``gate_and_up_projs``, GPT-OSS), its rows in the order ``MoEConfig.fused_order`` names:
+  ``"concatenated"`` (all gate rows, then all up rows) or ``"interleaved"`` (gate row 0, up row 0,
+  gate row 1, ...).  :func:`fused_frame` views it with an explicit half axis, where gate and up are
+  plain slices (:func:`fused_half`).
 
-Weights are a pure function of ``(seed, layer name, expert, weight name)``, so a model built for any
-expert-parallel degree holds the same global expert ``g``: that is what lets a test compare a load
-at ``ep=4`` with a save at ``ep=2`` bit for bit, with no communication.
+Weights are a pure function of ``(seed, layer name, expert, weight name)``
+(:mod:`reference_impl.weights`), so a model built for any expert-parallel degree, in any form, holds
+the same global expert ``g``: that is what lets a test compare a load at ``ep=4`` with a save at
+``ep=2`` bit for bit, with no communication.
+
+Each layer's router (:mod:`reference_impl.router`) may keep DeepSeek-V3's expert bias; a model may
+end in multi-token-prediction layers (:class:`MTPLayer`, ``mtp.{i}``), MoE layers with global index
+``num_layers + i``.
 
 How the model is split over ranks (expert and expert tensor parallelism, FSDP) is
 :mod:`reference_impl.parallelize`, as a training framework keeps its model apart from its
@@ -20,29 +31,35 @@ with :mod:`reference_impl.collectives`.  :func:`named_modules`, :func:`named_par
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from reference_impl.collectives import CopyToGroup, ReduceOverGroup
-from reference_impl.memo import Memo
+from reference_impl.router import Router
+from reference_impl.weights import fill, fill_rows, stable_seed
 
 __all__ = [
+    "FUSED_ORDERS",
+    "FUSED_WEIGHT",
     "PACKED_WEIGHTS",
     "WRAPPER_PARTS",
     "ExpertMLP",
+    "MTPLayer",
     "MoEBlock",
     "MoEConfig",
     "MoEMLP",
     "MoEModel",
     "build_model",
+    "fused_frame",
+    "fused_half",
     "moe_layers",
     "moe_modules",
+    "mtp_inputs",
     "named_modules",
     "named_parameters",
     "stable_seed",
@@ -50,91 +67,87 @@ __all__ = [
 
 #: the packed expert weights, in the order :class:`MoEMLP` registers them (gate only for SwiGLU).
 PACKED_WEIGHTS = ("gate_w", "up_w", "down_w")
+#: a fused layer's gate and up weight (its other expert weight is ``down_w``).
+FUSED_WEIGHT = "gate_up_w"
+#: the row orders of a fused weight: halves concatenated (``[gate; up]``) or rows interleaved
+#: (GPT-OSS).
+FUSED_ORDERS = ("concatenated", "interleaved")
+#: in a fused weight's frame (:func:`fused_frame`), per order: the axis of the halves (gate 0, up
+#: 1), and the hidden axis, the one expert tensor parallelism splits.
+HALF_AXIS = {"concatenated": 1, "interleaved": 2}
+FUSED_HIDDEN_AXIS = {"concatenated": 2, "interleaved": 1}
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Shape and flavour of every MoE layer of a model."""
+    """Shape and flavour of every MoE layer of a model (and its multi-token-prediction depth,
+    ``mtp_layers``).
+
+    The defaults of the fields after ``init_std`` leave a model as it is without them, value for
+    value: ``shared_hidden=None`` is ``hidden``, ``expert_bias=False`` routes on the scores alone,
+    ``mtp_layers=0`` adds no layer, and ``fused_order`` is read by fused layers only.
+    """
 
     num_experts: int = 6
     dim: int = 32
     hidden: int = 64
-    kind: Literal["packed", "unpacked"] = "unpacked"
+    kind: Literal["packed", "unpacked", "fused"] = "unpacked"
     activation: Literal["swiglu", "gelu"] = "swiglu"
     top_k: int = 2
     shared_expert: bool = True
     dtype: torch.dtype = torch.float32
     init_std: float = 0.02
+    #: the row order of a fused layer's ``gate_up_w`` (:data:`FUSED_ORDERS`).
+    fused_order: Literal["concatenated", "interleaved"] = "concatenated"
+    #: the shared expert's hidden size (``None``: ``hidden``); another value keeps every dimension
+    #: distinct.
+    shared_hidden: int | None = None
+    #: DeepSeek-V3's auxiliary-loss-free balancing: each router keeps an ``expert_bias``
+    #: (reference_impl.router).
+    expert_bias: bool = False
+    #: multi-token-prediction layers after the main stack: ``mtp.{i}``, MoE layer
+    #: ``num_layers + i``.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("packed", "unpacked"):
-            raise ValueError(f"kind must be 'packed' or 'unpacked', got {self.kind!r}")
+        if self.kind not in ("packed", "unpacked", "fused"):
+            raise ValueError(f"kind must be 'packed', 'unpacked' or 'fused', got {self.kind!r}")
         if self.activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
+        if self.kind == "fused" and self.activation != "swiglu":
+            raise ValueError(f"kind='fused' fuses the gate and up weights, so it needs "
+                             f"activation='swiglu' (a GELU expert has no gate), got "
+                             f"activation={self.activation!r}")
+        if self.fused_order not in FUSED_ORDERS:
+            raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {self.fused_order!r}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
+        for name in ("mtp_layers", "shared_hidden"):
+            value = getattr(self, name)
+            wrong = isinstance(value, bool) or not isinstance(value, int) or value < 0
+            if value is not None and wrong:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts`` that is the same in every process (unlike ``hash()``)."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+def fused_frame(t: torch.Tensor, order: str) -> torch.Tensor:
+    """A fused weight's local rows ``[n, 2h, dim]`` (or a tensor of its shape) in its frame, a view:
+    ``[n, 2, h, dim]`` for ``"concatenated"``, ``[n, h, 2, dim]`` for ``"interleaved"``
+    (:data:`HALF_AXIS`).  A tensor already 4-D (expert tensor parallelism keeps the weight in its
+    frame) is returned as it is."""
+    if t.dim() == 4:
+        return t
+    n, rows, dim = t.shape
+    if rows % 2:
+        raise ValueError(f"a fused gate/up weight has an even number of rows per expert, got "
+                         f"shape {tuple(t.shape)}")
+    return t.view(n, 2, rows // 2, dim) if order == "concatenated" else t.view(n, rows // 2, 2, dim)
 
 
-def _normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, *key: object) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(stable_seed(*key))
-    return (torch.randn(shape, generator=generator) * std).to(dtype)
-
-
-#: ``_fill``'s draws, per (shape, std, key): a session builds the same model (seed, layer, expert) for
-#: many cells and both kinds, and at 64-256 experts drawing each expert's weights again was most of a
-#: build.  Entries are never handed out (``_fill`` copies from them), so no caller can change one.
-#: 64 MiB of float32 per process, then it starts again.
-_DRAWN = Memo("weight draws", 16 << 20, size=lambda t: t.numel())
-
-
-def _drawn(shape: tuple[int, ...], std: float, key: tuple[object, ...], draw: Any) -> torch.Tensor:
-    """The kept draw of ``(shape, std, key)``, made by ``draw()`` the first time (never handed out)."""
-    found = _DRAWN.get((shape, std, key))
-    return _DRAWN.put((shape, std, key), draw()) if found is None else found
-
-
-def _fill(param: torch.Tensor, std: float, *key: object, mean: float = 0.0) -> None:
-    """Write ``mean + N(0, std)`` drawn from ``key`` into ``param``; a meta tensor has no data to fill."""
-    if param.is_meta:
-        return
-    shape = tuple(param.shape)
-    found = _drawn(shape, std, key, lambda: _normal(shape, std, torch.float32, *key))
-    with torch.no_grad():
-        param.copy_(mean + found)
-
-
-def _fill_rows(packed: torch.Tensor, std: float, first: int, *key: object) -> None:
-    """Write row ``i`` of ``packed`` as :func:`_fill` writes expert ``first + i``'s weight (``key`` with the expert id
-    before its last part), through one kept block: at 256 experts a row at a time was most of a packed build."""
-    if packed.is_meta or not packed.shape[0]:
-        return
-    shape, row = tuple(packed.shape), tuple(packed.shape[1:])
-
-    def stack() -> torch.Tensor:  # each row drawn in place as _normal draws it, or copied where _fill kept it
-        block = torch.empty(shape, dtype=torch.float32)
-        generator = torch.Generator()  # manual_seed resets all of its state: one generator serves every row
-        kept: dict[int, torch.Tensor] = {}
-        for i in range(shape[0]):
-            ids = (*key[:-1], first + i, key[-1])
-            found = _DRAWN.get((row, std, ids))
-            if found is not None:
-                kept[i] = found
-            else:
-                block[i].normal_(generator=generator.manual_seed(stable_seed(*ids)))
-        block.mul_(std)  # as _normal scales its draw
-        for i, found in kept.items():
-            block[i] = found
-        return block
-
-    found = _drawn(shape, std, ("rows", first, *key), stack)
-    with torch.no_grad():
-        packed.copy_(found)
+def fused_half(t: torch.Tensor, order: str, half: int) -> torch.Tensor:
+    """The gate (``half=0``) or up (``half=1``) rows of a fused weight's local rows, ``[n, h,
+    dim]``: a view (strided for ``"interleaved"``), so it reads and writes the fused weight
+    itself."""
+    return fused_frame(t, order).select(HALF_AXIS[order], half)
 
 
 def _act(up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -171,7 +184,7 @@ class MoEMLP(nn.Module):
     """Router over all experts, optional shared expert, and this rank's routed experts.
 
     ``name`` is the layer's name in its model; with ``seed`` it fixes every weight, so the same
-    ``(seed, name)`` gives the same global experts at every EP degree and in both forms.
+    ``(seed, name)`` gives the same global experts at every EP degree and in every form.
 
     After :func:`~reference_impl.parallelize.apply_expert_parallel` the module holds experts
     ``local_expert_start`` to ``local_expert_start + num_local_experts`` of ``num_experts``.  Its forward
@@ -187,6 +200,8 @@ class MoEMLP(nn.Module):
         #: the layer's global index in its model (a pipeline stage's first block may be layer 2).
         self.layer = 0
         self.kind = config.kind
+        #: a fused layer's row order (read by fused layers only).
+        self.fused_order = config.fused_order
         self.activation = config.activation
         self.top_k = config.top_k
         self.num_experts = config.num_experts
@@ -200,8 +215,10 @@ class MoEMLP(nn.Module):
         self.etp_mesh: Any = None
 
         E, dim, hidden, dtype = config.num_experts, config.dim, config.hidden, config.dtype
-        self.router = nn.Linear(dim, E, bias=False, dtype=dtype)
-        self.shared = ExpertMLP(dim, hidden, config.activation, dtype) if config.shared_expert else None
+        self.router = Router(dim, E, dtype, expert_bias=config.expert_bias)
+        shared_hidden = hidden if config.shared_hidden is None else config.shared_hidden
+        self.shared = (ExpertMLP(dim, shared_hidden, config.activation, dtype)
+                       if config.shared_expert else None)
         if config.kind == "unpacked":
             self.experts = nn.ModuleList(ExpertMLP(dim, hidden, config.activation, dtype) for _ in range(E))
         else:
@@ -212,50 +229,69 @@ class MoEMLP(nn.Module):
     def _packed_shapes(self) -> dict[str, tuple[int, int, int]]:
         c = self.config
         shapes = {"up_w": (c.num_experts, c.hidden, c.dim), "down_w": (c.num_experts, c.dim, c.hidden)}
+        if c.kind == "fused":
+            return {FUSED_WEIGHT: (c.num_experts, 2 * c.hidden, c.dim), "down_w": shapes["down_w"]}
         if c.activation == "swiglu":
             shapes = {"gate_w": (c.num_experts, c.hidden, c.dim), **shapes}
         return shapes
 
     def packed_weights(self) -> list[str]:
-        """Names of the packed expert Parameters (empty for the unpacked form)."""
-        return [w for w in PACKED_WEIGHTS if w in self._parameters] if self.kind == "packed" else []
+        """Names of the packed expert Parameters, in registration order (``gate_up_w``, ``down_w``
+        for the fused form; empty for the unpacked form)."""
+        return [] if self.kind == "unpacked" else list(self._packed_shapes())
 
     def expert_parameters(self) -> list[nn.Parameter]:
-        """Every expert Parameter of this layer in either form: each expert's linears, or the packed weights."""
+        """Every expert Parameter of this layer in any form: each expert's linears, or the packed
+        weights."""
         if self.kind == "unpacked":
             return list(self.experts.parameters())
         return [getattr(self, w) for w in self.packed_weights()]
 
     def expert_weight(self, expert: int, linear: str) -> torch.Tensor:
-        """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in either form.
+        """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in any form: for the
+        fused form a view of its half of ``gate_up_w`` (:func:`fused_half`).
 
         Under expert tensor parallelism it is this rank's shard of the hidden axis (a plain tensor).
         """
         if self.kind == "unpacked":
             return _local(getattr(self.experts[expert], linear).weight)
-        return _local(getattr(self, f"{linear}_w"))[expert]
+        return self._packed_rows(linear)[expert]
+
+    def _packed_rows(self, linear: str) -> torch.Tensor:
+        """This rank's rows of the packed ``linear`` weight, ``[n, ...]``; a fused layer's gate or
+        up half."""
+        if self.kind == "fused" and linear in ("gate", "up"):
+            half = ("gate", "up").index(linear)
+            return fused_half(_local(getattr(self, FUSED_WEIGHT)), self.fused_order, half)
+        return _local(getattr(self, f"{linear}_w"))
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Give every weight its deterministic value (global expert ids, so any EP split agrees)."""
         c = self.config
-        _fill(self.router.weight, c.init_std, seed, self.name, "router.weight")
+        fill(self.router.weight, c.init_std, seed, self.name, "router.weight")
+        self.router.reset_expert_bias(c.init_std, seed, self.name, "router.expert_bias")
         if self.shared is not None:
             for pname, p in self.shared.named_parameters():
-                _fill(p, c.init_std, seed, self.name, "shared", pname)
+                fill(p, c.init_std, seed, self.name, "shared", pname)
         linears = ("gate", "up", "down") if c.activation == "swiglu" else ("up", "down")
-        if self.kind == "packed":
+        if self.kind != "unpacked":  # a fused layer's halves take the packed gate's and up's values
             for linear in linears:
-                _fill_rows(_local(getattr(self, f"{linear}_w")), c.init_std, self.local_expert_start, seed, self.name,
-                           "expert", linear)
+                fill_rows(self._packed_rows(linear), c.init_std, self.local_expert_start, seed,
+                          self.name, "expert", linear)
             return
         for i in range(self.num_local_experts):
             g = self.local_expert_start + i
             for linear in linears:
                 w = self.expert_weight(i, linear)
-                _fill(w, c.init_std, seed, self.name, "expert", g, linear)
+                fill(w, c.init_std, seed, self.name, "expert", g, linear)
 
     def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``i`` on ``x``.  A fused layer multiplies by each half of its row (views) as
+        the packed form multiplies by ``gate_w`` and ``up_w``, so the two forms agree bit for bit:
+        one product with all ``2h`` rows would be one GEMM, as frameworks run it, but a GEMM of
+        another width may sum in another order (torch 2.13's CPU kernels do, in the last bits), and
+        the reference is the truth the others are held to."""
         if self.kind == "unpacked":
             return self.experts[i](x)
         gate = F.linear(x, self.expert_weight(i, "gate")) if self.activation == "swiglu" else None
@@ -263,9 +299,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = self.router(tokens).float().softmax(dim=-1)
-        top_w, top_i = probs.topk(self.top_k, dim=-1)
-        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(tokens.dtype)
+        top_w, top_i = self.router.route(tokens, self.top_k)
         groups = [mesh.get_group() for mesh, size in ((self.etp_mesh, self.etp_world_size),
                                                       (self.ep_mesh, self.ep_world_size)) if size > 1]
         if not groups:
@@ -299,7 +333,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(config.dim, dtype=config.dtype)
         self.moe = MoEMLP(config, name=f"{name}.moe", seed=seed)
-        _fill(self.norm.weight, config.init_std, seed, name, "norm", mean=1.0)
+        fill(self.norm.weight, config.init_std, seed, name, "norm", mean=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x))
@@ -329,8 +363,51 @@ class Layers(nn.ModuleDict):
         return sorted(int(k) for k in self._modules)
 
 
+class MTPLayer(MoEBlock):
+    """One multi-token-prediction depth (``mtp.{i}``), DeepSeek-V3's MTP module made small, with
+    torchtitan's names (``torchtitan/models/deepseek_v3/mtp.py``): ``eh_proj(cat(enorm(inputs),
+    hnorm(hidden)))`` ``[dim, 2 * dim]``, then a MoE block (``norm``, ``moe``: the attention this
+    model has nowhere is left out), then ``mtp_norm``.
+
+    ``hidden`` is the main stack's last hidden state (before its final norm) for depth 0 and the
+    previous depth's output after it; ``inputs`` are this depth's inputs, the model's inputs shifted
+    by ``i + 1`` tokens (:func:`mtp_inputs`, the stand-in for the embeddings of the tokens ``i + 1``
+    ahead).  Its MoE layer is global layer ``num_layers + i`` (``MoEMLP.layer``), its experts split
+    like any layer's.
+    """
+
+    def __init__(self, config: MoEConfig, index: int, layer: int, seed: int) -> None:
+        name = f"mtp.{index}"
+        super().__init__(config, name, seed)
+        self.moe.layer = layer
+        dim, dtype = config.dim, config.dtype
+        self.enorm = nn.RMSNorm(dim, dtype=dtype)
+        self.hnorm = nn.RMSNorm(dim, dtype=dtype)
+        self.eh_proj = nn.Linear(2 * dim, dim, bias=False, dtype=dtype)
+        self.mtp_norm = nn.RMSNorm(dim, dtype=dtype)
+        for part in ("enorm", "hnorm", "mtp_norm"):
+            fill(getattr(self, part).weight, config.init_std, seed, name, part, mean=1.0)
+        fill(self.eh_proj.weight, config.init_std, seed, name, "eh_proj")
+
+    def forward(  # type: ignore[override]
+            self, hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.enorm(inputs), self.hnorm(hidden)], dim=-1))
+        return self.mtp_norm(super().forward(h))
+
+
+def mtp_inputs(inputs: torch.Tensor, depth: int) -> torch.Tensor:
+    """``inputs`` ``[..., tokens, dim]`` shifted ``depth`` tokens ahead, the last ``depth``
+    tokens zeros (as torchtitan's ``roll_mtp_sequence`` fills the tail): the inputs of MTP depth
+    ``depth - 1``."""
+    tokens = inputs.shape[-2]
+    kept = inputs.narrow(-2, min(depth, tokens), tokens - min(depth, tokens))
+    tail = inputs.new_zeros((*inputs.shape[:-2], tokens - kept.shape[-2], inputs.shape[-1]))
+    return torch.cat([kept, tail], dim=-2)
+
+
 class MoEModel(nn.Module):
-    """``num_layers`` MoE blocks and a final norm: enough model for more than one MoE layer."""
+    """``num_layers`` MoE blocks and a final norm, then ``config.mtp_layers`` MTP layers (``mtp``,
+    or ``None``)."""
 
     def __init__(self, config: MoEConfig, num_layers: int, seed: int = 0) -> None:
         super().__init__()
@@ -342,13 +419,50 @@ class MoEModel(nn.Module):
         self.norm: nn.Module | None = nn.RMSNorm(config.dim, dtype=config.dtype)
         #: which pipeline stage of how many this model is (0 of 1: the whole model; see apply_pipeline).
         self.stage, self.num_stages = 0, 1
-        _fill(self.norm.weight, config.init_std, seed, "norm", mean=1.0)
+        fill(self.norm.weight, config.init_std, seed, "norm", mean=1.0)
+        #: the MTP layers under their depth (``mtp.0``), held by the last pipeline stage only; None
+        #: without any.
+        self.mtp: Layers | None = None
+        if config.mtp_layers:
+            self.mtp = Layers({str(i): MTPLayer(config, i, num_layers + i, seed)
+                               for i in range(config.mtp_layers)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The held blocks in layer order, then the final norm where this model (or stage) holds it."""
+    @overload
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None, *,
+                with_mtp: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None, *,
+                with_mtp: Literal[True]) -> list[torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None, *,
+                with_mtp: bool = False) -> torch.Tensor | list[torch.Tensor]:
+        """The held blocks in layer order, then the final norm where this model (or stage) holds it.
+
+        ``with_mtp=True`` returns ``[output, mtp_0, mtp_1, ...]``: the output, then each MTP depth's
+        output where this model (the last stage) holds the MTP layers -- ``[output]`` elsewhere.
+        The MTP layers read the main stack's last hidden state and the model's ``inputs``: ``x``
+        itself on a whole model or the first stage, which the caller passes on the last stage of a
+        pipeline (it receives activations, not the inputs).
+        """
+        first = x
         for layer in self.layers:
             x = layer(x)
-        return x if self.norm is None else self.norm(x)
+        out = x if self.norm is None else self.norm(x)
+        if not with_mtp:
+            return out
+        outputs = [out]
+        if self.mtp is not None:
+            if inputs is None and self.stage != 0:
+                raise ValueError(f"pipeline stage {self.stage} holds the MTP layers, which read "
+                                 f"the model's inputs; pass them as forward(x, inputs, "
+                                 f"with_mtp=True)")
+            inputs = first if inputs is None else inputs
+            hidden = x
+            for depth, layer in enumerate(self.mtp, 1):
+                hidden = layer(hidden, mtp_inputs(inputs, depth))
+                outputs.append(hidden)
+        return outputs
 
 
 def build_model(config: MoEConfig, num_layers: int = 2, seed: int = 0) -> MoEModel:

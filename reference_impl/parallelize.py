@@ -15,17 +15,25 @@ weights sharded over the ``etp`` mesh dim on the hidden axis, the forward still 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from reference_impl.layout import expert_range, stage_layers
+from reference_impl.layout import expert_range, mtp_stage, stage_layers
 from reference_impl.meshes import sliced
-from reference_impl.model import MoEMLP, MoEModel, moe_modules
+from reference_impl.model import (
+    FUSED_HIDDEN_AXIS,
+    FUSED_WEIGHT,
+    MoEMLP,
+    MoEModel,
+    fused_frame,
+    moe_modules,
+)
 
-__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp", "apply_pipeline", "pipeline_forward"]
+__all__ = ["HIDDEN_AXIS", "apply_expert_parallel", "apply_fsdp", "apply_pipeline",
+           "pipeline_forward", "pipeline_outputs"]
 
 
 #: the tensor axis that expert tensor parallelism splits, per expert weight: the hidden axis
@@ -45,8 +53,9 @@ def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
     With an ``etp`` dim of size > 1 (expert tensor parallelism) every expert weight also becomes a
     DTensor Parameter sharded over ``device_mesh["etp"]`` on its hidden axis (:data:`HIDDEN_AXIS`;
     ``up``/``gate`` column-parallel, ``down`` row-parallel), as DTensor's ``Shard`` splits it; the
-    forward sums the partial outputs over etp.  Without ``ep``/``etp`` dims, or with both of size
-    1, nothing changes.
+    forward sums the partial outputs over etp.  A fused ``gate_up_w`` is sharded in its frame
+    (:func:`~reference_impl.model.fused_frame`), see :func:`_split_hidden`.  Without ``ep``/``etp``
+    dims, or with both of size 1, nothing changes.
     """
     names = getattr(device_mesh, "mesh_dim_names", None) or ()
     ep_mesh = sliced(device_mesh, ("ep",)) if "ep" in names else None
@@ -78,7 +87,20 @@ def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
 
 
 def _split_hidden(moe: MoEMLP, etp_mesh: Any) -> None:
-    """Shard every expert weight of ``moe`` over ``etp_mesh`` on its hidden axis (no communication)."""
+    """Shard every expert weight of ``moe`` over ``etp_mesh`` on its hidden axis (no communication).
+
+    A fused ``gate_up_w`` ``[E, 2h, dim]`` becomes a DTensor of its frame, ``[E, 2, h, dim]``
+    (concatenated) or ``[E, h, 2, dim]`` (interleaved) -- a free reshape of the contiguous weight --
+    sharded on the hidden axis there (:data:`~reference_impl.model.FUSED_HIDDEN_AXIS`).  A plain
+    ``Shard`` then splits each half on its own: every etp rank holds the same hidden rows of gate
+    and of up, the pairs SwiGLU multiplies.  ``Shard(1)`` of the fused axis itself would give etp
+    rank 0 of 2 all of gate and rank 1 all of up under the concatenated order (the bug transformers
+    PR #48823 fixed), and split a gate/up pair whenever the etp degree does not divide ``h`` under
+    the interleaved one; and no other DTensor placement says "the same rows of each half"
+    (``_StridedShard`` is an FSDP-over-TP record that DCP does not save as one region).  Its local
+    shard ``[n, 2, h/etp, dim]`` is, read as ``[n, 2h/etp, dim]``, the fused weight of an expert
+    with ``h/etp`` hidden rows in the same order, which the forward multiplies as it is.
+    """
     from torch.distributed.tensor import Shard, distribute_tensor
 
     def shard(full: torch.Tensor, axis: int) -> nn.Parameter:
@@ -94,7 +116,13 @@ def _split_hidden(moe: MoEMLP, etp_mesh: Any) -> None:
                     module.weight = shard(module.weight, axis)
     else:
         for weight in moe.packed_weights():
-            setattr(moe, weight, shard(getattr(moe, weight), HIDDEN_AXIS[weight[:-2]] + 1))
+            full = getattr(moe, weight)
+            if weight == FUSED_WEIGHT:
+                framed = nn.Parameter(fused_frame(full.detach(), moe.fused_order),
+                                      requires_grad=full.requires_grad)
+                setattr(moe, weight, shard(framed, FUSED_HIDDEN_AXIS[moe.fused_order]))
+            else:
+                setattr(moe, weight, shard(full, HIDDEN_AXIS[weight[:-2]] + 1))
     moe.etp_world_size, moe.etp_mesh = etp_mesh.size(), etp_mesh
 
 
@@ -123,8 +151,11 @@ def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
 
 
 def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
-    """Keep pipeline stage ``stage`` of ``pp``: its blocks (:func:`reference_impl.layout.stage_layers`, the one stage
-    rule) under their global names, and the final norm on the last stage only.  Apply it before the EP split.
+    """Keep pipeline stage ``stage`` of ``pp``: its blocks
+    (:func:`reference_impl.layout.stage_layers`, the one stage rule) under their global names, the
+    final norm on the last stage only, and the MTP layers (``mtp.{i}``) on the stage
+    :func:`reference_impl.layout.mtp_stage` names, the last (they read the main stack's last hidden
+    state and feed the output head).  Apply it before the EP split.
 
     Nothing is copied or renamed: the stage's state dict is the whole model's restricted to its layers, so a
     checkpoint of the stages together holds what the pp=1 model's does (the layer's twin of
@@ -139,6 +170,8 @@ def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
             del model.layers[str(index)]
     if stage != pp - 1:
         model.norm = None
+    if stage != mtp_stage(pp):
+        model.mtp = None
     model.stage, model.num_stages = stage, pp
     return model
 
@@ -150,6 +183,14 @@ def pipeline_forward(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     output goes back to every stage, so each rank returns the whole model's output.  Plain send/recv -- a schedule
     without micro-batches, enough to check that the stages together compute the pp=1 forward.  Activations keep
     ``x``'s shape (residual blocks)."""
+    return pipeline_outputs(lambda h: [run(h)], x, pp_group, stage, 1)[0]
+
+
+def pipeline_outputs(run: Callable[[torch.Tensor], Sequence[torch.Tensor]], x: torch.Tensor,
+                     pp_group: Any, stage: int, outputs: int) -> list[torch.Tensor]:
+    """:func:`pipeline_forward` where the last stage gives ``outputs`` tensors of ``x``'s shape (the
+    output and each MTP depth's: ``run = lambda h: model(h, inputs, with_mtp=True)``) and every rank
+    returns them all.  ``run`` returns a sequence: the activations alone on every other stage."""
     import torch.distributed as dist
 
     stages = dist.get_world_size(pp_group)
@@ -159,9 +200,14 @@ def pipeline_forward(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     if stage > 0:
         x = torch.empty_like(x)
         dist.recv(x, src=peer[stage - 1], group=pp_group)
-    out = run(x)
+    got = list(run(x))
     if stage < stages - 1:
-        dist.send(out.contiguous(), dst=peer[stage + 1], group=pp_group)
-        out = torch.empty_like(out)
+        dist.send(got[0].contiguous(), dst=peer[stage + 1], group=pp_group)
+        out = torch.empty((outputs, *got[0].shape), dtype=got[0].dtype, device=got[0].device)
+    elif len(got) != outputs:
+        raise ValueError(f"pipeline_outputs: the last stage gave {len(got)} outputs, expected "
+                         f"{outputs}")
+    else:
+        out = torch.stack(got)
     dist.broadcast(out, src=peer[-1], group=pp_group)
-    return out
+    return list(out.unbind(0))

@@ -23,10 +23,20 @@ from torch import nn
 
 from reference_impl.memo import Memo
 from reference_impl.meshes import sliced
-from reference_impl.model import PACKED_WEIGHTS, MoEMLP, _normal, moe_layers, named_parameters
+from reference_impl.model import (
+    FUSED_WEIGHT,
+    HALF_AXIS,
+    PACKED_WEIGHTS,
+    MoEMLP,
+    fused_frame,
+    moe_layers,
+    moe_modules,
+    named_parameters,
+)
+from reference_impl.weights import normal, stable_seed
 
 __all__ = ["GlobalRegion", "RegionError", "block_region", "global_regions", "local_region", "packed_rows",
-           "set_deterministic_grads"]
+           "set_deterministic_grads", "set_deterministic_loads"]
 
 
 class RegionError(ValueError):
@@ -158,6 +168,11 @@ class GlobalRegion:
     ``region`` the slices of that tensor this rank's ``local`` holds.  ``experts`` is the layer
     name (``"layers.0.moe"``) when the parameter is a packed expert weight, whose dim 0 is the
     expert axis and whose row ``g`` is ``{experts}.experts.{g}.{linear}.weight`` unpacked.
+
+    A fused ``gate_up_w`` (``fused_order`` set) is read in its frame, ``[E, 2, h, dim]`` or ``[E, h,
+    2, dim]`` (:func:`~reference_impl.model.fused_frame`): ``global_shape`` and ``region`` are the
+    frame's, where each half's shard is one region (in ``[E, 2h, dim]`` an etp rank's rows are two),
+    and :meth:`mine` and :meth:`of` read a tensor in that frame.
     """
 
     name: str
@@ -165,11 +180,24 @@ class GlobalRegion:
     region: tuple[slice, ...]
     param: nn.Parameter
     experts: str | None = None
+    fused_order: str | None = None
 
     @property
     def local(self) -> torch.Tensor:
-        """The rank's own data of ``param`` (FSDP's shard without padding, or the tensor itself)."""
-        return local_region(self.param)[0]
+        """The rank's own data of ``param`` (FSDP's shard without padding, or the tensor itself), in
+        its frame."""
+        return self.mine(self.param)
+
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's data of ``t``, ``param`` or a tensor held as it is (an optimizer moment), in
+        the frame of ``region`` (a view)."""
+        local = local_region(t)[0]
+        return local if self.fused_order is None else fused_frame(local, self.fused_order)
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's region of ``full``, the ep=1 tensor named ``name`` (or one held as it is)."""
+        framed = full if self.fused_order is None else fused_frame(full, self.fused_order)
+        return framed[self.region]
 
 
 def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
@@ -183,7 +211,7 @@ def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
         local, found = local_region(p)
         shape = list(p.shape)
         region = list(found) if found is not None else [slice(0, n) for n in local.shape]
-        moe, experts = owners.get(id(p)), None
+        moe, experts, fused = owners.get(id(p)), None, None
         if moe is not None:
             prefix = prefixes[id(moe)]
             head = f"{prefix}." if prefix else ""
@@ -191,34 +219,79 @@ def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
             if rest[0] == "experts":  # unpacked: experts.{i}.{linear}.weight -> global expert id
                 rest[1] = str(moe.local_expert_start + int(rest[1]))
                 fqn = head + ".".join(rest)
-            elif rest[0] in PACKED_WEIGHTS:
+            elif rest[0] in PACKED_WEIGHTS or rest[0] == FUSED_WEIGHT:
                 experts = prefix
+                if rest[0] == FUSED_WEIGHT:
+                    fused = moe.fused_order
+                    shape, region = _in_frame(fqn, fused, shape, region)
                 shape[0] = moe.num_experts
                 start = moe.local_expert_start + region[0].start
                 region[0] = slice(start, start + local.shape[0])
-        yield GlobalRegion(fqn, tuple(shape), tuple(region), p, experts)
+        yield GlobalRegion(fqn, tuple(shape), tuple(region), p, experts, fused)
+
+
+def _in_frame(name: str, order: str, shape: list[int],
+              region: list[slice]) -> tuple[list[int], list[slice]]:
+    """A fused weight's shape and region ``[E, 2h, dim]`` in its frame; a frame's (4-D) as they
+    are."""
+    if len(shape) == 4:
+        return shape, region
+    if (region[1].start, region[1].stop) != (0, shape[1]):
+        raise ValueError(f"{name}: this rank holds rows {region[1].start}:{region[1].stop} of "
+                         f"the fused gate/up axis of {shape[1]}; a shard of it mixes gate and up "
+                         f"(shard the weight in its frame)")
+    framed = list(fused_frame(torch.empty(shape, device="meta"), order).shape)
+    return framed, [region[0], *(slice(0, n) for n in framed[1:3]), region[2]]
 
 
 def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
     """Set every gradient to a pure function of ``(seed, step, ep=1 unpacked name)``, sliced to this rank.
 
-    A model at any layout (ep, etp, FSDP/HSDP) and of either kind then takes the same optimizer
-    step as an ep=1 model -- a packed row gets the gradient its unpacked expert gets -- and every
-    expert's moments differ from every other's.
+    A model at any layout (ep, etp, FSDP/HSDP) and of any kind then takes the same optimizer step as
+    an ep=1 model -- a packed row, and each half of a fused row, gets the gradient its unpacked
+    expert's weight gets -- and every expert's moments differ from every other's.
     """
     from torch.distributed.tensor import DTensor
 
     for piece in global_regions(model):
         if piece.experts is not None:  # packed: one draw per expert, under its unpacked name
             head, linear = f"{piece.experts}." if piece.experts else "", piece.name.rsplit(".", 1)[-1][:-2]
-            full = torch.stack([_normal(piece.global_shape[1:], 1.0, piece.param.dtype, seed, step,
-                                        f"{head}experts.{g}.{linear}.weight", "grad")
-                                for g in range(piece.global_shape[0])])
+            order, shape = piece.fused_order, piece.global_shape
+            linears = (linear,) if order is None else ("gate", "up")  # a fused row: gate, up
+            halves = 0 if order is None else HALF_AXIS[order]
+            row = tuple(n for i, n in enumerate(shape) if i not in (0, halves))  # one expert's
+            draws = torch.stack([torch.stack([normal(row, 1.0, piece.param.dtype, seed, step,
+                                                     f"{head}experts.{g}.{name}.weight", "grad")
+                                              for name in linears])
+                                 for g in range(shape[0])])  # [E, linears, *row]
+            full = (draws[:, 0] if order is None else draws if order == "concatenated"
+                    else draws.transpose(1, 2))
         else:
-            full = _normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name, "grad")
-        grad = full[piece.region].clone()
+            full = normal(piece.global_shape, 1.0, piece.param.dtype, seed, step, piece.name,
+                          "grad")
         p = piece.param
+        grad = full[piece.region].reshape(local_region(p)[0].shape)
+        grad = grad.clone(memory_format=torch.contiguous_format)
         if isinstance(p, DTensor):
             grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
                                       shape=p.shape, stride=p.stride())
         p.grad = grad
+
+
+@torch.no_grad()
+def set_deterministic_loads(model: nn.Module, seed: int, step: int) -> int:
+    """Write into every expert-bias router's ``tokens_per_expert`` a load that is a pure function of
+    ``(seed, step, layer name)``, whole on every rank (the routers are replicated); how many
+    routers.  Loads are whole numbers in ``[0, 64)``: some experts over the mean, some under, so
+    :func:`~reference_impl.router.update_expert_bias` moves every bias.  The synthetic loads a
+    training step on synthetic gradients sets, as the matrix sets its own."""
+    routers = 0
+    for moe in moe_modules(model):
+        router = moe.router
+        if router.has_expert_bias:
+            key = stable_seed(seed, step, moe.name, "tokens_per_expert")
+            generator = torch.Generator().manual_seed(key)
+            load = torch.randint(0, 64, (moe.num_experts,), generator=generator)
+            router.tokens_per_expert.copy_(load)
+            routers += 1
+    return routers

@@ -93,13 +93,14 @@ def assert_matches_reference(model: nn.Module, optimizer: torch.optim.Optimizer 
     for piece in global_regions(model):
         where = f"{case} rank {rank}: {piece.name} rows {piece.region[0].start}:{piece.region[0].stop}"
         got = piece.local
-        expected = params[piece.name][piece.region]
+        expected = piece.of(params[piece.name])  # a fused weight is read in its frame, both sides
         assert got.shape == expected.shape, f"{where}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
         assert torch.equal(bits(got), bits(expected)), f"{where}: weights differ from the ep=1 run's"
         if optimizer is not None:
             state, ref_state = optimizer.state[piece.param], states[piece.name]
             for moment in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(bits(local(state[moment])), bits(ref_state[moment][piece.region])), (
+                got_moment, ref_moment = piece.mine(state[moment]), piece.of(ref_state[moment])
+                assert torch.equal(bits(got_moment), bits(ref_moment)), (
                     f"{where}: {moment} differs from the ep=1 run's")
             assert float(state["step"]) == float(ref_state["step"]) == 2.0, (
                 f"{where}: step {float(state['step'])} != {float(ref_state['step'])}")

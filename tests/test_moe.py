@@ -94,7 +94,7 @@ def test_bf16_and_meta_builds() -> None:
 
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError, match="kind"):
-        MoEConfig(kind="fused")  # type: ignore[arg-type]
+        MoEConfig(kind="grouped")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="activation"):
         MoEConfig(activation="relu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top_k"):
