@@ -4,6 +4,6 @@ Importing this package does not import torch; :func:`synthetic_grad` and :func:`
 import it when called.
 """
 
-from conformance.synthetic import synthetic_grad, synthetic_tensor, synthetic_weight
+from conformance.synthetic import synthetic_grad, synthetic_load, synthetic_tensor, synthetic_weight
 
-__all__ = ["synthetic_grad", "synthetic_tensor", "synthetic_weight"]
+__all__ = ["synthetic_grad", "synthetic_load", "synthetic_tensor", "synthetic_weight"]

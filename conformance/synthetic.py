@@ -132,6 +132,22 @@ def synthetic_weight(seed: int, layer: int | None, global_expert_id: int | None,
     return synthetic_tensor(shape, "weight", seed, layer, global_expert_id, name, scale=scale, dtype=dtype)
 
 
+def synthetic_load(seed: int, step: int, layer: int | None, num_experts: int) -> Any:
+    """The tokens each expert of ``layer``'s router was chosen for at ``step``: a float32 ``[E]`` of
+    whole numbers in ``[0, 64)``, a pure function of ``(seed, step, layer, expert)``, the same at
+    every EP degree.
+
+    An expert-bias router (auxiliary-loss-free balancing) steps its bias on these counts as a
+    training step steps weights on :func:`synthetic_grad`: an adapter writes them into the
+    framework's own counter before its optimizer step (or before calling its update), so the
+    framework's own update rule runs.  Some experts are over the mean and some under, so every step
+    moves the bias."""
+    import torch
+
+    draws = [synthetic_tensor((), "load", seed, step, layer, g) for g in range(num_experts)]
+    return torch.stack(draws).abs().mul(24).floor().clamp(max=63) if draws else torch.zeros(0)
+
+
 def synthetic_batch(dim: int, seed: int, tokens: int = 16, dtype: Any = None) -> Any:
     """A ``[tokens, dim]`` batch of hidden states for a forward check; the same on every rank."""
     return synthetic_tensor((tokens, dim), "batch", seed, dtype=dtype)
