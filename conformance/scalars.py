@@ -15,6 +15,24 @@ from typing import Any
 
 #: how deep nested training state is walked (a dict of schedulers is two levels).
 DEPTH = 4
+#: a param group's settings the scalars check compares, each group's by index (its state and
+#: hyperparameters).
+GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+#: a param group's settings that say how the optimizer computes, not what it holds: kernel choices a
+#: trainer may make per layout (the fused kernel on plain tensors, a loop where the parameters are
+#: DTensors).
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def is_configuration(name: str) -> bool:
+    """Whether a scalar's name or a checkpoint's key is the optimizer's configuration, not its
+    state: a param group's kernel choice (``optimizer.param_groups.0.fused``,
+    ``param_groups.layers.0.w1.foreach``).  The one rule the ``scalars`` and ``resume`` checks
+    (:func:`all_scalars`) and the checkpoint comparison
+    (:func:`conformance.inspection.compare.compare_indexes`) read configuration by: neither compares
+    it."""
+    parts = name.split(".")
+    return parts[-1] in KERNEL_CHOICES and "param_groups" in parts[:-1]
 
 
 def plain(value: Any) -> Any:
@@ -91,7 +109,7 @@ def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     groups = [g for optim in optimizers_of(optimizer) for g in optim.param_groups]
     for i, group in enumerate(groups):
-        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        for name in GROUP_SETTINGS:
             if name in group:
                 value = group[name]
                 found[f"param_groups.{i}.{name}"] = (list(value) if isinstance(value, tuple) else
@@ -108,7 +126,8 @@ def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
     extra = state_scalars(b.state)
     if extra:
         found = {**(found or {}), **extra}
-    return found
+    return None if found is None else {k: v for k, v in found.items() if not is_configuration(k)}
 
 
-__all__ = ["all_scalars", "optimizer_state", "optimizers_of", "plain", "state_scalars", "torch_optimizer_scalars"]
+__all__ = ["GROUP_SETTINGS", "KERNEL_CHOICES", "all_scalars", "is_configuration", "optimizer_state",
+           "optimizers_of", "plain", "state_scalars", "torch_optimizer_scalars"]
