@@ -76,9 +76,17 @@ def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return found
 
 
+def _is_torch_optimizer(obj: Any) -> bool:
+    """A ``torch.optim.Optimizer`` by its shape (no torch import: the controller reads this module
+    too)."""
+    return (isinstance(getattr(obj, "param_groups", None), list)
+            and isinstance(getattr(obj, "state", None), Mapping))
+
+
 def optimizers_of(optimizer: Any) -> list[Any]:
-    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, torchtitan's ``optimizers``,
-    Megatron's ``chained_optimizers``), in order; ``[]`` for ``None``."""
+    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, torchtitan's
+    ``optimizers``, Megatron's ``chained_optimizers``, or a trainer's own object holding them as
+    attributes under any name), in order; ``[]`` for ``None``."""
     if optimizer is None:
         return []
     if isinstance(optimizer, Mapping):
@@ -89,7 +97,22 @@ def optimizers_of(optimizer: Any) -> list[Any]:
         inner = getattr(optimizer, attr, None)
         if isinstance(inner, (list, tuple)):
             return [o for value in inner for o in optimizers_of(value)]
+    if not _is_torch_optimizer(optimizer) and hasattr(optimizer, "__dict__"):
+        # a trainer's own container: the optimizers among its attributes, whatever their names
+        held = [o for value in vars(optimizer).values() for o in _held_optimizers(value)]
+        if held:
+            return held
     return [optimizer]
+
+
+def _held_optimizers(value: Any) -> list[Any]:
+    """The torch optimizers an attribute of a container is, or holds in a list or dict (one level).
+    """
+    if _is_torch_optimizer(value):
+        return [value]
+    items = (value.values() if isinstance(value, Mapping) else
+             value if isinstance(value, (list, tuple)) else ())
+    return [o for o in items if _is_torch_optimizer(o)]
 
 
 def optimizer_state(optimizer: Any) -> dict[Any, Any]:
