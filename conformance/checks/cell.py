@@ -25,7 +25,7 @@ from typing import Any
 
 from conformance import findings as F
 from conformance.adapter import AdapterError, Built, Spec, built
-from conformance.checks import artifact, completeness, refusal, resume, save_plan, saved
+from conformance.checks import artifact, completeness, load_plan, refusal, resume, save_plan, saved
 from conformance.checks.blame import LoadFailed, load_errors, load_failed, located, original, raised_where
 from conformance.checks.held import settle
 from conformance.checks.layout import LayoutMismatch, check_layout
@@ -316,7 +316,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
         return verdict  # the later checks' collectives may not pair after a lossy load
     evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
     try:
-        adapter.load(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+        with load_plan.recorded():  # what the load asked for travels with what it raises
+            adapter.load(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
     except load_errors() as exc:
         raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3
