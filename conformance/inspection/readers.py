@@ -58,8 +58,7 @@ def _inside(root: Path, file: Path, named: str = "") -> Path:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """The index of the checkpoint at (or below: :func:`find_checkpoint`) ``path``, either format.
-    """
+    """The index of the checkpoint at (or below: :func:`find_checkpoint`) ``path``."""
     p = Path(path)
     if p.is_file() and p.name == ".metadata":
         p = p.parent
@@ -164,8 +163,7 @@ def _dtype_of(props: Any) -> str:
 
 
 def read_dcp(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """Every key of a DCP checkpoint (at or below ``path``) from ``.metadata``: shape, dtype,
-    chunks."""
+    """Every key of a DCP checkpoint (at or below ``path``) from ``.metadata``."""
     with paused_gc():
         return _read_dcp(find_checkpoint(path))
 
