@@ -43,6 +43,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "keys); rarely needed: the matrix learns expert keys from the ep=1 checkpoint's content")
     group.addoption("--moe-ep-report", dest="moe_ep_report", default=None, metavar="DIR",
                     help="write moe-ep-conformance.json and .md into DIR")
+    group.addoption("--moe-ep-keep-checkpoints", dest="moe_ep_keep_checkpoints", default=None,
+                    metavar="DIR", help="keep each cell's checkpoints (its save's and the ep=1 "
+                    "truth's) in DIR/<cell id>/save and .../truth, to check a verdict by hand "
+                    "(hard links where the filesystem allows)")
     ini_and_option(parser, "expectations", "an expectations file (TOML): per cell id or pattern, the finding a "
                    "red cell is expected to have (silent, on-disk, refused, error) or pass, and why; a cell that "
                    "matches is xfailed, one worse or better than expected fails (docs/matrix.md#expectations)")
@@ -69,3 +73,20 @@ def pytest_configure(config: pytest.Config) -> None:
     from conformance.session import MatrixSession
 
     config.pluginmanager.register(MatrixSession.from_config(config), MatrixSession.NAME)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """``--moe-ep-keep-checkpoints`` reaches the matrix's saves once the matrix session has made
+    them."""
+    keep = session.config.getoption("moe_ep_keep_checkpoints", None)
+    if not keep:
+        return
+    from pathlib import Path
+
+    from conformance.session import MatrixSession
+
+    matrix = session.config.pluginmanager.get_plugin(MatrixSession.NAME)
+    saves = getattr(getattr(matrix, "context", None), "saves", None)
+    if saves is not None:
+        saves.keep = Path(keep).resolve()

@@ -111,6 +111,37 @@ def _empty(path: str) -> None:
                     child.unlink()
 
 
+def kept_name(node_name: str) -> str:
+    """A cell's node id as one directory name: ``checkpoint::packed::model::ep-only::E5::ep2->ep4``
+    is ``checkpoint.packed.model.ep-only.E5.ep2-to-ep4`` (any other character outside
+    ``[A-Za-z0-9._+-]``: ``_``)."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", node_name.replace("::", ".").replace("->", "-to-"))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the filesystem allows one (a save many cells read is kept once on disk),
+    else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def keep_checkpoints(where: Path, **checkpoints: str | None) -> None:
+    """Keep each of ``checkpoints`` (name -> directory) under ``where/<name>``; one that could not
+    be kept is a warning naming it, not the cell's failure."""
+    import warnings
+
+    for name, path in checkpoints.items():
+        if not path or not os.path.isdir(path):
+            continue
+        try:
+            shutil.copytree(path, where / name, copy_function=_link_or_copy, dirs_exist_ok=True)
+        except (OSError, shutil.Error) as exc:
+            warnings.warn(f"--moe-ep-keep-checkpoints: could not keep {path} in {where / name}: "
+                          f"{exc}", stacklevel=2)
+
+
 def truth_key(cell: Cell) -> tuple[Any, ...]:
     return (cell.save_kind, cell.state, cell.num_experts, cell.pipeline)
 
@@ -139,6 +170,10 @@ class Saves:
     truths_wanted: bool = field(init=False, default=True)
     #: this session's id, sent with every plan.
     session: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: ``--moe-ep-keep-checkpoints``: each cell's checkpoints (its save's, its truth's) are kept
+    #: under ``keep/<the cell's id>/`` for reading offline (:func:`kept_name`); ``None``: removed as
+    #: they go.
+    keep: Path | None = None
 
     def __post_init__(self) -> None:
         self.truths_wanted = not (self.members or members_of(self.adapter)).unreadable()
@@ -167,6 +202,9 @@ class Saves:
         """After the cell's world call: ``verdict`` is rank 0's, ``None`` when the call failed."""
         findings = verdict.findings if verdict is not None else None
         entry = self.saves[_key(cell, self.share)]
+        if self.keep is not None and getattr(self.engine, "rank", 0) == 0:  # before _empty below
+            keep_checkpoints(self.keep / kept_name(cell.node_name), save=plan.path,
+                             truth=plan.truth_path)
         if plan.truth_path is not None and verdict is not None and plan.save_truth:
             truth = self.truths[truth_key(cell)]
             truth.written, truth.findings = True, verdict.truth_findings

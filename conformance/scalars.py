@@ -15,6 +15,24 @@ from typing import Any
 
 #: how deep nested training state is walked (a dict of schedulers is two levels).
 DEPTH = 4
+#: a param group's settings the scalars check compares, each group's by index (its state and
+#: hyperparameters).
+GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+#: a param group's settings that say how the optimizer computes, not what it holds: kernel choices a
+#: trainer may make per layout (the fused kernel on plain tensors, a loop where the parameters are
+#: DTensors).
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def is_configuration(name: str) -> bool:
+    """Whether a scalar's name or a checkpoint's key is the optimizer's configuration, not its
+    state: a param group's kernel choice (``optimizer.param_groups.0.fused``,
+    ``param_groups.layers.0.w1.foreach``).  The one rule the ``scalars`` and ``resume`` checks
+    (:func:`all_scalars`) and the checkpoint comparison
+    (:func:`conformance.inspection.compare.compare_indexes`) read configuration by: neither compares
+    it."""
+    parts = name.split(".")
+    return parts[-1] in KERNEL_CHOICES and "param_groups" in parts[:-1]
 
 
 def plain(value: Any) -> Any:
@@ -58,9 +76,17 @@ def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return found
 
 
+def _is_torch_optimizer(obj: Any) -> bool:
+    """A ``torch.optim.Optimizer`` by its shape (no torch import: the controller reads this module
+    too)."""
+    return (isinstance(getattr(obj, "param_groups", None), list)
+            and isinstance(getattr(obj, "state", None), Mapping))
+
+
 def optimizers_of(optimizer: Any) -> list[Any]:
-    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, torchtitan's ``optimizers``,
-    Megatron's ``chained_optimizers``), in order; ``[]`` for ``None``."""
+    """The torch optimizers in ``optimizer``: itself, or a container's (a list, a dict, torchtitan's
+    ``optimizers``, Megatron's ``chained_optimizers``, or a trainer's own object holding them as
+    attributes under any name), in order; ``[]`` for ``None``."""
     if optimizer is None:
         return []
     if isinstance(optimizer, Mapping):
@@ -71,7 +97,22 @@ def optimizers_of(optimizer: Any) -> list[Any]:
         inner = getattr(optimizer, attr, None)
         if isinstance(inner, (list, tuple)):
             return [o for value in inner for o in optimizers_of(value)]
+    if not _is_torch_optimizer(optimizer) and hasattr(optimizer, "__dict__"):
+        # a trainer's own container: the optimizers among its attributes, whatever their names
+        held = [o for value in vars(optimizer).values() for o in _held_optimizers(value)]
+        if held:
+            return held
     return [optimizer]
+
+
+def _held_optimizers(value: Any) -> list[Any]:
+    """The torch optimizers an attribute of a container is, or holds in a list or dict (one level).
+    """
+    if _is_torch_optimizer(value):
+        return [value]
+    items = (value.values() if isinstance(value, Mapping) else
+             value if isinstance(value, (list, tuple)) else ())
+    return [o for o in items if _is_torch_optimizer(o)]
 
 
 def optimizer_state(optimizer: Any) -> dict[Any, Any]:
@@ -91,7 +132,7 @@ def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     groups = [g for optim in optimizers_of(optimizer) for g in optim.param_groups]
     for i, group in enumerate(groups):
-        for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        for name in GROUP_SETTINGS:
             if name in group:
                 value = group[name]
                 found[f"param_groups.{i}.{name}"] = (list(value) if isinstance(value, tuple) else
@@ -108,7 +149,8 @@ def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
     extra = state_scalars(b.training_state)
     if extra:
         found = {**(found or {}), **extra}
-    return found
+    return None if found is None else {k: v for k, v in found.items() if not is_configuration(k)}
 
 
-__all__ = ["all_scalars", "optimizer_state", "optimizers_of", "plain", "state_scalars", "torch_optimizer_scalars"]
+__all__ = ["GROUP_SETTINGS", "KERNEL_CHOICES", "all_scalars", "is_configuration", "optimizer_state",
+           "optimizers_of", "plain", "state_scalars", "torch_optimizer_scalars"]

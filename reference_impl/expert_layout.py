@@ -269,6 +269,8 @@ class ExpertLayout:
         """
         from torch.distributed.tensor import DTensor, Shard
 
+        from reference_impl.regions import RegionError
+
         global_shape = (moe.num_experts, *value.shape[1:])
         local, region = local_region(value)
         ep_name = moe.ep_mesh.mesh_dim_names[0]
@@ -298,15 +300,26 @@ class ExpertLayout:
         # DCP places the data by the DTensor's computed local shape and offset, never the local
         # tensor's, so they must be what this rank holds or the checkpoint silently mixes rows up.
         first = moe.local_expert_start + row
+        count = local.shape[0]
+        held = (f"rows {first}..{first + count - 1}" if count else f"no rows (from {first})") + \
+            f" of {global_shape[0]}"
         try:
             _, placed = local_region(wrapped)
+        except RegionError as exc:  # what differs, once: the rows held, the shard placed
+            raise ValueError(f"{key!r}: this rank holds {held} (local shape "
+                             f"{exc.local_shape}), but DTensor {placements} on {mesh} gives it "
+                             f"shape {exc.placed_shape} at offset {exc.offset}: a split other "
+                             "than Shard(0)'s, whose rows DCP would misplace") from None
         except ValueError as exc:
-            raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, "
-                             f"but {exc}") from None
+            raise ValueError(f"{key!r}: this rank holds {held} (local shape {tuple(local.shape)}): "
+                             f"{exc}") from None
         if local.shape[0] and placed is not None and (placed[0].start != first or (
                 region is not None and placed[1:] != region[1:])):
-            raise ValueError(f"{key!r}: this rank holds rows {first}.. of shape {tuple(local.shape)}, but DTensor "
-                             f"{placements} on {mesh} places them at {placed}")
+            at = f"rows {placed[0].start}..{placed[0].stop - 1}"
+            if region is not None and placed[1:] != region[1:]:
+                at += f" and {placed[1:]} of the inner dims, not {region[1:]}"
+            raise ValueError(f"{key!r}: this rank holds {held} (local shape {tuple(local.shape)}), "
+                             f"but DTensor {placements} on {mesh} places them at {at}")
         return wrapped
 
     def _present(self, key: str, value: torch.Tensor,

@@ -352,6 +352,21 @@ def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> Non
     assert layouts == {"ep8", "ep4c", "pp2.ep4", "pp2.ep2c", "ep2.hsdp2", "ep2.etp2"}, layouts
 
 
+def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Pytester) -> None:
+    """The reference is the truth every framework is held to: a red reference cell is a false alarm
+    on all of them. Its 152-cell default tier at eight ranks (about 100 s here) reaches what four
+    ranks cannot: E=5 over ep=4 inside a pipeline stage, where the last EP rank holds no expert of
+    its stage's layers (their routers only)."""
+    out = pytester.path / "out"
+    result = run(pytester, "--moe-ep-matrix", "--moe-ep-world-size=8", f"--moe-ep-report={out}")
+    doc = report(out)
+    red = {c["id"]: c["detail"][:300] for c in doc["cells"] if c["status"] not in ("pass", "n/a")}
+    assert not red and result.ret == 0, red or result.stdout.str()[-3000:]
+    assert doc["world_size"] == 8 and len(doc["cells"]) == 152, doc["summary"]
+    assert doc["summary"]["n/a"] == 1, doc["summary"]
+    assert any(c["id"].endswith("E5::ep8->pp2.ep4") for c in doc["cells"])
+
+
 def test_a_packed_key_without_expert_in_its_name_is_still_checked(pytester: pytest.Pytester) -> None:
     """The reference's packed keys (``layers.N.moe.up_w``) hold experts although no "expert" is in the name."""
     out = pytester.path / "out"
@@ -551,3 +566,27 @@ def test_names_as_users_type_them(pytester: pytest.Pytester) -> None:
     result = run(pytester, "--moe-ep-matrix=full", "--co", "-q", "-k", "load_ep2c and save_ep2.etp2")
     ids = [line for line in result.stdout.lines if line.startswith("moe-ep-matrix::")]
     assert ids and all(i.endswith("ep2.etp2->ep2c") for i in ids), ids
+
+
+def test_each_cells_checkpoints_are_kept_for_reading_offline(pytester: pytest.Pytester) -> None:
+    """``--moe-ep-keep-checkpoints=DIR``: the save and the ep=1 truth of every cell, red ones
+    included (a failed cell's save is emptied for the next writer after it is kept), under the
+    cell's id."""
+    from conformance.inspection import inspect_checkpoint, read_checkpoint
+    from conformance.saves import kept_name
+
+    out, kept = pytester.path / "out", pytester.path / "kept"
+    run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=legacy", f"--moe-ep-report={out}",
+        f"--moe-ep-keep-checkpoints={kept}",
+        "-k", "kind_unpacked and not optim and ep-only and not E5 and not consecutive and load_ep2")
+    cells = {c["id"]: c for c in report(out)["cells"] if c["status"] != "n/a"}
+    red = {i for i, c in cells.items() if c["status"] != "pass"}
+    assert red == {i for i, c in cells.items() if c["save_ep"] == 2} and len(cells) == 2, cells
+    assert sorted(p.name for p in kept.iterdir()) == sorted(
+        kept_name(i.removeprefix("moe-ep-matrix::")) for i in cells)
+    for cell_id, cell in cells.items():
+        where = kept / kept_name(cell_id.removeprefix("moe-ep-matrix::"))
+        assert "::" not in where.name and ">" not in where.name
+        assert read_checkpoint(where / "truth").entries and read_checkpoint(where / "save").entries
+        local = [f.problem for f in inspect_checkpoint(where / "save", 4).findings]
+        assert ("local_numbering" in local) == (cell["save_ep"] == 2), (cell_id, local)

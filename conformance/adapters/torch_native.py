@@ -1,37 +1,49 @@
-"""A base for torch-native trainers' adapters: say where the experts live; keep your own build, save and load.
+"""A base for torch-native trainers' adapters: say where the experts live; keep your own build, save
+and load.
 
-Most of any adapter is four walks over the model in global expert terms: write :func:`conformance.synthetic_weight`
-into every expert by global id, set :func:`conformance.synthetic_grad` on every parameter and step, yield
-``expert_tensors`` / ``other_tensors`` with the optimizer's moments, read the optimizer's scalars.  For a trainer
-whose experts are torch parameters (torchtitan, OLMo-core, a research trainer on ``torch.distributed``) they follow
-from one fact per parameter, which :meth:`TorchNativeAdapter.identify` (``model, fqn, param``) gives as a
-:class:`Param`:
+Most of any adapter is four walks over the model in global expert terms: write
+:func:`conformance.synthetic_weight` into every expert by global id, set
+:func:`conformance.synthetic_grad` on every parameter and step, yield ``expert_tensors`` /
+``other_tensors`` with the optimizer's moments, read the optimizer's scalars.  For a trainer whose
+experts are torch parameters (torchtitan, OLMo-core, a research trainer on ``torch.distributed``)
+they follow from one fact per parameter, which :meth:`TorchNativeAdapter.identify` (``model, fqn,
+param``) gives as a :class:`Param`:
 
 - ``experts="none"``: not an expert's (a router, a norm, a shared expert): ``(layer, name)``;
 - ``experts="one"``: one expert's whole weight (one module per expert): its global id ``expert``;
 - ``experts="packed"``: all experts' weights stacked on axis 0 (``[E, ...]``);
-- ``experts="flat"``: all experts' weights as blocks of rows on axis 0 (``[E * rows, ...]``, OLMo-core's form).
+- ``experts="flat"``: all experts' weights as blocks of rows on axis 0 (``[E * rows, ...]``,
+  OLMo-core's form).
 
-A packed or flat parameter that is a DTensor places itself (its ``Shard(0)`` over ``ep``, FSDP's shards on any
-dim); a plain tensor that holds only this rank's chunk gives the global id of its first expert as ``first``, or
-this rank's place on ``ep`` as ``ep_place=(rank, ep)`` when the framework splits by ``Shard(0)``'s chunk rule
-(:func:`reference_impl.layout.expert_range`; a chunk that rule has no room for is a ``FrameworkRefusal``).
-The subclass keeps what differs between frameworks: ``build_model(spec, mesh)`` (the framework's model, built
-and parallelized; the base overwrites its values), ``build_optimizer(spec, model)`` (a torch optimizer or a
-container of several: a list or dict of them, torchtitan's ``OptimizersContainer``, anything with
-``optimizers`` or ``chained_optimizers``), ``save``, ``load``, and any optional member (``forward``).
+A packed or flat parameter that is a DTensor places itself (its ``Shard(0)`` over ``ep``, FSDP's
+shards on any dim); a plain tensor that holds only this rank's chunk gives the global id of its
+first expert as ``first``, or this rank's place on ``ep`` as ``ep_place=(rank, ep)`` when the
+framework splits by ``Shard(0)``'s chunk rule (:func:`reference_impl.layout.expert_range`; a chunk
+that rule has no room for is a ``FrameworkRefusal``). The subclass keeps what differs between
+frameworks: ``build_model(spec, mesh)`` (the framework's model, built and parallelized; the base
+overwrites its values), ``build_optimizer(spec, model)`` (a torch optimizer or a container of
+several: a list or dict of them, torchtitan's ``OptimizersContainer``, anything with ``optimizers``
+or ``chained_optimizers``, a trainer's own object holding them as attributes), ``save``, ``load``,
+and any optional member (``forward``).  A trainer with training state beyond its optimizer (a
+schedule, a step counter) gives it by name from ``build_state(spec, model, optimizer)``;
+``torch_optimizers(optimizer)`` and ``optimizer_step(optimizer, state)`` say where its torch
+optimizers are and how it updates, when the defaults (found among the container's attributes; the
+container's own ``step()`` and ``zero_grad()``) do not fit.
 
-What the base then derives for every layout: ``build`` (synthetic weights by global id and the cell's optimizer
-steps, :func:`conformance.adapter.run_steps`), ``step``, ``expert_tensors`` and ``other_tensors`` with every
-optimizer's moments, and ``scalars`` (each group's settings and the step counts, numbered across the container).
-Rows of a packed weight whose expert axis FSDP leaves whole and whose inner dims it shards are per-expert
-DTensors (:func:`reference_impl.regions.packed_rows`, the reference's own rule).  A flat weight whose FSDP chunks
-end inside an expert is gathered (``full_tensor``), and each rank yields the experts it holds rows of, whole.
+What the base then derives for every layout: ``build`` (synthetic weights by global id and the
+cell's optimizer steps, :func:`conformance.adapter.run_steps`; ``(model, optimizer, state)`` when
+there is state), ``step``, ``expert_tensors`` and ``other_tensors`` with every optimizer's moments,
+and ``scalars`` (each group's settings and the step counts, numbered across the container; the
+state's scalars the harness reads itself). Rows of a packed weight whose expert axis FSDP leaves
+whole and whose inner dims it shards are per-expert DTensors
+(:func:`reference_impl.regions.packed_rows`, the reference's own rule).  A flat weight whose FSDP
+chunks end inside an expert is gathered (``full_tensor``), and each rank yields the experts it holds
+rows of, whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -189,8 +201,39 @@ class TorchNativeAdapter:
     def identify(self, model: Any, fqn: str, param: Any) -> Param:
         raise NotImplementedError(f"{type(self).__name__}.identify(model, fqn, param)")
 
+    # -- what the framework's adapter may give -----------------------------------------------------
+    def build_state(self, spec: Spec, model: Any, optimizer: Any) -> Mapping[str, Any] | None:
+        """The training state beyond the optimizer, by name (an LR scheduler, a step counter:
+        objects with ``state_dict()``, or mappings), which ``save``, ``load``, ``step`` and
+        ``scalars`` then get as ``state=`` and the scalars check compares; ``None`` (the default):
+        none."""
+        return None
+
+    def torch_optimizers(self, optimizer: Any) -> list[Any]:
+        """The ``torch.optim`` optimizers in what ``build_optimizer`` returned, whose moments and
+        settings the checks read: :func:`conformance.scalars.optimizers_of` finds them in a list, a
+        dict, a container's ``optimizers`` or ``chained_optimizers``, or among a trainer's
+        container's attributes; override it for any other place."""
+        return optimizers_of(optimizer)
+
+    def optimizer_step(self, optimizer: Any, state: Mapping[str, Any] | None = None) -> None:
+        """The trainer's update once the gradients are set: the optimizer's own ``step()`` (a
+        container's, which may step its schedule and count its iterations too), each torch LR
+        scheduler of ``state`` that the container does not hold, then ``zero_grad()`` as the trainer
+        calls it (no arguments).  Override it when the trainer does more (a counter of its own in
+        ``state``)."""
+        own = callable(getattr(optimizer, "step", None))
+        parts = [optimizer] if own else self.torch_optimizers(optimizer)
+        for part in parts:
+            part.step()
+        for scheduler in (state or {}).values():
+            if _is_lr_scheduler(scheduler) and not _holds(optimizer, scheduler):
+                scheduler.step()
+        for part in [optimizer] if callable(getattr(optimizer, "zero_grad", None)) else parts:
+            part.zero_grad()
+
     # -- what the base derives ---------------------------------------------------------------------
-    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
+    def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, ...]:
         import torch
 
         model = self.build_model(spec, mesh)
@@ -199,8 +242,10 @@ class TorchNativeAdapter:
         if spec.optimizer_steps <= 0:
             return model, None
         optimizer = self.build_optimizer(spec, model)
-        run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
-        return model, optimizer
+        state = self.build_state(spec, model, optimizer)
+        run_steps(lambda index: self.step(model, optimizer, seed, index, state=state), 0,
+                  spec.optimizer_steps)
+        return (model, optimizer) if state is None else (model, optimizer, state)
 
     def params(self, model: Any) -> Iterator[tuple[Any, Param]]:
         for fqn, p in model.named_parameters():
@@ -225,20 +270,20 @@ class TorchNativeAdapter:
                                           stride=p.stride())
             p.grad = grad
 
-    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        """Synthetic grads, then the optimizer's own ``step`` (a container's, which may do more than its parts')."""
+    def step(self, model: Any, optimizer: Any, seed: int, step: int,
+             state: Mapping[str, Any] | None = None) -> None:
+        """Synthetic grads, then the trainer's own update (:meth:`optimizer_step`)."""
         self.set_grads(model, seed, step)
-        steppers = [optimizer] if callable(getattr(optimizer, "step", None)) else optimizers_of(optimizer)
-        for optim in steppers:
-            optim.step()
-        for optim in steppers:
-            optim.zero_grad(set_to_none=True)
+        self.optimizer_step(optimizer, state)
 
-    def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        return torch_optimizer_scalars(optimizer)
+    def scalars(self, model: Any, optimizer: Any,
+                state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The torch optimizers' settings and step counts; ``state``'s are read by the harness
+        itself."""
+        return torch_optimizer_scalars(self.torch_optimizers(optimizer))
 
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
-        state = optimizer_state(optimizer)
+        state = optimizer_state(self.torch_optimizers(optimizer))
         for p, where in self.params(model):
             if where.experts == "none":
                 continue
@@ -248,7 +293,7 @@ class TorchNativeAdapter:
                     yield TensorEntry(where.layer, g, name, row)
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
-        state = optimizer_state(optimizer)
+        state = optimizer_state(self.torch_optimizers(optimizer))
         for p, where in self.params(model):
             if where.experts != "none":
                 continue
@@ -256,6 +301,24 @@ class TorchNativeAdapter:
             for m in self.moments:
                 if m in state.get(p, {}):
                     yield TensorEntry(where.layer, None, f"{where.name}.{m}", state[p][m])
+
+
+def _is_lr_scheduler(obj: Any) -> bool:
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    # ReduceLROnPlateau steps on a metric the trainer measures: no step without one
+    return isinstance(obj, LRScheduler) and not isinstance(obj, ReduceLROnPlateau)
+
+
+def _holds(container: Any, obj: Any) -> bool:
+    """Whether ``container`` holds ``obj`` as an attribute (or in a list or dict attribute): then
+    its ``step`` is the container's to take."""
+    for value in vars(container).values() if hasattr(container, "__dict__") else ():
+        items = (value.values() if isinstance(value, Mapping) else
+                 value if isinstance(value, (list, tuple)) else (value,))
+        if any(item is obj for item in items):
+            return True
+    return False
 
 
 def reshard(model: Any) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import conformance.checks.checkpoint as checkpoint
 import conformance.checks.forward as forward
+import conformance.checks.load_plan as load_plan
 import conformance.checks.missing as missing
 import conformance.checks.refusal as refusal
 import conformance.checks.resume as resume
@@ -335,7 +336,8 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int, verdic
         return verdict  # the later checks' collectives may not pair after a lossy load
     evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
     try:
-        adapter.load(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+        with load_plan.recorded():  # what the load asked for travels with what it raises
+            adapter.load(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
     except load_errors() as exc:
         raise evidence.failure(exc, rank) from exc
     verdict.timings["load"] = time.perf_counter() - t3

@@ -22,7 +22,7 @@ from its files on one rank, with no process group; another format through the ad
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from conformance.rounding import ROUNDING_ULPS
@@ -60,6 +60,10 @@ class Knowledge:
 
     patterns: tuple[KeyPattern, ...]
     note: str = ""
+    #: the truth's positional optimizer-state keys (``optimizer.state.1.exp_avg``) in model terms,
+    #: to name the parameters whose ids moved in another checkpoint
+    #: (:mod:`conformance.inspection.positional`).
+    owners: Mapping[str, tuple[Any, Any, str]] = field(default_factory=dict)
 
 
 #: per truth checkpoint path (the world state's): cells reuse what the first one learned.
@@ -92,11 +96,19 @@ def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[A
 def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tuple[KeyPattern, ...]) -> list[str]:
     """Learn the truth checkpoint's expert keys; its findings (attribution, experts missing from it)."""
     from conformance.inspection import DEFAULT_PATTERNS, attribute_experts, inspect_index
-    from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of, unexplained_volume
+    from conformance.inspection.learn import (
+        key_owners,
+        learn_expert_keys,
+        learned_patterns,
+        owners_of,
+        unexplained_volume,
+    )
+    from conformance.inspection.positional import positional
 
     index = read_index(adapter, truth_path)
     owners, volume = owners_of(state)
-    learned = learned_patterns(learn_expert_keys(index, owners))
+    learned = learned_patterns(learn_expert_keys(index, owners), index.entries)
+    by_position = key_owners(index, owners, [k for k in index.entries if positional(k)])
     patterns = (*declared, *learned, *DEFAULT_PATTERNS)
     found = [f"the ep=1 checkpoint: {f}" for f in attribute_experts(index, owners, patterns=patterns)]
     note = ""
@@ -112,7 +124,7 @@ def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tu
                     "matched (a fused or transposed form?): the checkpoints were compared key by key and value by "
                     "value without expert attribution; name the expert keys with the adapter's expert_keys or "
                     "--moe-ep-expert-key for findings in expert terms")
-    _KNOWLEDGE.put(truth_path, Knowledge(patterns, note))
+    _KNOWLEDGE.put(truth_path, Knowledge(patterns, note, by_position))
     return found
 
 
@@ -130,8 +142,11 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
     found = [str(f) for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
              if f.problem != "no_expert_keys"]
     ignore = adapter.members.value("ep_dependent_keys")
+    learned = known(truth_path)
+    owners = learned.owners if learned is not None else None
     found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
-                                              names=("checkpoint", "ep=1 checkpoint"), rounding_ulps=ROUNDING_ULPS)]
+                                              names=("checkpoint", "ep=1 checkpoint"),
+                                              rounding_ulps=ROUNDING_ULPS, owners=owners)]
     return list(dict.fromkeys(found))
 
 

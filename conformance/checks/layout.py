@@ -70,11 +70,17 @@ def reported_experts(adapter: Any, model: Any, optimizer: Any) -> tuple[int, ...
 
 
 def reported(adapter: Any, model: Any, optimizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(layers, experts)``: the layer indices and global expert ids this rank's ``expert_tensors`` yields."""
+    """``(layers, experts)``: the layer indices of every tensor this rank yields (``expert_tensors``
+    and ``other_tensors``) and the global expert ids of its ``expert_tensors``.
+
+    Layers come from the whole model, not from its experts alone: a rank that holds none of a
+    layer's experts (E=5 over ep=4: the last EP rank holds none) still holds that layer's router and
+    dense tensors."""
     from reference_impl.regions import block_region
 
     ids: set[int] = set()
-    layers: set[int] = set()
+    layers = {int(entry[0]) for entry in adapter.other_tensors(model, optimizer)
+              if entry[0] is not None}
     for entry in adapter.expert_tensors(model, optimizer):
         if entry[0] is not None:
             layers.add(int(entry[0]))

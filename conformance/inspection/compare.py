@@ -16,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys, field_of
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
+from conformance.inspection.positional import moved_ids, positional
+from conformance.scalars import is_configuration
 from conformance.world_state import world_state
 from pytest_moe_ep.text import shorten
 
@@ -37,17 +39,24 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
                     patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS, ignore: Sequence[str] = (),
                     memory_bytes: int = DEFAULT_MEMORY_BYTES,
                     names: tuple[str, str] = ("checkpoint", "other checkpoint"),
-                    rounding_ulps: float = 0.0) -> list[Finding]:
+                    rounding_ulps: float = 0.0,
+                    owners: Mapping[str, Any] | None = None) -> list[Finding]:
     """Findings where ``got`` does not hold what ``want`` holds; empty when they are the same.
 
-    ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).
+    ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).  An
+    optimizer's configuration (a param group's kernel choice:
+    :func:`conformance.scalars.is_configuration`) is no state and is not compared either.
     ``names``: what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
     ``rounding_ulps``: a tensor (or packed row) that matches nothing else but is within this many ulps of its own
     counterpart (:func:`conformance.rounding.ulps`) is a kernel's rounding, not a finding; 0: bit for bit.
-    Findings come worst first (:data:`ORDER`): wrong values, then absent and re-keyed keys, then extra ones.
+    ``owners``: ``want``'s keys in model terms (key -> (layer, global expert, name)), to name the
+    parameters whose positional optimizer ids moved (:mod:`conformance.inspection.positional`).
+    Findings come worst first (:data:`ORDER`): ids moved, wrong values, then absent, re-keyed and
+    extra keys.
     """
     with paused_gc():
-        found = _compare(got, want, values, patterns, ignore, memory_bytes, names, rounding_ulps)
+        found = _compare(got, want, values, patterns, ignore, memory_bytes, names, rounding_ulps,
+                         owners or {})
     return sorted(found, key=lambda f: ORDER.get(f.problem, len(ORDER)))
 
 
@@ -55,16 +64,18 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
 #: values moved under other names (re-keyed) is still no EP-invariant checkpoint, but it says less than a value
 #: that is wrong.
 ORDER = {code: i for i, code in enumerate((
-    "holds_other_key", "rows_are_other_experts", "values_differ", "value_differs", "shape_differs", "dtype_differs",
-    "entry_kind_differs", "key_missing", "key_rekeyed", "key_unexpected"))}
+    "ids_moved", "holds_other_key", "rows_are_other_experts", "values_differ", "value_differs",
+    "shape_differs", "dtype_differs", "entry_kind_differs", "key_missing", "key_rekeyed",
+    "key_unexpected"))}
 
 
 def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns: Sequence[KeyPattern],
              ignore: Sequence[str], memory_bytes: int, names: tuple[str, str],
-             rounding_ulps: float) -> list[Finding]:
-    skip = [re.compile(r) for r in ignore]
-    g_keys = [k for k in got.entries if not any(r.search(k) for r in skip)]
-    w_keys = [k for k in want.entries if not any(r.search(k) for r in skip)]
+             rounding_ulps: float, owners: Mapping[str, Any]) -> list[Finding]:
+    skip: list[Callable[[str], object]] = [*(re.compile(r).search for r in ignore),
+                                           is_configuration]
+    g_keys = [k for k in got.entries if not any(s(k) for s in skip)]
+    w_keys = [k for k in want.entries if not any(s(k) for s in skip)]
     g_info, w_info = classify_keys(g_keys, patterns), classify_keys(w_keys, patterns)
     missing = sorted(set(w_keys) - set(g_keys))
     unexpected = sorted(set(g_keys) - set(w_keys))
@@ -90,8 +101,14 @@ def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns
     holds: dict[str, str] = {}
     seen: dict[str, dict[str, Any]] = {"got": {}, "want": {}}
     if values:
-        findings += _compare_values(got, want, readable, unexpected, w_keys, g_info, w_info, memory_bytes,
-                                    names, holds, rounding_ulps, seen)
+        # positional ids of another shape may hold other ids' state: looked up as extra keys are
+        reshaped = [k for k in common
+                    if k not in readable and positional(k) and got.entries[k].is_tensor]
+        findings += _compare_values(got, want, readable, [*unexpected, *reshaped], w_keys, g_info,
+                                    w_info, memory_bytes, names, holds, rounding_ulps, seen)
+        held = [*holds.items(),
+                *((f.key, f.other_key) for f in findings if f.problem == "holds_other_key")]
+        findings += [f for f in (moved_ids(held, owners, names),) if f is not None]
     rekeyed, missing, unexpected = _rekeyed(missing, unexpected, got, want, holds, seen, names, values)
     findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names, holds) + rekeyed + findings
     return findings

@@ -308,7 +308,7 @@ def _optimizer_findings(infos: dict[str, KeyInfo], entries: Any, num_experts: in
             continue
         weight = info.param if info.param in weights else f"model.{info.param}"
         if weight not in weights:
-            if weights:
+            if weights and not info.param.isdigit():  # a positional id names no weight: no orphan
                 orphans[(info.family, info.stat)].append(info.expert if info.expert is not None else -1)
                 orphan_layer[(info.family, info.stat)] = info.layer
             continue

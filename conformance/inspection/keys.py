@@ -7,27 +7,28 @@ A key is classified by documented regular expressions, never by the substring "e
   experts.3.gate_proj.weight`` (Hugging Face), ``mlp.experts.local_experts.3.linear_fc1.weight``
   (Megatron SequentialMLP), ``deepspeed_moe.experts.deepspeed_experts.3.weight`` (DeepSpeed),
   ``mlp.experts.linear_fc1.weight3`` (Megatron TEGroupedMLP);
-* **packed** keys hold all of a layer's experts with the expert axis first -- a pattern without
-  that group: the reference's raw ``layers.N.moe.up_w``/``gate_w``/``down_w`` (its ``save_legacy``
-  and checkpoints older than its per-expert form), torchtitan's
-  ``moe.experts.w1/w2/w3`` (``moe.routed_experts.inner_experts.w1_EFD`` in recent versions),
-  NeMo Automodel's ``experts.gate_and_up_projs``/``down_projs``, DeepSpeed AutoEP's and Hugging
-  Face's ``experts.gate_up_proj``/``down_proj``, Megatron's
-  distributed ``experts.experts.linear_fc1.weight``, and any parameter directly in a module
-  named ``experts`` or ``..._experts``;
-* **optimizer state** ``optimizer.state.<param>.<stat>`` (also ``optim.``, ``optimizers.``), and Megatron's
-  ``[chained_N.]optimizer.state.<stat>.<param>``, is classified as its parameter ``<param>`` is, and mapped back
-  to it;
+* **packed** keys hold all of a layer's experts with the expert axis first -- a pattern without that
+  group: the reference's raw ``layers.N.moe.up_w``/``gate_w``/``down_w`` (its ``save_legacy`` and
+  checkpoints older than its per-expert form), torchtitan's ``moe.experts.w1/w2/w3``
+  (``moe.routed_experts.inner_experts.w1_EFD`` in recent versions), NeMo Automodel's
+  ``experts.gate_and_up_projs``/``down_projs``, DeepSpeed AutoEP's and Hugging Face's
+  ``experts.gate_up_proj``/``down_proj``, Megatron's distributed
+  ``experts.experts.linear_fc1.weight``, and any parameter directly in a module named ``experts`` or
+  ``..._experts``;
+* **optimizer state** ``optimizer.state.<param>.<stat>`` (also ``optim.``, ``optimizers.``), and
+  Megatron's ``[chained_N.]optimizer.state.<stat>.<param>``, is classified as its parameter
+  ``<param>`` is, and mapped back to it;
 * a **router** (``moe.router.weight``, ``mlp.gate.weight``, ``moe.router.gate.weight``,
-  ``deepspeed_moe.gate.wg.weight``, ...)
-  marks an MoE layer and its rows give the number of experts;
+  ``deepspeed_moe.gate.wg.weight``, ...) marks an MoE layer and its rows give the number of experts;
 * ``shared_expert(s)`` are dense FFNs, never an expert axis.
 
 The layer index comes from ``layers.N`` (also ``layer.N``, ``blocks.N``, ``h.N``).  User patterns
-(``--expert-key``) are tried first; a pattern may name the layer's digits too (a group ``layer``), as the
-patterns learned from a checkpoint's content do (:mod:`conformance.inspection.learn`).  Matching is done
-once per key *template* (every digit replaced by ``#``), so 180,000 keys cost a few hundred regex searches;
-a pattern must therefore not single out particular digits (``w[12]`` and ``w3`` share the template ``w#``).
+(``--expert-key``) are tried first; a pattern may name the layer's digits too (a group ``layer``),
+as the patterns learned from a checkpoint's content do (:mod:`conformance.inspection.learn`).
+Matching is done once per key *template* (every digit replaced by ``#``), so 180,000 keys cost a few
+hundred regex searches; a pattern must therefore not single out particular digits (``w[12]`` and
+``w3`` share the template ``w#``), unless it names the template whose keys it reads digit by digit
+(``KeyPattern.template``: a learned positional optimizer id, ``^1$``, reads template ``#``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class KeyPattern:
     regex: re.Pattern[str]
     kind: str
     source: str = "user"
+    #: for a pattern that keeps some digits literal (a learned positional id: ``^1$``), the template
+    #: (digits as ``#``) of the parameter names it reads: keys of that template are then matched one
+    #: by one, not once.
+    template: str = ""
 
 
 def pattern(regex: str, source: str = "user") -> KeyPattern:
@@ -178,11 +183,23 @@ def classify_keys(keys: Iterable[str], patterns: Sequence[KeyPattern] = DEFAULT_
         return _classify(keys, patterns)
 
 
+def _param_template(key: str) -> str:
+    opt = optimizer_parts(key)
+    return (opt[1] if opt else key).translate(_HASH_DIGITS)
+
+
 def _classify(keys: Iterable[str], patterns: Sequence[KeyPattern]) -> dict[str, KeyInfo]:
     recipes: dict[str, _Recipe] = {}
     out: dict[str, KeyInfo] = {}
+    exact = {p.template for p in patterns if p.template}  # parameter templates read digit by digit
+    one_by_one: dict[str, bool] = {}
     for key in keys:
         template = key.translate(_HASH_DIGITS)
+        if exact:
+            alone = one_by_one.get(template)
+            if alone is None:
+                alone = one_by_one[template] = _param_template(key) in exact
+            template = key if alone else template
         r = recipes.get(template)
         if r is None:
             r = recipes[template] = _recipe(key, patterns)

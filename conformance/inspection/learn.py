@@ -4,9 +4,10 @@ The matrix knows the model it saved: each expert tensor (weights and moments) wi
 expert id, from the ep=1 build.  :func:`learn_expert_keys` reads the ep=1 (truth) checkpoint once and
 matches values: a key whose whole value is one expert's tensor is a per-expert key of that expert; a key
 whose rows (along the first axis) are experts' tensors is a packed key.  :func:`learned_patterns` turns
-that into :class:`~conformance.inspection.keys.KeyPattern` s -- one anchored regex per key template, with
-the digit run that is the expert id (and, where one is, the layer) as named groups -- which the metadata
-inspection and the comparison then use for every checkpoint of that model.  So a framework passes
+that into :class:`~conformance.inspection.keys.KeyPattern` s -- anchored regexes, the digit run that
+is the expert id (and, where one is, the layer) as named groups, every other digit run literal (a
+positional optimizer id names one parameter) -- which the metadata inspection and the comparison
+then use for every checkpoint of that model.  So a framework passes
 whatever it names its keys; name patterns stay as hints for what values cannot show (fused or transposed
 expert weights) and for ``moe-ep-inspect`` on a checkpoint without a model.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,8 @@ from conformance.inspection.compare import (
 from conformance.inspection.keys import KeyInfo, KeyPattern, optimizer_parts
 from conformance.inspection.model import CheckpointIndex, paused_gc
 
-__all__ = ["LearnedKey", "learn_expert_keys", "learned_patterns", "owners_of", "unexplained_volume"]
+__all__ = ["LearnedKey", "key_owners", "learn_expert_keys", "learned_patterns", "owners_of",
+           "unexplained_volume"]
 
 _DIGITS = re.compile(r"\d+")
 #: who holds a tensor of the model: ``(layer, global expert, name)``.
@@ -141,9 +143,28 @@ def _run_index(runs: list[list[int]], values: list[Any]) -> list[int]:
     return [i for i in range(width) if all(v is not None and r[i] == v for r, v in zip(runs, values, strict=True))]
 
 
-def learned_patterns(learned: Mapping[str, LearnedKey]) -> tuple[KeyPattern, ...]:
-    """One pattern per key template of ``learned``: anchored, every digit run ``\\d+``, the expert id (per-expert
-    keys) and the layer as named groups where every key of the template agrees on which run they are."""
+def learned_patterns(learned: Mapping[str, LearnedKey],
+                     keys: Iterable[str] = ()) -> tuple[KeyPattern, ...]:
+    """Anchored patterns for the keys of ``learned``, one per key template and literal part.
+
+    A digit run becomes a pattern only where the learned keys show it varying as a layer or an
+    expert: the run that equals the layer of every learned key of its template is the named group
+    ``layer``; for per-expert keys, the run that equals the expert id is the group ``expert``.
+    Every other run stays the digits it is: a positional optimizer id (torch's own
+    ``Optimizer.state_dict()``: ``state.1.exp_avg`` is the second parameter's, whatever the
+    parameter) names one parameter, and as ``\\d+`` it would match every other parameter's moments
+    and read a dense tensor's rows as experts.
+
+    ``keys``: every key of the checkpoint the content was learned from.  A pattern that would match
+    one the content did not show to hold experts (a positional id that happens to equal its layer)
+    keeps its layer's digits literal too, or, per-expert and still matching it, is left out (the
+    name hints then decide)."""
+    learned_params = {_param(k) for k in learned}
+    # by template: a template's regexes match no other template's names
+    others: dict[str, set[str]] = defaultdict(set)
+    for param in map(_param, keys):
+        if param not in learned_params:
+            others[_DIGITS.sub("#", param)].add(param)
     templates: dict[tuple[str, str], list[tuple[str, LearnedKey]]] = defaultdict(list)
     for info in learned.values():
         param = _param(info.key)
@@ -157,25 +178,72 @@ def learned_patterns(learned: Mapping[str, LearnedKey]) -> tuple[KeyPattern, ...
                 seen.add(regex)
                 out.append(KeyPattern(re.compile(regex), "flattened", "learned: experts flattened into one axis"))
             continue
-        runs = [[int(m) for m in _DIGITS.findall(param)] for param, _ in members]
-        layer_runs = _run_index(runs, [i.layer for _, i in members])
-        expert_at: int | None = None
-        if kind == "per_expert":
-            candidates = _run_index(runs, [i.experts[0] for _, i in members])
-            if not candidates:
-                continue  # ids disagree with the content: leave the key to the name hints
-            expert_at = next((c for c in reversed(candidates) if c not in layer_runs), candidates[-1])
-        layer_at = next((c for c in layer_runs if c != expert_at), None)
-        pieces = template.split("#")
+        for regex in _template_regexes(template, kind, members, others[template]):
+            if regex not in seen:
+                seen.add(regex)
+                literal = bool(_DIGITS.search(regex.replace("\\d+", "")))
+                out.append(KeyPattern(re.compile(regex), kind,
+                                      "learned from the ep=1 checkpoint's content",
+                                      template if literal else ""))
+    return tuple(out)
+
+
+def _template_regexes(template: str, kind: str, members: list[tuple[str, LearnedKey]],
+                      others: set[str]) -> list[str]:
+    """The regexes of one key template's learned keys (see :func:`learned_patterns`)."""
+    runs = [[int(m) for m in _DIGITS.findall(param)] for param, _ in members]
+    layer_runs = _run_index(runs, [i.layer for _, i in members])
+    expert_at: int | None = None
+    if kind == "per_expert":
+        candidates = _run_index(runs, [i.experts[0] for _, i in members])
+        if not candidates:
+            return []  # ids disagree with the content: leave the key to the name hints
+        expert_at = next((c for c in reversed(candidates) if c not in layer_runs), candidates[-1])
+    layer_at = next((c for c in layer_runs if c != expert_at), None)
+    regexes = _regexes(template, runs, expert_at, layer_at)
+    if layer_at is not None and any(_matches(r, others) for r in regexes):
+        regexes = _regexes(template, runs, expert_at, None)
+    if expert_at is not None and any(_matches(r, others) for r in regexes):
+        return []
+    return regexes
+
+
+def _regexes(template: str, runs: list[list[int]], expert_at: int | None,
+             layer_at: int | None) -> list[str]:
+    """One regex per distinct literal part of ``runs``: the expert's and the layer's runs as named
+    groups, every other run its own digits."""
+    pieces = template.split("#")
+    found: list[str] = []
+    for run in runs:
         regex = "^" + re.escape(pieces[0])
         for i, piece in enumerate(pieces[1:]):
-            group = "(?P<expert>\\d+)" if i == expert_at else "(?P<layer>\\d+)" if i == layer_at else "\\d+"
+            group = ("(?P<expert>\\d+)" if i == expert_at else
+                     "(?P<layer>\\d+)" if i == layer_at else str(run[i]))
             regex += group + re.escape(piece)
         regex += "$"
-        if regex not in seen:
-            seen.add(regex)
-            out.append(KeyPattern(re.compile(regex), kind, "learned from the ep=1 checkpoint's content"))
-    return tuple(out)
+        if regex not in found:
+            found.append(regex)
+    return found
+
+
+def _matches(regex: str, params: set[str]) -> bool:
+    compiled = re.compile(regex)
+    return any(compiled.match(p) for p in params)
+
+
+def key_owners(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Sequence[str], *,
+               memory_bytes: int = DEFAULT_MEMORY_BYTES) -> dict[str, Owner]:
+    """``key -> (layer, global expert, name)`` of each of ``keys`` whose whole value is one of the
+    model's tensors (read from the comparison's cache: :func:`learn_expert_keys` read them already).
+    """
+    if index.reader is None:
+        return {}
+    entries = index.entries
+    tensors = [k for k in keys if k in entries and entries[k].is_tensor and entries[k].shape]
+    with paused_gc():
+        whole, _ = _fingerprints(index, tensors, WHOLE_ONLY, memory_bytes)
+    return {k: owner for k in tensors
+            if (owner := owners.get(whole.get(k))) is not None}  # type: ignore[arg-type]
 
 
 def owners_of(state: Mapping[Any, Any]) -> tuple[dict[Digest, Owner], int]:

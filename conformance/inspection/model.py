@@ -149,6 +149,8 @@ PROBLEMS: dict[str, str] = {
     "dtype_differs": "compare: dtypes differ",
     "entry_kind_differs": "compare: a tensor in one checkpoint, a non-tensor entry in the other",
     "holds_other_key": "compare: the key holds the other checkpoint's value of another key",
+    "ids_moved": "compare: positional optimizer ids (Optimizer.state_dict()) hold other "
+                 "parameters' state",
     "rows_are_other_experts": "compare: rows of a key's expert axis hold other experts' values",
     "values_differ": "compare: values differ and match nothing in the other checkpoint",
     "holds_other_expert": "an expert key (or packed row) holds the model's tensor of another expert or layer",

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding, paused_gc
+from conformance.inspection.roots import ROOT_DEPTH, dcp_dir, find_checkpoint, is_checkpoint
 from pytest_moe_ep.text import shorten
 
-__all__ = ["index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
+__all__ = ["find_checkpoint", "index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
 
 WHAT = "a DCP checkpoint directory (with .metadata) or a Hugging Face safetensors directory"
 SAFETENSORS_DTYPES = {
@@ -44,8 +45,6 @@ SAFETENSORS_DTYPES = {
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
-
-
 OUTSIDE = "only files inside the checkpoint directory (after resolving links)"
 
 
@@ -59,7 +58,7 @@ def _inside(root: Path, file: Path, named: str = "") -> Path:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """The index of the checkpoint at ``path``, whichever supported format it is."""
+    """The index of the checkpoint at (or below: :func:`find_checkpoint`) ``path``."""
     p = Path(path)
     if p.is_file() and p.name == ".metadata":
         p = p.parent
@@ -69,11 +68,13 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
         raise CheckpointError(str(p), "does not exist", WHAT)
     if not p.is_dir():
         raise CheckpointError(str(p), "is a file, not a checkpoint directory", WHAT)
-    if (p / ".metadata").exists() or (p / ".metadata").is_symlink():
+    p = find_checkpoint(p)
+    if dcp_dir(p):
         return read_dcp(p)
-    if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
+    if is_checkpoint(p):
         return read_safetensors(p)
-    raise CheckpointError(str(p), "holds neither a .metadata file nor *.safetensors files", WHAT)
+    raise CheckpointError(str(p), "holds neither a .metadata file nor *.safetensors files "
+                          f"({ROOT_DEPTH} levels down)", WHAT)
 
 
 # -- DCP ------------------------------------------------------------------------------------------
@@ -162,9 +163,9 @@ def _dtype_of(props: Any) -> str:
 
 
 def read_dcp(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """Every key of a DCP checkpoint from ``.metadata``: global shape, dtype and chunks, or bytes."""
+    """Every key of a DCP checkpoint (at or below ``path``) from ``.metadata``."""
     with paused_gc():
-        return _read_dcp(Path(path))
+        return _read_dcp(find_checkpoint(path))
 
 
 def _read_dcp(p: Path) -> CheckpointIndex:
