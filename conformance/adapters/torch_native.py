@@ -184,6 +184,9 @@ class TorchNativeAdapter:
     moments: tuple[str, ...] = ADAM_MOMENTS
     #: the module the framework installs (``"torchtitan"``): ``version`` is its distribution's.
     distribution: str = ""
+    #: the last part of the names of buffers that are state the way weights are (an expert bias):
+    #: ``build`` gives them synthetic values by their layer, as it gives weights.
+    synthetic_buffers: tuple[str, ...] = ()
 
     @property
     def version(self) -> str:
@@ -251,11 +254,35 @@ class TorchNativeAdapter:
         for fqn, p in model.named_parameters():
             yield p, self.identify(model, fqn, p)
 
+    def identify_buffer(self, model: Any, fqn: str, buffer: Any) -> Param | None:
+        """Where a persistent floating-point buffer sits: by default as :meth:`identify` says of its
+        name, or by its name alone (no layer) when that cannot say; ``None`` leaves it out."""
+        try:
+            where = self.identify(model, fqn, buffer)
+        except Exception:  # identify knows parameters: a buffer's name may be new to it
+            return Param(None, fqn)
+        return Param(where.layer, where.name)
+
+    def buffers(self, model: Any) -> Iterator[tuple[Any, Param]]:
+        """Every persistent floating-point buffer -- state a checkpoint holds like a weight (an
+        expert bias, a running statistic) -- with where it sits; compared whole on every rank (a
+        router's buffers are replicated, whatever splits the experts)."""
+        for fqn, buffer in persistent_buffers(model):
+            if buffer.is_floating_point():
+                where = self.identify_buffer(model, fqn, buffer)
+                if where is not None:
+                    yield buffer, where
+
     def fill(self, model: Any, make: Make) -> None:
-        """Every parameter's local data := its region of the global tensor ``make`` gives."""
+        """Every parameter's local data := its region of the global tensor ``make`` gives; and
+        every buffer named in :attr:`synthetic_buffers` := ``make``'s whole tensor."""
         for p, where in self.params(model):
             local, region, shape = placed(p, where)
             local.copy_(synthetic_full(where, shape, make)[region].to(device=local.device, dtype=local.dtype))
+        for buffer, where in self.buffers(model):
+            if where.name.rsplit(".", 1)[-1] in self.synthetic_buffers:
+                value = make(where.layer, None, where.name, tuple(buffer.shape))
+                buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
 
     def set_grads(self, model: Any, seed: int, step: int) -> None:
         from torch.distributed.tensor import DTensor
@@ -301,6 +328,18 @@ class TorchNativeAdapter:
             for m in self.moments:
                 if m in state.get(p, {}):
                     yield TensorEntry(where.layer, None, f"{where.name}.{m}", state[p][m])
+        for buffer, where in self.buffers(model):
+            yield TensorEntry(where.layer, None, where.name, buffer)
+
+
+def persistent_buffers(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(fqn, buffer)`` of every buffer ``model``'s state dict holds: a non-persistent one (a token
+    counter) is no checkpoint's business."""
+    for prefix, module in model.named_modules():
+        skipped: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buffer in getattr(module, "_buffers", {}).items():
+            if buffer is not None and name not in skipped:
+                yield (f"{prefix}.{name}" if prefix else name), buffer
 
 
 def _is_lr_scheduler(obj: Any) -> bool:

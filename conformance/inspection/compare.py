@@ -13,6 +13,7 @@ nothing is read again, from both sides, for its max abs difference; peak memory 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import defaultdict
@@ -235,16 +236,12 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
 
 
 # -- values ---------------------------------------------------------------------------------------
-_SIZES: dict[str, int] = {}
-
-
+@functools.cache
 def _element_size(dtype: str | None) -> int:
-    if dtype not in _SIZES:
-        import torch
+    import torch
 
-        t = getattr(torch, dtype or "", None)
-        _SIZES[dtype or ""] = torch.empty((), dtype=t).element_size() if isinstance(t, torch.dtype) else 8
-    return _SIZES[dtype or ""]
+    t = getattr(torch, dtype or "", None)
+    return torch.empty((), dtype=t).element_size() if isinstance(t, torch.dtype) else 8
 
 
 def _batches(index: CheckpointIndex, keys: Sequence[str], memory_bytes: int) -> Iterator[list[str]]:
@@ -295,8 +292,6 @@ WHOLE_ONLY: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "dense")
 #: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth checkpoint is
 #: compared with every checkpoint saved from its model, and read once, not once per cell.
 _SEEN = world_state().store("checkpoint digests")
-#: what one digest is counted as against the world state's budget (its tuple, strings and 16 bytes).
-_DIGEST_BYTES = 200
 
 
 def _stamp(index: CheckpointIndex) -> tuple[Any, ...] | None:
@@ -335,7 +330,7 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
                 seen[key] = (value, None)
     if stamp is not None and wanted:
         count = sum(1 + len(rows or ()) for _, rows in seen.values())
-        _SEEN.put((index.path, stamp), seen, count * _DIGEST_BYTES)
+        _SEEN.put((index.path, stamp), seen, count * 200)  # a digest's tuple, strings, 16 bytes
     whole = {k: seen[k][0] for k in keys if k in seen}
     rows = {k: found for k in keys if infos[k].kind == "packed" and k in seen and (found := seen[k][1]) is not None}
     return whole, rows
