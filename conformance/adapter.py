@@ -44,6 +44,7 @@ from conformance.scalars import state_scalars, torch_optimizer_scalars
 __all__ = [
     "ADAM_MOMENTS",
     "FORWARD_OUTPUT",
+    "KINDS",
     "AdapterError",
     "Capabilities",
     "CheckpointAdapter",
@@ -66,6 +67,8 @@ __all__ = [
     "world_device",
 ]
 
+#: the expert forms a model's MoE layers come in (:attr:`Capabilities.kinds`).
+KINDS = ("packed", "unpacked", "fused")
 #: the optimizer state every Adam-family optimizer keeps per parameter.
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 #: the name of the model's output in ``forward``'s results (a plain tensor's, and the named form's).
@@ -115,12 +118,17 @@ class Spec:
     fsdp: bool = False
     #: the rank layout to build at (``None``: the unsharded ground truth).
     layout: ParallelLayout | None = None
+    #: multi-token-prediction layers after the main stack, on the last pipeline stage: MTP layer
+    #: ``i`` is global layer ``num_layers + i`` in ``expert_tensors`` / ``other_tensors``.
+    mtp_layers: int = 0
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What an adapter supports; a cell outside them is reported ``n/a`` with the reason."""
 
+    #: the expert forms it builds (:data:`KINDS`): ``packed`` (a weight per linear, ``[E, ...]``),
+    #: ``unpacked`` (a module per expert), ``fused`` (packed, with gate and up in one weight).
     kinds: tuple[str, ...]
     optimizer: bool
     fsdp: bool
@@ -143,6 +151,9 @@ class Capabilities:
     #: stage holds the layers :func:`reference_impl.layout.stage_layers` gives, named by their global
     #: index.  Absent: pp=1 only.
     pp: tuple[int, ...] = (1,)
+    #: multi-token-prediction layers: the cells with pipeline stages build ``spec.mtp_layers`` of them
+    #: (node ids say ``mtp``).
+    mtp: bool = False
 
 
 class TensorEntry(NamedTuple):

@@ -4,7 +4,9 @@ A cell is one save/load experiment: save at one rank layout, load at another (ea
 :class:`~conformance.layout.ParallelLayout`: EP degree, EP-group order, HSDP, expert tensor
 parallelism), for a layer kind (packed, unpacked, or one kind saved and the other loaded), a state
 (the model alone, or with its optimizer), with or without FSDP2, at ``num_experts`` experts.  Legacy
-cells save the old, lossy way, and pass only when the framework refuses the checkpoint.
+cells save the old, lossy way, and pass only when the framework refuses the checkpoint.  For an
+adapter that builds multi-token-prediction layers (``Capabilities.mtp``), the cells with pipeline
+stages build them too, on the last stage (node ids say ``mtp``).
 
 Tiers (``--moe-ep-matrix=TIER``):
 
@@ -30,13 +32,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import Capabilities, Spec
+from conformance.adapter import KINDS, Capabilities, Spec
 from conformance.layout import ParallelLayout
 from reference_impl.layout import UNEVEN_CLASSES, uneven_classes
 
-KINDS = ("packed", "unpacked")
 #: (saved as, loaded as) for every layer-kind combination a cell can test.
-KIND_PAIRS = (("packed", "packed"), ("unpacked", "unpacked"), ("packed", "unpacked"), ("unpacked", "packed"))
+KIND_PAIRS = (("packed", "packed"), ("unpacked", "unpacked"), ("packed", "unpacked"), ("unpacked", "packed"),
+              ("fused", "fused"))
+#: the multi-token-prediction layers a cell with pipeline stages builds for an adapter that has them.
+MTP_LAYERS = 1
 STATES = ("model", "model+optim")
 #: the expert count node ids leave unnamed (the matrix's first even count).
 PLAIN_EXPERTS = 4
@@ -62,6 +66,8 @@ class Cell:
     legacy: bool = False
     #: why the cell does not apply to this adapter; empty when it runs.
     na: str = ""
+    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers.
+    mtp: bool = False
 
     @property
     def kind(self) -> str:
@@ -87,7 +93,9 @@ class Cell:
         experts = [] if self.num_experts == PLAIN_EXPERTS else [f"E{self.num_experts}"]
         if self.legacy:
             return "::".join(["checkpoint", "legacy", self.kind, *experts, pair])
-        return "::".join(["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only", *experts, pair])
+        mtp = ["mtp"] if self.mtp else []
+        return "::".join(["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only", *mtp,
+                          *experts, pair])
 
     def keywords(self) -> set[str]:
         """``-k`` keywords (``-k`` cannot contain ``>``): each side's degrees, prefixed and plain."""
@@ -96,7 +104,7 @@ class Cell:
                  f"cross_{self.save_kind}_to_{self.load_kind}"}
         for side, layout in (("save", self.save), ("load", self.load)):
             words |= layout.keywords() | {f"{side}_{w}" for w in layout.keywords()}
-        return words
+        return words | ({"mtp"} if self.mtp else set())
 
     def spec(self, base: Spec, side: str) -> Spec:
         """The model a side builds: the side's kind and layout, steps only with the optimizer."""
@@ -104,20 +112,21 @@ class Cell:
         kind, layout = (self.save_kind, self.save) if side == "save" else (self.load_kind, self.load)
         layers = max(base.num_layers, PIPELINE_LAYERS) if self.pipeline else base.num_layers
         return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps, fsdp=self.fsdp,
-                       layout=layout, num_layers=layers)
+                       layout=layout, num_layers=layers, mtp_layers=MTP_LAYERS if self.mtp else 0)
 
     @property
     def save_key(self) -> tuple[object, ...]:
         """What the checkpoint this cell loads is a pure function of: cells with one key share one save
         (:mod:`conformance.saves`), and the covering counts that save once (:func:`covering`)."""
-        return (self.save_kind, self.state, self.fsdp, self.save, self.num_experts, self.legacy, self.pipeline)
+        return (self.save_kind, self.state, self.fsdp, self.save, self.num_experts, self.legacy, self.pipeline,
+                self.mtp)
 
     def record(self) -> dict[str, object]:
         """The cell's fields in the report."""
         return {"kind": self.kind, "state": self.state, "fsdp": self.fsdp, "save_ep": self.save.ep,
                 "load_ep": self.load.ep, "save_pp": self.save.pp, "load_pp": self.load.pp,
                 "save_layout": self.save.fragment, "load_layout": self.load.fragment,
-                "num_experts": self.num_experts, "legacy": self.legacy}
+                "num_experts": self.num_experts, "legacy": self.legacy, "mtp": self.mtp}
 
 
 # -- applicability ---------------------------------------------------------------------------------
@@ -175,7 +184,8 @@ def unwritable_legacy(cell: Cell) -> str:
 def _valid(cell: Cell) -> bool:
     """Combinations that are not experiments at all (rather than unsupported ones) are never cells."""
     if cell.legacy:  # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP, no-stages experiment
-        return cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp and not cell.pipeline
+        return (cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp and not cell.pipeline
+                and cell.save_kind != "fused")  # (the lossy save is the split forms' own)
     return cell.fsdp or not (cell.save.hsdp or cell.load.hsdp)  # HSDP is FSDP2 over replicate x shard
 
 
@@ -213,6 +223,7 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
         if legacy and state != STATES[-1]:
             continue  # one legacy cell per layout pair and kind: with the richest state
         cell = Cell(save_kind, load_kind, state, fsdp, save, load, experts, legacy)
+        cell = replace(cell, mtp=cell.pipeline and not legacy)
         if _valid(cell):
             cells.append(cell)
     return cells
@@ -256,6 +267,8 @@ def _uneven(cell: Cell, layout: ParallelLayout) -> bool:
 
 def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     """What a cell tests, so what it covers (see :func:`covering`)."""
+    if "fused" in (cell.save_kind, cell.load_kind):
+        return _fused_pairs(cell)
     if cell.legacy:  # state and FSDP are fixed for legacy cells; their pairs are their own stratum
         values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("E", cell.num_experts)]
         found: set[tuple[object, ...]] = {("legacy", a, b) for a, b in itertools.combinations(values, 2)
@@ -282,6 +295,20 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
         found |= {("optim", family) for family in families}
         if cell.save.pp > 1 and cell.load.pp > 1:  # stage to stage, into each kind at each stage layout: each rank's
             found.add(("optim", "stages", cell.load_kind, cell.load.fragment))  # param groups list its stage's own
+    return found
+
+
+def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
+    """What a fused cell covers: its own stratum, a few cells, not every pair again.  A fused weight
+    differs from a packed one in how its rows are split (each half on its own), so what it must meet
+    is every split: FSDP2 and EP alone with each EP change (same, up, down), each layout family with
+    an EP change (expert TP across one among them), each state, and an uneven split."""
+    change = _ep_change(cell.save.ep, cell.load.ep)
+    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp, change), ("fused", cell.state)}
+    if change != "same ep":
+        found |= {("fused", family) for family in (_family(cell.save), _family(cell.load)) if family}
+    if _uneven(cell, cell.save) or _uneven(cell, cell.load):
+        found.add(("fused", "uneven"))
     return found
 
 
@@ -414,6 +441,8 @@ def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None
                              else caps.ep_orders[0], uneven_fsdp=not caps.ep_only)
     if not caps.optimizer:  # a legacy cell saves the richest state the adapter has
         everything = [replace(c, state="model") if c.legacy else c for c in everything]
+    if not caps.mtp:  # its pipeline cells are the same cells without the MTP layers
+        everything = [replace(c, mtp=False) for c in everything]
     legacy_na = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"
     marked = [replace(c, na=(legacy_na if c.legacy and legacy_na else "") or why_not(c, caps)
                       or unwritable_legacy(c)) for c in everything]

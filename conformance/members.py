@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from conformance.adapter import (
+    KINDS,
     AdapterError,
     Capabilities,
     CheckpointAdapter,
@@ -56,9 +57,9 @@ def capabilities_of(adapter: Any) -> Capabilities:
     if missing:
         raise AdapterError(f"adapter capabilities lack {', '.join(missing)}")
     kinds = tuple(get("kinds"))
-    bad = [k for k in kinds if k not in ("packed", "unpacked")]
+    bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
-        raise AdapterError(f"adapter capabilities.kinds must list 'packed' and/or 'unpacked', "
+        raise AdapterError(f"adapter capabilities.kinds must list some of {', '.join(KINDS)}, "
                            f"got {kinds!r}")
     orders = tuple(get("ep_orders", ("strided",)))
     bad = [o for o in orders if o not in EP_ORDERS]

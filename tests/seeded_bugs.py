@@ -1012,3 +1012,294 @@ class ParamGroupsFromCheckpoint(ReferenceAdapter):
             super().load(model, optimizer, path)
         finally:
             ck._load_here, ck.set_optimizer_state_dict = real_load, real_set  # type: ignore[assignment]
+
+
+# -- today's MoE state: the expert bias, fused gate/up weights, MTP layers ---------------------------
+def _routers(model: Any) -> list[Any]:
+    from reference_impl.moe import moe_layers
+
+    return [moe.router for _, moe in moe_layers(model) if moe.router.has_expert_bias]
+
+
+def _fused(model: Any) -> list[Any]:
+    from reference_impl.moe import moe_layers
+
+    return [moe for _, moe in moe_layers(model) if moe.kind == "fused"]
+
+
+class ExpertBiasOutOfPlace(ReferenceAdapter):
+    """The bias update rebinds a new tensor instead of stepping the registered buffer (torchtitan PR #1226): the
+    model routes on its live bias while the state dict -- and so every checkpoint -- holds the buffer's zeros.  The
+    load then restores zeros into the buffer and leaves the live bias at the load side's own values (``values``,
+    silent, named by the first expert whose entry differs)."""
+
+    name = "seeded-expert-bias-out-of-place"
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
+        import torch
+
+        model, _ = super().build(replace(spec, optimizer_steps=0), mesh, seed)
+        for router in _routers(model):
+            router.live_bias = router.expert_bias.clone()
+            router.expert_bias.zero_()
+        if spec.optimizer_steps <= 0:
+            return model, None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        for index in range(spec.optimizer_steps):
+            self.step(model, optimizer, seed, index)
+        return model, optimizer
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        import torch
+
+        from conformance import synthetic_load
+        from reference_impl.moe import moe_layers
+
+        self._set_grads(model, seed, step)
+        optimizer.step()
+        for _, moe in moe_layers(model):
+            if moe.router.has_expert_bias:
+                load = synthetic_load(seed, step, moe.layer, moe.num_experts)
+                moe.router.live_bias = moe.router.live_bias + self.bias_rate * torch.sign(load.mean() - load)
+        optimizer.zero_grad(set_to_none=True)
+
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[Any]:
+        live = {id(r.expert_bias): r.live_bias for r in _routers(model)}
+        for layer, expert, name, tensor in super().other_tensors(model, optimizer):
+            yield layer, expert, name, live.get(id(tensor), tensor)
+
+
+class ExpertBiasDroppedByEpWrapper(ReferenceAdapter):
+    """At ep > 1 the EP wrapper replaces each router with one that has no expert bias (DeepSpeed PR #8369): a save
+    there holds no bias (``checkpoint``: on-disk), a load there leaves the model without one (``missing``: silent),
+    and a load at ep=1 of such a save asks for a bias the checkpoint lacks (refused)."""
+
+    name = "seeded-expert-bias-dropped-by-ep-wrapper"
+
+    def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
+        model, optimizer = super().build(spec, mesh, seed)
+        if mesh is not None and spec.layout.ep > 1:
+            for router in _routers(model):
+                del router._buffers["expert_bias"], router._buffers["tokens_per_expert"]
+                router.has_expert_bias = False
+        return model, optimizer
+
+
+class ExpertBiasSavedInBf16(ReferenceAdapter):
+    """The save casts the fp32 expert bias to bf16 (a checkpoint written in the model's compute dtype, which
+    transformers keeps the bias out of with ``_keep_in_fp32_modules_strict``): every layout saves it so, and a load
+    gives back the bias rounded to bf16 (``values``, silent: rounded through bfloat16)."""
+
+    name = "seeded-expert-bias-saved-in-bf16"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+
+        routers = _routers(model)
+        kept = [r.expert_bias for r in routers]
+        for router in routers:
+            router._buffers["expert_bias"] = router.expert_bias.to(torch.bfloat16)
+        try:
+            super().save(model, optimizer, path)
+        finally:
+            for router, bias in zip(routers, kept, strict=True):
+                router._buffers["expert_bias"] = bias
+
+
+class ExpertBiasNotLoaded(ReferenceAdapter):
+    """A load that restores parameters only: every buffer keeps the load side's values (``values``, silent: still
+    the pre-load values)."""
+
+    name = "seeded-expert-bias-not-loaded"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        routers = _routers(model)
+        kept = [r.expert_bias.clone() for r in routers]
+        super().load(model, optimizer, path)
+        for router, bias in zip(routers, kept, strict=True):
+            router.expert_bias.copy_(bias)
+
+
+class BuffersZeroedAfterLoad(ReferenceAdapter):
+    """The framework's own load, then every persistent floating-point buffer set to zero: the plant a green
+    default tier must not pass."""
+
+    name = "seeded-buffers-zeroed-after-load"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        super().load(model, optimizer, path)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point() and name not in module._non_persistent_buffers_set:
+                    buffer.zero_()
+
+
+class FusedShardCutAcrossHalves(ReferenceAdapter):
+    """A load into an expert-TP-sharded fused gate/up weight that chunks the fused dim as one ``[2h]`` axis
+    (transformers PR #48823: ``[A B C D] + [E F G H]`` loaded as ``[A B E F]``' reverse): etp rank 0 gets all of
+    gate, rank 1 all of up, so each rank's up (or gate) rows hold the other half's (``values``, silent, naming
+    the half)."""
+
+    name = "seeded-fused-shard-cut-across-halves"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from reference_impl.regions import local_region
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for moe in _fused(model):
+                param = moe.gate_up_w
+                if not isinstance(param, DTensor) or param.dim() != 4:
+                    continue  # no expert TP: nothing chunks the fused dim
+                full = param.full_tensor()  # [E, 2, h, dim] gate then up, every rank alike
+                local, region = local_region(param)
+                joined = full.reshape(full.shape[0], -1, full.shape[-1])  # [E, 2h, dim]: the fused dim as one axis
+                rows = local.shape[1] * local.shape[2]
+                part = region[2].start // local.shape[2]
+                naive = joined[region[0], part * rows:(part + 1) * rows]
+                local.copy_(naive.reshape(local.shape))
+
+
+class FusedHalvesSwapped(ReferenceAdapter):
+    """A tensor-parallel swizzle that swaps a fused weight's gate and up halves on load (Megatron-LM #2769, PR
+    #5714; Megatron-Bridge PR #1817): each half holds the other's values (``values``, silent)."""
+
+    name = "seeded-fused-halves-swapped"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+
+        from reference_impl.model import HALF_AXIS, fused_frame
+        from reference_impl.regions import local_region
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for moe in _fused(model):
+                frame = fused_frame(local_region(moe.gate_up_w)[0], moe.fused_order)
+                gate, up = frame.select(HALF_AXIS[moe.fused_order], 0), frame.select(HALF_AXIS[moe.fused_order], 1)
+                kept = gate.clone()
+                gate.copy_(up)
+                up.copy_(kept)
+
+
+class InterleavedReadAsConcatenated(ReferenceAdapter):
+    """A model whose fused weight interleaves gate and up rows (GPT-OSS), loaded by code that reads the file's rows
+    as concatenated halves and writes them in as they are (slime #1840, verl PR #7243): ``values``, silent, naming
+    the half and the misreading."""
+
+    name = "seeded-interleaved-read-as-concatenated"
+    fused_order = "interleaved"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+
+        from reference_impl.regions import local_region
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for moe in _fused(model):
+                local = local_region(moe.gate_up_w)[0]
+                rows = local.reshape(local.shape[0], -1, local.shape[-1])  # the rows as the model holds them
+                read = torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1)  # the file's gate, then up, taken as they are
+                rows.copy_(read)
+
+
+class MtpExpertsNotMappedBack(ReferenceAdapter):
+    """The MTP layers' experts are saved under names of their own that the load does not map back
+    (Megatron-Bridge #4329, PR #4819): after the load they keep the load side's values (``values``, silent, in the
+    MTP layer, global layer ``num_layers``)."""
+
+    name = "seeded-mtp-experts-not-mapped-back"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+
+        from reference_impl.moe import moe_layers
+        from reference_impl.regions import local_region
+
+        mtp = [moe for _, moe in moe_layers(model) if moe.layer >= model.num_layers]
+        kept = [(local_region(p)[0], local_region(p)[0].clone()) for moe in mtp for p in moe.expert_parameters()]
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for local, before in kept:
+                local.copy_(before)
+
+
+class MtpLeftOutOfSave(ReferenceAdapter):
+    """The save leaves the MTP layers out (ms-swift #6644) and the load does not ask for them: every checkpoint
+    lacks them, the ep=1 one included (``checkpoint``: on-disk), and after a load they keep the load side's values
+    (``values``, silent)."""
+
+    name = "seeded-mtp-left-out-of-save"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        with _without_mtp():
+            super().save(model, optimizer, path)
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        with _without_mtp():
+            super().load(model, optimizer, path)
+
+
+@contextlib.contextmanager
+def _without_mtp() -> Iterator[None]:
+    """reference_impl.checkpoint's DCP calls with every MTP key left out, weights and optimizer state alike."""
+    import reference_impl.checkpoint as ck
+
+    real = ck.dcp
+
+    def strip(state: dict[str, Any]) -> dict[str, Any]:
+        model = {k: v for k, v in state.get("model", {}).items() if not k.startswith("mtp.")}
+        found = {**state, "model": model}
+        if "optimizer" in state:
+            optim = state["optimizer"]
+            kept = {k: v for k, v in optim.get("state", {}).items() if not k.startswith("mtp.")}
+            found["optimizer"] = {**optim, "state": kept}
+        return found
+
+    class _Shim:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def save(state: dict[str, Any], **kwargs: Any) -> Any:
+            return real.save(strip(state), **kwargs)
+
+        @staticmethod
+        def load(state: dict[str, Any], **kwargs: Any) -> Any:
+            stripped = strip(state)
+            result = real.load(stripped, **kwargs)
+            _copy_back(state, stripped, lambda k: k)
+            return result
+
+    ck.dcp = _Shim()
+    try:
+        yield
+    finally:
+        ck.dcp = real
+
+
+class DownReadAsItsTranspose(ReferenceAdapter):
+    """A load that reads each expert's ``[in, out]`` down weight into the model's ``[out, in]`` by reshaping, not
+    transposing (Megatron-LM #909's GroupedMLP layout; slime #1840, hidden there because the two dims were equal):
+    the reference's dims all differ, so no square shape hides it (``values``, silent: its transpose read in its own
+    shape)."""
+
+    name = "seeded-down-read-as-its-transpose"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+
+        from reference_impl.moe import moe_layers
+        from reference_impl.regions import local_region
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for _, moe in moe_layers(model):
+                weights = ([e.down.weight for e in moe.experts] if moe.kind == "unpacked" else [moe.down_w])
+                for weight in weights:
+                    local = local_region(weight)[0]
+                    local.copy_(local.transpose(-1, -2).reshape(local.shape).clone())

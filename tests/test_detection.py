@@ -505,3 +505,105 @@ def test_param_groups_taken_from_another_stage_are_caught(pytester: pytest.Pytes
     for cell_id, first in failing(cells).items():
         assert cells[cell_id]["findings"] == ["refused"], cell_id
         assert re.search(r"ranks (0, 1|2, 3) raised KeyError: 'betas'", first), (cell_id, first)
+
+
+# -- today's MoE state: the expert bias, fused gate/up weights, MTP layers -------------------------------
+BIAS = r"first difference: rank \d, layer \d, expert \d, tensor 'router\.expert_bias': "
+#: slices of the default tier that each seeded bug can show in (a few cells each: the suite's time).
+EP_ONLY_MODEL = "ep-only and model and not optim and not legacy and not mtp and not fused"
+
+
+def test_buffers_zeroed_after_the_load_are_red_in_every_cell(pytester: pytest.Pytester) -> None:
+    """The plant a green tier must not pass: the framework's own load, then every persistent floating-point
+    buffer zeroed.  The reference's expert bias is non-zero from its build on, in model and model+optim cells."""
+    cells = run_default_tier(pytester, "BuffersZeroedAfterLoad", "not legacy and ep-only and not fused")
+    assert len(ran(cells)) >= 20 and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["silent"], cell_id
+        assert re.match(BIAS + "holds zeros where it should hold values", first), (cell_id, first)
+
+
+def test_an_expert_bias_stepped_out_of_place_is_caught(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "ExpertBiasOutOfPlace", f"{OPTIM} and ep-only and not fused")
+    assert ran(cells) and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["silent"], cell_id
+        assert re.match(BIAS + r"still holds its pre-load \(seed B\) values.*per-expert entries differ: expert \d: "
+                        r"expected", first), (cell_id, first)
+
+
+def test_an_expert_bias_the_ep_wrapper_drops_is_caught(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "ExpertBiasDroppedByEpWrapper", EP_ONLY_MODEL)
+    wrong = {i for i, c in ran(cells).items() if max(c["save_ep"], c["load_ep"]) > 1}
+    assert wrong and set(failing(cells)) == wrong
+    for cell_id in failing(cells):
+        cell = cells[cell_id]
+        if cell["save_ep"] > 1:  # the save held no bias: the file is wrong
+            assert "on-disk" in cell["findings"], cell_id
+            assert "key 'model.layers.0.moe.router.expert_bias': absent from the checkpoint" in cell["detail"]
+        if cell["load_ep"] > 1:  # the load's model has none
+            assert "silent" in cell["findings"], cell_id
+            assert "hold no layer 0, tensor 'router.expert_bias'" in cell["detail"], cell["detail"]
+
+
+@pytest.mark.parametrize(("bug", "reading"), [
+    ("ExpertBiasSavedInBf16", r"holds the values of .* rounded to bfloat16: saved or loaded through bfloat16"),
+    ("ExpertBiasNotLoaded", r"still holds its pre-load \(seed B\) values: the load did not write it"),
+])
+def test_an_expert_bias_the_load_gets_wrong_is_named_by_its_expert(pytester: pytest.Pytester, bug: str,
+                                                                   reading: str) -> None:
+    cells = run_default_tier(pytester, bug, EP_ONLY_MODEL)
+    assert ran(cells) and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["silent"], cell_id
+        assert re.match(BIAS + reading, first), (cell_id, first)
+
+
+@pytest.mark.parametrize(("bug", "reading", "where"), [
+    ("FusedHalvesSwapped", r"tensor 'gate': holds its up half's values instead: the fused gate/up weight's halves "
+     r"swapped", "every"),
+    ("InterleavedReadAsConcatenated", r"tensor '(gate|up)': holds rows of both halves of the fused weight: the "
+     r"interleaved gate/up rows read as concatenated halves", "etp1"),
+    ("FusedShardCutAcrossHalves", r"tensor '(gate|up)': holds its (gate|up) half's axis 0 rows \d+\.\.\d+.* instead "
+     r"of its own (gate|up) rows: a shard of the fused gate/up dim cut across its two halves", "etp2"),
+])
+def test_a_fused_gate_up_weight_read_wrong_names_the_expert_and_the_half(pytester: pytest.Pytester, bug: str,
+                                                                         reading: str, where: str) -> None:
+    """The default tier's fused cells (``-k fused``): FSDP, expert TP and EP changes; each half is checked on its
+    own, and the misreading is named."""
+    cells = run_default_tier(pytester, bug, "fused")
+    assert len(ran(cells)) >= 5 and all(c["kind"] == "fused" for c in ran(cells).values())
+    etp = {i for i, c in ran(cells).items() if "etp2" in c["load_layout"]}
+    wrong = etp if where == "etp2" else set(ran(cells))
+    assert etp and set(failing(cells)) == wrong
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["silent"], cell_id
+        if where != "etp1" or cell_id not in etp:  # under expert TP an interleaving reads another way
+            assert re.match(r"first difference: rank \d, layer \d, expert \d, " + reading, first), (cell_id, first)
+
+
+@pytest.mark.parametrize(("bug", "findings"), [
+    ("MtpExpertsNotMappedBack", ["silent"]),
+    ("MtpLeftOutOfSave", ["silent", "on-disk"]),
+])
+def test_mtp_layers_a_checkpoint_loses_are_named_by_their_layer(pytester: pytest.Pytester, bug: str,
+                                                                findings: list[str]) -> None:
+    """The MTP layer is global layer 3 (after the pipeline cells' three layers), on the last stage."""
+    cells = run_default_tier(pytester, bug, "mtp and ep-only and model and not optim")
+    assert ran(cells) and all(c["mtp"] for c in ran(cells).values())
+    assert set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == findings, cell_id
+        assert re.match(r"first difference: rank \d, layer 3, expert \d, tensor '(gate|up|down)': still holds its "
+                        r"pre-load \(seed B\) values", first), (cell_id, first)
+        if "on-disk" in findings:
+            assert "the ep=1 checkpoint: layer 3: no key holds any of its experts' tensors" in cells[cell_id]["detail"]
+
+
+def test_an_expert_weight_read_as_its_transpose_is_named(pytester: pytest.Pytester) -> None:
+    """The reference's dims all differ (model 16, expert hidden 32), so no square shape hides a transpose."""
+    cells = run_default_tier(pytester, "DownReadAsItsTranspose", EP_ONLY_MODEL)
+    assert ran(cells) and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor 'down': holds its transpose's "
+                        r"elements in its own shape \(16, 32\)", first), (cell_id, first)

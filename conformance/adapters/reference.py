@@ -27,25 +27,31 @@ from typing import Any, Literal, cast
 
 from conformance.adapter import (
     ADAM_MOMENTS,
+    FORWARD_OUTPUT,
     Capabilities,
     ExpertBlock,
     Spec,
     TensorEntry,
+    local_region,
     run_steps,
     torch_optimizer_scalars,
     with_moments,
     world_device,
 )
-from conformance.synthetic import synthetic_grad, synthetic_grad_rows
+from conformance.synthetic import synthetic_grad, synthetic_grad_rows, synthetic_load
 
 
 class ReferenceAdapter:
     name = "reference"
     version = "0.1.0"
     #: cross_kind: either checkpoint form loads into either kind (reference_impl.expert_layout).
-    capabilities = Capabilities(kinds=("packed", "unpacked"), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"), hsdp=True,
-                                etp=True, pp=(1, 2, 3))
+    capabilities = Capabilities(kinds=("packed", "unpacked", "fused"), optimizer=True, fsdp=True, uneven=True,
+                                max_ep=64, format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"),
+                                hsdp=True, etp=True, pp=(1, 2, 3), mtp=True)
+    #: the row order of a fused layer's gate/up weight (reference_impl.model.FUSED_ORDERS).
+    fused_order = "concatenated"
+    #: the expert bias's step per optimizer step (DeepSeek-V3's update speed).
+    bias_rate = 1e-3
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
@@ -56,10 +62,12 @@ class ReferenceAdapter:
 
         # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside its Literal
         config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden,
-                           kind=cast(Literal["packed", "unpacked"], spec.kind),
+                           kind=cast(Literal["packed", "unpacked", "fused"], spec.kind),
                            activation=cast(Literal["swiglu", "gelu"], spec.activation),
                            top_k=min(spec.top_k, spec.num_experts),
-                           shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype))
+                           shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype),
+                           fused_order=cast(Literal["concatenated", "interleaved"], self.fused_order),
+                           expert_bias=True, mtp_layers=spec.mtp_layers)
         model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
             if "pp" in (mesh.mesh_dim_names or ()):  # this rank's stage first: its layers keep their global names
@@ -76,9 +84,16 @@ class ReferenceAdapter:
         return model, optimizer
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        """One AdamW step on :func:`conformance.synthetic_grad` gradients for step index ``step``."""
+        """One AdamW step on :func:`conformance.synthetic_grad` gradients for step index ``step``, and
+        one expert-bias step on :func:`conformance.synthetic_load` loads (DeepSeek-V3's rule)."""
+        from reference_impl.moe import moe_layers, update_expert_bias
+
         self._set_grads(model, seed, step)
+        for _, moe in moe_layers(model):
+            if moe.router.has_expert_bias:
+                moe.router.tokens_per_expert.copy_(synthetic_load(seed, step, moe.layer, moe.num_experts))
         optimizer.step()
+        update_expert_bias(model, self.bias_rate)
         optimizer.zero_grad(set_to_none=True)
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
@@ -91,15 +106,22 @@ class ReferenceAdapter:
         import torch
         from torch.distributed.fsdp import FSDPModule
 
-        from reference_impl.moe import pipeline_forward
+        from reference_impl.moe import pipeline_outputs
 
         batch = batch.to(next(model.parameters()).device)
+        depths = model.config.mtp_layers
         with torch.no_grad():
             pp_mesh = getattr(model, "pp_mesh", None)
-            out = model(batch) if pp_mesh is None else pipeline_forward(model, batch, pp_mesh.get_group(), model.stage)
+            if pp_mesh is None:
+                outputs = model(batch, with_mtp=True)
+            else:
+                outputs = pipeline_outputs(lambda h: model(h, batch, with_mtp=True), batch, pp_mesh.get_group(),
+                                           model.stage, 1 + depths)
         if isinstance(model, FSDPModule):
             model.reshard()
-        return out
+        if not depths:
+            return outputs[0]
+        return {FORWARD_OUTPUT: outputs[0], **{f"mtp.{i}": out for i, out in enumerate(outputs[1:])}}
 
     @staticmethod
     def _set_grads(model: Any, seed: int, step: int) -> None:
@@ -111,14 +133,17 @@ class ReferenceAdapter:
         layers = _layer_index(model)
         for piece in global_regions(model):
             layer, expert, name = _identify(piece.name, layers)
-            if piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets, drawn for
-                rows, inner = piece.region[0], (slice(None), *piece.region[1:])  # the rows this rank holds only
+            if piece.fused_order is not None:  # gate and up rows drawn as their packed weights', in its frame
+                grad = _fused_grad(piece, seed, step, layer)
+            elif piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets, drawn
+                rows, inner = piece.region[0], (slice(None), *piece.region[1:])  # for the rows held only
                 grad = synthetic_grad_rows(seed, step, layer, range(rows.start, rows.stop), name[:-2],
                                            piece.global_shape[1:])[inner]
             else:
                 grad = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)[piece.region]
             # synthetic_grad(_rows) hands out a new tensor: copied again only to move, convert or pack a cut of it
-            grad = grad.to(device=piece.local.device, dtype=piece.param.dtype).contiguous()
+            grad = grad.to(device=piece.local.device, dtype=piece.param.dtype)
+            grad = grad.reshape(local_region(piece.param)[0].shape).contiguous()
             p = piece.param
             if isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
@@ -161,7 +186,9 @@ class ReferenceAdapter:
         state = optimizer.state if optimizer is not None else {}
         for _, moe in moe_layers(model):
             layer = moe.layer
-            for linear in ("gate", "up", "down") if moe.activation == "swiglu" else ("up", "down"):
+            if moe.kind == "fused":  # its halves, placed as a packed layer's gate and up weights
+                yield from _fused_blocks(moe, state)
+            for linear in _linears(moe):
                 if moe.kind == "unpacked":
                     for i, expert in enumerate(moe.experts):
                         weight = getattr(expert, linear).weight
@@ -192,6 +219,9 @@ class ReferenceAdapter:
             for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
+        for _, moe in moe_layers(model):  # a persistent buffer is state like a weight
+            if moe.router.has_expert_bias:
+                yield moe.layer, None, "router.expert_bias", moe.router.expert_bias
 
 
 class ReferencePerExpertAdapter(ReferenceAdapter):
@@ -200,6 +230,42 @@ class ReferencePerExpertAdapter(ReferenceAdapter):
 
     name = "reference-per-expert"
     per_expert = True
+
+
+def _linears(moe: Any) -> tuple[str, ...]:
+    """The packed or unpacked weights of ``moe`` (a fused layer's gate and up are :func:`_fused_blocks`')."""
+    if moe.kind == "fused":
+        return ("down",)
+    return ("gate", "up", "down") if moe.activation == "swiglu" else ("up", "down")
+
+
+def _fused_blocks(moe: Any, state: Any) -> Iterator[ExpertBlock]:
+    """A fused layer's gate and up halves, and each moment's, as the blocks a packed layer's weights are."""
+    from reference_impl.fused import fused_halves
+
+    weight = moe.gate_up_w
+    tensors = [("", weight)] + [(f".{m}", state[weight][m]) for m in ADAM_MOMENTS if m in state.get(weight, {})]
+    for suffix, tensor in tensors:
+        gate, up = fused_halves(tensor, moe.fused_order, where=f"layer {moe.layer}'s gate_up_w{suffix}")
+        yield ExpertBlock(moe.layer, moe.local_expert_start, f"gate{suffix}", gate)
+        yield ExpertBlock(moe.layer, moe.local_expert_start, f"up{suffix}", up)
+
+
+def _fused_grad(piece: Any, seed: int, step: int, layer: int | None) -> Any:
+    """A fused weight's gradient for the region this rank holds, in its frame: each expert's gate and up
+    rows as its packed ``gate_w`` and ``up_w`` get them."""
+    import torch
+
+    from reference_impl.model import HALF_AXIS
+
+    shape, region = piece.global_shape, piece.region
+    half_axis = HALF_AXIS[piece.fused_order]
+    row = tuple(n for i, n in enumerate(shape) if i not in (0, half_axis))
+    rows = range(region[0].start, region[0].stop)
+    halves = [synthetic_grad_rows(seed, step, layer, rows, name, row) for name in ("gate", "up")]
+    framed = torch.stack(halves, dim=half_axis)
+    cut = (slice(None), *region[1:])
+    return framed[cut]
 
 
 def _one_row(g: int, moment: Any) -> list[tuple[int, Any]]:

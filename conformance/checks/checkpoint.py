@@ -107,10 +107,12 @@ def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tu
 
     index = read_index(adapter, truth_path)
     owners, volume = owners_of(state)
-    learned = learned_patterns(learn_expert_keys(index, owners), index.entries)
+    keys = learn_expert_keys(index, owners)
+    learned = learned_patterns(keys, index.entries)
     by_position = key_owners(index, owners, [k for k in index.entries if positional(k)])
     patterns = (*declared, *learned, *DEFAULT_PATTERNS)
     found = [f"the ep=1 checkpoint: {f}" for f in attribute_experts(index, owners, patterns=patterns)]
+    found += _layers_missing(index, owners, keys, state)
     note = ""
     if not learned and any(f.problem == "no_expert_keys" for f in inspect_index(index, patterns=patterns).findings):
         tensors = [k for k, e in index.entries.items() if e.is_tensor and e.shape]
@@ -126,6 +128,31 @@ def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tu
                     "--moe-ep-expert-key for findings in expert terms")
     _KNOWLEDGE.put(truth_path, Knowledge(patterns, note, by_position))
     return found
+
+
+def _layers_missing(index: Any, owners: Mapping[Any, Any], keys: Mapping[str, Any],
+                    state: Mapping[Any, Any]) -> list[str]:
+    """Layers of the model none of whose experts any key of the ep=1 checkpoint holds, while other
+    layers' experts are found by their values (a layer left out of every save: MTP layers a save
+    skipped).  Not said where the keys not understood have room for them (another form)."""
+    from conformance.inspection.learn import unexplained_volume
+
+    held = {learned.layer for learned in keys.values()}
+    if not held:
+        return []
+    wanted: dict[Any, list[Any]] = {}
+    for (layer, expert, name), tensor in state.items():
+        if expert is not None and layer not in held:
+            wanted.setdefault(layer, []).append((name, tensor.numel()))
+    if not wanted:
+        return []
+    rest = [k for k, e in index.entries.items() if e.is_tensor and e.shape and k not in keys]
+    room = unexplained_volume(index, owners, rest)
+    if room >= sum(n for found in wanted.values() for _, n in found):
+        return []
+    return [f"the ep=1 checkpoint: layer {layer}: no key holds any of its experts' tensors "
+            f"({', '.join(repr(n) for n in sorted({name for name, _ in found}))}): the layer is missing "
+            "from it" for layer, found in sorted(wanted.items(), key=lambda kv: repr(kv[0]))]
 
 
 def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: int,

@@ -124,6 +124,10 @@ def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], befor
         if equal(got, candidate):
             if other[0] == layer and other[2] == name and expert is not None:
                 return f"holds expert {other[1]}'s values instead of expert {expert}'s"
+            sibling = _sibling(name)
+            if sibling is not None and other == (layer, expert, sibling[1]):
+                return (f"holds its {sibling[1]} half's values instead: the fused gate/up weight's halves "
+                        "swapped")
             return f"holds {_describe(other)} instead"
     if expert is not None:  # another expert's values as a kernel rounded them (a fused optimizer's shard)
         for other in sorted((k for k in truth if k != key and k[0] == layer and k[2] == name), key=repr):
@@ -144,6 +148,9 @@ def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], befor
         for label, half in zip(("first", "second"), halves or (), strict=False):
             if equal(got, half):
                 return f"holds only the {label} half of {_describe(other)}"
+    fused = _fused_reading(key, got, region, truth)
+    if fused:
+        return fused
     want = expected(truth, key, region)
     if want is None:
         return f"holds rows {region} outside the {tuple(truth[key].shape)} tensor of {source}"
@@ -151,7 +158,70 @@ def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], befor
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if got.dtype != want.dtype:
         return f"dtype {got.dtype}, expected {want.dtype}"
+    if got.numel() and not got.any() and want.any():
+        return "holds zeros where it should hold values: the load left it zeroed"
+    if got.dim() >= 2 and got.shape[-1] != got.shape[-2] and equal(
+            got, want.transpose(-1, -2).reshape(want.shape)):
+        return (f"holds its transpose's elements in its own shape {tuple(want.shape)}: a "
+                f"{list(want.shape[-2:][::-1])} layout read by reshaping, not transposing")
+    rounded = _rounded_through(got, want)
+    if rounded:
+        return f"holds the values of {source} rounded to {rounded}: saved or loaded through {rounded}"
     return f"values differ from {source} and match no tensor of it: {describe(got, want)}"
+
+
+#: the halves of a fused gate/up weight, as the canonical names an adapter yields them under.
+HALVES = ("gate", "up")
+
+
+def _sibling(name: str) -> tuple[int, str] | None:
+    """``(this half's index, the other half's name)`` of a fused weight's half or its moment."""
+    head, _, moment = name.partition(".")
+    if head not in HALVES:
+        return None
+    other = HALVES[1 - HALVES.index(head)]
+    return HALVES.index(head), f"{other}.{moment}" if moment else other
+
+
+def _fused_reading(key: Key, got: Any, region: Region, truth: Mapping[Key, Any]) -> str:
+    """Which misreading of a fused gate/up weight ``got`` (its gate or up half) is: the halves'
+    rows interleaved where they are concatenated (or the reverse), or a shard of the fused dim cut
+    across the two halves (it holds rows of the other half).  "" when none."""
+    import torch
+
+    found = _sibling(key[2])
+    if found is None or (key[0], key[1], found[1]) not in truth or key not in truth:
+        return ""
+    index, other = found
+    halves = [truth[key], truth[(key[0], key[1], other)]]
+    gate, up = halves if index == 0 else halves[::-1]
+    if gate.shape != up.shape or not gate.dim():
+        return ""
+    joined = torch.cat([gate, up])
+    woven = torch.stack([gate, up], dim=1).reshape(joined.shape)
+    h = gate.shape[0]
+    readings = [(joined[index::2], "the interleaved gate/up rows read as concatenated halves"),
+                (woven[index * h:(index + 1) * h], "the concatenated gate/up halves read as interleaved rows")]
+    for full, what in readings:
+        if equal(got, cut(full, region)):
+            return f"holds rows of both halves of the fused weight: {what}"
+    for tile in _tiles(halves[1], tuple(got.shape)):
+        if equal(got, halves[1][tile]):
+            return (f"holds its {other} half's {_rows(tile)} instead of its own {HALVES[index]} rows: a "
+                    "shard of the fused gate/up dim cut across its two halves")
+    return ""
+
+
+def _rounded_through(got: Any, want: Any) -> str:
+    """The coarser float dtype ``want`` was rounded through to give ``got`` ("" when none)."""
+    import torch
+
+    if not want.is_floating_point() or not want.numel():
+        return ""
+    for coarse in (torch.bfloat16, torch.float16):
+        if torch.finfo(coarse).eps > torch.finfo(want.dtype).eps and equal(got, want.to(coarse).to(want.dtype)):
+            return str(coarse).removeprefix("torch.")
+    return ""
 
 
 def agrees(got: Any, want: Any, verdict: RankVerdict) -> bool:
@@ -181,8 +251,29 @@ def compare(rank: int, got: Held, truth: Mapping[Key, Any], before: Held, verdic
             continue
         if saved is not None and key in saved:
             if not equal(tensor, cut(saved[key], region)):
-                verdict.add(Mismatch(rank, layer, expert, name,
-                                     diagnose(key, tensor, region, saved, before, "what the checkpoint holds")))
+                verdict.add(_named(Mismatch(rank, layer, expert, name,
+                                            diagnose(key, tensor, region, saved, before,
+                                                     "what the checkpoint holds")),
+                                   tensor, cut(saved[key], region), truth))
             continue
         if not agrees(tensor, expected(truth, key, region), verdict):
-            verdict.add(Mismatch(rank, layer, expert, name, diagnose(key, tensor, region, truth, before)))
+            verdict.add(_named(Mismatch(rank, layer, expert, name, diagnose(key, tensor, region, truth, before)),
+                               tensor, expected(truth, key, region), truth))
+
+
+def _named(mismatch: Mismatch, got: Any, want: Any, truth: Mapping[Key, Any]) -> Mismatch:
+    """A per-expert vector's difference (an expert bias: one entry per expert, replicated on every
+    rank) named by the first expert whose entry differs, and which entries do."""
+    if mismatch.expert is not None or want is None or got.shape != want.shape or got.dim() != 1:
+        return mismatch
+    count = 1 + max((k[1] for k in truth if k[0] == mismatch.layer and k[1] is not None), default=-1)
+    if got.shape[0] != count or not count:
+        return mismatch
+    differ = [g for g in range(count) if not equal(got[g], want[g])]
+    if not differ:
+        return mismatch
+    entries = ", ".join(f"expert {g}: expected {want[g].item():.6g}, got {got[g].item():.6g}" for g in differ[:3])
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    mismatch.expert = differ[0]
+    mismatch.problem = f"{mismatch.problem} (per-expert entries differ: {entries}{more})"
+    return mismatch
