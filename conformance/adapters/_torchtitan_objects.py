@@ -5,6 +5,7 @@ as torchtitan's ``Trainer`` makes it (:mod:`conformance.adapters.torchtitan` say
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import Any
 
 from conformance.adapter import Spec
@@ -130,3 +131,61 @@ def manager(model: Any, optimizer: Any, path: str) -> Any:
     config = CheckpointManager.Config(enable=True, folder=path, keep_latest_k=0)
     return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizer,
                              lr_schedulers=None, states={}, sd_adapter=None)
+
+
+#: the last part of the name of torchtitan's expert bias (``MoE.expert_bias_E``: persistent, fp32
+#: ``[E]``).
+EXPERT_BIAS = "expert_bias_E"
+
+
+def _no_dp_mesh(*_: Any, **__: Any) -> None:
+    return None
+
+
+#: what ``register_moe_load_balancing_hook`` reads of ParallelDims, for the ground truth (one
+#: process, no ParallelDims): no loss mesh to all-reduce the counts over, no expert TP.
+NO_DP = SimpleNamespace(get_optional_mesh=_no_dp_mesh, ep_enabled=False, tp=1)
+
+
+def moe_layers(model: Any) -> list[tuple[int, Any]]:
+    """``(global layer index, MoE module)`` of every MoE layer of ``model`` (a pipeline stage's part
+    keeps its layers' global keys); a DeepSeek-V3 MTP layer ``j`` (whole models only: torchtitan
+    pipelines no MTP) is layer ``len(layers) + j``, as its Hugging Face export numbers it."""
+    found = [(int(key), block.moe) for key, block in model.layers.items()
+             if getattr(block, "moe_enabled", False)]
+    mtp = getattr(model, "mtp_layers", None) or ()
+    return found + [(len(model.layers) + j, block.moe) for j, block in enumerate(mtp)]
+
+
+def register_load_balancing(optimizer: Any, model: Any, parallel_dims: Any) -> None:
+    """torchtitan's auxiliary-loss-free balancing as ``Trainer`` registers it for every MoE model
+    (``post_optimizer_build_fn``): a pre-hook of the optimizers' step that all-reduces every
+    layer's ``tokens_per_expert_E`` over the loss mesh, steps ``expert_bias_E`` on them and zeroes
+    them."""
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+    dims = parallel_dims if parallel_dims is not None else NO_DP
+    register_moe_load_balancing_hook(optimizer, [model], dims)
+
+
+def write_loads(model: Any, parallel_dims: Any, seed: int, step: int) -> None:
+    """Every MoE layer's ``tokens_per_expert_E`` := this rank's share of ``step``'s synthetic load
+    (:func:`conformance.synthetic_load`), for torchtitan's own hook to consume at the optimizer
+    step.
+
+    Each rank of the hook's all-reduce (the loss mesh) counted the tokens of the experts ``g`` with
+    ``g % size == its rank`` there, and none of the others, so the sum over the mesh is the whole
+    load (the ground truth's) exactly, and a hook that skipped the all-reduce would step each rank's
+    bias on a different vector."""
+    import torch
+
+    from conformance import synthetic_load
+
+    mesh = parallel_dims.get_optional_mesh("loss") if parallel_dims is not None else None
+    rank, size = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+    for layer, moe in moe_layers(model):
+        load = synthetic_load(seed, step, layer, moe.tokens_per_expert_E.shape[0])
+        mine = torch.arange(load.shape[0]) % size == rank
+        counter = moe.tokens_per_expert_E
+        counter = counter.to_local() if hasattr(counter, "to_local") else counter
+        counter.copy_(torch.where(mine, load, torch.zeros_like(load)).to(counter.device))

@@ -7,9 +7,15 @@ torchtitan's own code throughout: ``MoE`` layers from its config builders (route
 ``dcp_load``.  ``torchtitan`` sets ``spmd_backend="partial_dtensor"`` (experts DTensors ``Shard(0)`` over ``ep``);
 ``torchtitan-local`` keeps the default ``"spmd_types"`` (plain local chunks, placed by this rank's place on ``ep``).
 For CPU (nothing checked changes): ``parallel_dims.device_type`` is the world's; "for-loop" optimizers ("fused" is
-CUDA only); no load-balancing hook; FSDP's ``mixed_precision_param`` is the cell's dtype.  torchtitan's objects
-(mesh, model, pipeline split, parallelize, checkpoint manager) are built in :mod:`._torchtitan_objects`.  Findings:
-docs/frameworks/torchtitan.md.
+CUDA only); FSDP's ``mixed_precision_param`` is the cell's dtype.  torchtitan's objects (mesh,
+model, pipeline split, parallelize, checkpoint manager) are built in :mod:`._torchtitan_objects`.
+Findings: docs/frameworks/torchtitan.md.
+
+As its users train today's MoE models: ``load_balance_coeff`` (1e-3, ``make_moe_config``'s
+default) gives every MoE layer an expert bias (``expert_bias_E``, given synthetic initial values:
+:attr:`synthetic_buffers`), and the optimizers carry torchtitan's load-balancing hook, fed each
+step with :func:`conformance.synthetic_load` through the layers' own counters, a share per
+data-parallel rank (:func:`._torchtitan_objects.write_loads`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class TorchtitanAdapter(TorchNativeAdapter):
                                 format="dcp", ep_orders=("consecutive",), pp=(1, 2))
     preload = ("torchtitan.models.qwen3", "torchtitan.components.checkpoint", "torchtitan.components.optimizer")
     distribution = "torchtitan"
+    #: the expert bias, a weight's synthetic values (std 0.02): of the order of the router's own score
+    #: differences, it changes the top-2 of about half the forward batch's tokens (a wrong bias shows).
+    synthetic_buffers = (objects.EXPERT_BIAS,)
 
     def build_model(self, spec: Spec, mesh: Any) -> Any:
         import torch
@@ -78,7 +87,16 @@ class TorchtitanAdapter(TorchNativeAdapter):
         config.implementation = "for-loop"
         for group in config.param_groups:  # the cell's learning rate
             group.optimizer_kwargs = {**group.optimizer_kwargs, "lr": spec.lr}
-        return config.build(model_parts=[model])
+        optimizers = config.build(model_parts=[model])
+        objects.register_load_balancing(optimizers, model, getattr(model, _PARALLEL_DIMS))
+        return optimizers
+
+    def step(self, model: Any, optimizer: Any, seed: int, step: int, state: Any = None) -> None:
+        """This rank's share of the step's synthetic load into every layer's counter, then the
+        base's step (synthetic grads; the optimizers' step, whose pre-hook steps the bias on the
+        all-reduced load)."""
+        objects.write_loads(model, getattr(model, _PARALLEL_DIMS), seed, step)
+        super().step(model, optimizer, seed, step, state)
 
     def identify(self, model: Any, fqn: str, param: Any) -> Param:
         """``layers.<i>.moe.routed_experts.inner_experts.<w>`` (canonical FQN): layer i's packed expert weight."""
