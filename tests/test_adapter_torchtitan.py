@@ -92,9 +92,10 @@ def test_torchtitan_forward_catches_router_rows_swapped_after_the_load(pytester:
     cell_id = "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2c"
     assert statuses == {"fail": {cell_id}, "n/a": statuses.get("n/a", set())}, statuses
     assert cells[cell_id]["findings"] == ["silent"], cells[cell_id]  # the forward alone sees it
-    lines = cells[cell_id]["detail"].removeprefix("silent: ").splitlines()
+    *lines, passed = cells[cell_id]["detail"].removeprefix("silent: ").splitlines()
     assert len(lines) == 4 and all(line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
                                                    "ground truth's") for r, line in enumerate(lines)), lines
+    assert passed == "checks that passed: checkpoint, values, missing", passed
 
 
 @pytest.mark.slow
@@ -170,3 +171,101 @@ def test_torchtitan_pipeline_stages_keep_their_layers_names(pytester: pytest.Pyt
             assert "forward" in cell["skipped_checks"], cell
         else:
             assert FORWARD_RAN.search(cell["detail"]) and not cell["skipped_checks"], cell
+
+
+#: the expert bias's negative controls: torchtitan's own adapter with one thing wrong.
+BIAS_CONTROLS = '''
+from conformance.adapters import _torchtitan_objects as objects
+from conformance.adapters.torch_native import persistent_buffers
+from conformance.adapters.torchtitan import TorchtitanAdapter
+
+
+class ZeroedBuffers(TorchtitanAdapter):
+    """The load then zeroes every persistent floating-point buffer (the expert bias): as a load
+    whose state dict leaves buffers out, and an init that runs after it."""
+
+    def load(self, model, optimizer, path):
+        import torch
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for _, buffer in persistent_buffers(model):
+                if buffer.is_floating_point():
+                    buffer.zero_()
+
+
+class UnreducedLoads(TorchtitanAdapter):
+    """torchtitan's hook without its all-reduce: each rank steps its bias on the tokens it
+    counted."""
+
+    def build_optimizer(self, spec, model):
+        optimizers = super().build_optimizer(spec, model)
+        optimizers._optimizer_step_pre_hooks.clear()
+        objects.register_load_balancing(optimizers, model, None)
+        return optimizers
+'''
+
+
+@pytest.mark.moe_ep_world(2)
+def test_the_expert_bias_is_seeded_stepped_on_the_all_reduced_load_and_routes() -> None:
+    """What makes the bias checkable: the adapter's model-only and model+optim builds at ep=2 hold a
+    non-zero bias that differs between seeds and moves with each step -- on every rank the ground
+    truth's step on the whole load, which a hook without the all-reduce misses (each rank holds a
+    share) -- and the bias changes the forward (it changes which experts tokens go to)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from conformance.adapter import Spec
+    from conformance.adapters import _torchtitan_objects as objects
+    from conformance.adapters.torchtitan import TorchtitanAdapter
+    from conformance.checks.truth import batch_for
+    from conformance.layout import ParallelLayout
+
+    namespace: dict[str, Any] = {}
+    exec(BIAS_CONTROLS, namespace)  # the controls' module (a pytester file below), in this rank
+    layout = ParallelLayout.for_world(2, 2, ep_order="consecutive")
+    model_only = Spec(kind="packed", num_experts=4, layout=layout)
+    trained = dataclasses.replace(model_only, optimizer_steps=2)
+
+    def bias(adapter: Any, spec: Spec, seed: int, world: bool = True) -> Any:
+        model = adapter.build(spec, layout.build_mesh() if world else None, seed)[0]
+        return torch.stack([moe.expert_bias_E for _, moe in objects.moe_layers(model)]), model
+
+    adapter = TorchtitanAdapter()
+    (seed_a, _), (seed_b, _) = bias(adapter, model_only, 1), bias(adapter, model_only, 2)
+    stepped, _ = bias(adapter, trained, 1)
+    truth, truth_model = bias(adapter, trained, 1, world=False)
+    assert bool((seed_a != 0).all()) and not torch.equal(seed_a, seed_b), (seed_a, seed_b)
+    # two steps of torchtitan's rule, coeff * sign(mean - load) centred: at most 2 coeff an entry
+    assert 0 < float((stepped - seed_a).abs().max()) <= 2 * 2 * 1e-3, stepped - seed_a
+    assert torch.equal(stepped, truth), (dist.get_rank(), stepped, truth)
+
+    unreduced, _ = bias(namespace["UnreducedLoads"](), trained, 1)
+    ranks = [torch.empty_like(unreduced) for _ in range(dist.get_world_size())]
+    dist.all_gather(ranks, unreduced)
+    assert not all(torch.equal(r, truth) for r in ranks), "a hook without its all-reduce passed"
+
+    batch = batch_for(trained)
+    routed = adapter.forward(truth_model, batch)
+    with torch.no_grad():
+        for _, moe in objects.moe_layers(truth_model):
+            moe.expert_bias_E.zero_()
+    assert not torch.allclose(adapter.forward(truth_model, batch), routed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_load_that_zeroes_the_buffers_is_red_in_the_default_tier(
+        pytester: pytest.Pytester) -> None:
+    """The negative control of the bias as a checked tensor: a load that then zeroes every
+    persistent floating-point buffer is red (silent, on the bias) in at least 90% of the cells that
+    run."""
+    pytester.makepyfile(bias_controls=BIAS_CONTROLS)
+    _, doc = run_report(pytester, "--moe-ep-matrix", "--moe-ep-adapter=bias_controls:ZeroedBuffers",
+                        stages=True)
+    ran = [c for c in doc["cells"] if c["status"] != "n/a" and "::legacy::" not in c["id"]]
+    red = [c for c in ran if c["status"] != "pass"]
+    assert len(ran) >= 20 and len(red) >= 0.9 * len(ran), [(c["id"], c["status"]) for c in ran]
+    for cell in red:
+        assert cell["findings"][0] == "silent" and "tensor 'expert_bias_E'" in cell["detail"], cell
