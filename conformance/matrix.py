@@ -230,21 +230,22 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
 
 
 def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_order: str,
-            uneven_fsdp: bool = False) -> list[Cell]:
+            uneven_fsdp: bool = False, kinds: tuple[str, ...] = KINDS) -> list[Cell]:
     """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order; ``uneven_fsdp``: the uneven
-    cells with FSDP2 (for a framework that composes EP only with FSDP, whose EP-only cells are all n/a)."""
+    cells with FSDP2 (for a framework that composes EP only with FSDP, whose EP-only cells are all n/a); ``kinds``:
+    the layer kinds it has cells of."""
     plain = [ParallelLayout.for_world(world_size, ep, ep_order=ep_order) for ep in eps]
     pairs = [(s, t) for s in plain for t in plain]
     first, *others = num_experts
-    cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in KINDS for state in STATES
+    cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in kinds for state in STATES
              for fsdp in (False, True) for s, t in pairs]
     cells += [Cell(a, b, "model+optim", False, s, t, first) for a, b in KIND_PAIRS if a != b for s, t in pairs]
-    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others for kind in KINDS
+    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others for kind in kinds
               for s, t in pairs if e % s.ep or e % t.ep]
     wide = [layout for layout in plain if layout.ep > 1]
     if wide:
-        cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True) for kind in KINDS
-                  for t in plain]
+        cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True)
+                  for kind in kinds if kind != "fused" for t in plain]
     return cells
 
 
@@ -437,8 +438,11 @@ def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None
     if eps is None:
         everything = full_product(world_size, num_experts)
     else:
+        # the fused form is the newest kind: an adapter without it gets no fused cells here (its default tier
+        # names the reason once), where the split forms' cells it lacks are listed n/a as they always were
+        kinds = tuple(k for k in KINDS if k != "fused" or "fused" in caps.kinds)
         everything = ep_tier(world_size, eps, num_experts, "strided" if "strided" in caps.ep_orders
-                             else caps.ep_orders[0], uneven_fsdp=not caps.ep_only)
+                             else caps.ep_orders[0], uneven_fsdp=not caps.ep_only, kinds=kinds)
     if not caps.optimizer:  # a legacy cell saves the richest state the adapter has
         everything = [replace(c, state="model") if c.legacy else c for c in everything]
     if not caps.mtp:  # its pipeline cells are the same cells without the MTP layers

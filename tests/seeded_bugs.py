@@ -1303,3 +1303,33 @@ class DownReadAsItsTranspose(ReferenceAdapter):
                 for weight in weights:
                     local = local_region(weight)[0]
                     local.copy_(local.transpose(-1, -2).reshape(local.shape).clone())
+
+
+class TokenCounterSaved(ReferenceAdapter):
+    """The save writes each router's non-persistent token counter into the checkpoint (a buffer registered
+    persistent, or a state dict built by hand): every checkpoint holds per-step state, the ep=1 one included
+    (``checkpoint``: on-disk, naming the key and the buffer)."""
+
+    name = "seeded-token-counter-saved"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        import reference_impl.checkpoint as ck
+        from reference_impl.moe import moe_layers
+
+        real = ck.dcp
+        counters = {f"{prefix}.router.tokens_per_expert": moe.router.tokens_per_expert.clone()
+                    for prefix, moe in moe_layers(model) if moe.router.has_expert_bias}
+
+        class _Shim:
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(real, attr)
+
+            @staticmethod
+            def save(state: dict[str, Any], **kwargs: Any) -> Any:
+                return real.save({**state, "model": {**state["model"], **counters}}, **kwargs)
+
+        ck.dcp = _Shim()
+        try:
+            super().save(model, optimizer, path)
+        finally:
+            ck.dcp = real

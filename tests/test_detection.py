@@ -607,3 +607,13 @@ def test_an_expert_weight_read_as_its_transpose_is_named(pytester: pytest.Pytest
     for cell_id, first in failing(cells).items():
         assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor 'down': holds its transpose's "
                         r"elements in its own shape \(16, 32\)", first), (cell_id, first)
+
+
+def test_a_token_counter_in_the_checkpoint_is_named(pytester: pytest.Pytester) -> None:
+    cells = run_default_tier(pytester, "TokenCounterSaved", "fused")
+    assert ran(cells) and set(failing(cells)) == set(ran(cells))
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["on-disk"], cell_id
+        assert re.match(r"\[checkpoint\] checkpoint: the ep=1 checkpoint: key 'model\.layers\.\d\.moe\.router\."
+                        r"tokens_per_expert' holds the non-persistent buffer 'layers\.\d\.moe\.router\."
+                        r"tokens_per_expert'", first), (cell_id, first)

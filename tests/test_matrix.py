@@ -256,7 +256,7 @@ def test_xdist_merges_every_worker_into_one_report(pytester: pytest.Pytester) ->
                                            f"--moe-ep-report={out}", timeout=600)
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
-    assert len(doc["cells"]) == 2 * 4  # packed/unpacked x 4 ep pairs, model only: each worker runs a world of 4
+    assert len(doc["cells"]) == 3 * 4  # packed, unpacked, fused x 4 ep pairs, model only: a world of 4 each
     assert doc["summary"]["pass"] == len(doc["cells"])  # the reference declares cross_kind
     assert {c["status"] for c in doc["cells"]} <= {"pass", "n/a"}
     assert len({c["id"] for c in doc["cells"]}) == len(doc["cells"])
@@ -354,7 +354,7 @@ def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> Non
 
 def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Pytester) -> None:
     """The reference is the truth every framework is held to: a red reference cell is a false alarm
-    on all of them. Its 152-cell default tier at eight ranks (about 100 s here) reaches what four
+    on all of them. Its 159-cell default tier at eight ranks (about 100 s here) reaches what four
     ranks cannot: E=5 over ep=4 inside a pipeline stage, where the last EP rank holds no expert of
     its stage's layers (their routers only)."""
     out = pytester.path / "out"
@@ -362,7 +362,7 @@ def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Py
     doc = report(out)
     red = {c["id"]: c["detail"][:300] for c in doc["cells"] if c["status"] not in ("pass", "n/a")}
     assert not red and result.ret == 0, red or result.stdout.str()[-3000:]
-    assert doc["world_size"] == 8 and len(doc["cells"]) == 152, doc["summary"]
+    assert doc["world_size"] == 8 and len(doc["cells"]) == 159, doc["summary"]
     assert doc["summary"]["n/a"] == 1, doc["summary"]
     assert any(c["id"].endswith("E5::ep8->pp2.ep4") for c in doc["cells"])
 
@@ -411,13 +411,16 @@ def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
     from conformance.matrix import checkpoint_cells, full_size
 
     assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
-    assert (len(_default()), full_size(4, (4, 5))) == (90, 1928)  # docs/matrix.md's Tiers paragraph
-    assert (len(_default(8)), full_size(8, (4, 5))) == (152, 4464)
+    assert (len(_default()), full_size(4, (4, 5))) == (97, 2380)  # docs/matrix.md's Tiers paragraph
+    assert (len(_default(8)), full_size(8, (4, 5))) == (159, 5524)
     without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4, (4, 5))
-    assert len(without_stages) == 74 and [c.na for c in without_stages if c.pipeline] == [
+    assert len(without_stages) == 81 and [c.na for c in without_stages if c.pipeline] == [
         "adapter supports no pipeline parallelism, not pp=2"]
-    # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs)
-    assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 5))) == 112
+    # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs);
+    # an adapter without the fused kind gets no fused cells there
+    assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 5))) == 156
+    split_only = replace(ReferenceAdapter.capabilities, kinds=("packed", "unpacked"))
+    assert len(checkpoint_cells(split_only, "1,2,4", 4, (4, 5))) == 112
 
 
 def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only_with_fsdp() -> None:
@@ -430,7 +433,7 @@ def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only
     uneven = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4, 5)) if c.num_experts == 5]
     assert uneven and all(c.fsdp for c in uneven)
     assert {(c.save.ep, c.load.ep) for c in uneven if not c.na} >= {(1, 4), (4, 1), (4, 4), (2, 4), (1, 2), (2, 2)}
-    assert len(checkpoint_cells(caps, "1,2,4", 4, (4, 5))) == 112  # the same cells, with FSDP2
+    assert len(checkpoint_cells(caps, "1,2,4", 4, (4, 5))) == 156  # the same cells, with FSDP2
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -438,18 +441,21 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
     """A legacy cell ends at the refusal: it must not stand in for a pair no value comparison tests."""
     import itertools
 
-    from conformance.matrix import full_product
+    from conformance.matrix import _fused_pairs, full_product
 
     def values(c: Any) -> list[tuple[str, Any]]:
         return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state), ("fsdp", c.fsdp),
                 ("E", c.num_experts)]
 
     def pairs(cells: list[Any]) -> set[Any]:  # a cell with stages: not its pair of layouts (see the next test)
-        return {p for c in cells if not c.legacy for p in itertools.combinations(values(c), 2)
-                if not (c.pipeline and p == tuple(values(c)[:2]))}
+        return {p for c in cells if not c.legacy and c.kind != "fused"
+                for p in itertools.combinations(values(c), 2) if not (c.pipeline and p == tuple(values(c)[:2]))}
 
     chosen = _default(world_size)
     assert pairs(chosen) == pairs(full_product(world_size, (4, 5)))
+    fused = [c for c in full_product(world_size, (4, 5)) if c.kind == "fused"]  # a stratum of its own
+    assert set().union(*map(_fused_pairs, (c for c in chosen if c.kind == "fused"))) == set().union(
+        *map(_fused_pairs, fused))
     legacy = [c for c in chosen if c.legacy]
     for attr in ("save", "load", "kind", "num_experts"):  # legacy cells: their own stratum
         everything = {getattr(c, attr) for c in full_product(world_size, (4, 5)) if c.legacy}
@@ -524,7 +530,7 @@ def test_optimizer_state_goes_through_every_layout_family() -> None:
     layouts = {c.save.fragment for c in optim} | {c.load.fragment for c in optim}
     assert {"ep2", "ep2c", "ep2.hsdp2", "ep2.etp2", "ep4"} <= layouts
     assert any(c.save.ep < c.load.ep for c in optim) and any(c.save.ep > c.load.ep for c in optim)
-    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed"}
+    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed", "fused"}
 
 
 def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> None:
