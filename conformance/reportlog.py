@@ -197,7 +197,7 @@ def rebuild_main(argv: list[str]) -> int:
         raise UsageProblem(f"{args.out}: cannot write the report there: {exc.strerror or exc}") from exc
     state = "incomplete" if doc["incomplete"] else "complete"
     print(f"{json_path} and {md_path.name}: {len(doc['cells'])} cell record(s), {len(doc['not_run'])} not run "
-          f"({state}; {', '.join(f'{n} {s}' for s, n in doc['summary'].items())})")
+          f"({state}; {', '.join(f'{n} {o}' for o, n in doc['outcomes'].items())})")
     if unmet:
         print(f"{len(unmet)} cell(s) not as {args.expectations} expects:\n" + "\n".join(f"  {u}" for u in unmet))
     return 1 if unmet else 0
