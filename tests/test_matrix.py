@@ -17,7 +17,7 @@ import pytest
 from matrix_expectations import run_inline
 
 from conformance.adapter import Spec
-from conformance.report import SCHEMA_VERSION, diff_reports
+from conformance.report import SCHEMA_VERSION, compare_reports
 
 pytestmark = pytest.mark.usefixtures("shared_fork_server")
 
@@ -100,14 +100,16 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     legacy = [c for c in cells if c.get("legacy") and c["status"] != "n/a"]
     assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"] for c in legacy)
     md = (out / "moe-ep-conformance.md").read_text()
-    assert "| save ep2 " in md and "## Environment" in md and "Tier `default`" in md
+    assert "](moe-ep-conformance-grid-packed-model.svg)" in md and "## Environment" in md
+    assert "Tier `default`" in md
     # A passing run's terminal summary is compact: counts per kind and state, the coverage, the report's path;
     # the save x load tables only with -v (and always in the Markdown report).
     result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state",
-                                 "| kind * | state * | * pass | * fail | * error | * n/a |",
-                                 f"Tier default: {len(cells)} checkpoint cells of the full tier's *",
-                                 f"{len(cells) - 1} pass, 0 fail, 0 error, 1 n/a (* more tables of save x load layouts "
-                                 "with -v; the Markdown report has them all)",
+                                 "| kind * | state * | * pass | * silent | * on-disk | * refused | "
+                                 "* error | * n/a |",
+                                 f"- Tier default: {len(cells)} checkpoint cells of the full *",
+                                 f"{len(cells) - 1} pass, 0 silent, 0 on-disk, 0 refused, 0 error, "
+                                 "1 n/a (* more tables with -v; the report's pictures have them*",
                                  f"report: {out / 'moe-ep-conformance.md'} (and .json)"])
     summary = result.stdout.str().split("moe-ep conformance matrix")[-1]
     assert "| save ep" not in summary and len(summary.splitlines()) < 30, summary
@@ -140,10 +142,11 @@ def test_verbose_terminal_summary_shows_every_table(pytester: pytest.Pytester) -
     assert result.ret == 0, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state", "*",
                                  "| unpacked*| model*|*1 |*0 |*0 |*0 |",
-                                 "Tier 1: 1 checkpoint cells of the full tier's *: the plain layouts at those EP*",
+                                 "- Tier 1: 1 checkpoint cells of the full tier's *",
+                                 "- A green run means: the plain layouts at those EP*",
                                  "A blank table cell is a (save, load) layout pair*",
                                  "unpacked · model · ep-only · E=4", "|*| load ep1 *|", "|*", "| save ep1 | pass *|",
-                                 "1 pass, 0 fail, 0 error, 0 n/a"])
+                                 "1 pass, 0 silent, 0 on-disk, 0 refused, 0 error, 0 n/a"])
     assert "more table" not in result.stdout.str()
 
 
@@ -291,18 +294,24 @@ def test_functions_suite_for_a_missing_framework_is_na(pytester: pytest.Pytester
 
 
 def test_report_diff_prints_changed_cells(tmp_path: Path) -> None:
-    old = {"schema_version": SCHEMA_VERSION, "cells": [{"id": "a", "status": "pass"}, {"id": "b", "status": "pass"}]}
-    new = {"schema_version": SCHEMA_VERSION,
-           "cells": [{"id": "a", "status": "fail", "detail": "rank 1 holds expert 0's values"},
-                     {"id": "b", "status": "pass"}]}
-    assert diff_reports(old, new) == ["a: pass -> fail  (rank 1 holds expert 0's values)"]
+    old = {"schema_version": SCHEMA_VERSION,
+           "cells": [{"id": "a", "status": "pass"}, {"id": "b", "status": "pass"}]}
+    failed = {"id": "a", "status": "fail", "finding": "silent",
+              "detail": "rank 1 holds expert 0's values"}
+    new = {"schema_version": SCHEMA_VERSION, "cells": [failed, {"id": "b", "status": "pass"}]}
+    assert [c.line() for c in compare_reports(old, new).changed] == [
+        "a: pass -> silent  (rank 1 holds expert 0's values)"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(new))
     proc = subprocess.run([sys.executable, "-m", "conformance.report", str(tmp_path / "old.json"),
                            str(tmp_path / "new.json")], capture_output=True, text=True)
     assert proc.returncode == 1
-    assert proc.stdout.splitlines() == ["a: pass -> fail  (rank 1 holds expert 0's values)",
-                                        "1 changed, 1 unchanged, 0 only in the old report, 0 only in the new report"]
+    assert proc.stdout.splitlines() == [
+        "newly failing (1):", "  a: pass -> silent  (rank 1 holds expert 0's values)",
+        "newly passing (0):", "finding changed (0):",
+        "1 newly failing, 0 newly passing, 0 finding changed, 0 other changes, 1 unchanged, "
+        "0 only in the old report, 0 only in the new report",
+        f"wrote {tmp_path / 'moe-ep-conformance-diff.md'}"]
 
 
 def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_either(tmp_path: Path) -> None:
@@ -317,9 +326,10 @@ def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_eith
     (tmp_path / "bad.json").write_text("{not json")
     same = diff("old.json", "new.json")
     assert same.returncode == 0, same.stdout  # cells present on one side only are not status changes
-    assert same.stdout.splitlines() == ["only in the old report (1):", "  gone", "only in the new report (1):",
-                                        "  fresh", "0 changed, 1 unchanged, 1 only in the old report, 1 only in "
-                                        "the new report"]
+    assert same.stdout.splitlines()[3:-1] == [
+        "only in the old report (1):", "  gone", "only in the new report (1):", "  fresh",
+        "0 newly failing, 0 newly passing, 0 finding changed, 0 other changes, 1 unchanged, "
+        "1 only in the old report, 1 only in the new report"]
     for args, message in ((("missing.json", "new.json"), "missing.json: cannot read it"),
                           (("bad.json", "new.json"), "bad.json: not a JSON report")):
         proc = diff(*args)
@@ -504,9 +514,10 @@ def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side
     assert "mislabel" not in old and "partial" not in old  # what E=6 missed
 
 
-def test_the_coverage_line_names_the_uneven_classes_the_cells_reached() -> None:
+def test_the_coverage_list_names_the_uneven_classes_the_cells_reached() -> None:
     from conformance.matrix import uneven_reach
-    from conformance.report import build_report, coverage_line, render_markdown
+    from conformance.report import build_report, render_markdown
+    from conformance.report.cells import coverage_items
 
     def record(e: int, s: int, t: int, **extra: Any) -> dict[str, Any]:
         return {"id": f"moe-ep-matrix::checkpoint::packed::model::ep-only::E{e}::ep{s}->ep{t}", "suite": "checkpoint",
@@ -516,13 +527,19 @@ def test_the_coverage_line_names_the_uneven_classes_the_cells_reached() -> None:
     records = [record(5, 2, 1), record(6, 1, 4), record(5, 4, 4, legacy=True), record(5, 1, 4, status="n/a")]
     reach = uneven_reach(records)
     assert reach == {"partial": ["E=5 at ep=2"], "empty": ["E=6 at ep=4"], "miscount": ["E=6 at ep=4"]}
-    line = coverage_line("default", 4, 1096, reach=reach)
-    assert "Uneven splits reached: a rank holding a partial chunk (E=5 at ep=2); a rank holding no expert " in line
-    assert line.endswith("Not reached: the balanced split's first ids disagreeing where the row counts agree "
-                         "(silent: a rank files its experts under other experts' ids).")
     report = build_report(records, backend="gloo", world_size=4, tier="default", full_cells=1096)
     assert report["coverage"]["uneven_classes"] == reach
-    assert "Not reached: the balanced split's first ids" in render_markdown(report)
+    items = dict(coverage_items(report))
+    assert items["Tier `default`: 4 checkpoint cells of the full tier's 1096"] == []
+    reached = items["Uneven splits reached:"]
+    assert reached[:2] == ["a rank holding a partial chunk: E=5 at ep=2",
+                           "a rank holding no expert: E=6 at ep=4"]
+    assert len(reached) == 3 and reached[2].endswith(": E=6 at ep=4"), reached
+    [missed] = items["Not reached:"]
+    assert missed.startswith("the balanced split's first ids disagreeing where the row counts")
+    assert len(items["A green run means:"]) == 3  # the tier's guarantee, clause by clause
+    markdown = render_markdown(report)
+    assert "- Not reached:\n  - the balanced split's first ids" in markdown
 
 
 def test_optimizer_state_goes_through_every_layout_family() -> None:
