@@ -302,12 +302,14 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
 def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
     """What a fused cell covers: its own stratum, a few cells, not every pair again.  A fused weight
     differs from a packed one in how its rows are split (each half on its own), so what it must meet
-    is every split: FSDP2 and EP alone with each EP change (same, up, down), each layout family with
-    an EP change (expert TP across one among them), each state, and an uneven split."""
+    is every split: FSDP2 and EP alone, each EP change (same, up, down), FSDP2 across an EP change, each
+    layout family across an EP change (expert TP among them), each state, and an uneven split."""
     change = _ep_change(cell.save.ep, cell.load.ep)
-    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp, change), ("fused", cell.state)}
+    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp), ("fused", change), ("fused", cell.state)}
     if change != "same ep":
         found |= {("fused", family) for family in (_family(cell.save), _family(cell.load)) if family}
+        if cell.fsdp:
+            found.add(("fused", "fsdp across an EP change"))
     if _uneven(cell, cell.save) or _uneven(cell, cell.load):
         found.add(("fused", "uneven"))
     return found

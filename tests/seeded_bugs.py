@@ -1202,6 +1202,8 @@ class InterleavedReadAsConcatenated(ReferenceAdapter):
         with torch.no_grad():
             for moe in _fused(model):
                 local = local_region(moe.gate_up_w)[0]
+                if not local.numel():
+                    continue  # a rank FSDP gave no expert rows of an uneven E
                 rows = local.reshape(local.shape[0], -1, local.shape[-1])  # the rows as the model holds them
                 read = torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1)  # the file's gate, then up, taken as they are
                 rows.copy_(read)

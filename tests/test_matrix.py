@@ -364,7 +364,7 @@ def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> Non
 
 def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Pytester) -> None:
     """The reference is the truth every framework is held to: a red reference cell is a false alarm
-    on all of them. Its 159-cell default tier at eight ranks (about 100 s here) reaches what four
+    on all of them. Its 156-cell default tier at eight ranks (about 100 s here) reaches what four
     ranks cannot: E=5 over ep=4 inside a pipeline stage, where the last EP rank holds no expert of
     its stage's layers (their routers only)."""
     out = pytester.path / "out"
@@ -372,7 +372,7 @@ def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Py
     doc = report(out)
     red = {c["id"]: c["detail"][:300] for c in doc["cells"] if c["status"] not in ("pass", "n/a")}
     assert not red and result.ret == 0, red or result.stdout.str()[-3000:]
-    assert doc["world_size"] == 8 and len(doc["cells"]) == 159, doc["summary"]
+    assert doc["world_size"] == 8 and len(doc["cells"]) == 156, doc["summary"]
     assert doc["summary"]["n/a"] == 1, doc["summary"]
     assert any(c["id"].endswith("E5::ep8->pp2.ep4") for c in doc["cells"])
 
@@ -421,10 +421,10 @@ def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
     from conformance.matrix import checkpoint_cells, full_size
 
     assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
-    assert (len(_default()), full_size(4, (4, 5))) == (97, 2380)  # docs/matrix.md's Tiers paragraph
-    assert (len(_default(8)), full_size(8, (4, 5))) == (159, 5524)
+    assert (len(_default()), full_size(4, (4, 5))) == (95, 2380)  # docs/matrix.md's Tiers paragraph
+    assert (len(_default(8)), full_size(8, (4, 5))) == (156, 5524)
     without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4, (4, 5))
-    assert len(without_stages) == 81 and [c.na for c in without_stages if c.pipeline] == [
+    assert len(without_stages) == 79 and [c.na for c in without_stages if c.pipeline] == [
         "adapter supports no pipeline parallelism, not pp=2"]
     # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs);
     # an adapter without the fused kind gets no fused cells there
