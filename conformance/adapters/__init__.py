@@ -59,6 +59,8 @@ BUILTINS: dict[str, Builtin] = {
     "olmo_core-dropless": Builtin("conformance.adapters.olmo_core:OlmoCoreDroplessAdapter", requires="olmo_core"),
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter",
                                           requires="deepspeed"),
+    "deepspeed-autoep-deepseek_v3": Builtin(
+        "conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPDeepseekV3Adapter", requires="deepspeed"),
 }
 
 

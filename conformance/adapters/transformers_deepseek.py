@@ -46,20 +46,25 @@ class TransformersDeepseekV3Adapter(TransformersAdapter):
     buffer_scale = BIAS_SCALE
 
     def config(self, spec: Spec) -> Any:
-        """A tiny DeepSeek-V3 at the suite's sizes: every layer sparse
-        (``first_k_dense_replace=0``), one expert group (``n_group`` must cut E into groups of two
-        or more, and E=5 has no other cut), one shared expert when the spec has one, 2 attention
-        heads without query LoRA, no multi-token-prediction layer, an untied head."""
-        from transformers import DeepseekV3Config
+        return deepseek_v3_config(spec)
 
-        return DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=spec.dim, intermediate_size=spec.hidden,
-            moe_intermediate_size=spec.hidden, num_hidden_layers=spec.num_layers,
-            first_k_dense_replace=0, n_routed_experts=spec.num_experts,
-            num_experts_per_tok=min(spec.top_k, spec.num_experts), n_group=1, topk_group=1,
-            n_shared_experts=1 if spec.shared_expert else 0, routed_scaling_factor=1.0,
-            norm_topk_prob=True, num_mtp_layers=0, num_attention_heads=2,
-            num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
-            qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
-            rope_interleave=True, tie_word_embeddings=False, attention_dropout=0.0,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="silu")
+
+def deepseek_v3_config(spec: Spec) -> Any:
+    """A tiny DeepSeek-V3 at the suite's sizes: every layer sparse
+    (``first_k_dense_replace=0``), one expert group (``n_group`` must cut E into groups of two
+    or more, and E=5 has no other cut), one shared expert when the spec has one, 2 attention
+    heads without query LoRA, no multi-token-prediction layer, an untied head.  The
+    ``deepspeed-autoep-deepseek_v3`` adapter hands the same model to AutoEP."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=spec.dim, intermediate_size=spec.hidden,
+        moe_intermediate_size=spec.hidden, num_hidden_layers=spec.num_layers,
+        first_k_dense_replace=0, n_routed_experts=spec.num_experts,
+        num_experts_per_tok=min(spec.top_k, spec.num_experts), n_group=1, topk_group=1,
+        n_shared_experts=1 if spec.shared_expert else 0, routed_scaling_factor=1.0,
+        norm_topk_prob=True, num_mtp_layers=0, num_attention_heads=2,
+        num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_interleave=True, tie_word_embeddings=False, attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="silu")
