@@ -25,7 +25,9 @@ in a pytester subprocess; the outcome is asserted *as found*, cell by cell (all 
   AutoEP's ``deepseek_v3`` preset, its router's ``e_score_correction_bias`` with synthetic values),
   model+optimizer saved at ep=4: the native load 4->4 passes bit for bit, the bias included; the
   universal load 4->2c silently keeps the load side's bias (DeepSpeed's finding, expected in
-  ``ci/expectations/deepspeed-autoep-deepseek_v3.toml``) and nothing else.
+  ``ci/expectations/deepspeed-autoep-deepseek_v3.toml``) and nothing else: 91-110 s at load
+  40-190 on the shared 2-core machine, 19 s of it CPU (the fork server imports transformers'
+  DeepSeek-V3 too).
 
 The full matrix of each class (18 cells run, 88 n/a) is ``ci/conformance.sh``'s.  This module took 46 s on
 2 cores at load average 10 (150 s at load 20): three sessions, most of each its fork server importing torch,
