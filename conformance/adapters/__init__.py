@@ -60,7 +60,8 @@ BUILTINS: dict[str, Builtin] = {
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter",
                                           requires="deepspeed"),
     "deepspeed-autoep-deepseek_v3": Builtin(
-        "conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPDeepseekV3Adapter", requires="deepspeed"),
+        "conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPDeepseekV3Adapter",
+        requires="deepspeed"),
 }
 
 
