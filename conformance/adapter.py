@@ -151,8 +151,8 @@ class Capabilities:
     #: stage holds the layers :func:`reference_impl.layout.stage_layers` gives, named by their global
     #: index.  Absent: pp=1 only.
     pp: tuple[int, ...] = (1,)
-    #: multi-token-prediction layers: the cells with pipeline stages build ``spec.mtp_layers`` of them
-    #: (node ids say ``mtp``).
+    #: multi-token-prediction layers: the cells with pipeline stages and optimizer state build
+    #: ``spec.mtp_layers`` of them (node ids say ``mtp``).
     mtp: bool = False
 
 

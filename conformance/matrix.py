@@ -6,7 +6,7 @@ parallelism), for a layer kind (packed, unpacked, or one kind saved and the othe
 (the model alone, or with its optimizer), with or without FSDP2, at ``num_experts`` experts.  Legacy
 cells save the old, lossy way, and pass only when the framework refuses the checkpoint.  For an
 adapter that builds multi-token-prediction layers (``Capabilities.mtp``), the cells with pipeline
-stages build them too, on the last stage (node ids say ``mtp``).
+stages and optimizer state build them too, on the last stage (node ids say ``mtp``).
 
 Tiers (``--moe-ep-matrix=TIER``):
 
@@ -66,7 +66,10 @@ class Cell:
     legacy: bool = False
     #: why the cell does not apply to this adapter; empty when it runs.
     na: str = ""
-    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers.
+    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers: the cells with pipeline
+    #: stages and optimizer state, where every part of an MTP layer's state moves (its weights, its moments,
+    #: the stage it sits on) -- an MTP layer in every cell with stages cost the default tier a tenth of its
+    #: time for nothing more.
     mtp: bool = False
 
     @property
@@ -223,7 +226,7 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
         if legacy and state != STATES[-1]:
             continue  # one legacy cell per layout pair and kind: with the richest state
         cell = Cell(save_kind, load_kind, state, fsdp, save, load, experts, legacy)
-        cell = replace(cell, mtp=cell.pipeline and not legacy)
+        cell = replace(cell, mtp=cell.pipeline and state == "model+optim" and not legacy)
         if _valid(cell):
             cells.append(cell)
     return cells

@@ -591,7 +591,7 @@ def test_a_fused_gate_up_weight_read_wrong_names_the_expert_and_the_half(pyteste
 def test_mtp_layers_a_checkpoint_loses_are_named_by_their_layer(pytester: pytest.Pytester, bug: str,
                                                                 findings: list[str]) -> None:
     """The MTP layer is global layer 3 (after the pipeline cells' three layers), on the last stage."""
-    cells = run_default_tier(pytester, bug, "mtp and ep-only and model and not optim")
+    cells = run_default_tier(pytester, bug, "mtp and ep-only")
     assert ran(cells) and all(c["mtp"] for c in ran(cells).values())
     assert set(failing(cells)) == set(ran(cells))
     for cell_id, first in failing(cells).items():
