@@ -282,8 +282,9 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("state", cell.state),
               ("fsdp", cell.fsdp), ("E", cell.num_experts)]
     found = {(a, b) for a, b in itertools.combinations(values, 2)}
-    if cell.pipeline:  # not every pair of layouts: each stage change with each EP change (issue 1517's pp2.ep1 ->
-        found.discard((values[0], values[1]))  # pp1.ep2 and back), each stage layout with each other value
+    if cell.pipeline:  # not every pair of layouts: each stage change with each EP change (Megatron-LM
+        # issue 1517's pp2.ep1 -> pp1.ep2 and back), each stage layout with each other value
+        found.discard((values[0], values[1]))
         found.add(("pp change", cell.save.pp, cell.load.pp, _ep_change(cell.save.ep, cell.load.ep)))
         if cell.save.pp != cell.load.pp and cell.save.pp * cell.save.ep == cell.load.pp * cell.load.ep:
             found.add(("stages traded for EP ranks", cell.save.fragment, cell.load.fragment))

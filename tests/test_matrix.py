@@ -474,7 +474,7 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_the_default_tier_changes_stages_with_every_ep_change_and_trades_stages_for_ep_ranks(world_size: int) -> None:
-    """Issue 34: pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and issue 1517's shape,
+    """pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and Megatron-LM issue 1517's shape,
     stages traded for EP ranks in the same world (pp2.ep1 -> ep2) and back -- all among cells that compare values."""
     chosen = [c for c in _default(world_size) if not c.legacy and not c.na]
 
@@ -499,7 +499,7 @@ def test_every_kind_splits_unevenly_at_ep_above_one_on_each_side(experts: tuple[
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side(world_size: int) -> None:
-    """Issue 34: at E=6 the default tier never put a silent mislabel (the seed's own NeMo bug) in front of a
+    """At E=6 the default tier never put a silent mislabel (the seed's own NeMo bug) in front of a
     framework; its uneven count is chosen so that every class is reached, by cells that compare values."""
     from reference_impl.layout import UNEVEN_CLASSES, uneven_classes
 
