@@ -695,7 +695,7 @@ class OneMomentOffUnderEp(ReferenceAdapter):
     def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
-        from conformance.adapter import held_tensors
+        from conformance.checks.held import held_tensors
 
         model, optimizer = super().build(spec, mesh, seed)
         if optimizer is not None and _ep_degree(mesh) > 1:

@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from checkpointer_adapter import Adapter, Unpacked
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from conformance.adapter import Built, Spec
+from conformance.adapter import Spec
+from conformance.members import Built
 from conformance.inspection import (
     DEFAULT_PATTERNS,
     CheckpointError,
