@@ -10,7 +10,7 @@ this builds the reference model at ``--ep`` with AdamW state, then, alternating,
   result, made once, outside the timing): the floor of that form.
 
 for each form: the per-expert form (unpacked layers, and packed ones with ``per_expert=True``) and the packed form
-(packed layers' own).  Prints the median of each on the slowest rank, their ratio (issue 33: at most 1.15x for the
+(packed layers' own).  Prints the median of each on the slowest rank, their ratio (the target: at most 1.15x for the
 per-expert form), and the DCP items a checkpoint of the form holds.
 
     python benchmarks/bench_dcp_floor.py [--experts 4,64,256] [--ep 4] [--repeats 5]

@@ -25,9 +25,9 @@ packed-kind cells alone).
 after this one's and prints the ratio: on a shared machine whose speed drifts between days, that ratio is the
 figure to compare with a target set on another day.
 
-Targets (issue 14, 2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.  Issue 24: the
+Targets (2-core CI machine): default@4 <= 20 s, full@4 <= 120 s, default@8 <= 60 s.  And: the
 default tier at E=64 at most 2x the E=4,6 tier's wall, at E=256 at most 4x, cell / adapter at most 1.15x at every E.
-Issue 33: the packed-kind cells at E=256 at most 1.5x the same cells' time at E=4 (the sweep prints each kind's).
+And: the packed-kind cells at E=256 at most 1.5x the same cells' time at E=4 (the sweep prints each kind's).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def kind_sums(found: dict[str, Any], keep: set[str]) -> dict[str, tuple[float, i
 
 def by_kind(found: dict[str, Any], even: dict[str, Any], count: int) -> str:
     """Each kind's cells at ``count`` experts over the same cells at E=4, the cell of either run that started the
-    world left out (issue 33: packed-kind cells at E=256 at most 1.5x their E=4 time)."""
+    world left out (target: packed-kind cells at E=256 at most 1.5x their E=4 time)."""
     ids = [{same_cell(c["id"]) for c in run["cells"]} for run in (found, even)]
     starters = {same_cell(first) for first in (starter(found), starter(even)) if first is not None}
     keep = (ids[0] & ids[1]) - starters

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The conformance release artifact: the matrix for every built-in adapter whose framework is installed, one report
-# directory each (OUT/<adapter>/moe-ep-conformance.{json,md}) plus OUT/index.md.
+# directory each (OUT/<adapter>/moe-ep-conformance.{json,md,html} and a picture per grid) plus OUT/index.md and
+# its picture, OUT/frameworks-status.svg (frameworks by findings: a stacked bar each).
 #
 #   bash ci/conformance.sh [OUT] [--docs docs/frameworks.md]   # --docs also rewrites that page's status table
+#                                                              # and the picture beside it
 #
 # Release reports run the full tier (every cell); MOE_EP_TIER=default runs the covering tier instead.
 # Each adapter's run is held against its expectations file, ci/expectations/<adapter>.toml, when there is one, so

@@ -12,7 +12,7 @@ are torch parameters can leave most members to :mod:`conformance.adapters.torch_
 
 *Training state.*  When ``build`` returns a third element ``state`` (a mapping name -> object: an LR
 scheduler, a train-state dict), the harness passes it as the keyword ``state=`` to ``save``, ``load``,
-``step`` and ``scalars`` of that model -- and only then, so two-element adapters are called as before.
+``step`` and ``scalars`` of that model -- and only then, so a two-element adapter's members never get it.
 The ``scalars`` check compares every object in it: a torch LR scheduler's ``state_dict()`` and a
 mapping's plain values, as ``state.<name>.<field>``.
 
@@ -151,8 +151,8 @@ class Capabilities:
     #: stage holds the layers :func:`reference_impl.layout.stage_layers` gives, named by their global
     #: index.  Absent: pp=1 only.
     pp: tuple[int, ...] = (1,)
-    #: multi-token-prediction layers: the cells with pipeline stages build ``spec.mtp_layers`` of them
-    #: (node ids say ``mtp``).
+    #: multi-token-prediction layers: the cells with pipeline stages and optimizer state build
+    #: ``spec.mtp_layers`` of them (node ids say ``mtp``).
     mtp: bool = False
 
 

@@ -6,7 +6,7 @@ parallelism), for a layer kind (packed, unpacked, or one kind saved and the othe
 (the model alone, or with its optimizer), with or without FSDP2, at ``num_experts`` experts.  Legacy
 cells save the old, lossy way, and pass only when the framework refuses the checkpoint.  For an
 adapter that builds multi-token-prediction layers (``Capabilities.mtp``), the cells with pipeline
-stages build them too, on the last stage (node ids say ``mtp``).
+stages and optimizer state build them too, on the last stage (node ids say ``mtp``).
 
 Tiers (``--moe-ep-matrix=TIER``):
 
@@ -66,7 +66,10 @@ class Cell:
     legacy: bool = False
     #: why the cell does not apply to this adapter; empty when it runs.
     na: str = ""
-    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers.
+    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers: the cells with pipeline
+    #: stages and optimizer state, where every part of an MTP layer's state moves (its weights, its moments,
+    #: the stage it sits on) -- an MTP layer in every cell with stages cost the default tier a tenth of its
+    #: time for nothing more.
     mtp: bool = False
 
     @property
@@ -223,28 +226,29 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
         if legacy and state != STATES[-1]:
             continue  # one legacy cell per layout pair and kind: with the richest state
         cell = Cell(save_kind, load_kind, state, fsdp, save, load, experts, legacy)
-        cell = replace(cell, mtp=cell.pipeline and not legacy)
+        cell = replace(cell, mtp=cell.pipeline and state == "model+optim" and not legacy)
         if _valid(cell):
             cells.append(cell)
     return cells
 
 
 def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_order: str,
-            uneven_fsdp: bool = False) -> list[Cell]:
+            uneven_fsdp: bool = False, kinds: tuple[str, ...] = KINDS) -> list[Cell]:
     """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order; ``uneven_fsdp``: the uneven
-    cells with FSDP2 (for a framework that composes EP only with FSDP, whose EP-only cells are all n/a)."""
+    cells with FSDP2 (for a framework that composes EP only with FSDP, whose EP-only cells are all n/a); ``kinds``:
+    the layer kinds it has cells of."""
     plain = [ParallelLayout.for_world(world_size, ep, ep_order=ep_order) for ep in eps]
     pairs = [(s, t) for s in plain for t in plain]
     first, *others = num_experts
-    cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in KINDS for state in STATES
+    cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in kinds for state in STATES
              for fsdp in (False, True) for s, t in pairs]
     cells += [Cell(a, b, "model+optim", False, s, t, first) for a, b in KIND_PAIRS if a != b for s, t in pairs]
-    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others for kind in KINDS
+    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others for kind in kinds
               for s, t in pairs if e % s.ep or e % t.ep]
     wide = [layout for layout in plain if layout.ep > 1]
     if wide:
-        cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True) for kind in KINDS
-                  for t in plain]
+        cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True)
+                  for kind in kinds if kind != "fused" for t in plain]
     return cells
 
 
@@ -278,8 +282,9 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("state", cell.state),
               ("fsdp", cell.fsdp), ("E", cell.num_experts)]
     found = {(a, b) for a, b in itertools.combinations(values, 2)}
-    if cell.pipeline:  # not every pair of layouts: each stage change with each EP change (issue 1517's pp2.ep1 ->
-        found.discard((values[0], values[1]))  # pp1.ep2 and back), each stage layout with each other value
+    if cell.pipeline:  # not every pair of layouts: each stage change with each EP change (Megatron-LM
+        # issue 1517's pp2.ep1 -> pp1.ep2 and back), each stage layout with each other value
+        found.discard((values[0], values[1]))
         found.add(("pp change", cell.save.pp, cell.load.pp, _ep_change(cell.save.ep, cell.load.ep)))
         if cell.save.pp != cell.load.pp and cell.save.pp * cell.save.ep == cell.load.pp * cell.load.ep:
             found.add(("stages traded for EP ranks", cell.save.fragment, cell.load.fragment))
@@ -301,12 +306,14 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
 def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
     """What a fused cell covers: its own stratum, a few cells, not every pair again.  A fused weight
     differs from a packed one in how its rows are split (each half on its own), so what it must meet
-    is every split: FSDP2 and EP alone with each EP change (same, up, down), each layout family with
-    an EP change (expert TP across one among them), each state, and an uneven split."""
+    is every split: FSDP2 and EP alone, each EP change (same, up, down), FSDP2 across an EP change, each
+    layout family across an EP change (expert TP among them), each state, and an uneven split."""
     change = _ep_change(cell.save.ep, cell.load.ep)
-    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp, change), ("fused", cell.state)}
+    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp), ("fused", change), ("fused", cell.state)}
     if change != "same ep":
         found |= {("fused", family) for family in (_family(cell.save), _family(cell.load)) if family}
+        if cell.fsdp:
+            found.add(("fused", "fsdp across an EP change"))
     if _uneven(cell, cell.save) or _uneven(cell, cell.load):
         found.add(("fused", "uneven"))
     return found
@@ -437,8 +444,11 @@ def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None
     if eps is None:
         everything = full_product(world_size, num_experts)
     else:
+        # the fused form is the newest kind: an adapter without it gets no fused cells here (its default tier
+        # names the reason once), where the split forms' cells it lacks are listed n/a as they always were
+        kinds = tuple(k for k in KINDS if k != "fused" or "fused" in caps.kinds)
         everything = ep_tier(world_size, eps, num_experts, "strided" if "strided" in caps.ep_orders
-                             else caps.ep_orders[0], uneven_fsdp=not caps.ep_only)
+                             else caps.ep_orders[0], uneven_fsdp=not caps.ep_only, kinds=kinds)
     if not caps.optimizer:  # a legacy cell saves the richest state the adapter has
         everything = [replace(c, state="model") if c.legacy else c for c in everything]
     if not caps.mtp:  # its pipeline cells are the same cells without the MTP layers

@@ -135,7 +135,8 @@ def rebuild(path: Path, log: LogContents | None = None) -> dict[str, Any]:
                         world_size=int(env.get("world_size") or first.get("world_size") or 0),
                         tier=env.get("tier"), full_cells=env.get("full_cells"), interrupted=interrupted,
                         not_run=not_run(selected, records), rebuilt_from=str(path),
-                        incomplete=interrupted or bool(not_run(selected, records)))
+                        incomplete=interrupted or bool(not_run(selected, records)),
+                        experts=env.get("experts"), adapter_option=env.get("adapter_option"))
     doc["log_ends_early"] = killed  # no SessionFinish line: a kill -9, or a crash of pytest itself
     return doc
 
@@ -197,7 +198,7 @@ def rebuild_main(argv: list[str]) -> int:
         raise UsageProblem(f"{args.out}: cannot write the report there: {exc.strerror or exc}") from exc
     state = "incomplete" if doc["incomplete"] else "complete"
     print(f"{json_path} and {md_path.name}: {len(doc['cells'])} cell record(s), {len(doc['not_run'])} not run "
-          f"({state}; {', '.join(f'{n} {s}' for s, n in doc['summary'].items())})")
+          f"({state}; {', '.join(f'{n} {o}' for o, n in doc['outcomes'].items())})")
     if unmet:
         print(f"{len(unmet)} cell(s) not as {args.expectations} expects:\n" + "\n".join(f"  {u}" for u in unmet))
     return 1 if unmet else 0

@@ -40,9 +40,10 @@ def _usage(message: str) -> pytest.UsageError:
     return pytest.UsageError(f"pytest-moe-ep: {message}")
 
 
-def _adapter(config: pytest.Config) -> tuple[Any, Members]:
-    """The checkpoint adapter (command line, else the hook, else the ini value, else ``reference``) and what
-    :func:`~conformance.members.check_adapter` resolved of it."""
+def _adapter(config: pytest.Config) -> tuple[Any, Members, str]:
+    """The checkpoint adapter (command line, else the hook, else the ini value, else ``reference``), what
+    :func:`~conformance.members.check_adapter` resolved of it, and the ``--moe-ep-adapter`` value that
+    names it ("" when the hook gave it): what a rerun command passes."""
     from conformance.adapter import AdapterError
     from conformance.members import check_adapter, load_adapter
 
@@ -58,7 +59,7 @@ def _adapter(config: pytest.Config) -> tuple[Any, Members]:
         members = check_adapter(adapter, origin)
     except AdapterError as exc:
         raise _usage(str(exc)) from exc
-    return adapter, members
+    return adapter, members, "" if origin.startswith("from the") else str(given)
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,8 @@ class MatrixSession:
     baseline: Baseline | None = None
     #: cells named on the command line by node id (or an id's prefix): only those run.
     named: list[str] = field(default_factory=list)
+    #: the ``--moe-ep-adapter`` value that names the adapter ("" when the hook gave it): rerun commands say it.
+    adapter_option: str = ""
     #: every matrix item's outcome for expectations (id -> pass or finding), from the test reports.
     outcomes: dict[str, str] = field(default_factory=dict)
     #: what the update run said of the file, for the terminal summary.
@@ -259,12 +262,13 @@ class MatrixSession:
     def from_config(cls, config: pytest.Config) -> MatrixSession:
         world_size = number(config, "world_size", int, 1)
         given = config.getoption("moe_ep_matrix")
-        adapter, members = _adapter(config) if given is not None else (None, None)
+        adapter, members, option = _adapter(config) if given is not None else (None, None, "")
         experts = _experts(config)
         return cls(config, world_size, _tier(given, world_size), adapter, members,
                    _functions(config.getoption("moe_ep_functions")), _report_dir(config.getoption("moe_ep_report")),
                    experts, expert_keys=_expert_keys(config),
-                   baseline=_baseline(config, adapter, members, world_size, experts), named=_named(config))
+                   baseline=_baseline(config, adapter, members, world_size, experts), named=_named(config),
+                   adapter_option=option)
 
     @property
     def interrupted(self) -> list[dict[str, Any]]:
@@ -390,13 +394,14 @@ class MatrixSession:
         return self._backend_used
 
     def _environment(self) -> dict[str, Any]:
-        """What the report says besides the cells: backend, world size, tier and coverage, the selection."""
+        """What the report says besides the cells: backend, world size, tier and coverage, the selection, and
+        what a rerun command needs (the expert counts, the adapter as the command line names it)."""
         from conformance.matrix import full_size
 
         return {"backend": self.backend_used(), "world_size": self.world_size,
                 "tier": self.tier.reported if self.tier is not None else None,
                 "full_cells": full_size(self.world_size, self.num_experts) if self.tier is not None else None,
-                "ids": self.selected}
+                "ids": self.selected, "experts": list(self.num_experts), "adapter_option": self.adapter_option}
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         running = self.context.running if self.context is not None else None
@@ -406,6 +411,7 @@ class MatrixSession:
             env = self._environment()
             records = self.records + self.interrupted
             write_report(self.report_dir, records, backend=env["backend"], world_size=self.world_size,
+                         experts=env["experts"], adapter_option=env["adapter_option"],
                          tier=env["tier"], full_cells=env["full_cells"],
                          interrupted=exitstatus == pytest.ExitCode.INTERRUPTED,
                          not_run=not_run(self.selected, records), expectations=self._expectations_summary())

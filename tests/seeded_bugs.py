@@ -252,7 +252,7 @@ class LegacyNeverRefused(ReferenceAdapter):
             raise RuntimeError(f"load failed: {exc}") from exc
 
 
-# -- issue 19: a correct framework passes whatever it names its keys; a broken one is blamed for the right thing
+# -- a correct framework passes whatever it names its keys; a broken one is blamed for the right thing
 def _bank(key: str) -> str:
     return key.replace("moe.experts.", "moe.bank.")
 
@@ -380,7 +380,7 @@ class SchedulerNotRestored(WithScheduler):
 class ScheduleClosesOverConfig(WithScheduler):
     """Not a bug: a warm-down schedule that closes over its configuration, as many trainers' do: ``LambdaLR`` with
     ``min_lr_ratio = MIN_LR / spec.lr``, which no checkpoint holds.  The load restores the scheduler exactly; the
-    next step's lr is then computed from the load side's configuration, which is the run's own (issue 32: a load
+    next step's lr is then computed from the load side's configuration, which is the run's own (a load
     side built with another lr in its configuration read this as a wrong lr).  Every cell passes."""
 
     name = "seeded-schedule-closes-over-config"
@@ -417,7 +417,7 @@ class LrNotRestored(WithScheduler):
             group["lr"] = lr
 
 
-# -- issue 20: bug classes the default tier must reach -----------------------------------------------
+# -- bug classes the default tier must reach -----------------------------------------------
 def _rename_or_drop(obj: Any, name: Callable[[str], str | None]) -> Any:
     """``obj`` with string keys renamed and those ``name`` maps to None left out (strings in lists kept)."""
     if isinstance(obj, dict):
@@ -624,7 +624,7 @@ def _storage(t: Any) -> int:
     return int(local.untyped_storage().data_ptr())
 
 
-# -- issue 32: a kernel's rounding is not a wrong value; re-keyed state is named as re-keyed ---------------------
+# -- a kernel's rounding is not a wrong value; re-keyed state is named as re-keyed ---------------------
 def _ep_degree(mesh: Any) -> int:
     return mesh["ep"].size() if mesh is not None and "ep" in (mesh.mesh_dim_names or ()) else 1
 
@@ -635,7 +635,8 @@ class PerShardRounding(ReferenceAdapter):
     After every step the last element of each rank's local tensor -- a parameter's shard and its moments -- is one
     ulp up: at ep=1 that is the last element of each whole tensor, under FSDP2 or a packed EP split the last of each
     rank's shard.  The saved state then differs from the ep=1 truth by an ulp or two, and every load gives back
-    exactly what was saved: every cell passes (issue 32: every red first line read "values differ" by 2.98e-8)."""
+    exactly what was saved: every cell passes (a first line reading "values differ" by 2.98e-8 would be a
+    false alarm)."""
 
     name = "seeded-per-shard-rounding"
 
@@ -694,7 +695,7 @@ class OneMomentOffUnderEp(ReferenceAdapter):
     def build(self, spec: Any, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
-        from conformance.adapter import held_tensors
+        from conformance.checks.held import held_tensors
 
         model, optimizer = super().build(spec, mesh, seed)
         if optimizer is not None and _ep_degree(mesh) > 1:
@@ -768,7 +769,7 @@ class SchedulersPerGroupUnderEp(WithScheduler):
         super().load(model, optimizer, path, state={"scheduler": self._one(state)})
 
 
-# -- issue 34: the layout right, a save DCP refuses --------------------------------------------------------------
+# -- the layout right, a save DCP refuses --------------------------------------------------------------
 @contextlib.contextmanager
 def _offered_elsewhere(shift: Callable[[str, Any], tuple[int, int] | None]) -> Iterator[None]:
     """DCP's save plan with some DTensor chunks offered at other offsets: ``shift(fqn, dtensor)`` gives ``(axis,
@@ -827,7 +828,7 @@ class EtpShardOfferedTwice(ReferencePerExpertAdapter):
             super().save(model, optimizer, path)
 
 
-# -- issue 33: the packed form's own misfiling -------------------------------------------------------------------
+# -- the packed form's own misfiling -------------------------------------------------------------------
 class PackedRowsSwapped(ReferenceAdapter):
     """Layer 1's packed ``up_w`` goes to the checkpoint with the rows of its last two experts (E-2 and E-1) swapped,
     weights and Adam moments, and comes back swapped again: one wrong entry in a framework's packed-row order.  A
@@ -897,7 +898,7 @@ class PackedBalancedStart(ReferenceAdapter):
             super().save(model, optimizer, path)
 
 
-# -- issue 34: pipeline stages name their layers ---------------------------------------------------------------------
+# -- pipeline stages name their layers ---------------------------------------------------------------------
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -984,7 +985,7 @@ class StagesReversed(ReferenceAdapter):
 
 class ParamGroupsFromCheckpoint(ReferenceAdapter):
     """The load hands torch's ``set_optimizer_state_dict`` each param group as the checkpoint holds it, ``params``
-    list included -- the reference's own mistake before issue 34, found by the full tier's pipeline cells.  DCP keeps
+    list included -- a mistake the reference itself once made, found by the full tier's pipeline cells.  DCP keeps
     one rank's copy of ``param_groups.0.params``; ranks of two pipeline stages list different parameters, so the
     other stage's ranks find none of theirs in the loaded group and lose its lr, betas, eps and weight decay: the
     next step raises ``KeyError: 'betas'`` there (refused), in every cell that saves and loads with stages.  (The
@@ -1202,6 +1203,8 @@ class InterleavedReadAsConcatenated(ReferenceAdapter):
         with torch.no_grad():
             for moe in _fused(model):
                 local = local_region(moe.gate_up_w)[0]
+                if not local.numel():
+                    continue  # a rank FSDP gave no expert rows of an uneven E
                 rows = local.reshape(local.shape[0], -1, local.shape[-1])  # the rows as the model holds them
                 read = torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1)  # the file's gate, then up, taken as they are
                 rows.copy_(read)
@@ -1303,3 +1306,33 @@ class DownReadAsItsTranspose(ReferenceAdapter):
                 for weight in weights:
                     local = local_region(weight)[0]
                     local.copy_(local.transpose(-1, -2).reshape(local.shape).clone())
+
+
+class TokenCounterSaved(ReferenceAdapter):
+    """The save writes each router's non-persistent token counter into the checkpoint (a buffer registered
+    persistent, or a state dict built by hand): every checkpoint holds per-step state, the ep=1 one included
+    (``checkpoint``: on-disk, naming the key and the buffer)."""
+
+    name = "seeded-token-counter-saved"
+
+    def save(self, model: Any, optimizer: Any, path: str) -> None:
+        import reference_impl.checkpoint as ck
+        from reference_impl.moe import moe_layers
+
+        real = ck.dcp
+        counters = {f"{prefix}.router.tokens_per_expert": moe.router.tokens_per_expert.clone()
+                    for prefix, moe in moe_layers(model) if moe.router.has_expert_bias}
+
+        class _Shim:
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(real, attr)
+
+            @staticmethod
+            def save(state: dict[str, Any], **kwargs: Any) -> Any:
+                return real.save({**state, "model": {**state["model"], **counters}}, **kwargs)
+
+        ck.dcp = _Shim()
+        try:
+            super().save(model, optimizer, path)
+        finally:
+            ck.dcp = real

@@ -125,8 +125,8 @@ def test_seeded_deepspeed_bugs_are_caught(pytester: pytest.Pytester, monkeypatch
         swapped = cells[SEEDED_ID.format(kind=kind, pair="ep4->ep4")]
         assert swapped["skipped_checks"] == {}, swapped
         assert swapped["findings"] == ["silent"], swapped  # the forward alone sees it
-        lines = swapped["detail"].removeprefix("silent: ").splitlines()
-        assert len(lines) == 4, lines
+        *lines, passed = swapped["detail"].removeprefix("silent: ").splitlines()
+        assert len(lines) == 4 and passed.startswith("checks that passed: checkpoint, values"), lines
         for rank, line in enumerate(lines):  # layer 0's output: expected vs got, with the tolerance used
             assert line.startswith(f"[forward] rank {rank}: the forward after the load differs from the ground "
                                    f"truth's in output '{layers[kind]}': element ["), line

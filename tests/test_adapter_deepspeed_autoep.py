@@ -21,6 +21,14 @@ in a pytester subprocess; the outcome is asserted *as found*, cell by cell (all 
   gives experts the fp32 masters and Adam moments of the saved layout ("holds expert 1's values
   instead of expert 2's"), and the matrix says so.
 
+* DeepSeek-V3 (``deepspeed-autoep-deepseek_v3``: transformers' ``DeepseekV3ForCausalLM`` through
+  AutoEP's ``deepseek_v3`` preset, its router's ``e_score_correction_bias`` with synthetic values),
+  model+optimizer saved at ep=4: the native load 4->4 passes bit for bit, the bias included; the
+  universal load 4->2c silently keeps the load side's bias (DeepSpeed's finding, expected in
+  ``ci/expectations/deepspeed-autoep-deepseek_v3.toml``) and nothing else: 91-110 s at load
+  40-190 on the shared 2-core machine, 19 s of it CPU (the fork server imports transformers'
+  DeepSeek-V3 too).
+
 The full matrix of each class (18 cells run, 88 n/a) is ``ci/conformance.sh``'s.  This module took 46 s on
 2 cores at load average 10 (150 s at load 20): three sessions, most of each its fork server importing torch,
 DeepSpeed and Transformers once; the cells themselves take 0.3-1 s each.
@@ -182,3 +190,43 @@ def test_bf16_optimizer_step_after_universal_load_is_refused(pytester: pytest.Py
     assert "AssertionError: expert parallel group is not initialized" in cell["detail"], cell["detail"]
     assert {(p["check"], p["raised_at"]) for p in cell["problems"]} == {
         ("step", "deepspeed/utils/groups.py:687 in _get_expert_parallel_group")}, cell["problems"]
+
+
+#: ``deepspeed-autoep-deepseek_v3`` on a slice of the default tier: model+optimizer saved at ep=4,
+#: loaded at ep=4 (the native load) and at ep=2 (``ds_to_universal`` + ``load_universal``).
+DSV3_SLICE = "optim and save_ep4 and (load_ep4 or load_ep2c)"
+DSV3_NATIVE = ID.format(state="model+optim", s=4, t=4)
+DSV3_UNIVERSAL = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::ep4->ep2c"
+BIAS = "mlp.router.e_score_correction_bias"
+DROPPED = (f"silent: first difference: rank 0, layer 0, tensor '{BIAS}': still holds its pre-load "
+           "(seed B) values: the load did not write it")
+
+
+def test_deepseek_v3_universal_load_drops_the_expert_bias(pytester: pytest.Pytester) -> None:
+    """Held against ``ci/expectations/deepspeed-autoep-deepseek_v3.toml``: transformers' DeepSeek-V3
+    through AutoEP's ``deepseek_v3`` preset.  The native load at the saved EP degree restores
+    everything, the expert bias included (bit for bit, every check).  The universal load at another
+    degree restores every weight, master, moment and step count, but not the router's
+    ``e_score_correction_bias``: DeepSpeed skips ``load_module_state_dict`` under
+    ``load_universal``, so each rank keeps the load side's own bias (seed B's), silently -- a
+    finding about DeepSpeed, named as such: ``values`` and ``resume`` on that buffer in both layers
+    on every rank, and the ``forward``, whose expert choices it changes."""
+    adapter = "deepspeed-autoep-deepseek_v3"
+    result, doc = run_report(pytester, "--moe-ep-matrix", f"--moe-ep-adapter={adapter}",
+                             "-k", DSV3_SLICE, *expectations_args(adapter))
+    assert doc["adapter"]["version"] == "0.19.8", doc["adapter"]
+    cells = assert_as_expected(result, doc)
+    ran = {i for i, c in cells.items() if c["status"] != "n/a"}
+    assert ran == {DSV3_NATIVE, DSV3_UNIVERSAL}, sorted(cells)
+    native, universal = cells[DSV3_NATIVE], cells[DSV3_UNIVERSAL]
+    assert native["status"] == "pass" and BIT_FOR_BIT in native["detail"], native
+    assert "forward" in native["detail"], native["detail"]
+    assert universal["status"] == "fail" and universal["finding"] == "silent", universal
+    first = universal["detail"].splitlines()[0]
+    assert first.startswith(DROPPED), first
+    found = {(p["check"], p.get("tensor"), p.get("layer")) for p in universal["problems"]}
+    assert found == {(check, BIAS, layer) for check in ("values", "resume") for layer in (0, 1)} | {
+        ("forward", None, None)}, found
+    assert {p.get("rank") for p in universal["problems"] if p["check"] == "values"} == {0, 1, 2, 3}
+    passed = set(universal["checks_passed"])
+    assert passed == {"checkpoint", "missing", "scalars"}, passed

@@ -13,6 +13,12 @@ the same pair are n/a, each with its reason; E=5 loaded at ep=4 is an ``error`` 
 the optimizer load left out (what a Trainer resume under ``DistributedConfig`` gives: the Trainer refuses to
 save optimizer state there) fails its cell on ``scalars`` and ``values``.
 
+DeepSeek-V3 (``transformers-deepseek_v3``): model+optimizer ep4 -> ep2c passes bit for bit with its
+expert bias compared on every rank, and E=5 at ep=4 is refused.  Its negative control (slow), a load
+that then zeroes every persistent floating-point buffer, is red in every default-tier cell.
+Measured on the shared 2-core machine: the DeepSeek-V3 slice 87 s at load ~200 (25 s of CPU), the
+negative control 150 s at load 25-90 (60 s of CPU).
+
 Cost: two rank worlds (one per run), and their start and the transformers import in each rank dominate.
 Measured: 461 s for both on a 2-core machine at load average 100-400 (7 agents sharing it). On that machine
 under lighter load, a world's first cell took 53 s and later cells 1-11 s, so expect about 2 minutes on an idle
@@ -92,6 +98,78 @@ def test_a_skipped_optimizer_load_is_caught_through_the_transformers_adapter(pyt
     assert cell["id"] == CELL.format(mode="fsdp", experts="", pair="ep2c->ep4")
     assert cell["status"] == "fail", cell
     assert "[scalars]" in cell["detail"] and "'step' = [3.0] after the load, expected [2.0]" in cell["detail"], cell
+
+
+#: ``transformers-deepseek_v3`` on a slice of the default tier: one model+optimizer cell across EP
+#: and one E=5 refusal.  The passing cell compares 380 tensors: 4 ranks x (25 dense parameters x
+#: (weight + 2 Adam moments) + 2 expert biases + 2 layers x 1 local expert x (gate, up, down) x 3);
+#: without the biases it would be 372.
+DSV3_SLICE = "save_ep4 and ((optim and load_ep2c) or (E5 and load_ep4))"
+DSV3_PASS = CELL.format(mode="fsdp", experts="", pair="ep4->ep2c")
+DSV3_REFUSED = "moe-ep-matrix::checkpoint::packed::model::fsdp::E5::ep4->ep4"
+SEEDED_BIAS = '''
+from conformance.adapters.torch_native import persistent_buffers
+from conformance.adapters.transformers_deepseek import TransformersDeepseekV3Adapter
+
+
+class BuffersZeroedOnLoad(TransformersDeepseekV3Adapter):
+    """Seeded bug: after the load, every persistent floating-point buffer (the expert biases) is
+    zeroed."""
+
+    name = "seeded-transformers-buffers-zeroed-on-load"
+
+    def load(self, model, optimizer, path):
+        import torch
+
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for _, buffer in persistent_buffers(model):
+                if buffer.is_floating_point():
+                    buffer.zero_()
+'''
+
+
+def test_deepseek_v3_keeps_its_expert_bias_across_ep(pytester: pytest.Pytester) -> None:
+    """Held against ``ci/expectations/transformers-deepseek_v3.toml``: DeepSeek-V3's
+    ``e_score_correction_bias`` (synthetic, seed-dependent) comes back bit for bit with the weights
+    and moments at ep4 -> ep2c, and E=5 at ep=4 is transformers' refusal, as for Qwen3-MoE."""
+    result, doc = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=transformers-deepseek_v3",
+                      "-k", DSV3_SLICE, *expectations_args("transformers-deepseek_v3"))
+    assert doc["adapter"]["version"] == "5.24.0", doc["adapter"]
+    cells = assert_as_expected(result, doc)
+    ran = {i for i, c in cells.items() if c["status"] != "n/a"}
+    assert ran == {DSV3_PASS, DSV3_REFUSED}, sorted(ran)
+    detail = cells[DSV3_PASS]["detail"]
+    assert cells[DSV3_PASS]["status"] == "pass", detail
+    assert detail.startswith("380 tensors on 4 ranks "), detail
+    assert BIT_FOR_BIT in detail and ALL_CHECKS in detail, detail
+    assert cells[DSV3_REFUSED]["finding"] == "refused", cells[DSV3_REFUSED]
+    assert UNEVEN_REFUSAL in cells[DSV3_REFUSED]["detail"], cells[DSV3_REFUSED]["detail"]
+
+
+@pytest.mark.slow
+def test_a_load_that_zeroes_the_expert_bias_is_red_in_every_default_cell(
+        pytester: pytest.Pytester) -> None:
+    """The bias's negative control over the whole default tier of ``transformers-deepseek_v3``:
+    every cell that builds is red, first naming a layer's ``e_score_correction_bias`` (``values``,
+    ``resume`` and ``forward`` all see it); the cells it cannot build are the E=5 refusals; at least
+    90% of the cells that ran are red."""
+    pytester.makepyfile(seeded_bias=SEEDED_BIAS)
+    _, doc = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=seeded_bias:BuffersZeroedOnLoad")
+    cells, statuses, _ = by_status(doc)
+    ran = {i: c for i, c in cells.items() if c["status"] != "n/a" and not c["legacy"]}
+    red = {i for i, c in ran.items() if c["status"] in ("fail", "error")}
+    assert len(red) >= 0.9 * len(ran), {i: c["status"] for i, c in ran.items()}
+    assert statuses.get("fail") and not statuses.get("pass"), statuses
+    for cell_id in statuses["fail"]:
+        cell = cells[cell_id]
+        first = cell["detail"].splitlines()[0]
+        assert cell["finding"] == "silent" and "mlp.gate.e_score_correction_bias'" in first, first
+        caught = {"values", "forward"} | ({"resume"} if cell["state"] == "model+optim" else set())
+        assert caught <= {p["check"] for p in cell["problems"]}, cell["problems"]
+    for cell_id in statuses.get("error", set()):
+        cell = cells[cell_id]
+        assert cell["num_experts"] == 5 and cell["finding"] == "refused", cell
 
 
 @pytest.mark.moe_ep_world(4)

@@ -37,6 +37,17 @@ def test_workflow_runs_the_documented_commands() -> None:
         assert any(f"--from-log moe-ep-report/{job}/pytest-log.jsonl --out moe-ep-report/{job} --expectations "
                    "$EXPECTATIONS" in r for r in runs[job]), runs[job]
     assert "--from-log" in readme and "--report-log" in readme
+    # The job summary gets the report's head, and (CPU) what changed since the latest release's.
+    for job in ("cpu", "gpu"):
+        [summary] = [r for r in runs[job] if "python -m conformance.report summary" in r]
+        assert f"summary moe-ep-report/{job}/moe-ep-conformance.json" in summary, summary
+        assert '>> "$GITHUB_STEP_SUMMARY"' in summary, summary
+    [diff] = [r for r in runs["cpu"] if "gh release download" in r]
+    command = (r"python -m conformance\.report moe-ep-baseline/cpu/moe-ep-conformance\.json \\\n\s*"
+               r"moe-ep-report/cpu/moe-ep-conformance\.json --out moe-ep-report/cpu")
+    assert re.search(command, diff), diff
+    assert 'cat moe-ep-report/cpu/moe-ep-conformance-diff.md >> "$GITHUB_STEP_SUMMARY"' in diff
+    assert diff.index("gh release download") < diff.index("python -m conformance.report")
     # Every option the workflow passes is one README documents.
     for option in set(re.findall(r"--moe-ep-[a-z-]+", " ".join(matrix_cpu + matrix_gpu))):
         assert option in readme, option
@@ -52,6 +63,10 @@ def test_ci_run_installs_pinned_cpu_torch_first_and_runs_the_readme_test_command
     readme = (ROOT / "README.md").read_text()
     assert ci_run.index("torch==2.13.0") < ci_run.index('-e ".[test]"')
     assert "bash ci/test.sh" in ci_run and "bash ci/test.sh" in readme.split("## Quick start")[1].split("##")[0]
+    # Chromium for the report page's browser test, before the suite, never a reason for CI to fail.
+    [install] = [line for line in ci_run.splitlines() if "apt-get install" in line]
+    assert "chromium" in install and ci_run.index(install) < ci_run.index("bash ci/test.sh")
+    assert ci_run.split(install, 1)[1].lstrip().startswith("|| echo"), install
 
 
 def test_readme_is_short_and_every_docs_page_it_names_exists() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of issue 19's pieces: expert keys learned from content, the layout rule for reported experts, the
+"""Unit tests of the contract's pieces: expert keys learned from content, the layout rule for reported experts, the
 blame translation of DCP's load errors, the framework's view of a layout, and the training state's scalars."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A run cut short keeps what it found (issue 22): SIGTERM, kill -9, a crash in the report write, hostile
+"""A run cut short keeps what it found: SIGTERM, kill -9, a crash in the report write, hostile
 checkpoint indexes, a full disk.
 
 Every test counts what survived (cells in the report, or rebuilt from the ``pytest-reportlog`` log) against

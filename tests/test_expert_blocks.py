@@ -1,6 +1,6 @@
 """An :class:`~conformance.adapter.ExpertBlock` reads as exactly the rows it stands for.
 
-The reference yields each packed weight and moment as one block (issue 33: at 256 experts a DTensor per row was
+The reference yields each packed weight and moment as one block (at 256 experts a DTensor per row was
 most of a cell's checks).  The harness expands a block in one place (:func:`conformance.checks.held.held_tensors`,
 on :func:`reference_impl.regions.block_region`); these tests hold it to the per-row path it replaced
 (:func:`reference_impl.regions.packed_rows` and :func:`~reference_impl.regions.local_region` of each row) in

@@ -1,4 +1,4 @@
-"""The ``forward`` check's one rule, on a residual-stream model without a world (issue 21).
+"""The ``forward`` check's one rule, on a residual-stream model without a world.
 
 A MoE layer adding ~1e-6 to a stream of ~3 is below the stream's rounding: a wrong dispatch there moves the model's
 output by an ulp or two, inside any tolerance that EP's reordered sums need.  ``forward_with_layers`` gives each

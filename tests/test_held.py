@@ -1,6 +1,6 @@
 """A rank's state kept a block at a time reads, compares and travels exactly as its rows did.
 
-:mod:`conformance.checks.held` keeps a packed weight's expert rows as one tensor (issue 33: at 256 experts a
+:mod:`conformance.checks.held` keeps a packed weight's expert rows as one tensor (at 256 experts a
 tensor per row was most of the harness's time in a cell) and answers per row as a mapping.  These tests hold each
 block shortcut to the per-row answer it replaced: the mapping itself, :func:`~conformance.checks.held.settle`
 (the block compare), the saved state's assembly from blocks (rows that disagree named one by one, rows no rank

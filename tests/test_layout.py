@@ -73,7 +73,7 @@ def test_bad_arguments_raise_value_error(call, match: str) -> None:
         call()
 
 
-# -- the uneven classes a split reaches (issue 34: the default tier's uneven expert count) --------------------
+# -- the uneven classes a split reaches (the default tier's uneven expert count) --------------------
 @pytest.mark.parametrize(("n_experts", "n_ranks", "classes"), [
     (5, 4, ("partial", "empty", "miscount", "mislabel")),  # 2,2,1,0 vs 2,1,1,1: rank 2 holds expert 4, named 3
     (6, 4, ("empty", "miscount")),                        # 2,2,2,0 vs 2,2,1,1: no rank with agreeing counts differs
@@ -95,7 +95,7 @@ def test_the_balanced_split_covers_every_expert_once_and_agrees_when_k_divides_e
         assert uneven_classes(n_experts, n_ranks) == ()
 
 
-# -- the stage rule (issue 34): which global layers a pipeline stage holds ------------------------------------
+# -- the stage rule: which global layers a pipeline stage holds ------------------------------------
 def test_stages_are_contiguous_and_the_first_stages_take_the_extra_layers() -> None:
     assert [stage_layers(4, 2, s) for s in range(2)] == [(0, 2), (2, 4)]
     assert [stage_layers(5, 2, s) for s in range(2)] == [(0, 3), (3, 5)]  # torchtitan's split: first stages longer

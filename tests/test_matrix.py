@@ -17,7 +17,7 @@ import pytest
 from matrix_expectations import run_inline
 
 from conformance.adapter import Spec
-from conformance.report import SCHEMA_VERSION, diff_reports
+from conformance.report import SCHEMA_VERSION, compare_reports
 
 pytestmark = pytest.mark.usefixtures("shared_fork_server")
 
@@ -100,14 +100,16 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     legacy = [c for c in cells if c.get("legacy") and c["status"] != "n/a"]
     assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"] for c in legacy)
     md = (out / "moe-ep-conformance.md").read_text()
-    assert "| save ep2 " in md and "## Environment" in md and "Tier `default`" in md
+    assert "](moe-ep-conformance-grid-packed-model.svg)" in md and "## Environment" in md
+    assert "Tier `default`" in md
     # A passing run's terminal summary is compact: counts per kind and state, the coverage, the report's path;
     # the save x load tables only with -v (and always in the Markdown report).
     result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state",
-                                 "| kind * | state * | * pass | * fail | * error | * n/a |",
-                                 f"Tier default: {len(cells)} checkpoint cells of the full tier's *",
-                                 f"{len(cells) - 1} pass, 0 fail, 0 error, 1 n/a (* more tables of save x load layouts "
-                                 "with -v; the Markdown report has them all)",
+                                 "| kind * | state * | * pass | * silent | * on-disk | * refused | "
+                                 "* error | * n/a |",
+                                 f"- Tier default: {len(cells)} checkpoint cells of the full *",
+                                 f"{len(cells) - 1} pass, 0 silent, 0 on-disk, 0 refused, 0 error, "
+                                 "1 n/a (* more tables with -v; the report's pictures have them*",
                                  f"report: {out / 'moe-ep-conformance.md'} (and .json)"])
     summary = result.stdout.str().split("moe-ep conformance matrix")[-1]
     assert "| save ep" not in summary and len(summary.splitlines()) < 30, summary
@@ -140,10 +142,11 @@ def test_verbose_terminal_summary_shows_every_table(pytester: pytest.Pytester) -
     assert result.ret == 0, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state", "*",
                                  "| unpacked*| model*|*1 |*0 |*0 |*0 |",
-                                 "Tier 1: 1 checkpoint cells of the full tier's *: the plain layouts at those EP*",
+                                 "- Tier 1: 1 checkpoint cells of the full tier's *",
+                                 "- A green run means: the plain layouts at those EP*",
                                  "A blank table cell is a (save, load) layout pair*",
                                  "unpacked · model · ep-only · E=4", "|*| load ep1 *|", "|*", "| save ep1 | pass *|",
-                                 "1 pass, 0 fail, 0 error, 0 n/a"])
+                                 "1 pass, 0 silent, 0 on-disk, 0 refused, 0 error, 0 n/a"])
     assert "more table" not in result.stdout.str()
 
 
@@ -256,7 +259,7 @@ def test_xdist_merges_every_worker_into_one_report(pytester: pytest.Pytester) ->
                                            f"--moe-ep-report={out}", timeout=600)
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
-    assert len(doc["cells"]) == 2 * 4  # packed/unpacked x 4 ep pairs, model only: each worker runs a world of 4
+    assert len(doc["cells"]) == 3 * 4  # packed, unpacked, fused x 4 ep pairs, model only: a world of 4 each
     assert doc["summary"]["pass"] == len(doc["cells"])  # the reference declares cross_kind
     assert {c["status"] for c in doc["cells"]} <= {"pass", "n/a"}
     assert len({c["id"] for c in doc["cells"]}) == len(doc["cells"])
@@ -291,18 +294,24 @@ def test_functions_suite_for_a_missing_framework_is_na(pytester: pytest.Pytester
 
 
 def test_report_diff_prints_changed_cells(tmp_path: Path) -> None:
-    old = {"schema_version": SCHEMA_VERSION, "cells": [{"id": "a", "status": "pass"}, {"id": "b", "status": "pass"}]}
-    new = {"schema_version": SCHEMA_VERSION,
-           "cells": [{"id": "a", "status": "fail", "detail": "rank 1 holds expert 0's values"},
-                     {"id": "b", "status": "pass"}]}
-    assert diff_reports(old, new) == ["a: pass -> fail  (rank 1 holds expert 0's values)"]
+    old = {"schema_version": SCHEMA_VERSION,
+           "cells": [{"id": "a", "status": "pass"}, {"id": "b", "status": "pass"}]}
+    failed = {"id": "a", "status": "fail", "finding": "silent",
+              "detail": "rank 1 holds expert 0's values"}
+    new = {"schema_version": SCHEMA_VERSION, "cells": [failed, {"id": "b", "status": "pass"}]}
+    assert [c.line() for c in compare_reports(old, new).changed] == [
+        "a: pass -> silent  (rank 1 holds expert 0's values)"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(new))
     proc = subprocess.run([sys.executable, "-m", "conformance.report", str(tmp_path / "old.json"),
                            str(tmp_path / "new.json")], capture_output=True, text=True)
     assert proc.returncode == 1
-    assert proc.stdout.splitlines() == ["a: pass -> fail  (rank 1 holds expert 0's values)",
-                                        "1 changed, 1 unchanged, 0 only in the old report, 0 only in the new report"]
+    assert proc.stdout.splitlines() == [
+        "newly failing (1):", "  a: pass -> silent  (rank 1 holds expert 0's values)",
+        "newly passing (0):", "finding changed (0):",
+        "1 newly failing, 0 newly passing, 0 finding changed, 0 other changes, 1 unchanged, "
+        "0 only in the old report, 0 only in the new report",
+        f"wrote {tmp_path / 'moe-ep-conformance-diff.md'}"]
 
 
 def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_either(tmp_path: Path) -> None:
@@ -317,9 +326,10 @@ def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_eith
     (tmp_path / "bad.json").write_text("{not json")
     same = diff("old.json", "new.json")
     assert same.returncode == 0, same.stdout  # cells present on one side only are not status changes
-    assert same.stdout.splitlines() == ["only in the old report (1):", "  gone", "only in the new report (1):",
-                                        "  fresh", "0 changed, 1 unchanged, 1 only in the old report, 1 only in "
-                                        "the new report"]
+    assert same.stdout.splitlines()[3:-1] == [
+        "only in the old report (1):", "  gone", "only in the new report (1):", "  fresh",
+        "0 newly failing, 0 newly passing, 0 finding changed, 0 other changes, 1 unchanged, "
+        "1 only in the old report, 1 only in the new report"]
     for args, message in ((("missing.json", "new.json"), "missing.json: cannot read it"),
                           (("bad.json", "new.json"), "bad.json: not a JSON report")):
         proc = diff(*args)
@@ -354,7 +364,7 @@ def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> Non
 
 def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Pytester) -> None:
     """The reference is the truth every framework is held to: a red reference cell is a false alarm
-    on all of them. Its 152-cell default tier at eight ranks (about 100 s here) reaches what four
+    on all of them. Its 156-cell default tier at eight ranks (about 100 s here) reaches what four
     ranks cannot: E=5 over ep=4 inside a pipeline stage, where the last EP rank holds no expert of
     its stage's layers (their routers only)."""
     out = pytester.path / "out"
@@ -362,7 +372,7 @@ def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Py
     doc = report(out)
     red = {c["id"]: c["detail"][:300] for c in doc["cells"] if c["status"] not in ("pass", "n/a")}
     assert not red and result.ret == 0, red or result.stdout.str()[-3000:]
-    assert doc["world_size"] == 8 and len(doc["cells"]) == 152, doc["summary"]
+    assert doc["world_size"] == 8 and len(doc["cells"]) == 156, doc["summary"]
     assert doc["summary"]["n/a"] == 1, doc["summary"]
     assert any(c["id"].endswith("E5::ep8->pp2.ep4") for c in doc["cells"])
 
@@ -411,13 +421,16 @@ def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
     from conformance.matrix import checkpoint_cells, full_size
 
     assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
-    assert (len(_default()), full_size(4, (4, 5))) == (90, 1928)  # docs/matrix.md's Tiers paragraph
-    assert (len(_default(8)), full_size(8, (4, 5))) == (152, 4464)
+    assert (len(_default()), full_size(4, (4, 5))) == (95, 2380)  # docs/matrix.md's Tiers paragraph
+    assert (len(_default(8)), full_size(8, (4, 5))) == (156, 5524)
     without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4, (4, 5))
-    assert len(without_stages) == 74 and [c.na for c in without_stages if c.pipeline] == [
+    assert len(without_stages) == 79 and [c.na for c in without_stages if c.pipeline] == [
         "adapter supports no pipeline parallelism, not pp=2"]
-    # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs)
-    assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 5))) == 112
+    # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs);
+    # an adapter without the fused kind gets no fused cells there
+    assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 5))) == 156
+    split_only = replace(ReferenceAdapter.capabilities, kinds=("packed", "unpacked"))
+    assert len(checkpoint_cells(split_only, "1,2,4", 4, (4, 5))) == 112
 
 
 def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only_with_fsdp() -> None:
@@ -430,7 +443,7 @@ def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only
     uneven = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4, 5)) if c.num_experts == 5]
     assert uneven and all(c.fsdp for c in uneven)
     assert {(c.save.ep, c.load.ep) for c in uneven if not c.na} >= {(1, 4), (4, 1), (4, 4), (2, 4), (1, 2), (2, 2)}
-    assert len(checkpoint_cells(caps, "1,2,4", 4, (4, 5))) == 112  # the same cells, with FSDP2
+    assert len(checkpoint_cells(caps, "1,2,4", 4, (4, 5))) == 156  # the same cells, with FSDP2
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -438,18 +451,21 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
     """A legacy cell ends at the refusal: it must not stand in for a pair no value comparison tests."""
     import itertools
 
-    from conformance.matrix import full_product
+    from conformance.matrix import _fused_pairs, full_product
 
     def values(c: Any) -> list[tuple[str, Any]]:
         return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state), ("fsdp", c.fsdp),
                 ("E", c.num_experts)]
 
     def pairs(cells: list[Any]) -> set[Any]:  # a cell with stages: not its pair of layouts (see the next test)
-        return {p for c in cells if not c.legacy for p in itertools.combinations(values(c), 2)
-                if not (c.pipeline and p == tuple(values(c)[:2]))}
+        return {p for c in cells if not c.legacy and c.kind != "fused"
+                for p in itertools.combinations(values(c), 2) if not (c.pipeline and p == tuple(values(c)[:2]))}
 
     chosen = _default(world_size)
     assert pairs(chosen) == pairs(full_product(world_size, (4, 5)))
+    fused = [c for c in full_product(world_size, (4, 5)) if c.kind == "fused"]  # a stratum of its own
+    assert set().union(*map(_fused_pairs, (c for c in chosen if c.kind == "fused"))) == set().union(
+        *map(_fused_pairs, fused))
     legacy = [c for c in chosen if c.legacy]
     for attr in ("save", "load", "kind", "num_experts"):  # legacy cells: their own stratum
         everything = {getattr(c, attr) for c in full_product(world_size, (4, 5)) if c.legacy}
@@ -458,7 +474,7 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_the_default_tier_changes_stages_with_every_ep_change_and_trades_stages_for_ep_ranks(world_size: int) -> None:
-    """Issue 34: pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and issue 1517's shape,
+    """pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and Megatron-LM issue 1517's shape,
     stages traded for EP ranks in the same world (pp2.ep1 -> ep2) and back -- all among cells that compare values."""
     chosen = [c for c in _default(world_size) if not c.legacy and not c.na]
 
@@ -483,7 +499,7 @@ def test_every_kind_splits_unevenly_at_ep_above_one_on_each_side(experts: tuple[
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side(world_size: int) -> None:
-    """Issue 34: at E=6 the default tier never put a silent mislabel (the seed's own NeMo bug) in front of a
+    """At E=6 the default tier never put a silent mislabel (the seed's own NeMo bug) in front of a
     framework; its uneven count is chosen so that every class is reached, by cells that compare values."""
     from reference_impl.layout import UNEVEN_CLASSES, uneven_classes
 
@@ -498,9 +514,10 @@ def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side
     assert "mislabel" not in old and "partial" not in old  # what E=6 missed
 
 
-def test_the_coverage_line_names_the_uneven_classes_the_cells_reached() -> None:
+def test_the_coverage_list_names_the_uneven_classes_the_cells_reached() -> None:
     from conformance.matrix import uneven_reach
-    from conformance.report import build_report, coverage_line, render_markdown
+    from conformance.report import build_report, render_markdown
+    from conformance.report.cells import coverage_items
 
     def record(e: int, s: int, t: int, **extra: Any) -> dict[str, Any]:
         return {"id": f"moe-ep-matrix::checkpoint::packed::model::ep-only::E{e}::ep{s}->ep{t}", "suite": "checkpoint",
@@ -510,13 +527,19 @@ def test_the_coverage_line_names_the_uneven_classes_the_cells_reached() -> None:
     records = [record(5, 2, 1), record(6, 1, 4), record(5, 4, 4, legacy=True), record(5, 1, 4, status="n/a")]
     reach = uneven_reach(records)
     assert reach == {"partial": ["E=5 at ep=2"], "empty": ["E=6 at ep=4"], "miscount": ["E=6 at ep=4"]}
-    line = coverage_line("default", 4, 1096, reach=reach)
-    assert "Uneven splits reached: a rank holding a partial chunk (E=5 at ep=2); a rank holding no expert " in line
-    assert line.endswith("Not reached: the balanced split's first ids disagreeing where the row counts agree "
-                         "(silent: a rank files its experts under other experts' ids).")
     report = build_report(records, backend="gloo", world_size=4, tier="default", full_cells=1096)
     assert report["coverage"]["uneven_classes"] == reach
-    assert "Not reached: the balanced split's first ids" in render_markdown(report)
+    items = dict(coverage_items(report))
+    assert items["Tier `default`: 4 checkpoint cells of the full tier's 1096"] == []
+    reached = items["Uneven splits reached:"]
+    assert reached[:2] == ["a rank holding a partial chunk: E=5 at ep=2",
+                           "a rank holding no expert: E=6 at ep=4"]
+    assert len(reached) == 3 and reached[2].endswith(": E=6 at ep=4"), reached
+    [missed] = items["Not reached:"]
+    assert missed.startswith("the balanced split's first ids disagreeing where the row counts")
+    assert len(items["A green run means:"]) == 3  # the tier's guarantee, clause by clause
+    markdown = render_markdown(report)
+    assert "- Not reached:\n  - the balanced split's first ids" in markdown
 
 
 def test_optimizer_state_goes_through_every_layout_family() -> None:
@@ -524,7 +547,7 @@ def test_optimizer_state_goes_through_every_layout_family() -> None:
     layouts = {c.save.fragment for c in optim} | {c.load.fragment for c in optim}
     assert {"ep2", "ep2c", "ep2.hsdp2", "ep2.etp2", "ep4"} <= layouts
     assert any(c.save.ep < c.load.ep for c in optim) and any(c.save.ep > c.load.ep for c in optim)
-    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed"}
+    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed", "fused"}
 
 
 def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> None:

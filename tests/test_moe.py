@@ -281,7 +281,7 @@ def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsd
     assert checked, where
 
 
-# -- pipeline stages (issue 34): the reference keeps a stage's blocks under their global names ----------------
+# -- pipeline stages: the reference keeps a stage's blocks under their global names ----------------
 @pytest.mark.parametrize(("num_layers", "pp"), [(2, 2), (3, 2), (5, 3)])
 @pytest.mark.parametrize("kind", ["packed", "unpacked"])
 def test_pipeline_stages_partition_the_state_dict_and_chain_to_the_whole_forward(num_layers: int, pp: int,

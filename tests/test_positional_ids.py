@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from checkpointer_adapter import Adapter, Unpacked
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from conformance.adapter import Built, Spec
+from conformance.adapter import Spec
 from conformance.inspection import (
     DEFAULT_PATTERNS,
     CheckpointError,
@@ -39,6 +39,7 @@ from conformance.inspection.learn import (
     owners_of,
 )
 from conformance.inspection.positional import positional
+from conformance.members import Built
 from conformance.scalars import all_scalars, is_configuration
 
 E = 4

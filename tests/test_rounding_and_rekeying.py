@@ -1,4 +1,4 @@
-"""Unit tests of issue 32's rules: a kernel's rounding is no wrong value (:mod:`conformance.rounding`), re-keyed
+"""Unit tests of two rules: a kernel's rounding is no wrong value (:mod:`conformance.rounding`), re-keyed
 state is named as re-keyed (the checkpoint comparison and the scalars check), nested training state is walked,
 and the checkpoint comparison's findings come worst first.  The multi-rank controls are in test_detection.py."""
 

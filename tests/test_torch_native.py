@@ -119,7 +119,7 @@ def test_a_plain_chunk_placed_by_its_rank_on_ep_follows_the_layout_rule_and_a_ch
 
 
 def test_the_adapters_on_the_base_stay_small_and_no_module_is_over_550_lines() -> None:
-    """Issue 36's bar, kept: the torch-native base is what makes an adapter short; a module over 550 lines is two."""
+    """The torch-native base is what makes an adapter short; a module over 550 lines is two."""
     root = Path(__file__).resolve().parents[1]
 
     def lines(path: Path) -> int:

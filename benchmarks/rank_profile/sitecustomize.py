@@ -1,4 +1,4 @@
-"""cProfile in every rank of a matrix run, for finding where a cell's seconds go (issue 24's profile).
+"""cProfile in every rank of a matrix run, for finding where a cell's seconds go.
 
 Put this directory first on PYTHONPATH and name an output directory; every process forked after start-up (the
 ranks, forked by the fork server) profiles itself and writes ``rank-<RANK>-<pid>.prof`` there just before its

@@ -52,10 +52,16 @@ BUILTINS: dict[str, Builtin] = {
         "conformance.adapters.megatron_distopt:MegatronDistOptDpZeroAdapter", requires="megatron.core"),
     "transformers": Builtin("conformance.adapters.transformers_ep:TransformersAdapter",
                             requires="transformers.distributed.expert_parallel"),
+    "transformers-deepseek_v3": Builtin(
+        "conformance.adapters.transformers_deepseek:TransformersDeepseekV3Adapter",
+        requires="transformers.distributed.expert_parallel"),
     "olmo_core": Builtin("conformance.adapters.olmo_core:OlmoCoreAdapter", requires="olmo_core"),
     "olmo_core-dropless": Builtin("conformance.adapters.olmo_core:OlmoCoreDroplessAdapter", requires="olmo_core"),
     "deepspeed-autoep-noconvert": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPNoConversionAdapter",
                                           requires="deepspeed"),
+    "deepspeed-autoep-deepseek_v3": Builtin(
+        "conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPDeepseekV3Adapter",
+        requires="deepspeed"),
 }
 
 

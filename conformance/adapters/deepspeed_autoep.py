@@ -9,6 +9,9 @@ through ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "au
 fp32, ``torch_adam`` AdamW; ``deepspeed-autoep-bf16`` / ``deepspeed-autoep-zero2-bf16`` are the same under
 ``"bf16": {"enabled": true}`` (bf16 parameters, fp32 masters and moments; :class:`DeepSpeedAutoEPBf16Adapter`), and
 ``deepspeed-autoep-bf16-fp32accum`` adds ``grad_accum_dtype: fp32`` (DeepSpeed's ``BF16_Optimizer`` at ZeRO-1).
+``deepspeed-autoep-deepseek_v3`` hands transformers' own ``DeepseekV3ForCausalLM`` to the
+``deepseek_v3`` preset instead (ZeRO-1, fp32), its router's expert bias
+``e_score_correction_bias`` with synthetic values (:mod:`conformance.adapters._deepspeed_models`).
 ``engine.save_checkpoint``; ``engine.load_checkpoint`` at the saved EP
 degree, else ``ds_to_universal`` then ``"load_universal": true`` (``_deepspeed_universal``).  Experts,
 fp32 masters and moments are read with ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``.
@@ -37,104 +40,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from functools import cache
 from typing import Any
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, FrameworkRefusal, Spec, forward_with_layers
 from conformance.adapters._deepspeed_checkpoint import AUTOEP_EP_DEPENDENT, read_autoep
 from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
+from conformance.adapters._deepspeed_models import (
+    IN_LAYER,
+    deepseek_v3_model,
+    dense_params,
+    mixtral_model,
+)
 from conformance.adapters._deepspeed_universal import convert_once, load_universal, saved_ep
-from conformance.synthetic import synthetic_grad, synthetic_weight
+from conformance.synthetic import synthetic_grad
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 WEIGHT_DECAY = 0.01
-
-
-@cache
-def _classes() -> type:
-    """The Mixtral-shaped model: plain torch modules with the structure AutoEP's mixtral preset finds."""
-    import torch
-    from torch import nn
-
-    class MixtralExperts(nn.Module):
-        """Transformers >= 5 storage: gate and up fused on one 3-D parameter."""
-
-        def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
-            super().__init__()
-            self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * hidden, dim))
-            self.down_proj = nn.Parameter(torch.zeros(num_experts, dim, hidden))
-            self.act_fn = nn.SiLU()  # AutoEP checks it against the preset's SwiGLU
-
-    class MixtralSparseMoeBlock(nn.Module):
-        def __init__(self, spec: Spec) -> None:
-            super().__init__()
-            self.gate = nn.Linear(spec.dim, spec.num_experts, bias=False)
-            self.experts = MixtralExperts(spec.num_experts, spec.dim, spec.hidden)
-
-    class MixtralDecoderLayer(nn.Module):
-        def __init__(self, spec: Spec) -> None:
-            super().__init__()
-            self.input_layernorm = nn.LayerNorm(spec.dim)
-            self.mlp = MixtralSparseMoeBlock(spec)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out = self.mlp(self.input_layernorm(x))  # AutoEP's layer: [B, S, H], or (that, router logits)
-            return x + (out[0] if isinstance(out, tuple) else out)
-
-    class MixtralModel(nn.Module):
-        def __init__(self, spec: Spec) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(MixtralDecoderLayer(spec) for _ in range(spec.num_layers))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    class MixtralConfig:
-        model_type = "mixtral"
-
-        def __init__(self, spec: Spec) -> None:
-            self.num_local_experts = spec.num_experts
-            self.num_experts_per_tok = min(spec.top_k, spec.num_experts)
-            self.hidden_size = spec.dim
-            self.intermediate_size = spec.hidden
-
-    class MixtralForCausalLM(nn.Module):
-        def __init__(self, spec: Spec) -> None:
-            super().__init__()
-            self.config = MixtralConfig(spec)
-            self.model = MixtralModel(spec)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.model(x)
-
-    return MixtralForCausalLM
-
-
-def _source_model(spec: Spec, seed: int) -> Any:
-    """The global Mixtral-shaped model, every value a function of the seed and global identities."""
-    import torch
-
-    model = _classes()(spec)
-    with torch.no_grad():
-        for layer, block in enumerate(model.model.layers):
-            experts = block.mlp.experts
-            for g in range(spec.num_experts):
-                shape = (spec.hidden, spec.dim)
-                experts.gate_up_proj[g].copy_(torch.cat([synthetic_weight(seed, layer, g, "w1", shape),
-                                                         synthetic_weight(seed, layer, g, "w3", shape)]))
-                experts.down_proj[g].copy_(synthetic_weight(seed, layer, g, "w2", (spec.dim, spec.hidden)))
-            for name, p in block.named_parameters():
-                if not name.startswith("mlp.experts."):
-                    p.copy_(synthetic_weight(seed, layer, None, _dense_name(name), p.shape))
-    return model
-
-
-def _dense_name(name: str) -> str:
-    """A dense parameter's canonical name within its layer: the AutoEP model's (the router is
-    ``mlp.router.gate`` after the replacement, ``mlp.gate`` before)."""
-    return name.replace("mlp.gate.", "mlp.router.gate.")
 
 
 def _ep_order(spec: Spec) -> str:
@@ -154,8 +75,8 @@ def _ep_order(spec: Spec) -> str:
     return order
 
 
-def _autoep_section(ep: int) -> dict[str, Any]:
-    return {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": False}
+def _autoep_section(ep: int, preset: str) -> dict[str, Any]:
+    return {"enabled": True, "autoep_size": ep, "preset_model": preset, "use_grouped_mm": False}
 
 
 def _module(model: Any) -> Any:
@@ -173,14 +94,6 @@ def _expert_ids(moe: Any) -> list[int]:
     return list(autoep_experts_for_rank(moe.expert_placement_descriptor, moe.ep_rank))
 
 
-def _dense_params(model: Any) -> Iterator[tuple[int, str, Any]]:
-    """``(layer, name within the layer, parameter)`` for every non-expert parameter."""
-    for layer, block in enumerate(_module(model).model.layers):
-        for name, p in block.named_parameters():
-            if not name.startswith("mlp.experts."):
-                yield layer, name, p
-
-
 def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Iterator[tuple[Any, Any]]:
     """``(parameter, its synthetic gradient)`` for every parameter, experts by global id, expert
     gradients times ``expert_scale`` (see :meth:`DeepSpeedAutoEPAdapter.step`)."""
@@ -192,11 +105,11 @@ def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Itera
             p = getattr(moe.experts, name)
             grads = torch.stack([synthetic_grad(seed, step, layer, g, name, p.shape[1:]) for g in ids])
             yield p, grads * expert_scale if expert_scale != 1 else grads
-    for layer, name, p in _dense_params(model):
-        yield p, synthetic_grad(seed, step, layer, None, name, p.shape)
+    for where, name, p in dense_params(_module(model)):
+        yield p, synthetic_grad(seed, step, where, None, name, p.shape)
 
 
-def _truth(spec: Spec, seed: int, bf16: bool = False) -> tuple[Any, Any]:
+def _truth(adapter: Any, spec: Spec, seed: int) -> tuple[Any, Any]:
     """AutoEP at ep=1 on this rank alone, stepped by the optimizer the engine would make.
 
     With ``bf16`` the model's parameters are the engine's fp32 *masters*, rounded where DeepSpeed rounds: they start
@@ -208,10 +121,10 @@ def _truth(spec: Spec, seed: int, bf16: bool = False) -> tuple[Any, Any]:
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
     from deepspeed.moe.utils import configure_moe_param_groups
 
-    model = _source_model(spec, seed)
-    auto_ep = AutoEP(model, parse_autoep_config(_autoep_section(1)))
+    model = adapter.source_model(spec, seed)
+    auto_ep = AutoEP(model, parse_autoep_config(_autoep_section(1, adapter.preset)))
     auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
-    if bf16:
+    if adapter.bf16:
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.bfloat16().float())
@@ -220,7 +133,7 @@ def _truth(spec: Spec, seed: int, bf16: bool = False) -> tuple[Any, Any]:
     optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=spec.lr,
                                   weight_decay=WEIGHT_DECAY)
     for step in range(spec.optimizer_steps):
-        _truth_step(model, optimizer, seed, step, bf16)
+        _truth_step(model, optimizer, seed, step, adapter.bf16)
     return model, optimizer
 
 
@@ -249,6 +162,8 @@ class DeepSpeedAutoEPAdapter:
     bf16 = False
     #: ``"data_types": {"grad_accum_dtype": ...}`` when set (:class:`DeepSpeedAutoEPBf16Fp32AccumAdapter`).
     grad_accum_dtype: str | None = None
+    #: AutoEP's preset for the model family :meth:`source_model` builds.
+    preset = "mixtral"
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
                                 format="deepspeed", ep_orders=("consecutive", "strided"))
     #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR), not in each
@@ -266,15 +181,25 @@ class DeepSpeedAutoEPAdapter:
     def version(self) -> str:
         return installed_version()
 
+    # -- the model family --------------------------------------------------------------------------
+    def source_model(self, spec: Spec, seed: int) -> Any:
+        """The global model AutoEP converts (:mod:`conformance.adapters._deepspeed_models`)."""
+        return mixtral_model(spec, seed)
+
+    def output(self, model: Any, batch: Any) -> Any:
+        """The model's output on ``batch`` (``[tokens, dim]``) as one sequence."""
+        return model(batch.unsqueeze(0)).squeeze(0)
+
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         if spec.kind != "packed" or spec.fsdp or spec.dtype != "float32" or spec.activation != "swiglu":
-            raise ValueError(f"this adapter drives DeepSpeed AutoEP's mixtral preset (packed SwiGLU experts), "
+            raise ValueError(f"this adapter drives DeepSpeed AutoEP's {self.preset} preset (packed "
+                             f"SwiGLU experts), "
                              f"{'bf16 with fp32 masters (dtype float32)' if self.bf16 else 'fp32'}, "
                              f"ZeRO-{self.zero_stage}; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
                              f"dtype={spec.dtype!r}, activation={spec.activation!r}")
         if mesh is None:
-            return _truth(spec, seed, self.bf16)
+            return _truth(self, spec, seed)
         if mesh.device_type != "cpu":
             raise ValueError(f"deepspeed-autoep runs DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) on a gloo "
                              f"world; this world's mesh is on {mesh.device_type!r} (run with --moe-ep-backend=gloo)")
@@ -285,7 +210,7 @@ class DeepSpeedAutoEPAdapter:
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": self.zero_stage},
-            "expert_parallel": _autoep_section(ep),
+            "expert_parallel": _autoep_section(ep, self.preset),
             # DeepSpeed's own names for the two EP orders: its default puts ``ep`` consecutive ranks in an
             # EP group; "data before expert parallel" strides them (ranks r, r + world/ep, ...).
             "use_data_before_expert_parallelism": strided,
@@ -299,7 +224,8 @@ class DeepSpeedAutoEPAdapter:
             config["bf16"] = {"enabled": True}
         if self.grad_accum_dtype is not None:
             config["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}
-        engine, optimizer, _, _ = deepspeed().initialize(model=_source_model(spec, seed), config=config)
+        source = self.source_model(spec, seed)
+        engine, optimizer, _, _ = deepspeed().initialize(model=source, config=config)
         for step in range(spec.optimizer_steps):
             self.step(engine, optimizer, seed, step)
         return engine, optimizer
@@ -347,7 +273,7 @@ class DeepSpeedAutoEPAdapter:
                     p.data = p.data.bfloat16()
             batch = batch.to(params[0].dtype)
             with torch.no_grad():
-                return forward_with_layers(lambda: model(batch.unsqueeze(0)).squeeze(0), layers)
+                return forward_with_layers(lambda: self.output(model, batch), layers)
         finally:
             for p, master in zip(params, masters, strict=False):  # masters is empty unless truth_bf16
                 p.data = master
@@ -398,9 +324,11 @@ class DeepSpeedAutoEPAdapter:
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         engine = hasattr(model, "module")
-        for layer, name, p in _dense_params(model):
+        for layer, name, p in dense_params(_module(model)):
             for short, full in _views(name, p, optimizer, engine, self.bf16):
                 yield layer, None, short, full
+        for layer, name, buffer in _buffers(model):
+            yield layer, None, name, buffer
         for kind, value in _steps(optimizer).items():
             yield None, None, f"optimizer.step[{kind}]", value
 
@@ -477,6 +405,27 @@ class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
             raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
 
 
+class DeepSpeedAutoEPDeepseekV3Adapter(DeepSpeedAutoEPAdapter):
+    """AutoEP's ``deepseek_v3`` preset under ZeRO-1 on transformers' own ``DeepseekV3ForCausalLM``
+    (:func:`~conformance.adapters._deepspeed_models.deepseek_v3_model`), as its users run it:
+    AutoEP moves ``mlp.gate.e_score_correction_bias`` onto its router
+    (``mlp.router.e_score_correction_bias``, a persistent fp32 buffer, whole on every rank; AutoEP's
+    own bias update is off in this build), keeps the shared expert, and the forward is
+    transformers' (``inputs_embeds``, logits) with AutoEP's layers in it.  The bias has synthetic
+    values from the build on, so a load that leaves the load side's is red."""
+
+    name = "deepspeed-autoep-deepseek_v3"
+    preset = "deepseek_v3"
+    preload = (*DeepSpeedAutoEPAdapter.preload,
+               "transformers.models.deepseek_v3.modeling_deepseek_v3")
+
+    def source_model(self, spec: Spec, seed: int) -> Any:
+        return deepseek_v3_model(spec, seed)
+
+    def output(self, model: Any, batch: Any) -> Any:
+        return model(inputs_embeds=batch.unsqueeze(0)).logits[0]
+
+
 # -- helpers of the canonical views ----------------------------------------------------------------
 def _views(name: str, p: Any, optimizer: Any, engine: bool, bf16: bool = False) -> Iterator[tuple[str, Any]]:
     """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments.  The ground truth's
@@ -516,3 +465,15 @@ def _steps(optimizer: Any) -> dict[str, Any]:
         if "step" in state:
             out[kind] = state["step"]
     return out
+
+
+def _buffers(model: Any) -> Iterator[tuple[int | None, str, Any]]:
+    """``(layer, name within the layer, buffer)`` for every persistent floating-point buffer (an
+    expert bias: whole on every rank, never in ZeRO's partitions), named as ``dense_params`` names
+    parameters; outside the layers by its full name."""
+    from conformance.adapters.torch_native import persistent_buffers
+
+    for fqn, buffer in persistent_buffers(_module(model)):
+        if buffer.is_floating_point():
+            match = IN_LAYER.match(fqn)
+            yield (int(match.group(1)), match.group(2), buffer) if match else (None, fqn, buffer)

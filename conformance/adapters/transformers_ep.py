@@ -40,14 +40,19 @@ from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
     Spec,
+    forward_with_layers,
     installed_version,
     local_region,
     run_steps,
     torch_optimizer_scalars,
 )
+from conformance.adapters.torch_native import persistent_buffers
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+#: each expert weight's canonical views: the fused ``gate_up_proj`` row ``[2I, H]`` is
+#: ``[gate; up]`` (the forward's ``chunk(2)``), given as its two halves under the names of the
+#: linears they are, as the reference's fused layers and the other adapters name them.
+EXPERT_VIEWS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 #: the expert parameters of layer N, as transformers names them
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -66,24 +71,41 @@ class TransformersAdapter:
     preload = ("transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.distributed.checkpoint",
                "transformers.distributed.expert_parallel")
 
+    #: the transformers class built, and the last part of the names of the buffers that are state
+    #: the way weights are (an expert bias): ``build`` gives them synthetic values
+    #: (:func:`synthetic_weight` by their layer and name, times :attr:`buffer_scale`).
+    model_class = "Qwen3MoeForCausalLM"
+    synthetic_buffers: tuple[str, ...] = ()
+    buffer_scale = 0.02
+
+    def config(self, spec: Spec) -> Any:
+        """The model's config at the suite's sizes (:func:`_config`)."""
+        return _config(spec)
+
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
-        from transformers import Qwen3MoeForCausalLM
+        import transformers
         from transformers.utils import logging
 
         if spec.kind != "packed":
-            raise ValueError(f"transformers' Qwen3MoeExperts is packed; cannot build kind {spec.kind!r}")
+            raise ValueError(f"transformers' {self.model_class} experts are packed; cannot build "
+                             f"kind {spec.kind!r}")
         if spec.activation != "swiglu":
-            raise ValueError(f"this adapter builds Qwen3-MoE's SwiGLU experts; cannot build {spec.activation!r}")
+            raise ValueError(f"{self.model_class}'s experts are SwiGLU; cannot build "
+                             f"{spec.activation!r}")
         logging.set_verbosity_error()
         logging.disable_progress_bar()
-        kwargs: dict[str, Any] = {"config": _config(spec), "state_dict": {}, "dtype": getattr(torch, spec.dtype)}
+        kwargs: dict[str, Any] = {"config": self.config(spec), "state_dict": {},
+                                  "dtype": getattr(torch, spec.dtype)}
         if mesh is not None:
             kwargs["distributed_config"] = _distributed_config(spec)
         with _reused_meshes():
-            model = Qwen3MoeForCausalLM.from_pretrained(None, **kwargs)
+            model = getattr(transformers, self.model_class).from_pretrained(None, **kwargs)
         _fill(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
+        _fill_buffers(model, self.synthetic_buffers,
+                      lambda layer, name, shape: synthetic_weight(seed, layer, None, name, shape,
+                                                                  scale=self.buffer_scale))
         if spec.optimizer_steps <= 0:
             return model, None
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
@@ -100,10 +122,15 @@ class TransformersAdapter:
         return torch_optimizer_scalars(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
+        """The root module's forward (logits) and each MoE block's own output
+        (``model.layers.N.mlp``, :func:`forward_with_layers`): a block's output (~1e-6) is below the
+        rounding of the residual stream it joins, so another expert choice shows in it alone."""
         import torch
 
+        layers = {f"model.layers.{i}.mlp": layer.mlp for i, layer in enumerate(model.model.layers)}
         with torch.no_grad():
-            return model(inputs_embeds=batch.unsqueeze(0)).logits[0]
+            return forward_with_layers(lambda: model(inputs_embeds=batch.unsqueeze(0)).logits[0],
+                                       layers)
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:
@@ -134,21 +161,26 @@ class TransformersAdapter:
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+        """Each expert's row of ``gate_up_proj`` as its ``gate`` and ``up`` halves, of ``down_proj``
+        as ``down`` (:data:`EXPERT_VIEWS`), and the same cuts of their Adam moments."""
         state = optimizer.state if optimizer is not None else {}
         for name, p in model.named_parameters():
             match = _EXPERT.match(name)
             if not match:
                 continue
             layer, weight_name = int(match.group(1)), match.group(2)
-            tensors = {weight_name: p} | {f"{weight_name}.{m}": state[p][m] for m in ADAM_MOMENTS
-                                          if m in state.get(p, {})}
-            for label, tensor in tensors.items():
+            tensors = {"": p} | {f".{m}": state[p][m] for m in ADAM_MOMENTS
+                                 if m in state.get(p, {})}
+            for suffix, tensor in tensors.items():
                 local, region = local_region(tensor)
                 first = region[0].start if region is not None else 0
                 for i in range(local.shape[0]):
-                    yield layer, first + i, label, local[i]
+                    for label, view in _views(weight_name, local[i]):
+                        yield layer, first + i, f"{label}{suffix}", view
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+        """Every other parameter and its moments by name, and every persistent floating-point buffer
+        (an expert bias: whole on every rank, as FSDP2 leaves buffers)."""
         state = optimizer.state if optimizer is not None else {}
         for name, p in model.named_parameters():
             if _EXPERT.match(name):
@@ -158,6 +190,9 @@ class TransformersAdapter:
             for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
+        for name, buffer in persistent_buffers(model):
+            if buffer.is_floating_point():
+                yield _layer_of(name), None, name, buffer
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -220,11 +255,19 @@ def _layer_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _views(weight_name: str, row: Any) -> list[tuple[str, Any]]:
+    """One expert's row of ``weight_name`` as its canonical views (:data:`EXPERT_VIEWS`): equal
+    slices of the first axis, in order."""
+    labels = EXPERT_VIEWS[weight_name]
+    return list(zip(labels, row.chunk(len(labels)), strict=True))
+
+
 def _fill(model: Any, make: Any, *, grad: bool = False) -> None:
     """Each parameter's (or its gradient's) region from the global tensor ``make`` gives for it.
 
-    Expert weights are built row by row from their global expert id, the rest from their name, so the
-    values are the same at every layout.
+    Expert weights are built row by row from their global expert id (``gate_up_proj``'s row from
+    its ``gate`` and ``up`` halves), the rest from their name, so the values are the same at every
+    layout.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -234,8 +277,10 @@ def _fill(model: Any, make: Any, *, grad: bool = False) -> None:
             match = _EXPERT.match(name)
             shape = tuple(p.shape)
             if match:
-                layer, weight_name = int(match.group(1)), match.group(2)
-                full = torch.stack([make(layer, g, weight_name, shape[1:]) for g in range(shape[0])])
+                layer, labels = int(match.group(1)), EXPERT_VIEWS[match.group(2)]
+                part = (shape[1] // len(labels), *shape[2:])
+                full = torch.stack([torch.cat([make(layer, g, label, part) for label in labels])
+                                    for g in range(shape[0])])
             else:
                 full = make(_layer_of(name), None, name, shape)
             local, region = local_region(p)
@@ -247,6 +292,18 @@ def _fill(model: Any, make: Any, *, grad: bool = False) -> None:
                                             shape=p.shape, stride=p.stride())
             else:
                 p.grad = values.clone()
+
+
+def _fill_buffers(model: Any, names: tuple[str, ...], make: Any) -> None:
+    """Each persistent buffer whose name ends in one of ``names`` := ``make(layer, name, shape)``,
+    whole on every rank (in its own dtype: an expert bias stays fp32 under bf16)."""
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in persistent_buffers(model):
+            if name.rsplit(".", 1)[-1] in names:
+                value = make(_layer_of(name), name, tuple(buffer.shape))
+                buffer.copy_(value.to(buffer.device, buffer.dtype))
 
 
 def _read_all(reader: Any) -> dict[str, Any]:

@@ -164,12 +164,14 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
               rank: int) -> str:
     """The framework's load error in expert terms ("" when it is none of the forms known here):
     first the keys this rank's load asked for that the checkpoint lacks
-    (:mod:`conformance.checks.load_plan`, whatever DCP raised), then DCP's own words read in expert
-    terms, then any key asked for in another global shape."""
-    from conformance.checks.load_plan import explain
+    (:mod:`conformance.checks.load_plan`, whatever DCP raised) unless the error's own words name
+    one, then DCP's own words read in expert terms, then any key asked for in another global
+    shape."""
+    from conformance.checks.load_plan import explain, named
     from conformance.inspection import DEFAULT_PATTERNS, classify_keys
 
-    lacking = explain(exc, patterns, shapes=False)
+    said = named(exc, "\n".join(str(error) for _, error in _failures(exc)))
+    lacking = "" if said else explain(exc, patterns, shapes=False)
     if lacking:
         return lacking
     for failed_rank, error in _failures(exc):
@@ -194,7 +196,7 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
             what = (f" (layer {info.layer}" + (f", expert {info.expert}" if info.expert is not None else "") + ")"
                     if info.layer is not None else "")
             return f"rank {who}: the model asks for {key!r}{what}, which the checkpoint does not hold"
-    return explain(exc, patterns)
+    return "" if said else explain(exc, patterns)  # words naming a lacking key: shown as they are
 
 
 def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, layout: ParallelLayout,

@@ -138,13 +138,15 @@ def _save_truth(adapter: Any, spec: Spec, optim: bool, plan: CellPlan, rank: int
     layout = ParallelLayout.for_world(dist.get_world_size(), 1)
     b = _build(adapter, replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A, "truth")
     adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.truth_path, **b.extra)
+    transient = checkpoint.non_persistent_buffers(b.model)
     del b
     dist.barrier()
     found: list[Any] = [()]
     if rank == 0:
         declared = checkpoint.declared_patterns(adapter, plan.expert_keys)
-        found[0] = tuple(checkpoint.truth_findings(adapter, plan.truth_path, ground_truth(adapter, spec, rank).tensors,
-                                                 declared))
+        truth = ground_truth(adapter, spec, rank).tensors
+        found[0] = (*checkpoint.truth_findings(adapter, plan.truth_path, truth, declared),
+                    *checkpoint.transient_findings(adapter, plan.truth_path, transient))
     dist.broadcast_object_list(found, src=0)
     return tuple(found[0])
 

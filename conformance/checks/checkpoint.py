@@ -177,6 +177,27 @@ def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: i
     return list(dict.fromkeys(found))
 
 
+def non_persistent_buffers(model: Any) -> tuple[str, ...]:
+    """The names of ``model``'s non-persistent buffers (a router's token counter): state for one step,
+    which no checkpoint should hold.  Nothing for a model that is no torch module."""
+    named = getattr(model, "named_modules", None)
+    if not callable(named):
+        return ()
+    return tuple(sorted(f"{prefix}.{name}" if prefix else name for prefix, module in named()
+                        for name in getattr(module, "_non_persistent_buffers_set", ())))
+
+
+def transient_findings(adapter: Any, truth_path: str, transient: Sequence[str]) -> list[str]:
+    """Keys of the ep=1 checkpoint that hold a non-persistent buffer of the model (by its name, under
+    any prefix the framework's save adds)."""
+    if not transient:
+        return []
+    keys = list(read_index(adapter, truth_path).entries)
+    return [f"the ep=1 checkpoint: key {key!r} holds the non-persistent buffer {name!r} (state for one "
+            "step, which a checkpoint must not hold)" for name in transient for key in keys
+            if key == name or key.endswith(f".{name}")]
+
+
 def truth_findings(adapter: Any, truth_path: str, truth_state: Mapping[Any, Any],
                    declared: tuple[KeyPattern, ...] = ()) -> list[str]:
     """Learn the truth checkpoint's expert keys from its content; expert keys (or rows) holding another

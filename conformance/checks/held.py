@@ -5,7 +5,7 @@ weight's rows are one tensor, though, and at 256 experts making, comparing and s
 most of the harness's time.  :class:`Held` (tensors with their regions) and :class:`State` (whole tensors: the
 ground truth, what a checkpoint holds) keep each block whole and answer per row as a mapping -- a row is a view
 made when asked -- and :func:`settle` compares a block with its reference at once, leaving the per-row checks only
-the rows that differ.  A mapping that is not one of these (a test's dict) is read row by row, as before.
+the rows that differ.  A mapping that is not one of these (a test's dict) is read row by row.
 """
 
 from __future__ import annotations

@@ -127,6 +127,14 @@ def _problems(record: LoadRecord) -> tuple[dict[str, None], dict[str, tuple[Any,
     return lacking, reshaped, held_keys
 
 
+def named(exc: BaseException, text: str) -> bool:
+    """Whether ``text`` (the framework's or DCP's own words) names a key this rank's load asked for
+    and the checkpoint lacks: then those words already say what is missing, in the framework's
+    terms (Megatron's ``KeyError: "chained_0.optimizer.state..."``)."""
+    record = _of(exc)
+    return record is not None and any(key in text for key in _problems(record)[0])
+
+
 def explain(exc: BaseException, patterns: Sequence[Any] = (), *, shapes: bool = True) -> str:
     """What this rank's load asked for that the checkpoint lacks -- and, with ``shapes``, holds in
     another global shape -- in expert terms ("" when the load carries no record, or asked for

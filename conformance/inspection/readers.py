@@ -351,7 +351,7 @@ def _direct(metadata: Any) -> bool:
 class _TensorUnpickler(pickle.Unpickler):
     """The C unpickler allowing only what ``torch.save`` writes for one plain tensor: its rebuild function and
     storage types (``torch.load`` resolves those itself); any other global refuses the item, which is then read
-    with ``torch.load(weights_only=True)`` as before."""
+    with ``torch.load(weights_only=True)``."""
 
     ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
                ("collections", "OrderedDict")}

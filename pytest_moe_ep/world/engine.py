@@ -70,7 +70,7 @@ class CallResult:
 class Section:
     """One titled block of :meth:`WorldError.report`, and the ranks it is about (none: the whole world's).
 
-    It unpacks as ``(title, body)``, the plain pair a section was before it knew its ranks, so code
+    It unpacks as ``(title, body)``, so code
     that reads the ranks finds them here instead of in the title.
     """
 
