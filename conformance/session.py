@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -192,6 +192,8 @@ def _universe(members: Members | None, world_size: int, num_experts: tuple[int, 
     divisors = [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
     for order in EP_ORDERS:
         cells += ep_tier(world_size, divisors, num_experts, order)
+    # an adapter without MTP layers runs the cells with stages without them (ids without ``mtp``)
+    cells += [replace(c, mtp=False) for c in cells if c.mtp]
     ids = {f"{MATRIX}::{c.node_name}" for c in cells} | {f"{MATRIX}::{c.node_name}" for c in functions_cells()}
     note = f" (world size {world_size}, experts {','.join(map(str, num_experts))})"
     return sorted(ids), note

@@ -104,6 +104,16 @@ def test_read_checks_the_ids_against_every_cell_and_the_adapter_pin(tmp_path: Pa
     assert read(tmp_path / "absent.toml", missing_ok=True).entries == []
 
 
+def test_the_ids_of_pipeline_cells_are_known_with_and_without_mtp_layers() -> None:
+    """An adapter without MTP layers runs the cells with pipeline stages without them (node ids
+    without ``mtp``): its expectations file may name them."""
+    from conformance.session import _universe
+
+    ids, _ = _universe(None, 4, (4, 5))
+    cell = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::{}E5::ep1->pp2.ep2"
+    assert {cell.format(""), cell.format("mtp::")} <= set(ids)
+
+
 def test_judging_names_what_was_expected_and_what_came_back() -> None:
     found = parse("x.toml", FILE)
     assert judge(found.expected(A), "silent").state == MET
