@@ -9,8 +9,14 @@ import torch
 from conformance.adapter import AdapterError, state_scalars
 from conformance.checks.blame import load_failed, translate
 from conformance.checks.layout import formed_groups, problem
-from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, index_state_dict, inspect_index
-from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of
+from conformance.inspection import (
+    DEFAULT_PATTERNS,
+    classify_keys,
+    compare_indexes,
+    index_state_dict,
+    inspect_index,
+)
+from conformance.inspection.learn import LearnedKey, learn_expert_keys, learned_patterns, owners_of
 from conformance.layout import LayoutError, ParallelLayout
 from conformance.members import built
 
@@ -67,6 +73,20 @@ def test_per_expert_keys_learn_which_digits_are_the_expert_and_the_layer() -> No
     assert patterns[0].regex.pattern.startswith("^net\\.(?P<layer>\\d+)\\.bank\\.(?P<expert>\\d+)")
     result = inspect_index(index, num_experts=E, patterns=patterns)
     assert result.clean and {(g.layer, len(g.experts)) for g in result.groups} == {(0, E), (1, E)}
+
+
+def test_digits_inside_a_name_are_no_layer() -> None:
+    """torchtitan's MTP layer 2 (``mtp_layers.0``, global layer ``num_layers + 0``) holds
+    ``w2_EDF``: its 2 equals the layer, but a layer's index stands apart (``layers.2``,
+    ``block_2``), never inside a word, so the key learns no layer rather than one read from the
+    weight's name (which made the checkpoint check call layer 2's experts missing from the main
+    layers)."""
+    keys = {f"{stack}.moe.routed_experts.inner_experts.w2_EDF": LearnedKey(
+        f"{stack}.moe.routed_experts.inner_experts.w2_EDF", "packed", 2, tuple(range(E)))
+        for stack in ("mtp_layers.0", "layers.2", "block_2")}
+    infos = classify_keys(list(keys), learned_patterns(keys))
+    assert [(info.role, info.layer) for info in infos.values()] == [
+        ("expert", None), ("expert", 2), ("expert", 2)]
 
 
 def test_ids_that_disagree_with_the_content_learn_nothing() -> None:

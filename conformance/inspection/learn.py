@@ -148,8 +148,10 @@ def learned_patterns(learned: Mapping[str, LearnedKey],
     """Anchored patterns for the keys of ``learned``, one per key template and literal part.
 
     A digit run becomes a pattern only where the learned keys show it varying as a layer or an
-    expert: the run that equals the layer of every learned key of its template is the named group
-    ``layer``; for per-expert keys, the run that equals the expert id is the group ``expert``.
+    expert: the run that equals the layer of every learned key of its template, and has no letter
+    either side, is the named group ``layer`` (torchtitan's MTP layer 2 is
+    ``mtp_layers.0...w2_EDF``: the 2 is the weight's name, not its layer); for per-expert keys, the
+    run that equals the expert id is the group ``expert``.
     Every other run stays the digits it is: a positional optimizer id (torch's own
     ``Optimizer.state_dict()``: ``state.1.exp_avg`` is the second parameter's, whatever the
     parameter) names one parameter, and as ``\\d+`` it would match every other parameter's moments
@@ -192,7 +194,12 @@ def _template_regexes(template: str, kind: str, members: list[tuple[str, Learned
                       others: set[str]) -> list[str]:
     """The regexes of one key template's learned keys (see :func:`learned_patterns`)."""
     runs = [[int(m) for m in _DIGITS.findall(param)] for param, _ in members]
-    layer_runs = _run_index(runs, [i.layer for _, i in members])
+    # a layer's index stands apart (layers.2, layer_2), never digits inside a word (w2_EDF)
+    pieces = template.split("#")
+    whole = [not pieces[i][-1:].isalpha() and not pieces[i + 1][:1].isalpha()
+             for i in range(len(pieces) - 1)]
+    layers = [info.layer for _, info in members]
+    layer_runs = [run for run in _run_index(runs, layers) if whole[run]]
     expert_at: int | None = None
     if kind == "per_expert":
         candidates = _run_index(runs, [i.experts[0] for _, i in members])
