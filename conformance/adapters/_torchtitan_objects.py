@@ -11,6 +11,13 @@ from typing import Any
 from conformance.adapter import Spec
 
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
+#: attribute set on the built model: its torchtitan ParallelDims (None for the ground truth), for
+#: the forward, the load-balancing hook and the loads.
+PARALLEL_DIMS = "_conformance_parallel_dims"
+#: why torchtitan's forward cannot run at E % ep != 0 (its dispatcher's token-count exchange).
+UNEVEN_DISPATCH = ("torchtitan's AllToAllTokenDispatcher cannot split the token counts of "
+                   "E={num_experts} experts over ep={ep} (_token_count_exchange: "
+                   "num_local_tokens_per_expert_E.view(ep, -1))")
 #: attribute set on a pipeline stage's model part: its stage index, for the forward stage by stage.
 STAGE = "_conformance_stage"
 
@@ -189,3 +196,8 @@ def write_loads(model: Any, parallel_dims: Any, seed: int, step: int) -> None:
         counter = moe.tokens_per_expert_E
         counter = counter.to_local() if hasattr(counter, "to_local") else counter
         counter.copy_(torch.where(mine, load, torch.zeros_like(load)).to(counter.device))
+
+
+def plain(out: Any) -> Any:
+    """A forward's output as a plain tensor (a DTensor's whole value)."""
+    return out.full_tensor() if hasattr(out, "full_tensor") else out

@@ -29,11 +29,6 @@ from conformance.adapters.torch_native import Param, TorchNativeAdapter, reshard
 _EXPERTS = "routed_experts.inner_experts."
 #: attribute set on the built model: (rank on the ep mesh, ep degree) for plain local expert tensors.
 _EP_COORDS = "_conformance_ep_coords"
-#: attribute set on the built model: its torchtitan ParallelDims (None for the ground truth), for the forward.
-_PARALLEL_DIMS = "_conformance_parallel_dims"
-#: why torchtitan's forward cannot run at E % ep != 0 (its dispatcher's token-count exchange).
-_UNEVEN_DISPATCH = ("torchtitan's AllToAllTokenDispatcher cannot split the token counts of E={num_experts} experts "
-                    "over ep={ep} (_token_count_exchange: num_local_tokens_per_expert_E.view(ep, -1))")
 
 
 class TorchtitanAdapter(TorchNativeAdapter):
@@ -74,7 +69,7 @@ class TorchtitanAdapter(TorchNativeAdapter):
             if ep > 1:
                 coords = (parallel_dims.get_mesh("ep").get_local_rank(), ep)
         object.__setattr__(model, _EP_COORDS, coords)
-        object.__setattr__(model, _PARALLEL_DIMS, parallel_dims)
+        object.__setattr__(model, objects.PARALLEL_DIMS, parallel_dims)
         model.to_empty(device=device)
         with torch.no_grad():
             model.init_states(buffer_device=None)
@@ -88,14 +83,14 @@ class TorchtitanAdapter(TorchNativeAdapter):
         for group in config.param_groups:  # the cell's learning rate
             group.optimizer_kwargs = {**group.optimizer_kwargs, "lr": spec.lr}
         optimizers = config.build(model_parts=[model])
-        objects.register_load_balancing(optimizers, model, getattr(model, _PARALLEL_DIMS))
+        objects.register_load_balancing(optimizers, model, getattr(model, objects.PARALLEL_DIMS))
         return optimizers
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int, state: Any = None) -> None:
         """This rank's share of the step's synthetic load into every layer's counter, then the
         base's step (synthetic grads; the optimizers' step, whose pre-hook steps the bias on the
         all-reduced load)."""
-        objects.write_loads(model, getattr(model, _PARALLEL_DIMS), seed, step)
+        objects.write_loads(model, getattr(model, objects.PARALLEL_DIMS), seed, step)
         super().step(model, optimizer, seed, step, state)
 
     def identify(self, model: Any, fqn: str, param: Any) -> Param:
@@ -129,10 +124,11 @@ class TorchtitanAdapter(TorchNativeAdapter):
             raise NotApplicable("under spmd_types torchtitan's dispatcher sends tokens by a list all_to_all of "
                                 "uneven per-rank chunks, which ProcessGroupGloo refuses ('ProcessGroupGloo::alltoall: "
                                 "invalid tensor size at index 1 (expected (15, 16), got (17, 16))')")
-        parallel_dims = getattr(model, _PARALLEL_DIMS)
+        parallel_dims = getattr(model, objects.PARALLEL_DIMS)
         stage = getattr(model, objects.STAGE, None)
+        uneven = objects.UNEVEN_DISPATCH.format(num_experts=num_experts, ep=ep)
         if stage is not None and num_experts % ep:  # decided before the stages exchange: a stage that raised inside
-            raise NotApplicable(_UNEVEN_DISPATCH.format(num_experts=num_experts, ep=ep))  # would leave the next in recv
+            raise NotApplicable(uneven)  # would leave the next in recv
         context = (dist_utils.get_spmd_context(parallel_dims=parallel_dims)() if parallel_dims is not None
                    else contextlib.nullcontext())
         try:
@@ -144,16 +140,16 @@ class TorchtitanAdapter(TorchNativeAdapter):
                 else:  # the stages in turn (send/recv), not torchtitan's PipelineSchedule: it runs only with a loss
                     from reference_impl.parallelize import pipeline_forward
 
-                    out = pipeline_forward(lambda x: _plain(model(x[None])[0]), batch.to(device),
+                    out = pipeline_forward(lambda x: objects.plain(model(x[None])[0]),
+                                           batch.to(device),
                                            parallel_dims.get_mesh("pp").get_group(), stage)
         except RuntimeError as exc:
             if num_experts % ep == 0:
                 raise
-            raise NotApplicable(f"{_UNEVEN_DISPATCH.format(num_experts=num_experts, ep=ep)}: {type(exc).__name__}: "
-                                f"{exc}") from exc
+            raise NotApplicable(f"{uneven}: {type(exc).__name__}: {exc}") from exc
         finally:
             reshard(model)
-        return _plain(out)
+        return objects.plain(out)
 
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from torchtitan.components.checkpoint import MODEL, AsyncMode
@@ -174,11 +170,6 @@ class TorchtitanLocalAdapter(TorchtitanAdapter):
 
     name = "torchtitan-local"
     spmd_backend = "spmd_types"
-
-
-def _plain(out: Any) -> Any:
-    """A forward's output as a plain tensor (a DTensor's whole value)."""
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
 def _num_experts(model: Any) -> int:
