@@ -269,3 +269,58 @@ def test_a_load_that_zeroes_the_buffers_is_red_in_the_default_tier(
     assert len(ran) >= 20 and len(red) >= 0.9 * len(ran), [(c["id"], c["status"]) for c in ran]
     for cell in red:
         assert cell["findings"][0] == "silent" and "tensor 'expert_bias_E'" in cell["detail"], cell
+
+
+@pytest.mark.moe_ep_world(2)
+def test_deepseek_v3s_mtp_bias_is_never_stepped_as_found() -> None:
+    """torchtitan's load-balancing hook walks ``model.layers`` only: DeepSeek-V3's MTP layer
+    (``mtp_layers.0``, layer 2) keeps its initial bias through every step and its counter is never
+    consumed, while the main layers' biases step to the ground truth's on every rank (ep=2).  Every
+    layout and the truth agree on it, so no cell is red: the finding is this test's."""
+    import dataclasses
+
+    import torch
+
+    from conformance.adapter import Spec
+    from conformance.adapters import _torchtitan_objects as objects
+    from conformance.adapters.torchtitan_deepseek import TorchtitanDeepSeekAdapter
+    from conformance.layout import ParallelLayout
+
+    adapter = TorchtitanDeepSeekAdapter()
+    layout = ParallelLayout.for_world(2, 2, ep_order="consecutive")
+    model_only = Spec(kind="packed", num_experts=4, layout=layout)
+    trained = dataclasses.replace(model_only, optimizer_steps=2)
+    initial = adapter.build(model_only, layout.build_mesh(), 1)[0]
+    model = adapter.build(trained, layout.build_mesh(), 1)[0]
+    truth = adapter.build(trained, None, 1)[0]
+    layers = {layer: moe for layer, moe in objects.moe_layers(model)}
+    before = {layer: moe.expert_bias_E for layer, moe in objects.moe_layers(initial)}
+    after = {layer: moe.expert_bias_E for layer, moe in objects.moe_layers(truth)}
+    assert sorted(layers) == [0, 1, 2] and len(model.layers) == 2, sorted(layers)
+    for layer in (0, 1):
+        assert not torch.equal(layers[layer].expert_bias_E, before[layer]), layer
+        assert torch.equal(layers[layer].expert_bias_E, after[layer]), layer
+        assert not bool(layers[layer].tokens_per_expert_E.any()), layer  # consumed by the hook
+    assert torch.equal(layers[2].expert_bias_E, before[2]) and torch.equal(after[2], before[2])
+    assert bool(layers[2].tokens_per_expert_E.any()), "the MTP layer's counter was consumed"
+
+
+@pytest.mark.slow
+def test_torchtitan_deepseek_passes_every_default_cell(pytester: pytest.Pytester) -> None:
+    """DeepSeek-V3 with an MTP layer through the default tier: every cell that applies passes bit
+    for bit (MTP's experts and bias included, with and without FSDP2, E=5); pipeline cells are n/a
+    (torchtitan refuses PP with MTP), and the forward where E=5 is loaded at ep > 1."""
+    result, doc = run_report(pytester, "--moe-ep-matrix", "--moe-ep-adapter=torchtitan-deepseek",
+                             *expectations_args("torchtitan-deepseek"), stages=True)
+    assert doc["adapter"] == {"name": "torchtitan-deepseek", "version": "0.3.0"}
+    cells = assert_as_expected(result, doc)
+    ran = {i: c for i, c in cells.items() if c["status"] != "n/a"}
+    assert len(ran) >= 10 and {c["status"] for c in ran.values()} == {"pass"}, ran
+    assert all(BIT_FOR_BIT in c["detail"] for c in ran.values()), ran
+    na = {c["detail"] for c in cells.values() if c["status"] == "n/a"}
+    assert "adapter supports no pipeline parallelism, not pp=2" in na, na
+    for cell in ran.values():
+        if cell["num_experts"] == 5 and cell["load_ep"] > 1:
+            assert "forward" in cell["skipped_checks"], cell
+        else:
+            assert FORWARD_RAN.search(cell["detail"]) and not cell["skipped_checks"], cell

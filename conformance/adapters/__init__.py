@@ -31,6 +31,9 @@ BUILTINS: dict[str, Builtin] = {
                               "nemo_automodel.components.moe.state_dict_utils", "nemo_automodel"),
     "torchtitan": Builtin("conformance.adapters.torchtitan:TorchtitanAdapter", requires="torchtitan"),
     "torchtitan-local": Builtin("conformance.adapters.torchtitan:TorchtitanLocalAdapter", requires="torchtitan"),
+    "torchtitan-deepseek": Builtin(
+        "conformance.adapters.torchtitan_deepseek:TorchtitanDeepSeekAdapter",
+        requires="torchtitan"),
     "deepspeed": Builtin("conformance.adapters.deepspeed:DeepSpeedAdapter", requires="deepspeed"),
     "deepspeed-autoep": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPAdapter", requires="deepspeed"),
     "deepspeed-autoep-zero2": Builtin("conformance.adapters.deepspeed_autoep:DeepSpeedAutoEPZero2Adapter",
