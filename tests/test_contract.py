@@ -9,7 +9,12 @@ import torch
 from conformance.adapter import AdapterError, state_scalars
 from conformance.checks.blame import load_failed, translate
 from conformance.checks.layout import formed_groups, problem
-from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, index_state_dict, inspect_index
+from conformance.inspection import (
+    DEFAULT_PATTERNS,
+    compare_indexes,
+    index_state_dict,
+    inspect_index,
+)
 from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of
 from conformance.layout import LayoutError, ParallelLayout
 from conformance.members import built
