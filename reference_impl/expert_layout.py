@@ -40,12 +40,8 @@ checkpoint holds packed and fused):
   dict is the original or a view of it, so nothing is copied and a load writes straight into the
   model and the optimizer;
 - the packed form into unpacked layers, and the fused form into packed or unpacked ones: no DTensor
-  can present separate tensors (an unpacked layer's experts, a packed layer's ``gate_w`` and
-  ``up_w``) as one, so they are **copied**: this rank's tensors are stacked into one staging tensor
-  per weight and moment (placements moved with the new axes), presented as the other form's, loaded,
-  and copied back by :meth:`ExpertLayout.to_local` (one copy of this rank's expert weights and
-  moments each way; ``benchmarks/bench_layout.py`` measures it). A save never needs it: each kind
-  saves its own form, or the per-expert form.
+  presents separate tensors as one, so they are **copied** into staging tensors and back
+  (:mod:`reference_impl.staging`; ``benchmarks/bench_layout.py`` measures it). A save never copies.
 
 A router's ``expert_bias`` buffer is whole (``[E]``) on every rank under its global name, so it
 passes through as it is, and its ``tokens_per_expert`` counter is non-persistent:
@@ -73,7 +69,7 @@ from reference_impl.saved import (
     saved_fused_layers,
     saved_packed_layers,
 )
-from reference_impl.staging import Staged, copy_back, stack
+from reference_impl.staging import Staged, StagedKey, copy_back, stack
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows",
            "fused_layers", "layer_form", "moe_layers", "packed_layers", "saved_forms",
@@ -161,16 +157,6 @@ class _View:
     per_expert: bool
 
 
-@dataclass(frozen=True)
-class _Stage:
-    """A staging copy presented under one key: this rank's ``members`` (FQNs) stacked as ``how``
-    says (:data:`reference_impl.staging.STACKINGS`)."""
-
-    moe: MoEMLP
-    members: tuple[str, ...]
-    how: str
-
-
 class ExpertLayout:
     """Translates a DCP state dict between one rank's experts and the global checkpoint forms.
 
@@ -192,7 +178,7 @@ class ExpertLayout:
         #: packed (or fused) weight FQN -> how it is presented, through views of it.
         self._views: dict[str, _View] = {}
         #: FQN presented in a packed form through a staging copy -> what is stacked into it.
-        self._staged: dict[str, _Stage] = {}
+        self._staged: dict[str, StagedKey] = {}
         #: a staged member's FQN -> the FQN it is staged under.
         self._members: dict[str, str] = {}
         #: the layers' non-persistent buffers (the expert-bias counter): never in a state dict.
@@ -258,7 +244,7 @@ class ExpertLayout:
             self._stage(f"{pre}{linear}_w", moe, experts, "experts")
 
     def _stage(self, key: str, moe: MoEMLP, members: tuple[str, ...], how: str) -> None:
-        self._staged[key] = _Stage(moe, members, how)
+        self._staged[key] = StagedKey(moe, members, how)
         self._members.update(dict.fromkeys(members, key))
 
     # ---------------------------------------------------------------- the packed forms
@@ -345,7 +331,7 @@ class ExpertLayout:
                 out.append((part, shown))
         return out
 
-    def _stack(self, key: str, stage: _Stage, values: list[torch.Tensor]) -> torch.Tensor:
+    def _stack(self, key: str, stage: StagedKey, values: list[torch.Tensor]) -> torch.Tensor:
         """This rank's ``values`` stacked as ``stage.how`` says, among all experts: a copy
         (:func:`reference_impl.staging.stack`)."""
         staged = stack(values, stage.how)

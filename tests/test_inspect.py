@@ -582,7 +582,7 @@ def test_saved_objects_that_nest_tensors_compare_by_structure_and_values() -> No
                           lambda: torch.randn(3), lambda: torch.empty(2, 0)],
                          ids=["f32", "bf16", "bool", "transposed", "1-d", "empty-rows"])
 def test_a_packed_tensors_row_digests_are_each_rows_own_digest(make: Any) -> None:
-    from conformance.inspection.compare import _row_digests, digest
+    from conformance.inspection.digests import _row_digests, digest
 
     t = make()
     want = [digest(t.contiguous()[r]) for r in range(t.shape[0])]

@@ -14,18 +14,14 @@ Every problem is a :class:`Finding` (``problem`` code from ``PROBLEMS``, ``key``
 (``path``, ``problem``, ``expected``).
 """
 
-from conformance.inspection.compare import (
-    DEFAULT_MEMORY_BYTES,
-    attribute_experts,
-    compare_indexes,
-    digest,
-)
+from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, attribute_experts, compare_indexes
 from conformance.inspection.coverage import (
     ExpertGroup,
     Inspection,
     inspect_checkpoint,
     inspect_index,
 )
+from conformance.inspection.digests import digest
 from conformance.inspection.keys import (
     DEFAULT_PATTERNS,
     KeyInfo,
@@ -41,12 +37,8 @@ from conformance.inspection.model import (
     Finding,
     expert_ranges,
 )
-from conformance.inspection.readers import (
-    index_state_dict,
-    read_checkpoint,
-    read_dcp,
-    read_safetensors,
-)
+from conformance.inspection.readers import index_state_dict, read_checkpoint, read_dcp
+from conformance.inspection.safetensors_reader import read_safetensors
 
 __all__ = [
     "DEFAULT_MEMORY_BYTES",
