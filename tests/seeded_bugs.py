@@ -291,9 +291,9 @@ class RenamedExpertKeys(ReferencePerExpertAdapter):
 
 
 def _packed_state(model: Any, global_rows: bool) -> dict[str, Any]:
-    """The model's parameters under ``mlp.`` names (no pattern knows them); packed expert weights as
-    DTensors of their global rows (``Shard(0)`` over EP) when ``global_rows``, else as this rank's
-    plain local rows."""
+    """The model's state (parameters and persistent buffers: the router's expert bias) under ``mlp.``
+    names (no pattern knows them); packed expert weights as DTensors of their global rows
+    (``Shard(0)`` over EP) when ``global_rows``, else as this rank's plain local rows."""
     from torch.distributed.tensor import DTensor, Shard
 
     from reference_impl.moe import moe_layers
@@ -301,7 +301,7 @@ def _packed_state(model: Any, global_rows: bool) -> dict[str, Any]:
     packed = {id(getattr(moe, w)) for _, moe in moe_layers(model) for w in moe.packed_weights()}
     ep_mesh = getattr(model, "_seeded_ep_mesh", None)
     out: dict[str, Any] = {}
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict(keep_vars=True).items():
         value = p.detach()
         if global_rows and ep_mesh is not None and id(p) in packed:
             value = DTensor.from_local(value, ep_mesh, [Shard(0)], run_check=False)

@@ -219,8 +219,8 @@ DSV3_SLICE = "optim and save_ep4 and (load_ep4 or load_ep2c)"
 DSV3_NATIVE = ID.format(state="model+optim", s=4, t=4)
 DSV3_UNIVERSAL = "moe-ep-matrix::checkpoint::packed::model+optim::ep-only::ep4->ep2c"
 BIAS = "mlp.router.e_score_correction_bias"
-DROPPED = (f"silent: first difference: rank 0, layer 0, tensor '{BIAS}': still holds its pre-load "
-           "(seed B) values: the load did not write it")
+DROPPED = (f"silent: first difference: rank 0, layer 0, expert 0, tensor '{BIAS}': still holds its "
+           "pre-load (seed B) values: the load did not write it")
 
 
 def test_deepseek_v3_universal_load_drops_the_expert_bias(pytester: pytest.Pytester) -> None:
