@@ -898,10 +898,9 @@ class PackedRowsSwapped(ReferenceAdapter):
         from reference_impl.expert_layout import expert_rows
         from reference_impl.moe import moe_layers
 
-        layers = list(moe_layers(model))
-        if len(layers) < 2 or layers[1][1].kind != "packed":
+        moe = dict(moe_layers(model)).get("layers.1.moe")  # by name: a stage may also hold mtp.0
+        if moe is None or moe.kind != "packed":
             return
-        moe = layers[1][1]
         state = optimizer.state.get(moe.up_w, {}) if optimizer is not None else {}
         pair = (moe.num_experts - 2, moe.num_experts - 1)
         with torch.no_grad():
