@@ -577,7 +577,7 @@ def test_stages_built_in_reverse_are_a_layout_error(pytester: pytest.Pytester) -
         assert cells[cell_id]["findings"] == ["error"], cell_id
         assert re.search(r"raised StageMismatch: the (save|load) side's layers are not where the "
                          r"cell's pipeline stages put them: the ranks of pipeline stage 0 \(0, 1\) "
-                         r"hold layers 2: not the contiguous range",
+                         r"hold layers 2(\.\.3)?: not the contiguous range",  # 3: an MTP layer
                          first), (cell_id, first)
 
 
