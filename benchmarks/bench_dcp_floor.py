@@ -1,17 +1,20 @@
-"""The reference's save + load against the floor of its checkpoint form: a bare ``dcp.save`` + ``dcp.load``.
+"""The reference's save + load against the floor of its checkpoint form: a bare ``dcp.save`` +
+``dcp.load``.
 
-Whatever a checkpoint form costs inside DCP (a pickle, a plan entry and a read per item) no implementation of that
-form can avoid; what the reference adds on top -- ``ExpertLayout`` both ways, the ``check_saved_experts`` guard,
-``get_*_state_dict`` / ``set_optimizer_state_dict`` -- is its own.  In a real 4-rank gloo world (loopback only)
-this builds the reference model at ``--ep`` with AdamW state, then, alternating, ``--repeats`` times each:
+Whatever a checkpoint form costs inside DCP (a pickle, a plan entry and a read per item) no
+implementation of that form can avoid; what the reference adds on top -- ``ExpertLayout`` both ways,
+the ``check_saved_experts`` guard, ``get_*_state_dict`` / ``set_optimizer_state_dict`` -- is its
+own.  In a real 4-rank gloo world (loopback only) this builds the reference model at ``--ep`` with
+AdamW state, then, alternating, ``--repeats`` times each:
 
 - **reference**: ``reference_impl.checkpoint.save`` then ``load`` into the same model and optimizer;
-- **bare DCP**: ``dcp.save`` then ``dcp.load`` of the very state dict the reference hands DCP (``to_global``'s
-  result, made once, outside the timing): the floor of that form.
+- **bare DCP**: ``dcp.save`` then ``dcp.load`` of the very state dict the reference hands DCP
+  (``to_global``'s result, made once, outside the timing): the floor of that form.
 
-for each form: the per-expert form (unpacked layers, and packed ones with ``per_expert=True``) and the packed form
-(packed layers' own).  Prints the median of each on the slowest rank, their ratio (the target: at most 1.15x for the
-per-expert form), and the DCP items a checkpoint of the form holds.
+for each form: the per-expert form (unpacked layers, and packed ones with ``per_expert=True``) and
+the packed form (packed layers' own).  Prints the median of each on the slowest rank, their ratio
+(the target: at most 1.15x for the per-expert form), and the DCP items a checkpoint of the form
+holds.
 
     python benchmarks/bench_dcp_floor.py [--experts 4,64,256] [--ep 4] [--repeats 5]
 """
@@ -54,7 +57,8 @@ def build(kind: str, experts: int, ep: int) -> tuple[Any, Any]:
 
 
 def timed(fn: Any, *args: Any, **kwargs: Any) -> float:
-    """``fn(*args, **kwargs)`` on every rank at once; the slowest rank's seconds (a collective step takes that)."""
+    """``fn(*args, **kwargs)`` on every rank at once; the slowest rank's seconds (a collective step
+    takes that)."""
     dist.barrier()
     t0 = time.perf_counter()
     fn(*args, **kwargs)
@@ -75,7 +79,8 @@ def bare_round(state: dict[str, Any], path: str) -> None:
     dcp.load(state, checkpoint_id=path)
 
 
-def measure(experts: int, label: str, kind: str, per_expert: bool, args: argparse.Namespace, out: str) -> None:
+def measure(experts: int, label: str, kind: str, per_expert: bool, args: argparse.Namespace,
+            out: str) -> None:
     """One form at one E: ``--repeats`` rounds of each, alternating; rank 0 prints the medians."""
     from reference_impl import checkpoint
 
@@ -84,7 +89,8 @@ def measure(experts: int, label: str, kind: str, per_expert: bool, args: argpars
     layout = checkpoint.save_layout(model, per_expert=per_expert)  # the very translation save makes
     if layout is not None:
         state = layout.to_global(state)
-    ref_path, bare_path = (os.path.join(out, f"{name}-{experts}-{kind}-{per_expert}") for name in ("ref", "bare"))
+    ref_path, bare_path = (os.path.join(out, f"{name}-{experts}-{kind}-{per_expert}")
+                           for name in ("ref", "bare"))
     reference, bare = [], []
     for _ in range(args.repeats):
         reference.append(timed(reference_round, model, optimizer, ref_path, per_expert))
@@ -92,13 +98,15 @@ def measure(experts: int, label: str, kind: str, per_expert: bool, args: argpars
     if dist.get_rank() == 0:
         items = len(dcp.FileSystemReader(ref_path).read_metadata().state_dict_metadata)
         ref_s, bare_s = statistics.median(reference), statistics.median(bare)
-        print(f"E={experts:<4} {label:<22} {items:6d} items | reference {ref_s * 1e3:8.1f} ms | bare DCP "
-              f"{bare_s * 1e3:8.1f} ms | {ref_s / bare_s:.2f}x", flush=True)
+        print(f"E={experts:<4} {label:<22} {items:6d} items | reference {ref_s * 1e3:8.1f} ms | "
+              f"bare DCP {bare_s * 1e3:8.1f} ms | {ref_s / bare_s:.2f}x", flush=True)
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    warnings.simplefilter("ignore", UserWarning)  # DCP's notes on each save's storage plan, four ranks' worth each
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    # DCP's notes on each save's storage plan, four ranks' worth each
+    warnings.simplefilter("ignore", UserWarning)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
     try:
         for experts in args.experts:
             for label, kind, per_expert in FORMS:
@@ -108,15 +116,18 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", default="4,64,256", help="expert counts, e.g. 4,64,256")
-    parser.add_argument("--ep", type=int, default=4, help="the EP degree of the 4-rank world (1, 2 or 4)")
+    parser.add_argument("--ep", type=int, default=4,
+                        help="the EP degree of the 4-rank world (1, 2 or 4)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     args.experts = [int(e) for e in args.experts.split(",") if e.strip()]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}; "
-          f"{WORLD} gloo ranks at ep={args.ep}, 2 layers, model + AdamW; medians of {args.repeats}, slowest rank")
+          f"{platform.python_version()}, torch {torch.__version__}, load average "
+          f"{os.getloadavg()[0]:.1f}; {WORLD} gloo ranks at ep={args.ep}, 2 layers, model + AdamW; "
+          f"medians of {args.repeats}, slowest rank")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,4 +1,5 @@
-"""Where a ``deepspeed-autoep`` cell's time goes, on this machine (DeepSpeed 0.19.8, 4 gloo ranks, CPU).
+"""Where a ``deepspeed-autoep`` cell's time goes, on this machine (DeepSpeed 0.19.8, 4 gloo ranks,
+CPU).
 
 Prints, each the slowest rank's figure and the median of ``--repeat`` runs in a warm world:
 ``deepspeed.initialize`` split into AutoEP's conversion and group set-up, the optimizer's
@@ -28,12 +29,14 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 MODULE = "conformance.adapters.deepspeed_autoep"
-CLASSES = ("DeepSpeedAutoEPAdapter", "DeepSpeedAutoEPZero2Adapter", "DeepSpeedAutoEPNoConversionAdapter")
+CLASSES = ("DeepSpeedAutoEPAdapter", "DeepSpeedAutoEPZero2Adapter",
+           "DeepSpeedAutoEPNoConversionAdapter")
 ENGINE_PARTS = ("_configure_expert_parallel", "_configure_optimizer", "_configure_zero_optimizer")
 
 
 def _timed_engine_parts(times: dict[str, float]) -> None:
-    """Wrap the engine's set-up methods so each call adds its duration to ``times`` (this rank only)."""
+    """Wrap the engine's set-up methods so each call adds its duration to ``times`` (this rank
+    only)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     for name in ENGINE_PARTS:
@@ -41,7 +44,8 @@ def _timed_engine_parts(times: dict[str, float]) -> None:
         original = getattr(original, "__wrapped__", original)
 
         @functools.wraps(original)
-        def wrapper(self: Any, *args: Any, __original: Any = original, __name: str = name, **kwargs: Any) -> Any:
+        def wrapper(self: Any, *args: Any, __original: Any = original, __name: str = name,
+                    **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
                 return __original(self, *args, **kwargs)
@@ -114,21 +118,24 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, load average {load:.1f}, "
-          f"Python {platform.python_version()}, 4 gloo ranks, deepspeed-autoep (ZeRO-1, fp32, E=4, 2 layers)")
+          f"Python {platform.python_version()}, 4 gloo ranks, deepspeed-autoep (ZeRO-1, fp32, E=4, "
+          "2 layers)")
     from conformance.adapters.deepspeed_autoep import DeepSpeedAutoEPAdapter
 
     preload = (MODULE, *DeepSpeedAutoEPAdapter.preload)
     with tempfile.TemporaryDirectory() as d:
         warm = Supervisor(preload=preload)
-        first_preloaded = max(warm.run(first_engine, os.path.join(d, "w"), world_size=4, backend="gloo"))
+        first_preloaded = max(warm.run(first_engine, os.path.join(d, "w"), world_size=4,
+                                       backend="gloo"))
         runs = [_slowest(warm.run(phases, os.path.join(d, f"p{i}"), world_size=4, backend="gloo"))
                 for i in range(args.repeat)]
         warm.shutdown()
-        # the fork server is one per process: a world without the preload is a spawn world, whose ranks
-        # import torch, DeepSpeed and the rest themselves, as a fresh training job does.
+        # the fork server is one per process: a world without the preload is a spawn world, whose
+        # ranks import torch, DeepSpeed and the rest themselves, as a fresh training job does.
         fresh = Supervisor(start_method="spawn")
         t = time.perf_counter()
-        first_fresh = max(fresh.run(first_engine, os.path.join(d, "b"), world_size=4, backend="gloo"))
+        first_fresh = max(fresh.run(first_engine, os.path.join(d, "b"), world_size=4,
+                                    backend="gloo"))
         fresh_call = time.perf_counter() - t
         fresh.shutdown()
     print(f"warm world, median of {args.repeat} (slowest rank):")
@@ -143,19 +150,22 @@ def main() -> None:
     for cls in CLASSES:
         with tempfile.TemporaryDirectory() as out:
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "pytest", "--moe-ep-matrix", f"--moe-ep-adapter={MODULE}:{cls}",
-                            f"--moe-ep-report={out}", "-q", "-p", "no:cacheprovider"], cwd=out, check=False,
+            subprocess.run([sys.executable, "-m", "pytest", "--moe-ep-matrix",
+                            f"--moe-ep-adapter={MODULE}:{cls}", f"--moe-ep-report={out}", "-q",
+                            "-p", "no:cacheprovider"], cwd=out, check=False,
                            stdout=subprocess.DEVNULL)
             total = time.perf_counter() - t
             with open(os.path.join(out, "moe-ep-conformance.json")) as f:
                 doc = json.load(f)
         ran = [c["duration_s"] for c in doc["cells"] if c["status"] != "n/a"]
-        print(f"{doc['adapter']['name']:<28} whole matrix {total:5.1f} s, {len(ran)} cells run, per-cell median "
-              f"{statistics.median(ran) * 1e3:.0f} ms, max {max(ran):.1f} s, {doc['summary']}")
+        print(f"{doc['adapter']['name']:<28} whole matrix {total:5.1f} s, {len(ran)} cells run, "
+              f"per-cell median {statistics.median(ran) * 1e3:.0f} ms, max {max(ran):.1f} s, "
+              f"{doc['summary']}")
 
 
 if __name__ == "__main__":
-    import bench_deepspeed_autoep  # ranks import functions by module name; a script's module is __main__ only here
+    # ranks import functions by module name; a script's module is __main__ only here
+    import bench_deepspeed_autoep
 
     bench_deepspeed_autoep.main()
 

@@ -1,4 +1,5 @@
-"""The checkpoint inspector on a DeepSeek-V3-sized checkpoint: 58 MoE layers x 256 experts, with AdamW state.
+"""The checkpoint inspector on a DeepSeek-V3-sized checkpoint: 58 MoE layers x 256 experts, with
+AdamW state.
 
 Writes only the ``.metadata`` file of a DCP checkpoint saved at ``--ep`` with FSDP over
 ``--dp-shard`` (the data files are never read by a metadata inspection, so none are written):
@@ -12,7 +13,8 @@ plus building the index), classifying the keys, the whole inspection, and a meta
 ``compare_indexes`` of the checkpoint with itself.  Best of ``--repeats``; the figures the issue
 asks for are ``read + inspect`` (target: under 1 s on the project's 2-core machine).
 
-    python benchmarks/bench_inspect.py [--layers 58] [--experts 256] [--ep 32] [--dp-shard 2] [--repeats 3]
+    python benchmarks/bench_inspect.py [--layers 58] [--experts 256] [--ep 32] [--dp-shard 2]
+    [--repeats 3]
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from conformance.inspection import classify_keys, compare_indexes, inspect_index
 DIM, FFN = 7168, 2048  # DeepSeek-V3's hidden size and expert FFN size
 
 
-def _chunks(shape: tuple[int, ...], splits: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _chunks(shape: tuple[int, ...],
+            splits: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Dim 0 cut at ``splits`` rows each (what Shard(0) over the listed ranks gives)."""
     out, row = [], 0
     for n in splits:
@@ -69,8 +72,8 @@ def build_metadata(layers: int, experts: int, ep: int, dp_shard: int, packed: bo
         state[key] = TensorStorageMetadata(props, torch.Size(shape), [
             ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
         for o, _ in chunks:
-            storage[MetadataIndex(key, torch.Size(o))] = _StorageInfo(f"__{offset % (ep * dp_shard)}_0.distcp",
-                                                                       offset, 1024)
+            storage[MetadataIndex(key, torch.Size(o))] = _StorageInfo(
+                f"__{offset % (ep * dp_shard)}_0.distcp", offset, 1024)
             offset += 1024
 
     def param(name: str, shape: tuple[int, ...], splits: list[int]) -> None:
@@ -94,13 +97,15 @@ def build_metadata(layers: int, experts: int, ep: int, dp_shard: int, packed: bo
                     param(f"{pre}.experts.{g}.{w}.weight", shape, _rows(shape[0], dp_shard))
     for hp in ("lr", "betas", "eps", "weight_decay", "params"):
         state[f"optimizer.param_groups.0.{hp}"] = BytesStorageMetadata()
-        storage[MetadataIndex(f"optimizer.param_groups.0.{hp}")] = _StorageInfo("__0_0.distcp", offset, 64)
+        storage[MetadataIndex(f"optimizer.param_groups.0.{hp}")] = _StorageInfo(
+            "__0_0.distcp", offset, 64)
         offset += 64
     return Metadata(state_dict_metadata=state, storage_data=storage)
 
 
 def _dcp_read_metadata(path: Path) -> Any:
-    """The baseline: DCP's own read of the same file, which every load of the checkpoint pays first."""
+    """The baseline: DCP's own read of the same file, which every load of the checkpoint pays
+    first."""
     import gc
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -132,31 +137,36 @@ def main() -> None:
     parser.add_argument("--dp-shard", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"{args.layers} layers x {args.experts} experts, AdamW state, saved at ep={args.ep} x dp_shard="
-          f"{args.dp_shard}; torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+    print(f"{args.layers} layers x {args.experts} experts, AdamW state, saved at ep={args.ep} x "
+          f"dp_shard={args.dp_shard}; torch {torch.__version__}, {os.cpu_count()} CPUs, load "
+          f"{os.getloadavg()[0]:.2f}")
     print("seconds, best of --repeats, as wall / process CPU time")
-    print(f"{'form':<9} {'keys':>7} {'chunks':>7} {'.metadata':>9} {'dcp read':>12} {'read':>12} {'classify':>12} "
-          f"{'inspect':>12} {'read+inspect':>13} {'compare':>12}")
+    print(f"{'form':<9} {'keys':>7} {'chunks':>7} {'.metadata':>9} {'dcp read':>12} {'read':>12} "
+          f"{'classify':>12} {'inspect':>12} {'read+inspect':>13} {'compare':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         for form in ("packed", "unpacked"):
             path = Path(tmp) / form
             path.mkdir()
             md = build_metadata(args.layers, args.experts, args.ep, args.dp_shard, form == "packed")
             (path / ".metadata").write_bytes(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
-            chunks = sum(len(m.chunks) for m in md.state_dict_metadata.values() if hasattr(m, "chunks"))
+            chunks = sum(len(m.chunks) for m in md.state_dict_metadata.values()
+                         if hasattr(m, "chunks"))
             del md
             *t_dcp, _ = best(lambda path=path: _dcp_read_metadata(path), args.repeats)
             *t_read, index = best(lambda path=path: read_dcp(path), args.repeats)
             *t_classify, _ = best(lambda index=index: classify_keys(index.entries), args.repeats)
             *t_inspect, result = best(lambda index=index: inspect_index(index), args.repeats)
             *t_compare, diff = best(lambda index=index: compare_indexes(index, index), args.repeats)
-            assert result.findings == () and diff == [], [str(f) for f in (*result.findings, *diff)][:3]
+            assert result.findings == () and diff == [], [str(f)
+                                                          for f in (*result.findings, *diff)][:3]
             assert result.num_experts == args.experts and len(result.moe_layers) == args.layers
             size = (path / ".metadata").stat().st_size
             total = (t_read[0] + t_inspect[0], t_read[1] + t_inspect[1])
             print(f"{form:<9} {len(index.entries):>7} {chunks:>7} {size / 2**20:>7.1f}MB "
-                  + " ".join(f"{w:>5.2f} / {c:<5.2f}" for w, c in (t_dcp, t_read, t_classify, t_inspect))
-                  + f" {total[0]:>5.2f} / {total[1]:<6.2f} {t_compare[0]:>5.2f} / {t_compare[1]:<5.2f}")
+                  + " ".join(f"{w:>5.2f} / {c:<5.2f}"
+                             for w, c in (t_dcp, t_read, t_classify, t_inspect))
+                  + f" {total[0]:>5.2f} / {total[1]:<6.2f} {t_compare[0]:>5.2f} / "
+                  f"{t_compare[1]:<5.2f}")
 
 
 if __name__ == "__main__":

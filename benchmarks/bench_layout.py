@@ -1,19 +1,21 @@
-"""ExpertLayout.to_global + to_local on a DeepSeek-V3-sized layout: time, Python memory, tensor bytes.
+"""ExpertLayout.to_global + to_local on a DeepSeek-V3-sized layout: time, Python memory, tensor
+bytes.
 
 DeepSeek-V3 has 58 MoE layers of 256 routed experts (and a shared expert).  This builds that layout
 with tiny tensors (the sizes of the weights do not matter to a translation that must never touch
-their data), splits it for EP rank 0 of ``--ep`` ranks, takes AdamW state after one step, and
-times the translation both ways for each kind into each checkpoint form: the unpacked kind into the per-expert
-form (what it saves), the packed kind into the packed form (what it saves) and into the per-expert form
-(``per_expert=True``, or a per-expert checkpoint loaded into packed layers), and the unpacked kind into the packed
-form (a packed checkpoint loaded into unpacked layers: the one translation that copies, its experts stacked into
-one tensor per weight and moment).  The ``--ep`` ranks are a
-fake process group: rank 0 alone, with no peers, which is all DTensor construction needs.
+their data), splits it for EP rank 0 of ``--ep`` ranks, takes AdamW state after one step, and times
+the translation both ways for each kind into each checkpoint form: the unpacked kind into the
+per-expert form (what it saves), the packed kind into the packed form (what it saves) and into the
+per-expert form (``per_expert=True``, or a per-expert checkpoint loaded into packed layers), and the
+unpacked kind into the packed form (a packed checkpoint loaded into unpacked layers: the one
+translation that copies, its experts stacked into one tensor per weight and moment).  The ``--ep``
+ranks are a fake process group: rank 0 alone, with no peers, which is all DTensor construction
+needs.
 
 Prints, per form: the number of state-dict entries, wall time (best of ``--repeats``), the
-tracemalloc peak of Python allocations during one round, and the bytes of tensor storage that
-exist in the translated dict but not in the input (must be 0: everything is the original tensor
-or a view of it; for the stacked case, what the copy costs, against the rank's expert tensors' own bytes).
+tracemalloc peak of Python allocations during one round, and the bytes of tensor storage that exist
+in the translated dict but not in the input (must be 0: everything is the original tensor or a view
+of it; for the stacked case, what the copy costs, against the rank's expert tensors' own bytes).
 
     python benchmarks/bench_layout.py [--ep 8] [--layers 58] [--experts 256] [--repeats 5]
 """
@@ -55,7 +57,8 @@ def storages(obj: Any) -> dict[int, int]:
 
 
 def optimizer_tensors(state: dict[str, Any], param: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The moments of ``param`` in a rank's state dict (found by storage: the state dict names them)."""
+    """The moments of ``param`` in a rank's state dict (found by storage: the state dict names
+    them)."""
     ptr = param.untyped_storage().data_ptr()
     names = [k for k, v in state["model"].items() if v.untyped_storage().data_ptr() == ptr]
     for name in names:
@@ -79,7 +82,8 @@ def build(kind: str, args: argparse.Namespace, mesh: Any) -> tuple[Any, dict[str
 
 
 def measure(kind: str, form: str, args: argparse.Namespace, mesh: Any) -> None:
-    """``kind``'s layers translated into checkpoint form ``form`` ("per-expert" or "packed") and back."""
+    """``kind``'s layers translated into checkpoint form ``form`` ("per-expert" or "packed") and
+    back."""
     model, state = build(kind, args, mesh)
     stacked = kind == "unpacked" and form == "packed"
     packed_form = {name for name, _ in moe_layers(model)} if form == "packed" else set()
@@ -112,16 +116,20 @@ def measure(kind: str, form: str, args: argparse.Namespace, mesh: Any) -> None:
     tracemalloc.stop()
 
     total_storage = sum(before.values())
-    layout_ms, global_ms, local_ms = (min(t) * 1e3 for t in (times_layout, times_global, times_local))
+    layout_ms, global_ms, local_ms = (min(t) * 1e3
+                                      for t in (times_layout, times_global, times_local))
     label = f"{kind} -> {form} form{' (stacked)' if stacked else ''}"
     if stacked:
-        experts = sum(t.untyped_storage().nbytes() for _, moe in moe_layers(model) for p in moe.expert_parameters()
+        experts = sum(t.untyped_storage().nbytes() for _, moe in moe_layers(model)
+                      for p in moe.expert_parameters()
                       for t in (p, *(v for v in optimizer_tensors(state, p))))
-        print(f"{label}: stacks {new_bytes / 2**20:.1f} MiB ({new_bytes / max(experts, 1):.2f}x the rank's expert "
-              f"weights and moments, {experts / 2**20:.1f} MiB), copied in by to_global and back by to_local")
-    print(f"{label:>8}: {n_model} model + {n_optim} optimizer entries, {total_storage / 2**20:.1f} MiB of tensors"
-          f" | expert_layout {layout_ms:.1f} ms | to_global {global_ms:.1f} ms + to_local {local_ms:.1f} ms"
-          f" = {global_ms + local_ms:.1f} ms | Python peak {peak / 2**20:.2f} MiB | new tensor storage {new_bytes} B")
+        print(f"{label}: stacks {new_bytes / 2**20:.1f} MiB ({new_bytes / max(experts, 1):.2f}x "
+              f"the rank's expert weights and moments, {experts / 2**20:.1f} MiB), copied in by "
+              "to_global and back by to_local")
+    print(f"{label:>8}: {n_model} model + {n_optim} optimizer entries, {total_storage / 2**20:.1f} "
+          f"MiB of tensors | expert_layout {layout_ms:.1f} ms | to_global {global_ms:.1f} ms + "
+          f"to_local {local_ms:.1f} ms = {global_ms + local_ms:.1f} ms | Python peak "
+          f"{peak / 2**20:.2f} MiB | new tensor storage {new_bytes} B")
     if new_bytes and not stacked:
         raise SystemExit(f"{kind}: the translation allocated {new_bytes} bytes of tensor storage")
 
@@ -141,8 +149,8 @@ def main() -> None:
     print(f"{args.layers} MoE layers x {args.experts} experts, EP rank 0 of {args.ep} "
           f"({-(-args.experts // args.ep)} local experts per layer), torch {torch.__version__}")
     try:
-        for kind, form in (("unpacked", "per-expert"), ("packed", "packed"), ("packed", "per-expert"),
-                           ("unpacked", "packed")):
+        for kind, form in (("unpacked", "per-expert"), ("packed", "packed"),
+                           ("packed", "per-expert"), ("unpacked", "packed")):
             measure(kind, form, args, mesh)
     finally:
         dist.destroy_process_group()

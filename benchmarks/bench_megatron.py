@@ -3,10 +3,10 @@
 Megatron's ``dist_checkpointing.save`` hands its writers' results through a module-global queue it
 creates, at a process's first save, as a ``multiprocessing`` *spawn* ``Manager``.  The ``megatron``
 adapter puts a process-local queue there for its (synchronous, in-process) save.  This script runs,
-in a fresh gloo world per variant, two saves of the adapter's model at ep=2 (``SequentialMLP``, model
-and Megatron's optimizer) and one load, and prints each rank's timings for both variants, plus the
-set-up/tear-down cost of Megatron's parallel state (``initialize_model_parallel`` + destroying its
-groups).  Needs megatron-core (``ci/install_megatron.sh``).
+in a fresh gloo world per variant, two saves of the adapter's model at ep=2 (``SequentialMLP``,
+model and Megatron's optimizer) and one load, and prints each rank's timings for both variants, plus
+the set-up/tear-down cost of Megatron's parallel state (``initialize_model_parallel`` + destroying
+its groups).  Needs megatron-core (``ci/install_megatron.sh``).
 
     python benchmarks/bench_megatron.py [--world-size 4] [--cycles 10]
 """
@@ -61,8 +61,10 @@ def save_twice_and_load(variant: str, path: str) -> dict[str, float]:
     return out
 
 
-def _save_with_megatrons_queue(adapter: Any, model: Any, optimizer: Any, path: str, filesystem_async: Any) -> None:
-    """The adapter's save, except that the writers' results go through Megatron's own (Manager) queue."""
+def _save_with_megatrons_queue(adapter: Any, model: Any, optimizer: Any, path: str,
+                               filesystem_async: Any) -> None:
+    """The adapter's save, except that the writers' results go through Megatron's own (Manager)
+    queue."""
     from megatron.core import dist_checkpointing
 
     from conformance.adapters.megatron import _sharded_state_dict
@@ -79,7 +81,8 @@ def _save_with_megatrons_queue(adapter: Any, model: Any, optimizer: Any, path: s
 
 
 def stop_children() -> int:
-    """Terminate this rank's multiprocessing children (Megatron's Manager server): killing the rank leaves them."""
+    """Terminate this rank's multiprocessing children (Megatron's Manager server): killing the rank
+    leaves them."""
     import multiprocessing
 
     children = multiprocessing.active_children()
@@ -90,7 +93,8 @@ def stop_children() -> int:
 
 
 def set_up_cycles(cycles: int) -> list[float]:
-    """``initialize_model_parallel`` at ep 2 then 4, each torn down, ``cycles`` times; seconds per set-up."""
+    """``initialize_model_parallel`` at ep 2 then 4, each torn down, ``cycles`` times; seconds per
+    set-up."""
     from conformance.adapters.megatron_cpu import set_up, tear_down
 
     set_up(1)  # imports Megatron on the first call: not part of the figure
@@ -113,7 +117,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, load average {load:.1f}, "
           f"Python {platform.python_version()}, {n} gloo ranks")
-    # The ranks import this module by name (they do not run the script): put its folder on their path.
+    # The ranks import this module by name (they do not run the script): put its folder on their
+    # path.
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, here)
@@ -123,7 +128,8 @@ def main() -> None:
     try:
         for variant in ("megatron's spawn Manager", "process-local queue (the adapter)"):
             with tempfile.TemporaryDirectory() as path:
-                found = sup.run(this.save_twice_and_load, variant, path, world_size=n, backend="gloo", timeout=600)
+                found = sup.run(this.save_twice_and_load, variant, path, world_size=n,
+                                backend="gloo", timeout=600)
             children = sup.run(this.stop_children, world_size=n, backend="gloo")
             sup.kill_all()  # the next variant's first save is a fresh process's first save
             for key in ("first save", "second save", "load"):
@@ -131,10 +137,11 @@ def main() -> None:
                 print(f"{variant:38s} {key:12s} max over ranks {max(values):6.2f} s, "
                       f"median {statistics.median(values):6.2f} s")
             print(f"{variant:38s} child processes the ranks had started: {sum(children)}")
-        per_rank = sup.run(this.set_up_cycles, args.cycles, world_size=n, backend="gloo", timeout=600)
+        per_rank = sup.run(this.set_up_cycles, args.cycles, world_size=n, backend="gloo",
+                           timeout=600)
         times = [t for rank in per_rank for t in rank]
-        print(f"set-up + tear-down of Megatron's parallel state: median {statistics.median(times):.3f} s, "
-              f"max {max(times):.3f} s over {args.cycles} cycles")
+        print("set-up + tear-down of Megatron's parallel state: median "
+              f"{statistics.median(times):.3f} s, max {max(times):.3f} s over {args.cycles} cycles")
     finally:
         sup.shutdown()
 

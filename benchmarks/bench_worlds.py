@@ -1,8 +1,8 @@
 """World start-up and per-call overhead of the world engine, measured on this machine.
 
 Prints: the first world's start-up (fork server start with torch import, then ranks), a later
-world's start-up, the overhead of a no-op ``run`` on a live world, and the same no-op done as a fresh
-spawn world per call -- with the ratio of the last two taken in this one run.
+world's start-up, the overhead of a no-op ``run`` on a live world, and the same no-op done as a
+fresh spawn world per call -- with the ratio of the last two taken in this one run.
 
     python benchmarks/bench_worlds.py [--world-size 4] [--calls 200] [--fresh 3]
 """
@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("--fresh", type=int, default=3, help="fresh spawn worlds to time")
     args = parser.parse_args()
     n = args.world_size
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"{n} gloo ranks")
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}, {n} gloo ranks")
 
     sup = Supervisor()
     t = time.perf_counter()

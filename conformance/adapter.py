@@ -7,28 +7,29 @@ docstring below.  Everything that needs a list of members derives it from these 
 (:func:`members` and :func:`framework_calls`): how the harness takes an adapter
 (:mod:`conformance.members`), the timing of its calls, the rule that a framework's exception is a
 refusal, and docs/adapters.md (a test compares the guide's member list with these Protocols).  The
-complete, runnable example is the built-in :mod:`conformance.adapters.reference`; a trainer whose experts
-are torch parameters can leave most members to :mod:`conformance.adapters.torch_native`.
+complete, runnable example is the built-in :mod:`conformance.adapters.reference`; a trainer whose
+experts are torch parameters can leave most members to :mod:`conformance.adapters.torch_native`.
 
 *Training state.*  When ``build`` returns a third element ``state`` (a mapping name -> object: an LR
-scheduler, a train-state dict), the harness passes it as the keyword ``state=`` to ``save``, ``load``,
-``step`` and ``scalars`` of that model -- and only then, so a two-element adapter's members never get it.
-The ``scalars`` check compares every object in it: a torch LR scheduler's ``state_dict()`` and a
-mapping's plain values, as ``state.<name>.<field>``.
+scheduler, a train-state dict), the harness passes it as the keyword ``state=`` to ``save``,
+``load``, ``step`` and ``scalars`` of that model -- and only then, so a two-element adapter's
+members never get it. The ``scalars`` check compares every object in it: a torch LR scheduler's
+``state_dict()`` and a mapping's plain values, as ``state.<name>.<field>``.
 
 *Capabilities mean what they say.*  A capability the framework does not have at all is declared
 ``False`` (its cells are ``n/a`` with the reason).  ``uneven=True`` means "run it": a framework that
 refuses ``E % ep != 0`` loudly declares ``uneven=True`` and its refusal is a ``refused`` cell whose
 first line is the framework's own message.  Legacy cells exist only with ``save_legacy``.
 
-*Who is to blame.*  An exception a :func:`framework_call` raises in the framework's code (or torch's,
-DCP's) makes the cell ``refused``; one raised in the adapter's own code makes it ``error``.  An adapter
-that finds the framework cannot do what a cell asks, though no framework code raised, raises
-:class:`FrameworkRefusal`.  A member that cannot run in one cell raises :class:`NotApplicable`.
+*Who is to blame.*  An exception a :func:`framework_call` raises in the framework's code (or
+torch's, DCP's) makes the cell ``refused``; one raised in the adapter's own code makes it ``error``.
+An adapter that finds the framework cannot do what a cell asks, though no framework code raised,
+raises :class:`FrameworkRefusal`.  A member that cannot run in one cell raises
+:class:`NotApplicable`.
 
 The helpers adapters share (:data:`ADAM_MOMENTS`, :func:`world_device`, :func:`run_steps`,
-:func:`installed_version`, :func:`local_region`, :func:`forward_with_layers`, :func:`with_moments`) are
-at the end of this module: they are not part of the contract.
+:func:`installed_version`, :func:`local_region`, :func:`forward_with_layers`, :func:`with_moments`)
+are at the end of this module: they are not part of the contract.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ class AdapterError(Exception):
 
 
 class FrameworkRefusal(RuntimeError):
-    """The framework cannot do what the cell asks (a split it cannot form, a load that found nothing),
-    though no framework code raised: the cell is ``refused``, as a framework's own raise is, not an
-    ``error`` of the adapter.  Raise it ``from`` the framework's error when there is one."""
+    """The framework cannot do what the cell asks (a split it cannot form, a load that found
+    nothing), though no framework code raised: the cell is ``refused``, as a framework's own raise
+    is, not an ``error`` of the adapter.  Raise it ``from`` the framework's error when there is
+    one."""
 
 
 class NotApplicable(Exception):
@@ -111,10 +113,11 @@ class Spec:
     dtype: str = "float32"
     optimizer_steps: int = 0
     #: the optimizer's learning rate: configuration, the same on the save and the load side (a real
-    #: resume keeps its configuration; the load side's *state* -- seed, step count, schedule position --
-    #: is what differs).
+    #: resume keeps its configuration; the load side's *state* -- seed, step count, schedule
+    #: position -- is what differs).
     lr: float = 1e-2
-    #: compose FSDP2 over the mesh's ``dp_shard`` dim (and ``dp_replicate``: HSDP) after the EP split.
+    #: compose FSDP2 over the mesh's ``dp_shard`` dim (and ``dp_replicate``: HSDP) after the EP
+    #: split.
     fsdp: bool = False
     #: the rank layout to build at (``None``: the unsharded ground truth).
     layout: ParallelLayout | None = None
@@ -145,11 +148,12 @@ class Capabilities:
     etp: bool = False
     #: the framework's save and load need its optimizer even in model-only cells (built at step 0).
     model_saves_optimizer: bool = False
-    #: EP without FSDP2 (``False``: the framework composes EP only with FSDP2; EP-only cells are n/a).
+    #: EP without FSDP2 (``False``: the framework composes EP only with FSDP2; EP-only cells are
+    #: n/a).
     ep_only: bool = True
     #: the pipeline-parallel degrees the framework builds (``mesh["pp"]``, the outermost dim): each
-    #: stage holds the layers :func:`reference_impl.layout.stage_layers` gives, named by their global
-    #: index.  Absent: pp=1 only.
+    #: stage holds the layers :func:`reference_impl.layout.stage_layers` gives, named by their
+    #: global index.  Absent: pp=1 only.
     pp: tuple[int, ...] = (1,)
     #: multi-token-prediction layers: the cells with pipeline stages and optimizer state build
     #: ``spec.mtp_layers`` of them (node ids say ``mtp``).
@@ -167,11 +171,12 @@ class TensorEntry(NamedTuple):
 
 
 class ExpertBlock(NamedTuple):
-    """A packed tensor's expert rows as one ``expert_tensors`` entry: row ``i`` is expert ``first + i``.
+    """A packed tensor's expert rows as one ``expert_tensors`` entry: row ``i`` is expert
+    ``first + i``.
 
     ``tensor`` is the weight (or moment) as the model holds it: a plain tensor of this rank's rows,
-    ``first`` its first expert; or a DTensor, ``first`` the id of its global row 0 (its rows cover that
-    expert onwards), each row split as its placements split it (expert TP, FSDP) --
+    ``first`` its first expert; or a DTensor, ``first`` the id of its global row 0 (its rows cover
+    that expert onwards), each row split as its placements split it (expert TP, FSDP) --
     :func:`reference_impl.regions.block_rows`, the reference's own row rule.  Equivalent to a
     :class:`TensorEntry` per row, without a tensor made per expert.
     """
@@ -210,17 +215,18 @@ class CheckpointAdapter(Protocol):
         """The framework's own MoE model at ``spec.layout``: ``(model, optimizer | None)`` or
         ``(model, optimizer | None, state)``.
 
-        ``mesh`` is the layout's DeviceMesh with dims ``dp_replicate``, ``ep``, ``dp_shard``, ``etp``
-        (some of size 1), and ``pp`` first when ``spec.layout.pp > 1`` -- then the rank builds only its
-        stage's layers (:meth:`~conformance.layout.ParallelLayout.layers_of`) under their global index.
-        ``mesh=None`` asks for the unsharded ep=1 model built on this rank alone, with no collective
-        (the ground truth).  Every expert's weights depend only on ``seed`` and its global id
-        (:func:`conformance.synthetic_weight`); with ``spec.optimizer_steps > 0`` the framework's
-        optimizer has run that many steps at ``spec.lr`` on :func:`conformance.synthetic_grad`
-        gradients (:func:`run_steps`).  ``state`` maps the rest of the training state by name.
-        ``spec.layout.framework_mesh`` gives the mesh as the framework names its dims; ``rank_grid``
-        and ``ep_groups`` give the ranks to a framework that forms its own groups.  Whatever it builds,
-        the harness checks that each rank reports the experts the layout gives its EP rank.
+        ``mesh`` is the layout's DeviceMesh with dims ``dp_replicate``, ``ep``, ``dp_shard``,
+        ``etp`` (some of size 1), and ``pp`` first when ``spec.layout.pp > 1`` -- then the rank
+        builds only its stage's layers (:meth:`~conformance.layout.ParallelLayout.layers_of`) under
+        their global index. ``mesh=None`` asks for the unsharded ep=1 model built on this rank
+        alone, with no collective (the ground truth).  Every expert's weights depend only on
+        ``seed`` and its global id (:func:`conformance.synthetic_weight`); with
+        ``spec.optimizer_steps > 0`` the framework's optimizer has run that many steps at
+        ``spec.lr`` on :func:`conformance.synthetic_grad` gradients (:func:`run_steps`).  ``state``
+        maps the rest of the training state by name. ``spec.layout.framework_mesh`` gives the mesh
+        as the framework names its dims; ``rank_grid`` and ``ep_groups`` give the ranks to a
+        framework that forms its own groups.  Whatever it builds, the harness checks that each rank
+        reports the experts the layout gives its EP rank.
         """
         ...
 
@@ -228,10 +234,10 @@ class CheckpointAdapter(Protocol):
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         """The framework's real checkpoint save into ``path`` (a directory the harness made).
 
-        ``path`` may be the run's checkpoint root: the framework may write under a directory it names
-        there (``step-100/``), and the harness finds the checkpoint under it.  In model-only cells
-        ``optimizer`` is ``None``, unless ``capabilities.model_saves_optimizer``: then it is the
-        optimizer ``build`` made at step 0.
+        ``path`` may be the run's checkpoint root: the framework may write under a directory it
+        names there (``step-100/``), and the harness finds the checkpoint under it.  In model-only
+        cells ``optimizer`` is ``None``, unless ``capabilities.model_saves_optimizer``: then it is
+        the optimizer ``build`` made at step 0.
         """
         ...
 
@@ -242,15 +248,15 @@ class CheckpointAdapter(Protocol):
         ...
 
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterable[TensorEntry | ExpertBlock]:
-        """This rank's expert tensors -- weights, their optimizer moments and any per-expert buffer --
-        as :class:`TensorEntry` ``(layer, global expert id, name, tensor)`` or a packed tensor's rows as
-        one :class:`ExpertBlock`.  A DTensor is compared through its local shard; a plain tensor must be
-        the whole per-expert tensor."""
+        """This rank's expert tensors -- weights, their optimizer moments and any per-expert buffer
+        -- as :class:`TensorEntry` ``(layer, global expert id, name, tensor)`` or a packed tensor's
+        rows as one :class:`ExpertBlock`.  A DTensor is compared through its local shard; a plain
+        tensor must be the whole per-expert tensor."""
         ...
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterable[TensorEntry]:
-        """Everything else this rank holds -- dense weights, their moments, persistent buffers such as a
-        router's expert bias -- as :class:`TensorEntry` with ``expert=None``."""
+        """Everything else this rank holds -- dense weights, their moments, persistent buffers such
+        as a router's expert bias -- as :class:`TensorEntry` with ``expert=None``."""
         ...
 
 
@@ -258,16 +264,17 @@ class OptionalMembers(Protocol):
     """The optional members: an adapter has any subset.  A check that needs a missing one is ``n/a``
     with the reason."""
 
-    #: regexes of checkpoint keys that legitimately differ with the EP degree (listed in the report).
+    #: regexes of checkpoint keys that legitimately differ with the EP degree (listed in the
+    #: report).
     ep_dependent_keys: Sequence[str]
-    #: exception types the framework's load raises to refuse a lossy checkpoint (a legacy cell passes
-    #: on one of these, or on ``check_saved``).
+    #: exception types the framework's load raises to refuse a lossy checkpoint (a legacy cell
+    #: passes on one of these, or on ``check_saved``).
     refusal_errors: tuple[type[BaseException], ...]
     #: module names the rank fork server imports once (the framework), so no cell pays for it.
     preload: Sequence[str]
-    #: regexes naming the checkpoint's expert keys (a named group ``expert`` for per-expert keys, none
-    #: for packed keys): hints for forms the values do not show (fused, transposed); the checkpoint
-    #: check otherwise learns expert keys from the ep=1 save's content.
+    #: regexes naming the checkpoint's expert keys (a named group ``expert`` for per-expert keys,
+    #: none for packed keys): hints for forms the values do not show (fused, transposed); the
+    #: checkpoint check otherwise learns expert keys from the ep=1 save's content.
     expert_keys: Sequence[str]
 
     @framework_call
@@ -278,16 +285,16 @@ class OptionalMembers(Protocol):
 
     @framework_call
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        """Optimizer scalars by name (step counts, each param group's lr, betas, weight decay, eps; a
-        scheduler's state), the same names at every layout: the ``scalars`` check."""
+        """Optimizer scalars by name (step counts, each param group's lr, betas, weight decay, eps;
+        a scheduler's state), the same names at every layout: the ``scalars`` check."""
         ...
 
     @framework_call
     def forward(self, model: Any, batch: Any) -> Any:
         """The framework's forward on :func:`conformance.synthetic.synthetic_batch`: a tensor, or a
         mapping of named outputs (:func:`forward_with_layers`: the output and each MoE layer's own,
-        for layers behind a residual stream too large for their part to show).  Each output is held to
-        a tolerance of its own scale (:func:`conformance.checks.truth.forward_tolerance`)."""
+        for layers behind a residual stream too large for their part to show).  Each output is held
+        to a tolerance of its own scale (:func:`conformance.checks.truth.forward_tolerance`)."""
         ...
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
@@ -307,17 +314,18 @@ class OptionalMembers(Protocol):
         ...
 
     def end_cell(self) -> None:
-        """Called on each rank when its part of a cell ends, whatever happened in it: release what the
-        cell's builds set up that the checks after the load still needed (process groups a framework's
-        layers keep, so ``forward`` after a load can run on them)."""
+        """Called on each rank when its part of a cell ends, whatever happened in it: release what
+        the cell's builds set up that the checks after the load still needed (process groups a
+        framework's layers keep, so ``forward`` after a load can run on them)."""
         ...
 
 
 @functools.cache
 def members(protocol: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(values, callables)`` of a contract Protocol, in the order it declares them: the one list of
-    member names everything else derives from."""
-    values = tuple(name for name in getattr(protocol, "__annotations__", {}) if not name.startswith("_"))
+    """``(values, callables)`` of a contract Protocol, in the order it declares them: the one list
+    of member names everything else derives from."""
+    values = tuple(name for name in getattr(protocol, "__annotations__", {})
+                   if not name.startswith("_"))
     callables = tuple(name for name, found in vars(protocol).items()
                       if callable(found) and not name.startswith("_"))
     return values, callables
@@ -334,7 +342,8 @@ def framework_calls() -> frozenset[str]:
 # -- helpers adapters share (not the contract) -----------------------------------------------------
 def world_device(mesh: Any) -> Any:
     """The device an adapter builds on: the mesh's (cuda under NCCL), and for the ground truth (no
-    mesh) the world's, so the truth's optimizer runs the same kernels as the model it is compared with."""
+    mesh) the world's, so the truth's optimizer runs the same kernels as the model it is compared
+    with."""
     import torch
     import torch.distributed as dist
 
@@ -356,8 +365,9 @@ def local_region(tensor: Any) -> tuple[Any, tuple[slice, ...] | None]:
 
 
 def run_steps(step: Callable[[int], None], first: int, count: int) -> None:
-    """``count`` optimizer steps with indices ``first, first + 1, ...``: the one loop every adapter's
-    build and the resume check share, so step indices (and the synthetic gradients) agree."""
+    """``count`` optimizer steps with indices ``first, first + 1, ...``: the one loop every
+    adapter's build and the resume check share, so step indices (and the synthetic gradients)
+    agree."""
     for index in range(first, first + count):
         step(index)
 
@@ -366,9 +376,9 @@ def forward_with_layers(run: Callable[[], Any], layers: Mapping[str, Any]) -> di
     """``forward``'s named form: ``{"output": run(), name: that module's output, ...}``, each named
     module's own output (a tuple's first element) caught by a forward hook while ``run`` runs.
 
-    For models whose MoE layers add to a residual stream (a layer's ~1e-6 on a stream of ~3, below its
-    rounding): the layer's output, held to its own scale, shows what the stream hides.  Each module
-    must run exactly once in ``run``.
+    For models whose MoE layers add to a residual stream (a layer's ~1e-6 on a stream of ~3, below
+    its rounding): the layer's output, held to its own scale, shows what the stream hides.  Each
+    module must run exactly once in ``run``.
     """
     if FORWARD_OUTPUT in layers:
         raise AdapterError(f"forward_with_layers: {FORWARD_OUTPUT!r} names the model's output, "
@@ -416,7 +426,8 @@ def with_moments(layer: int | None, experts: Iterable[tuple[int, Any]], name: st
                  moments: Sequence[str] = ADAM_MOMENTS) -> Iterator[TensorEntry]:
     """A parameter's expert tensors and their optimizer moments: the loop every ``expert_tensors``
     writes.  ``experts`` gives ``(global id, tensor)`` of ``param``'s experts; each moment
-    ``state[param][m]`` is cut the same way by ``rows`` (default: row ``i`` for the ``i``-th expert)."""
+    ``state[param][m]`` is cut the same way by ``rows`` (default: row ``i`` for the ``i``-th
+    expert)."""
     found = list(experts)
     for g, tensor in found:
         yield TensorEntry(layer, g, name, tensor)

@@ -3,22 +3,24 @@
 A cell that is not green is one of four kinds of red, worst first:
 
 ``silent``
-    a load that reported success left the state wrong (``values``, ``missing``, ``scalars``, ``resume``,
-    ``forward``): the run resumes on wrong numbers and nobody is told.  This is what the matrix exists for.
+    a load that reported success left the state wrong (``values``, ``missing``, ``scalars``,
+    ``resume``, ``forward``): the run resumes on wrong numbers and nobody is told.  This is what the
+    matrix exists for.
 ``on-disk``
-    the checkpoint on disk is not EP-invariant (an expert or a moment missing, misfiled, mislabelled or re-keyed
-    against the ep=1 save): the damage, or the trap for the next reader, is in the file, whether or not this
-    cell's load noticed.
+    the checkpoint on disk is not EP-invariant (an expert or a moment missing, misfiled, mislabelled
+    or re-keyed against the ep=1 save): the damage, or the trap for the next reader, is in the file,
+    whether or not this cell's load noticed.
 ``refused``
-    the framework raised or refused loudly (its build, save or load) and handed nothing wrong back: a
-    limitation, not a corruption.  Its own file and line travel with it.
+    the framework raised or refused loudly (its build, save or load) and handed nothing wrong back:
+    a limitation, not a corruption.  Its own file and line travel with it.
 ``error``
-    the adapter or the harness failed (the layout the adapter declared was not formed, an exception raised in
-    the adapter's own code, a rank that died or hung): not a finding about the framework.
+    the adapter or the harness failed (the layout the adapter declared was not formed, an exception
+    raised in the adapter's own code, a rank that died or hung): not a finding about the framework.
 
-A cell gets every finding that applies (``findings``, worst first) and is known by the worst (``finding``).
-The order is the one place that says which is worse; expectations (:mod:`conformance.expectations`) compare
-outcomes by it.  This module is plain data and logic: the ranks and the controller both import it.
+A cell gets every finding that applies (``findings``, worst first) and is known by the worst
+(``finding``). The order is the one place that says which is worse; expectations
+(:mod:`conformance.expectations`) compare outcomes by it.  This module is plain data and logic: the
+ranks and the controller both import it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ CHECK_FINDING = {
 
 
 def ordered(found: Iterable[str]) -> list[str]:
-    """``found``'s findings once each, worst first (an unknown name is an ``error``: never silently dropped)."""
+    """``found``'s findings once each, worst first (an unknown name is an ``error``: never silently
+    dropped)."""
     seen = {f if f in FINDINGS else ERROR for f in found}
     return [f for f in FINDINGS if f in seen]
 

@@ -1,11 +1,13 @@
-"""``python -m conformance.inspect DIR`` (console script ``moe-ep-inspect``): check a checkpoint on disk.
+"""``python -m conformance.inspect DIR`` (console script ``moe-ep-inspect``): check a checkpoint on
+disk.
 
 Does the checkpoint hold every expert of every MoE layer exactly once under its global id?  From
 the metadata alone (DCP ``.metadata``, or a Hugging Face safetensors index and headers), with no
 process group; ``--compare OTHER --values`` also reads every value, one batch at a time.
 
 Exit status: 0 clean, 1 problems found, 2 usage error or unreadable input (one line on stderr).
-Nothing is ever written to the checkpoint directories.  The checks are :mod:`conformance.inspection`.
+Nothing is ever written to the checkpoint directories.  The checks are
+:mod:`conformance.inspection`.
 """
 
 from __future__ import annotations
@@ -39,26 +41,33 @@ SCHEMA_VERSION = 1
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description="Check that a MoE checkpoint holds every expert of every layer once, under its "
+        prog=PROG,
+        description="Check that a MoE checkpoint holds every expert of every layer once, under its "
         "global id (DCP or Hugging Face safetensors; metadata only unless --values).",
         epilog="exit status: 0 clean, 1 problems found, 2 usage error or unreadable checkpoint")
-    p.add_argument("path", metavar="DIR", help="checkpoint directory (DCP .metadata, or *.safetensors + index)")
-    p.add_argument("--experts", type=int, metavar="E", help="number of experts per layer, when the checkpoint has "
+    p.add_argument("path", metavar="DIR",
+                   help="checkpoint directory (DCP .metadata, or *.safetensors + index)")
+    p.add_argument("--experts", type=int, metavar="E",
+                   help="number of experts per layer, when the checkpoint has "
                    "no recognised router to read it from")
     p.add_argument("--expert-key", action="append", default=[], metavar="REGEX",
-                   help="regex of expert-holding keys, tried before the built-in ones; a named group "
-                   "(?P<expert>\\d+) marks per-expert keys, else the key is packed with the expert axis first")
-    p.add_argument("--compare", metavar="OTHER_DIR", help="also check that OTHER_DIR (say, the same model saved "
+                   help="regex of expert-holding keys, tried before the built-in ones; a named "
+                   "group (?P<expert>\\d+) marks per-expert keys, else the key is packed with the "
+                   "expert axis first")
+    p.add_argument("--compare", metavar="OTHER_DIR",
+                   help="also check that OTHER_DIR (say, the same model saved "
                    "at ep=1) holds the same keys, global shapes and dtypes")
-    p.add_argument("--values", action="store_true", help="with --compare: compare every value too, streamed")
+    p.add_argument("--values", action="store_true",
+                   help="with --compare: compare every value too, streamed")
     p.add_argument("--ulps", type=float, default=0.0, metavar="N",
-                   help="with --values: take values within N ulps of each other as equal (a fused kernel's rounding "
-                        f"on a differently shaped shard; the matrix uses {ROUNDING_ULPS}; default %(default)s: bit "
-                        "for bit)")
+                   help="with --values: take values within N ulps of each other as equal (a fused "
+                   "kernel's rounding on a differently shaped shard; the matrix uses "
+                   f"{ROUNDING_ULPS}; default %(default)s: bit for bit)")
     p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_BYTES >> 20, metavar="MB",
                    help="with --values: read at most this much per batch (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("-v", "--verbose", action="store_true", help="also list every expert-holding key family")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also list every expert-holding key family")
     return p
 
 
@@ -66,20 +75,23 @@ def _summary(result: Inspection) -> list[str]:
     c = result.counts
     layers = f"{len(result.moe_layers)} MoE layer(s)" + (f" ({expert_ranges(result.moe_layers)})"
                                                           if result.moe_layers else "")
-    experts = (f"{result.num_experts} experts (from {result.num_experts_source})" if result.num_experts
-               else "number of experts unknown")
+    experts = (f"{result.num_experts} experts (from {result.num_experts_source})"
+               if result.num_experts else "number of experts unknown")
     packed = sum(g.kind == "packed" and g.stat is None for g in result.groups)
     families = sum(g.kind == "per_expert" and g.stat is None for g in result.groups)
     stats = sorted({g.stat for g in result.groups if g.stat})
-    return [f"{result.path}: {result.format} checkpoint, {c.get('keys', 0)} keys ({c.get('tensors', 0)} tensors, "
+    return [f"{result.path}: {result.format} checkpoint, {c.get('keys', 0)} keys "
+            f"({c.get('tensors', 0)} tensors, "
             f"{c.get('non_tensors', 0)} other entries); {layers}; {experts}",
-            f"expert keys: {c.get('expert_keys', 0)} ({packed} packed weights, {families} per-expert weight families"
+            f"expert keys: {c.get('expert_keys', 0)} ({packed} packed weights, {families} "
+            "per-expert weight families"
             f"{'; optimizer state ' + ', '.join(stats) if stats else '; no optimizer state'})"]
 
 
 def _where(f: Finding) -> str:
     layer = f"layer {f.layer}" if f.layer is not None else "-"
-    experts = f"expert{'s' if len(f.experts) > 1 else ''} {expert_ranges(f.experts)}" if f.experts else "-"
+    experts = (f"expert{'s' if len(f.experts) > 1 else ''} {expert_ranges(f.experts)}" if f.experts
+               else "-")
     return f"{layer:<9} {experts:<16} {f.key}"
 
 
@@ -89,7 +101,8 @@ def _lines(findings: Sequence[Finding]) -> list[str]:
     for f in sorted(findings, key=lambda f: (f.layer is None, f.layer or 0, f.key)):
         groups.setdefault((f.problem, f.message), []).append(f)
     out: list[str] = []
-    for (problem, message), group in sorted(groups.items(), key=lambda kv: list(findings).index(kv[1][0])):
+    for (problem, message), group in sorted(groups.items(),
+                                            key=lambda kv: list(findings).index(kv[1][0])):
         if len(group) == 1:
             out.append(f"  {problem}: {_where(group[0])}: {message}")
             continue
@@ -104,15 +117,18 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     result = inspect_index(index, num_experts=args.experts, patterns=patterns)
     text = _summary(result)
     if args.verbose:
-        text += [f"  layer {g.layer}: {g.key}{' [' + g.stat + ']' if g.stat else ''} ({g.kind}, extent "
-                 f"{g.extent}): experts {expert_ranges(g.experts) or 'none'}" for g in result.groups]
+        text += [
+            f"  layer {g.layer}: {g.key}{' [' + g.stat + ']' if g.stat else ''} ({g.kind}, extent "
+            f"{g.extent}): experts {expert_ranges(g.experts) or 'none'}" for g in result.groups]
     if result.findings:
         text.append(f"{len(result.findings)} problem(s):")
         text += _lines(result.findings)
     else:
         text.append("OK: every expert of every MoE layer is stored once under its global id"
-                    + (", with optimizer state for every expert" if any(g.stat for g in result.groups) else ""))
-    report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "inspection": result.as_dict(), "compare": None}
+                    + (", with optimizer state for every expert"
+                       if any(g.stat for g in result.groups) else ""))
+    report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "inspection": result.as_dict(),
+                              "compare": None}
     problems = len(result.findings)
     if args.compare:
         other = read_checkpoint(args.compare)
@@ -123,7 +139,8 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
         text.append(f"compared with the other checkpoint {args.compare} ({what}): "
                     + (f"{len(found)} difference(s):" if found else "the same"))
         text += _lines(found)
-        report["compare"] = {"other": args.compare, "values": args.values, "findings": [f.as_dict() for f in found]}
+        report["compare"] = {"other": args.compare, "values": args.values,
+                             "findings": [f.as_dict() for f in found]}
         problems += len(found)
     report["problems"] = problems
     return (1 if problems else 0), report, text

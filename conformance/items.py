@@ -3,12 +3,13 @@
 Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4``, so ``-k``,
 ``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
 runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
-matrix runs on.  Each cell attaches its report record (a :class:`~conformance.record.CellRecord`).  The
-session hands every item a :class:`CellContext` when it collects them: what a cell needs of the session,
-so an item never looks the session up (and this module never imports it).  A cell stopped by Ctrl-C or
-SIGTERM hands its record, status ``interrupted``, to the context's ``interrupted`` list: pytest makes no
-report for it.  A save that fails for want of disk space or permission is an ``error`` whose
-first line says where, how much space was free and on which rank (:func:`conformance.saves.disk_problem`).
+matrix runs on.  Each cell attaches its report record (a :class:`~conformance.record.CellRecord`).
+The session hands every item a :class:`CellContext` when it collects them: what a cell needs of the
+session, so an item never looks the session up (and this module never imports it).  A cell stopped
+by Ctrl-C or SIGTERM hands its record, status ``interrupted``, to the context's ``interrupted``
+list: pytest makes no report for it.  A save that fails for want of disk space or permission is an
+``error`` whose first line says where, how much space was free and on which rank
+(:func:`conformance.saves.disk_problem`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class CellContext:
     """What every cell item needs of its session, handed to it at collection."""
 
     world_size: int
-    #: the backend the cells run on (``auto`` resolved), asked for when the first record is finished.
+    #: the backend the cells run on (``auto`` resolved), asked for when the first record is
+    #: finished.
     backend_used: Callable[[], str]
     #: checkpoint cells: the shared saves, what ``check_adapter`` resolved, ``--moe-ep-expert-key``.
     saves: Saves | None = None
@@ -61,7 +63,8 @@ class CellContext:
     expert_keys: tuple[str, ...] = ()
     #: the record of a cell stopped by Ctrl-C or SIGTERM (pytest makes no report for it).
     interrupted: list[dict[str, Any]] = field(default_factory=list)
-    #: the last cell whose setup report passed: a SIGTERM can land after it and before its run begins.
+    #: the last cell whose setup report passed: a SIGTERM can land after it and before its run
+    #: begins.
     running: MatrixItem | None = None
     #: the session's expectations (``None``: every red cell fails the session, as without a file).
     baseline: Baseline | None = None
@@ -72,7 +75,8 @@ class CellFailed(Exception):
 
 
 class CellError(Exception):
-    """A cell could not run to its checks: the engine's structured failure, shown as the cell's story."""
+    """A cell could not run to its checks: the engine's structured failure, shown as the cell's
+    story."""
 
     def __init__(self, error: WorldError, lead: str = "") -> None:
         super().__init__(error.cause)
@@ -80,7 +84,8 @@ class CellError(Exception):
 
 
 def _torch_version() -> str:
-    """The torch the ranks run (this interpreter's), from its metadata: the controller need not import torch."""
+    """The torch the ranks run (this interpreter's), from its metadata: the controller need not
+    import torch."""
     from importlib import metadata
 
     try:
@@ -108,12 +113,14 @@ class MatrixItem(pytest.Item):
         self.context = context
         self.record = CellRecord(self.nodeid, suite, adapter, adapter_version, fields)
         self.na = na
-        #: what the machine got wrong (a full disk): the cell is an ``error``, whatever the ranks raised.
+        #: what the machine got wrong (a full disk): the cell is an ``error``, whatever the ranks
+        #: raised.
         self.environment_problem = ""
 
     def interrupt_if_unfinished(self) -> None:
-        """The session was interrupted after this cell's setup passed: if its run had not begun (the signal landed
-        between the two), its record is ``interrupted`` too, as the ``--from-log`` rebuild says."""
+        """The session was interrupted after this cell's setup passed: if its run had not begun (the
+        signal landed between the two), its record is ``interrupted`` too, as the ``--from-log``
+        rebuild says."""
         if not self.record.status:
             self._interrupted("interrupted before its run began", time.perf_counter())
 
@@ -128,7 +135,8 @@ class MatrixItem(pytest.Item):
         return judgement
 
     def _judge(self) -> Judgement | None:
-        """The finished cell against the session's expectations (``None`` without any, or for n/a)."""
+        """The finished cell against the session's expectations (``None`` without any, or for
+        n/a)."""
         got = judged_outcome({"status": self.record.status, "finding": self.record.finding})
         baseline = self.context.baseline
         if got is None:
@@ -142,7 +150,8 @@ class MatrixItem(pytest.Item):
 
     def _attach(self) -> None:
         """The record, with where it ran, on the item's reports."""
-        self.record.environment = environment(_torch_version(), self.world_size, self.context.backend_used())
+        self.record.environment = environment(_torch_version(), self.world_size,
+                                              self.context.backend_used())
         self.user_properties.append((RECORD, json.dumps(self.record.to_dict())))
 
     def runtest(self) -> None:
@@ -160,9 +169,10 @@ class MatrixItem(pytest.Item):
             judgement = self._conclude(found, started)
             self._settle(judgement, CellError(exc, headline(found.findings)))
             return
-        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
-            self._interrupted(f"interrupted while running: {type(exc).__name__}: {exc}".rstrip(": "),
-                              started)
+        # Ctrl-C, or SIGTERM (pytest_moe_ep.signals): no report follows
+        except KeyboardInterrupt as exc:
+            self._interrupted(f"interrupted while running: {type(exc).__name__}: "
+                              f"{exc}".rstrip(": "), started)
             raise
         except BaseException as exc:  # the harness's own failure in this process
             text = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -175,7 +185,8 @@ class MatrixItem(pytest.Item):
         self._settle(judgement, CellFailed(found.detail) if found.status == "fail" else None)
 
     def _conclude(self, found: CellOutcome, started: float) -> Judgement | None:
-        """The record of a cell that ran: its outcome, then its judgement against the expectations."""
+        """The record of a cell that ran: its outcome, then its judgement against the
+        expectations."""
         record = self.record
         record.findings = found.findings or None
         record.problems = found.problems or None
@@ -184,8 +195,9 @@ class MatrixItem(pytest.Item):
         return self._finish(found.status, found.detail, started)
 
     def _settle(self, judgement: Judgement | None, failure: BaseException | None) -> None:
-        """End the item as its outcome and expectation say: a met red cell is xfailed with the expectation's
-        reason; an unmet expectation fails, leading with what was expected and what came back."""
+        """End the item as its outcome and expectation say: a met red cell is xfailed with the
+        expectation's reason; an unmet expectation fails, leading with what was expected and what
+        came back."""
         if judgement is None or judgement.met:
             if failure is None:  # green, or (an update run) green where the file said red
                 return
@@ -204,7 +216,8 @@ class MatrixItem(pytest.Item):
         if isinstance(excinfo.value, CellFailed):
             return self._with_problems(str(excinfo.value))
         if isinstance(excinfo.value, CellError):
-            return self._with_problems(f"{excinfo.value.lead} {excinfo.value.error.report()}".lstrip())
+            return self._with_problems(f"{excinfo.value.lead} "
+                                       f"{excinfo.value.error.report()}".lstrip())
         return super().repr_failure(excinfo)
 
     def _with_problems(self, text: str) -> str:
@@ -213,7 +226,8 @@ class MatrixItem(pytest.Item):
         if self.config.get_verbosity() < 1 or not problems:
             return text
         lines = [f"  [{p.get('finding', '')}] [{p.get('check', '')}] {p.get('text', '')}"
-                 + (f" (raised at {p['raised_at']})" if p.get("raised_at") else "") for p in problems]
+                 + (f" (raised at {p['raised_at']})" if p.get("raised_at") else "")
+                 for p in problems]
         return "\n".join([text, f"every problem of this cell ({len(problems)}):", *lines])
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
@@ -230,18 +244,21 @@ class MatrixItem(pytest.Item):
 
 class CheckpointCellItem(MatrixItem):
     def __init__(self, *, cell: Cell, adapter: Any, base: Spec, **kwargs: Any) -> None:
-        super().__init__(suite="checkpoint", adapter=adapter.name, adapter_version=str(adapter.version),
+        super().__init__(suite="checkpoint", adapter=adapter.name,
+                         adapter_version=str(adapter.version),
                          fields=cell.record(), na=cell.na, **kwargs)
         self.cell, self.adapter, self.base = cell, adapter, base
         self.extra_keyword_matches.update(cell.keywords())
 
     def check(self) -> CellOutcome:
         saves, members = self.context.saves, self.context.members
-        assert saves is not None and members is not None, "checkpoint cells come with the session's saves"
+        assert saves is not None and members is not None, ("checkpoint cells come with the "
+                                                           "session's saves")
         plan = saves.plan(self.cell, self.context.expert_keys)
         ok = False
         try:
-            result = call_on_world(self, RUN_CELL, (self.adapter, self.cell, self.base, plan, members), {},
+            result = call_on_world(self, RUN_CELL,
+                                   (self.adapter, self.cell, self.base, plan, members), {},
                                    world_size=self.world_size, backend=self.backend)
             ok = True
         except WorldError as exc:  # measured before finished() removes the partial save
@@ -255,19 +272,24 @@ class CheckpointCellItem(MatrixItem):
         verdicts: list[RankVerdict] = result.values
         phases = [k for k in ("build", "save", "inspect", "load", "adapter", "total")
                   if any(k in v.timings for v in verdicts)]
-        self.record.timings = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4) for k in phases}
+        self.record.timings = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4)
+                               for k in phases}
         self.record.shared_save = not plan.save
-        self.record.skipped_checks = dict(sorted({k: v for r in verdicts for k, v in r.skipped.items()}.items()))
-        return checkpoint_outcome(self.cell, verdicts, f"{self.adapter.name} {self.adapter.version}")
+        self.record.skipped_checks = dict(sorted({k: v for r in verdicts
+                                                  for k, v in r.skipped.items()}.items()))
+        return checkpoint_outcome(self.cell, verdicts,
+                                  f"{self.adapter.name} {self.adapter.version}")
 
 
 class FunctionsCellItem(MatrixItem):
     def __init__(self, *, cell: Any, module: str, na: str = "", **kwargs: Any) -> None:
-        fields = {"function": "*", "num_experts": [], "ep": cell.k, "mesh": cell.mesh, "placements": cell.placements}
-        super().__init__(suite="functions", adapter=module, adapter_version=installed_version(module),
-                         fields=fields, na=na, **kwargs)
+        fields = {"function": "*", "num_experts": [], "ep": cell.k, "mesh": cell.mesh,
+                  "placements": cell.placements}
+        super().__init__(suite="functions", adapter=module,
+                         adapter_version=installed_version(module), fields=fields, na=na, **kwargs)
         self.cell, self.module = cell, module
-        #: one report record per function, attached once the cell is judged (they carry its expectation).
+        #: one report record per function, attached once the cell is judged (they carry its
+        #: expectation).
         self.function_records: list[dict[str, Any]] = []
 
     def check(self) -> CellOutcome:
@@ -277,28 +299,35 @@ class FunctionsCellItem(MatrixItem):
                                world_size=self.cell.world_size, backend=self.backend)
         records = merge_rank_records(result.values)
         self.function_records = [function_record(self.record, r, _torch_version()) for r in records]
-        self.record.fields["num_experts"] = sorted({e for r in records for e in r.get("num_experts", [])})
+        self.record.fields["num_experts"] = sorted({e for r in records
+                                                    for e in r.get("num_experts", [])})
         return functions_outcome(self.cell, records)
 
     def _finish(self, status: str, detail: str, started: float) -> Judgement | None:
         # The per-function records carry the report; the item's own record is dropped from it.
         self.record.finish(status, detail, time.perf_counter() - started)
         judgement = self._judge()
-        for r in self.function_records:  # one record per function; the item's own record summarises them
-            self.user_properties.append((RECORD, json.dumps({**r, **(self.record.expectation or {})})))
+        # one record per function; the item's own record summarises them
+        for r in self.function_records:
+            self.user_properties.append((RECORD,
+                                         json.dumps({**r, **(self.record.expectation or {})})))
         if status in ("n/a", "error", INTERRUPTED):
             self._attach()
         return judgement
 
 
-def collect_items(parent: pytest.Collector, context: CellContext, *, adapter: Any, cells: list[Cell],
+def collect_items(parent: pytest.Collector, context: CellContext, *, adapter: Any,
+                  cells: list[Cell],
                   functions: Any, functions_cells: list[Any]) -> Iterator[MatrixItem]:
-    """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it is n/a)."""
+    """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it
+    is n/a)."""
     if adapter is not None:
-        for cell in sorted(cells, key=lambda cell: cell.save_key):  # the loads of one save run one after another
-            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, context=context, cell=cell,
-                                                 adapter=adapter, base=Spec())
+        # the loads of one save run one after another
+        for cell in sorted(cells, key=lambda cell: cell.save_key):
+            yield CheckpointCellItem.from_parent(parent, name=cell.node_name, context=context,
+                                                 cell=cell, adapter=adapter, base=Spec())
     if functions is not None:
         for fcell in functions_cells:
-            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, context=context, cell=fcell,
+            yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, context=context,
+                                                cell=fcell,
                                                 module=functions.module, na=functions.na)

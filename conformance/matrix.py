@@ -12,13 +12,13 @@ Tiers (``--moe-ep-matrix=TIER``):
 
 - ``full``: the whole cross product of those dimensions (release reports);
 - ``default``: a deterministic covering subset that covers by what a cell tests (:func:`covering`):
-  pairs among the cells that compare values, uneven splits at ep > 1 and optimizer state through every
-  layout family; legacy cells, which end at the refusal, are their own stratum;
+  pairs among the cells that compare values, uneven splits at ep > 1 and optimizer state through
+  every layout family; legacy cells, which end at the refusal, are their own stratum;
 - ``1,2,4`` (EP degrees): the plain layouts at those degrees, in the adapter's (first) EP-group
   order: same-kind cells for every state, FSDP mode and EP pair at the first expert count; each kind
-  loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven (with FSDP2
-  for a framework that composes EP only with it); and legacy cells -- the shape adapters' own tests pin cell by
-  cell.
+  loaded as the other (model+optimizer, EP only); the other expert counts where they are uneven
+  (with FSDP2 for a framework that composes EP only with it); and legacy cells -- the shape
+  adapters' own tests pin cell by cell.
 
 A cell the adapter's capabilities rule out stays in the matrix as ``n/a`` with the reason -- nothing
 is silently dropped.
@@ -37,15 +37,17 @@ from conformance.layout import ParallelLayout
 from reference_impl.layout import UNEVEN_CLASSES, uneven_classes
 
 #: (saved as, loaded as) for every layer-kind combination a cell can test.
-KIND_PAIRS = (("packed", "packed"), ("unpacked", "unpacked"), ("packed", "unpacked"), ("unpacked", "packed"),
-              ("fused", "fused"))
-#: the multi-token-prediction layers a cell with pipeline stages builds for an adapter that has them.
+KIND_PAIRS = (("packed", "packed"), ("unpacked", "unpacked"), ("packed", "unpacked"),
+              ("unpacked", "packed"), ("fused", "fused"))
+#: the multi-token-prediction layers a cell with pipeline stages builds for an adapter that has
+#: them.
 MTP_LAYERS = 1
 STATES = ("model", "model+optim")
 #: the expert count node ids leave unnamed (the matrix's first even count).
 PLAIN_EXPERTS = 4
-#: the layers a cell with pipeline stages on either side builds: 3 over 2 stages is the uneven split (2, 1), where a
-#: stage map off by one shows itself (the stage rule puts layers 0-1 on stage 0 and layer 2 on stage 1).
+#: the layers a cell with pipeline stages on either side builds: 3 over 2 stages is the uneven split
+#: (2, 1), where a stage map off by one shows itself (the stage rule puts layers 0-1 on stage 0 and
+#: layer 2 on stage 1).
 PIPELINE_LAYERS = 3
 OPTIMIZER_STEPS = 2
 
@@ -66,15 +68,16 @@ class Cell:
     legacy: bool = False
     #: why the cell does not apply to this adapter; empty when it runs.
     na: str = ""
-    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers: the cells with pipeline
-    #: stages and optimizer state, where every part of an MTP layer's state moves (its weights, its moments,
-    #: the stage it sits on) -- an MTP layer in every cell with stages cost the default tier a tenth of its
-    #: time for nothing more.
+    #: whether both sides build :data:`MTP_LAYERS` multi-token-prediction layers: the cells with
+    #: pipeline stages and optimizer state, where every part of an MTP layer's state moves (its
+    #: weights, its moments, the stage it sits on) -- an MTP layer in every cell with stages cost
+    #: the default tier a tenth of its time for nothing more.
     mtp: bool = False
 
     @property
     def kind(self) -> str:
-        return self.save_kind if self.save_kind == self.load_kind else f"{self.save_kind}->{self.load_kind}"
+        return (self.save_kind if self.save_kind == self.load_kind
+                else f"{self.save_kind}->{self.load_kind}")
 
     @property
     def save_ep(self) -> int:
@@ -91,17 +94,19 @@ class Cell:
 
     @property
     def node_name(self) -> str:
-        """The readable part of the node id, e.g. ``checkpoint::unpacked::model+optim::fsdp::ep2c->ep4``."""
+        """The readable part of the node id, e.g.
+        ``checkpoint::unpacked::model+optim::fsdp::ep2c->ep4``."""
         pair = f"{self.save.fragment}->{self.load.fragment}"
         experts = [] if self.num_experts == PLAIN_EXPERTS else [f"E{self.num_experts}"]
         if self.legacy:
             return "::".join(["checkpoint", "legacy", self.kind, *experts, pair])
         mtp = ["mtp"] if self.mtp else []
-        return "::".join(["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only", *mtp,
-                          *experts, pair])
+        return "::".join(["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only",
+                          *mtp, *experts, pair])
 
     def keywords(self) -> set[str]:
-        """``-k`` keywords (``-k`` cannot contain ``>``): each side's degrees, prefixed and plain."""
+        """``-k`` keywords (``-k`` cannot contain ``>``): each side's degrees, prefixed and
+        plain."""
         words = {f"save_ep{self.save.ep}", f"load_ep{self.load.ep}", f"E{self.num_experts}",
                  f"kind_{self.kind}" if self.save_kind == self.load_kind else
                  f"cross_{self.save_kind}_to_{self.load_kind}"}
@@ -112,17 +117,20 @@ class Cell:
     def spec(self, base: Spec, side: str) -> Spec:
         """The model a side builds: the side's kind and layout, steps only with the optimizer."""
         steps = OPTIMIZER_STEPS if self.state == "model+optim" else 0
-        kind, layout = (self.save_kind, self.save) if side == "save" else (self.load_kind, self.load)
+        kind, layout = (self.save_kind,
+                        self.save) if side == "save" else (self.load_kind, self.load)
         layers = max(base.num_layers, PIPELINE_LAYERS) if self.pipeline else base.num_layers
-        return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps, fsdp=self.fsdp,
+        return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps,
+                       fsdp=self.fsdp,
                        layout=layout, num_layers=layers, mtp_layers=MTP_LAYERS if self.mtp else 0)
 
     @property
     def save_key(self) -> tuple[object, ...]:
-        """What the checkpoint this cell loads is a pure function of: cells with one key share one save
-        (:mod:`conformance.saves`), and the covering counts that save once (:func:`covering`)."""
-        return (self.save_kind, self.state, self.fsdp, self.save, self.num_experts, self.legacy, self.pipeline,
-                self.mtp)
+        """What the checkpoint this cell loads is a pure function of: cells with one key share one
+        save (:mod:`conformance.saves`), and the covering counts that save once
+        (:func:`covering`)."""
+        return (self.save_kind, self.state, self.fsdp, self.save, self.num_experts, self.legacy,
+                self.pipeline, self.mtp)
 
     def record(self) -> dict[str, object]:
         """The cell's fields in the report."""
@@ -135,7 +143,8 @@ class Cell:
 # -- applicability ---------------------------------------------------------------------------------
 def _layout_na(layout: ParallelLayout, caps: Capabilities) -> str:
     if layout.pp not in caps.pp:
-        supported = f"pp in {', '.join(map(str, caps.pp))}" if len(caps.pp) > 1 else "no pipeline parallelism"
+        supported = (f"pp in {', '.join(map(str, caps.pp))}" if len(caps.pp) > 1
+                     else "no pipeline parallelism")
         return f"adapter supports {supported}, not pp={layout.pp}"
     if layout.ep > caps.max_ep:
         return f"adapter supports ep up to {caps.max_ep}"
@@ -154,7 +163,8 @@ def why_not(cell: Cell, caps: Capabilities) -> str:
         if kind not in caps.kinds:
             return f"adapter supports layer kinds {', '.join(caps.kinds)}, not {kind}"
     if cell.save_kind != cell.load_kind and not caps.cross_kind:
-        return "adapter does not declare cross_kind (loading one layer kind's checkpoint into the other)"
+        return ("adapter does not declare cross_kind (loading one layer kind's checkpoint into the "
+                "other)")
     if cell.state == "model+optim" and not caps.optimizer:
         return "adapter does not support optimizer state"
     if cell.fsdp and not caps.fsdp:
@@ -171,31 +181,39 @@ def why_not(cell: Cell, caps: Capabilities) -> str:
 
 
 def unwritable_legacy(cell: Cell) -> str:
-    """Why a rank-local (legacy) save cannot be written at all ("" when it can): nothing to refuse then.
+    """Why a rank-local (legacy) save cannot be written at all ("" when it can): nothing to refuse
+    then.
 
-    Under expert TP each EP rank's packed weight is a DTensor over its etp ranks whose global shape is
-    that EP rank's row count; when E % ep != 0 the EP ranks hold different counts under one key, and
-    DCP refuses the global plan of any such save, whichever framework writes it.
+    Under expert TP each EP rank's packed weight is a DTensor over its etp ranks whose global shape
+    is that EP rank's row count; when E % ep != 0 the EP ranks hold different counts under one key,
+    and DCP refuses the global plan of any such save, whichever framework writes it.
     """
-    if cell.legacy and cell.save_kind == "packed" and cell.save.etp > 1 and cell.num_experts % cell.save.ep:
-        return (f"a legacy (rank-local) save cannot be written here: at E={cell.num_experts}, ep={cell.save.ep}, "
-                f"etp={cell.save.etp} the EP ranks hold different numbers of rows under each packed key, and DCP "
-                "refuses the global plan (nothing to refuse on load)")
+    if (cell.legacy and cell.save_kind == "packed" and cell.save.etp > 1
+        and cell.num_experts % cell.save.ep):
+        return (f"a legacy (rank-local) save cannot be written here: at E={cell.num_experts}, "
+                f"ep={cell.save.ep}, etp={cell.save.etp} the EP ranks hold different numbers of "
+                "rows under each packed key, and DCP refuses the global plan (nothing to refuse on "
+                "load)")
     return ""
 
 
 def _valid(cell: Cell) -> bool:
-    """Combinations that are not experiments at all (rather than unsupported ones) are never cells."""
-    if cell.legacy:  # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP, no-stages experiment
-        return (cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp and not cell.pipeline
+    """Combinations that are not experiments at all (rather than unsupported ones) are never
+    cells."""
+    # the lossy save is lossy only at ep > 1, and is a same-kind, no-FSDP, no-stages experiment
+    if cell.legacy:
+        return (cell.save.ep > 1 and cell.save_kind == cell.load_kind and not cell.fsdp
+                and not cell.pipeline
                 and cell.save_kind != "fused")  # (the lossy save is the split forms' own)
-    return cell.fsdp or not (cell.save.hsdp or cell.load.hsdp)  # HSDP is FSDP2 over replicate x shard
+    # HSDP is FSDP2 over replicate x shard
+    return cell.fsdp or not (cell.save.hsdp or cell.load.hsdp)
 
 
 # -- the cells -------------------------------------------------------------------------------------
 def layouts(world_size: int) -> list[ParallelLayout]:
-    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2, and two pipeline
-    stages (pp=2, the outermost dim) over each plain layout of the half world (pp2.ep1 and pp2.ep2 at 4 ranks)."""
+    """The rank layouts of a world: every EP degree, both EP-group orders, HSDP and etp=2 at ep=2,
+    and two pipeline stages (pp=2, the outermost dim) over each plain layout of the half world
+    (pp2.ep1 and pp2.ep2 at 4 ranks)."""
     found = _stage_layouts(world_size)
     if world_size % 2 == 0 and world_size >= 4:
         found += [replace(layout, pp=2) for layout in _stage_layouts(world_size // 2)
@@ -234,17 +252,18 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
 
 def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_order: str,
             uneven_fsdp: bool = False, kinds: tuple[str, ...] = KINDS) -> list[Cell]:
-    """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order; ``uneven_fsdp``: the uneven
-    cells with FSDP2 (for a framework that composes EP only with FSDP, whose EP-only cells are all n/a); ``kinds``:
-    the layer kinds it has cells of."""
+    """The ``--moe-ep-matrix=1,2,4`` shape (see the module docstring), in a fixed order;
+    ``uneven_fsdp``: the uneven cells with FSDP2 (for a framework that composes EP only with FSDP,
+    whose EP-only cells are all n/a); ``kinds``: the layer kinds it has cells of."""
     plain = [ParallelLayout.for_world(world_size, ep, ep_order=ep_order) for ep in eps]
     pairs = [(s, t) for s in plain for t in plain]
     first, *others = num_experts
     cells = [Cell(kind, kind, state, fsdp, s, t, first) for kind in kinds for state in STATES
              for fsdp in (False, True) for s, t in pairs]
-    cells += [Cell(a, b, "model+optim", False, s, t, first) for a, b in KIND_PAIRS if a != b for s, t in pairs]
-    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others for kind in kinds
-              for s, t in pairs if e % s.ep or e % t.ep]
+    cells += [Cell(a, b, "model+optim", False, s, t, first) for a, b in KIND_PAIRS if a != b
+              for s, t in pairs]
+    cells += [Cell(kind, kind, "model+optim", uneven_fsdp, s, t, e) for e in others
+              for kind in kinds for s, t in pairs if e % s.ep or e % t.ep]
     wide = [layout for layout in plain if layout.ep > 1]
     if wide:
         cells += [Cell(kind, kind, "model+optim", False, wide[0], t, first, legacy=True)
@@ -253,7 +272,8 @@ def ep_tier(world_size: int, eps: list[int], num_experts: tuple[int, ...], ep_or
 
 
 def _family(layout: ParallelLayout) -> str | None:
-    """A layout's family for the interactions the tier must reach (None: ep=1 or ep=world, no family)."""
+    """A layout's family for the interactions the tier must reach (None: ep=1 or ep=world, no
+    family)."""
     if layout.etp > 1:
         return "etp"
     if layout.hsdp:
@@ -274,44 +294,56 @@ def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     if "fused" in (cell.save_kind, cell.load_kind):
         return _fused_pairs(cell)
     if cell.legacy:  # state and FSDP are fixed for legacy cells; their pairs are their own stratum
-        values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("E", cell.num_experts)]
-        found: set[tuple[object, ...]] = {("legacy", a, b) for a, b in itertools.combinations(values, 2)
+        values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind),
+                  ("E", cell.num_experts)]
+        found: set[tuple[object, ...]] = {("legacy", a, b)
+                                          for a, b in itertools.combinations(values, 2)
                                           if (a[0], b[0]) != ("save", "load")}
         found.add(("legacy", "ep pair", cell.kind, cell.save.ep, cell.load.ep))
         return found
     values = [("save", cell.save), ("load", cell.load), ("kind", cell.kind), ("state", cell.state),
               ("fsdp", cell.fsdp), ("E", cell.num_experts)]
     found = {(a, b) for a, b in itertools.combinations(values, 2)}
-    if cell.pipeline:  # not every pair of layouts: each stage change with each EP change (Megatron-LM
+    # not every pair of layouts: each stage change with each EP change (Megatron-LM
+    if cell.pipeline:
         # issue 1517's pp2.ep1 -> pp1.ep2 and back), each stage layout with each other value
         found.discard((values[0], values[1]))
         found.add(("pp change", cell.save.pp, cell.load.pp, _ep_change(cell.save.ep, cell.load.ep)))
-        if cell.save.pp != cell.load.pp and cell.save.pp * cell.save.ep == cell.load.pp * cell.load.ep:
+        if (cell.save.pp != cell.load.pp
+            and cell.save.pp * cell.save.ep == cell.load.pp * cell.load.ep):
             found.add(("stages traded for EP ranks", cell.save.fragment, cell.load.fragment))
     found.add(("ep pair", cell.kind, cell.save.ep, cell.load.ep))
     for side, layout in (("save", cell.save), ("load", cell.load)):
-        if _uneven(cell, layout):  # an uneven split at this degree, on this side, for this kind, and each class
-            found.add(("uneven", cell.kind, side, layout.ep))  # of split it puts in front of the framework
-            found |= {("uneven", cell.kind, side, name) for name in uneven_classes(cell.num_experts, layout.ep)}
+        # an uneven split at this degree, on this side, for this kind, and each class
+        if _uneven(cell, layout):
+            # of split it puts in front of the framework
+            found.add(("uneven", cell.kind, side, layout.ep))
+            found |= {("uneven", cell.kind, side, name)
+                      for name in uneven_classes(cell.num_experts, layout.ep)}
     if cell.state == "model+optim":  # optimizer state through every layout family and EP change
         families = {_family(cell.save), _family(cell.load)} - {None}
         if cell.save.ep != cell.load.ep:
             families.add(_ep_change(cell.save.ep, cell.load.ep))
         found |= {("optim", family) for family in families}
-        if cell.save.pp > 1 and cell.load.pp > 1:  # stage to stage, into each kind at each stage layout: each rank's
-            found.add(("optim", "stages", cell.load_kind, cell.load.fragment))  # param groups list its stage's own
+        # stage to stage, into each kind at each stage layout: each rank's
+        if cell.save.pp > 1 and cell.load.pp > 1:
+            # param groups list its stage's own
+            found.add(("optim", "stages", cell.load_kind, cell.load.fragment))
     return found
 
 
 def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
     """What a fused cell covers: its own stratum, a few cells, not every pair again.  A fused weight
     differs from a packed one in how its rows are split (each half on its own), so what it must meet
-    is every split: FSDP2 and EP alone, each EP change (same, up, down), FSDP2 across an EP change, each
-    layout family across an EP change (expert TP among them), each state, and an uneven split."""
+    is every split: FSDP2 and EP alone, each EP change (same, up, down), FSDP2 across an EP change,
+    each layout family across an EP change (expert TP among them), each state, and an uneven
+    split."""
     change = _ep_change(cell.save.ep, cell.load.ep)
-    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp), ("fused", change), ("fused", cell.state)}
+    found: set[tuple[object, ...]] = {("fused", "fsdp", cell.fsdp), ("fused", change),
+                                      ("fused", cell.state)}
     if change != "same ep":
-        found |= {("fused", family) for family in (_family(cell.save), _family(cell.load)) if family}
+        found |= {("fused", family) for family in (_family(cell.save), _family(cell.load))
+                  if family}
         if cell.fsdp:
             found.add(("fused", "fsdp across an EP change"))
     if _uneven(cell, cell.save) or _uneven(cell, cell.load):
@@ -320,14 +352,16 @@ def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
 
 
 def cost(cell: Cell) -> tuple[float, float]:
-    """What a cell costs, ``(load side, save side)``, in units of a model-only load at pp=1: the covering's price.
+    """What a cell costs, ``(load side, save side)``, in units of a model-only load at pp=1: the
+    covering's price.
 
-    Measured on the reference adapter (docs/benchmarks.md, 2026-12-04, a fit over three default-tier runs): a save
-    side costs about two loads (its build, the save, the saved state gathered and inspected); optimizer state adds
-    AdamW's steps, with FSDP2 five times as much (DTensor sharding propagation), on each side in proportion to the
-    experts a rank holds there, (1 + 4 / ep) / 5: full at ep=1, 0.4 of it at ep=4 -- at a real expert count the
-    moments of every expert a rank holds are stepped, gathered and compared, and a side at ep=1 made the E=256 tier
-    twice as slow; stages build three layers; a legacy load ends at the refusal.  Only the ratios matter, and they
+    Measured on the reference adapter (docs/benchmarks.md, 2026-12-04, a fit over three default-tier
+    runs): a save side costs about two loads (its build, the save, the saved state gathered and
+    inspected); optimizer state adds AdamW's steps, with FSDP2 five times as much (DTensor sharding
+    propagation), on each side in proportion to the experts a rank holds there, (1 + 4 / ep) / 5:
+    full at ep=1, 0.4 of it at ep=4 -- at a real expert count the moments of every expert a rank
+    holds are stepped, gathered and compared, and a side at ep=1 made the E=256 tier twice as slow;
+    stages build three layers; a legacy load ends at the refusal.  Only the ratios matter, and they
     change which cells are picked, never what the picked cells cover.
     """
     optim = cell.state == "model+optim"
@@ -343,27 +377,31 @@ def cost(cell: Cell) -> tuple[float, float]:
 
 
 def covering(cells: list[Cell]) -> list[Cell]:
-    """A deterministic subset of ``cells`` covering everything any of them covers, at a low :func:`cost`.
+    """A deterministic subset of ``cells`` covering everything any of them covers, at a low
+    :func:`cost`.
 
     What a cell covers is what it tests: a non-legacy cell, each pair of its dimension values (save
-    layout, load layout, kind, state, FSDP, E) and its (kind, save_ep, load_ep); for each side whose EP
-    degree does not divide E, (kind, side, ep) and (kind, side, class) for each uneven class the split reaches
-    (:func:`reference_impl.layout.uneven_classes`); with optimizer state, (kind, family) for each layout
-    family it uses (strided, consecutive, HSDP, ETP) and its EP change (up, down).  A cell with pipeline stages
-    covers its layouts' pairs with the other values but not its pair of layouts: instead its stage change with its
-    EP change, a trade of stages for EP ranks in one world (pp2.ep1 -> ep2), and, with optimizer state saved and
-    loaded with stages, its load kind at its load layout.  A legacy cell ends at
-    the refusal and compares no values, so it covers only legacy pairs: each pair of its save layout,
-    load layout, kind and E, and its (kind, save_ep, load_ep).
+    layout, load layout, kind, state, FSDP, E) and its (kind, save_ep, load_ep); for each side whose
+    EP degree does not divide E, (kind, side, ep) and (kind, side, class) for each uneven class the
+    split reaches (:func:`reference_impl.layout.uneven_classes`); with optimizer state, (kind,
+    family) for each layout family it uses (strided, consecutive, HSDP, ETP) and its EP change (up,
+    down).  A cell with pipeline stages covers its layouts' pairs with the other values but not its
+    pair of layouts: instead its stage change with its EP change, a trade of stages for EP ranks in
+    one world (pp2.ep1 -> ep2), and, with optimizer state saved and loaded with stages, its load
+    kind at its load layout.  A legacy cell ends at the refusal and compares no values, so it covers
+    only legacy pairs: each pair of its save layout, load layout, kind and E, and its (kind,
+    save_ep, load_ep).
 
-    The weighted greedy set cover: each pick is the cell that covers the most not yet covered per unit of what it
-    adds to the run (its load, and its save unless a picked cell already writes that checkpoint: one save feeds
-    every load of it); then each pick whose coverage the others hold is dropped, the costliest first.
+    The weighted greedy set cover: each pick is the cell that covers the most not yet covered per
+    unit of what it adds to the run (its load, and its save unless a picked cell already writes that
+    checkpoint: one save feeds every load of it); then each pick whose coverage the others hold is
+    dropped, the costliest first.
     """
     covers = [_pairs(c) for c in cells]
     wanted = set().union(*covers) if covers else set()
     prices, keys = [cost(c) for c in cells], [c.save_key for c in cells]
-    gains = [len(pairs) for pairs in covers]  # what each cell covers of ``wanted``, kept as ``wanted`` shrinks
+    # what each cell covers of ``wanted``, kept as ``wanted`` shrinks
+    gains = [len(pairs) for pairs in covers]
     holders: dict[tuple[object, ...], list[int]] = {}
     for i, pairs in enumerate(covers):
         for pair in pairs:
@@ -392,32 +430,39 @@ def covering(cells: list[Cell]) -> list[Cell]:
 
 
 def guarantee(tier: str) -> str:
-    """What a tier's green run means, for the report's coverage line (``tier`` as the report names it)."""
+    """What a tier's green run means, for the report's coverage line (``tier`` as the report names
+    it)."""
     if tier == "default":
-        return ("covering what each cell tests: every pair of dimension values among the cells that compare "
-                "values, every (save_ep, load_ep) pair per kind, an uneven split (E % ep != 0) at every ep > 1 and "
-                "each uneven class its expert counts reach on each side for each kind, optimizer state through "
-                "every layout family (strided, consecutive, HSDP, ETP) and EP change (up, down); pipeline stages "
-                "changing with every EP change, traded for EP ranks in one world, and optimizer state stage to stage; "
-                "legacy cells cover the pairs among themselves")
+        return ("covering what each cell tests: every pair of dimension values among the cells "
+                "that compare values, every (save_ep, load_ep) pair per kind, an uneven split (E % "
+                "ep != 0) at every ep > 1 and each uneven class its expert counts reach on each "
+                "side for each kind, optimizer state through every layout family (strided, "
+                "consecutive, HSDP, ETP) and EP change (up, down); pipeline stages changing with "
+                "every EP change, traded for EP ranks in one world, and optimizer state stage to "
+                "stage; legacy cells cover the pairs among themselves")
     if tier == "full":
         return "every cell"
     return "the plain layouts at those EP degrees (see the README's Tiers)"
 
 
 def uneven_reach(records: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
-    """Which uneven classes the value-comparing cells among ``records`` (report records) put in front of the
-    framework, each with where (``"E=5 at ep=4"``): the coverage line says it, so a green tier says which
-    split bugs it could have caught (a tier that never reaches ``mislabel`` cannot catch a silent mislabel)."""
+    """Which uneven classes the value-comparing cells among ``records`` (report records) put in
+    front of the framework, each with where (``"E=5 at ep=4"``): the coverage line says it, so a
+    green tier says which split bugs it could have caught (a tier that never reaches ``mislabel``
+    cannot catch a silent mislabel)."""
     found: dict[str, set[tuple[int, int]]] = {}
     for r in records:
-        experts, eps = r.get("num_experts"), {ep for ep in (r.get("save_ep"), r.get("load_ep")) if isinstance(ep, int)}
-        if r.get("suite") != "checkpoint" or r.get("legacy") or r.get("status") == "n/a" or not experts:
-            continue  # (a record without its layout -- an older report's -- reaches nothing we can name)
+        experts, eps = r.get("num_experts"), {ep for ep in (r.get("save_ep"), r.get("load_ep"))
+                                              if isinstance(ep, int)}
+        if (r.get("suite") != "checkpoint" or r.get("legacy") or r.get("status") == "n/a"
+            or not experts):
+            # (a record without its layout -- an older report's -- reaches nothing we can name)
+            continue
         for ep in eps:
             for name in uneven_classes(experts, ep) if experts % ep else ():
                 found.setdefault(name, set()).add((experts, ep))
-    return {name: [f"E={e} at ep={ep}" for e, ep in sorted(found[name])] for name in UNEVEN_CLASSES if name in found}
+    return {name: [f"E={e} at ep={ep}" for e, ep in sorted(found[name])] for name in UNEVEN_CLASSES
+            if name in found}
 
 
 def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None]:
@@ -427,25 +472,28 @@ def parse_tier(text: str | None, world_size: int) -> tuple[str, list[int] | None
     try:
         eps = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError as exc:
-        raise MatrixError(f"--moe-ep-matrix takes default, full or comma-separated EP degrees such as 1,2,4; "
-                          f"got {text!r}") from exc
+        raise MatrixError("--moe-ep-matrix takes default, full or comma-separated EP degrees such "
+                          f"as 1,2,4; got {text!r}") from exc
     divisors = [ep for ep in range(1, world_size + 1) if world_size % ep == 0]
     bad = [ep for ep in eps if ep not in divisors]
     if bad or not eps:
-        raise MatrixError(f"EP degrees {bad or eps} do not divide the world size {world_size}; choose from {divisors}")
+        raise MatrixError(f"EP degrees {bad or eps} do not divide the world size {world_size}; "
+                          f"choose from {divisors}")
     return "eps", eps
 
 
-def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None] | None, world_size: int,
+def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None] | None,
+                     world_size: int,
                      num_experts: tuple[int, ...], *, has_legacy: bool = True) -> list[Cell]:
-    """The cells of ``tier`` (as given, or as :func:`parse_tier` parsed it) for an adapter with ``caps``, each with
-    its n/a reason (if any)."""
+    """The cells of ``tier`` (as given, or as :func:`parse_tier` parsed it) for an adapter with
+    ``caps``, each with its n/a reason (if any)."""
     name, eps = tier if isinstance(tier, tuple) else parse_tier(tier, world_size)
     if eps is None:
         everything = full_product(world_size, num_experts)
     else:
-        # the fused form is the newest kind: an adapter without it gets no fused cells here (its default tier
-        # names the reason once), where the split forms' cells it lacks are listed n/a as they always were
+        # the fused form is the newest kind: an adapter without it gets no fused cells here (its
+        # default tier names the reason once), where the split forms' cells it lacks are listed n/a
+        # as they always were
         kinds = tuple(k for k in KINDS if k != "fused" or "fused" in caps.kinds)
         everything = ep_tier(world_size, eps, num_experts, "strided" if "strided" in caps.ep_orders
                              else caps.ep_orders[0], uneven_fsdp=not caps.ep_only, kinds=kinds)

@@ -1,11 +1,11 @@
 """How the harness takes an adapter: by name, checked once, its members resolved for the checks.
 
-:func:`load_adapter` finds it (a built-in name or ``module:attr``); :func:`check_adapter` refuses one
-that lacks a required member of the contract (:class:`conformance.adapter.CheckpointAdapter`), has
-malformed optional values or cannot be sent to the rank processes, and returns its :class:`Members`:
-plain data the controller resolves once and sends with every cell, so no check probes the adapter
-again.  Every member name comes from the contract's Protocols (:func:`conformance.adapter.members`);
-nothing here lists one.
+:func:`load_adapter` finds it (a built-in name or ``module:attr``); :func:`check_adapter` refuses
+one that lacks a required member of the contract (:class:`conformance.adapter.CheckpointAdapter`),
+has malformed optional values or cannot be sent to the rank processes, and returns its
+:class:`Members`: plain data the controller resolves once and sends with every cell, so no check
+probes the adapter again.  Every member name comes from the contract's Protocols
+(:func:`conformance.adapter.members`); nothing here lists one.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def capabilities_of(adapter: Any) -> Capabilities:
     orders = tuple(get("ep_orders", ("strided",)))
     bad = [o for o in orders if o not in EP_ORDERS]
     if bad or not orders:
-        raise AdapterError(f"adapter capabilities.ep_orders must list {' and/or '.join(EP_ORDERS)}, "
-                           f"got {orders!r}")
+        raise AdapterError("adapter capabilities.ep_orders must list "
+                           f"{' and/or '.join(EP_ORDERS)}, got {orders!r}")
     stages = tuple(get("pp", (1,)))
     if (not stages or 1 not in stages
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stages)):
@@ -79,7 +79,8 @@ def capabilities_of(adapter: Any) -> Capabilities:
 
 
 def missing_members(adapter: Any) -> list[str]:
-    """Required members the adapter lacks (callables must be callable), capability fields included."""
+    """Required members the adapter lacks (callables must be callable), capability fields
+    included."""
     values, callables = _required()
     missing = [m for m in (*values, *callables) if not hasattr(adapter, m)]
     missing += [m for m in callables if hasattr(adapter, m) and not callable(getattr(adapter, m))]
@@ -103,7 +104,8 @@ def load_adapter(spec: str) -> Any:
     module_name, attr = target.split(":", 1)
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # an adapter module failing to import is the user's to see, whatever it raised
+    # an adapter module failing to import is the user's to see, whatever it raised
+    except Exception as exc:
         raise AdapterError(f"cannot import adapter module {module_name!r} (from {spec!r}): "
                            f"{type(exc).__name__}: {exc}") from exc
     try:
@@ -120,8 +122,8 @@ def load_adapter(spec: str) -> Any:
 class Members:
     """What :func:`check_adapter` found an adapter to have, resolved once: its capabilities, which
     optional callables it has and its optional values.  The checks read this instead of probing the
-    adapter; they still call the members on the adapter itself (so a wrapper around it sees each call).
-    Plain data: it travels to the ranks with the cell."""
+    adapter; they still call the members on the adapter itself (so a wrapper around it sees each
+    call). Plain data: it travels to the ranks with the cell."""
 
     #: ``module.qualname`` of the adapter's class: what the ranks keep its ground truths under.
     of: str
@@ -132,8 +134,8 @@ class Members:
     values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def has(self, member: str) -> bool:
-        """Whether the adapter has the optional callable ``member`` (a name outside the contract is a
-        harness bug, not a missing member)."""
+        """Whether the adapter has the optional callable ``member`` (a name outside the contract is
+        a harness bug, not a missing member)."""
         if member not in _optional()[1]:
             raise KeyError(f"{member!r} is no optional callable of the adapter contract")
         return member in self.callables
@@ -148,8 +150,8 @@ class Members:
         """Why the checkpoint check cannot read this adapter's checkpoints ("" when it can)."""
         if self.capabilities.format == "dcp" or self.has("read_checkpoint"):
             return ""
-        return (f"the adapter's checkpoint format ({self.capabilities.format}) is not DCP and it has "
-                "no read_checkpoint(path)")
+        return (f"the adapter's checkpoint format ({self.capabilities.format}) is not DCP and it "
+                "has no read_checkpoint(path)")
 
 
 def members_of(adapter: Any) -> Members:
@@ -200,8 +202,8 @@ class Built(NamedTuple):
 
     @property
     def extra(self) -> dict[str, Any]:
-        """The keyword arguments ``save``/``load``/``step``/``scalars`` of this model get: ``state=``
-        (the contract's name for the training state) if any."""
+        """The keyword arguments ``save``/``load``/``step``/``scalars`` of this model get:
+        ``state=`` (the contract's name for the training state) if any."""
         return {} if self.training_state is None else {"state": self.training_state}
 
 

@@ -1,11 +1,11 @@
 """A cell's outcome as every report shows it: one word, what counts as red, what counts as expected.
 
-A finished record (:class:`~conformance.record.CellRecord`) has a pytest-facing ``status`` (``pass``,
-``fail``, ``error``, ``n/a``, ``interrupted``) and, when it is red, its ``findings`` worst first
-(:mod:`conformance.findings`).  What a person reads is neither alone: a framework's loud refusal is
-an ``error`` to pytest (the cell could not run its checks) and ``refused`` to a release page.  So
-every consumer -- the terminal, the Markdown, HTML and JSON reports, expectations, the status table
--- asks this module, and shows :func:`outcome`, never the status word:
+A finished record (:class:`~conformance.record.CellRecord`) has a pytest-facing ``status``
+(``pass``, ``fail``, ``error``, ``n/a``, ``interrupted``) and, when it is red, its ``findings``
+worst first (:mod:`conformance.findings`).  What a person reads is neither alone: a framework's loud
+refusal is an ``error`` to pytest (the cell could not run its checks) and ``refused`` to a release
+page.  So every consumer -- the terminal, the Markdown, HTML and JSON reports, expectations, the
+status table -- asks this module, and shows :func:`outcome`, never the status word:
 
 ``pass``, ``silent``, ``on-disk``, ``refused``, ``error``, ``n/a``, ``interrupted``
 
@@ -42,12 +42,14 @@ if TYPE_CHECKING:
 
 #: a cell that does not apply to the adapter, and one that was running when the session was stopped.
 NA, INTERRUPTED = "n/a", "interrupted"
-#: every outcome a report shows, in the order it lists them: green, the findings worst first, the rest.
+#: every outcome a report shows, in the order it lists them: green, the findings worst first, the
+#: rest.
 OUTCOMES = (PASS, *FINDINGS, NA, INTERRUPTED)
-#: the statuses of a red cell: its checks found something (``fail``) or it could not run them (``error``).
+#: the statuses of a red cell: its checks found something (``fail``) or it could not run them
+#: (``error``).
 RED_STATUSES = ("fail", "error")
-#: how a red cell stood against the expectations when it was expected (``updated``: the run rewrote the
-#: file, which now expects it).
+#: how a red cell stood against the expectations when it was expected (``updated``: the run rewrote
+#: the file, which now expects it).
 EXPECTED_STATES = ("met", "tolerated", "updated")
 
 
@@ -57,7 +59,8 @@ def is_red(record: Mapping[str, Any]) -> bool:
 
 
 def outcome(record: Mapping[str, Any]) -> str:
-    """The one word a report shows for the cell: ``pass``, its worst finding, ``n/a`` or ``interrupted``."""
+    """The one word a report shows for the cell: ``pass``, its worst finding, ``n/a`` or
+    ``interrupted``."""
     status = record.get("status")
     if status in RED_STATUSES:
         return str(record.get("finding") or ERROR)
@@ -67,7 +70,8 @@ def outcome(record: Mapping[str, Any]) -> str:
 
 
 def judged_outcome(record: Mapping[str, Any]) -> str | None:
-    """The outcome an expectations file speaks of: ``pass`` or a finding; ``None`` for n/a and interrupted."""
+    """The outcome an expectations file speaks of: ``pass`` or a finding; ``None`` for n/a and
+    interrupted."""
     found = outcome(record)
     return None if found in (NA, INTERRUPTED) else found
 
@@ -78,7 +82,8 @@ def is_expected(record: Mapping[str, Any]) -> bool:
 
 
 def outcome_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """Cells counted by :func:`outcome`, every outcome named (``interrupted`` only when there is one)."""
+    """Cells counted by :func:`outcome`, every outcome named (``interrupted`` only when there is
+    one)."""
     counts = Counter(outcome(r) for r in records)
     return {o: counts.get(o, 0) for o in OUTCOMES if o != INTERRUPTED or counts.get(o)}
 
@@ -89,7 +94,7 @@ def expected_line(records: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     return sum(is_expected(r) for r in red), len(red)
 
 
-# -- the outcome of a cell, from what its ranks sent --------------------------------------------------
+# -- the outcome of a cell, from what its ranks sent -----------------------------------------------
 @dataclass
 class CellOutcome:
     """What a finished cell comes to, built here and nowhere else: its status, its findings (worst
@@ -106,10 +111,10 @@ class CellOutcome:
 
 
 def _failure_findings(verdict: RankVerdict) -> list[str]:
-    """What a rank that stopped on an exception found: ``on-disk`` when the checkpoint check had found
-    the save not EP-invariant (whatever raised next); ``refused`` when the framework's code raised in
-    one of its calls, or DCP refused the save's global plan; ``error`` when the adapter's or the
-    harness's code raised, or the framework did not form the cell's layout."""
+    """What a rank that stopped on an exception found: ``on-disk`` when the checkpoint check had
+    found the save not EP-invariant (whatever raised next); ``refused`` when the framework's code
+    raised in one of its calls, or DCP refused the save's global plan; ``error`` when the adapter's
+    or the harness's code raised, or the framework did not form the cell's layout."""
     failure = verdict.failure
     assert failure is not None
     found = []
@@ -128,7 +133,8 @@ def _check_findings(cell: Cell, verdicts: Iterable[RankVerdict]) -> list[str]:
     found = [CHECK_FINDING.get(m.check, ERROR) for v in verdicts for m in v.mismatches]
     found += [CHECK_FINDING.get(p.check, ERROR) for v in verdicts for p in v.problems]
     if cell.legacy and not all(v.refused for v in verdicts):
-        # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised loud
+        # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised
+        # loud
         found.append(ON_DISK)
         if any(v.load_raised for v in verdicts if not v.refused):
             found.append(REFUSED)
@@ -144,7 +150,8 @@ def _problems(verdicts: Iterable[RankVerdict]) -> list[dict[str, Any]]:
                  "layer": m.layer, "expert": m.expert, "tensor": m.name,
                  "text": f"{m.where()}: {m.problem}"} for m in v.mismatches]
         if v.not_refused and not v.refused:
-            out.append({"check": "refusal", "finding": ON_DISK, "rank": v.rank, "text": v.not_refused})
+            out.append({"check": "refusal", "finding": ON_DISK, "rank": v.rank,
+                        "text": v.not_refused})
     ranks: dict[tuple[str, str], list[int]] = {}
     for v in verdicts:
         for p in v.problems:
@@ -183,7 +190,8 @@ def checkpoint_outcome(cell: Cell, verdicts: list[RankVerdict], adapter: str) ->
 
 
 def rank_verdicts(error: WorldError) -> dict[int, RankVerdict]:
-    """The verdicts the failed ranks sent with their exceptions (a rank that hung or died sent none)."""
+    """The verdicts the failed ranks sent with their exceptions (a rank that hung or died sent
+    none)."""
     return {rank: e.fields[VERDICT] for rank, e in error.errors.items()
             if isinstance(e.fields.get(VERDICT), RankVerdict)}
 
@@ -266,7 +274,8 @@ def functions_outcome(cell: Any, records: list[dict[str, Any]]) -> CellOutcome:
     return CellOutcome("fail", f"{headline([SILENT])} {detail}", [SILENT])
 
 
-#: a functions record's finding by its status: a function that answers wrong without a word is silent.
+#: a functions record's finding by its status: a function that answers wrong without a word is
+#: silent.
 FUNCTION_FINDING = {"fail": SILENT, "error": ERROR}
 
 

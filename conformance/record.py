@@ -1,10 +1,11 @@
-"""A cell's report record: the one type that owns the ``cells`` schema of the report (docs/matrix.md).
+"""A cell's report record: the one type that owns the ``cells`` schema of the report
+(docs/matrix.md).
 
 Each matrix item builds one :class:`CellRecord` and attaches :meth:`CellRecord.to_dict` to its test
 report (:data:`~conformance.report.RECORD`); :mod:`conformance.report` reads the dicts, whether they
-come from this process, an xdist worker or a ``pytest-reportlog`` log.  A functions cell's report is one
-record per function (:func:`function_record`); its own record is kept only when it has no per-function
-records (``n/a``, ``error``, ``interrupted``).
+come from this process, an xdist worker or a ``pytest-reportlog`` log.  A functions cell's report is
+one record per function (:func:`function_record`); its own record is kept only when it has no
+per-function records (``n/a``, ``error``, ``interrupted``).
 """
 
 from __future__ import annotations
@@ -23,24 +24,26 @@ class CellRecord:
     suite: str
     adapter: str
     adapter_version: str
-    #: the cell's own fields: a checkpoint cell's :meth:`~conformance.matrix.Cell.record`; a functions cell's
-    #: ``function``, ``num_experts``, ``ep``, ``mesh``, ``placements``.
+    #: the cell's own fields: a checkpoint cell's :meth:`~conformance.matrix.Cell.record`; a
+    #: functions cell's ``function``, ``num_experts``, ``ep``, ``mesh``, ``placements``.
     fields: dict[str, Any] = field(default_factory=dict)
     status: str = ""
     detail: str = ""
     duration_s: float = 0.0
-    #: a checkpoint cell that ran: the slowest rank's seconds per phase, whether an earlier cell wrote its
-    #: checkpoint, the checks that did not apply and why.
+    #: a checkpoint cell that ran: the slowest rank's seconds per phase, whether an earlier cell
+    #: wrote its checkpoint, the checks that did not apply and why.
     timings: dict[str, float] | None = None
     shared_save: bool | None = None
     skipped_checks: dict[str, str] | None = None
     #: an ``error`` cell: each distinct rank error in full, by rank.
     errors: dict[str, str] | None = None
-    #: the environment, once the cell finished: torch's version, the world size and the backend used.
+    #: the environment, once the cell finished: torch's version, the world size and the backend
+    #: used.
     environment: dict[str, Any] | None = None
     #: a red cell's findings (:mod:`conformance.findings`), worst first; ``finding`` is the first.
     findings: list[str] | None = None
-    #: every problem the cell found, structured (check, finding, rank, layer, expert, tensor, text): no limit.
+    #: every problem the cell found, structured (check, finding, rank, layer, expert, tensor, text):
+    #: no limit.
     problems: list[dict[str, Any]] | None = None
     #: the cell against the expectations file: expected, expected_reason, expected_by, expectation.
     expectation: dict[str, Any] | None = None

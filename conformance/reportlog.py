@@ -11,8 +11,8 @@ into the JSON and Markdown report:
 - the selection and the environment come from the first cell's setup report
   (:data:`~conformance.report.SELECTION`), so the cells not run are listed too;
 - ``incomplete`` is true when the log has no ``SessionFinish`` line (killed: ``log_ends_early``) or
-  the session ended interrupted; a complete log, or one from a pytest-xdist run (the controller writes it), rebuilds
-  the report the run itself wrote, give or take ``created``.
+  the session ended interrupted; a complete log, or one from a pytest-xdist run (the controller
+  writes it), rebuilds the report the run itself wrote, give or take ``created``.
 
 A last line cut mid-write is skipped; so is the tail of a cut ``.gz``/``.bz2``/``.xz`` log.
 """
@@ -51,10 +51,12 @@ class LogContents:
     """What a report log says about the matrix."""
 
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
-    started: dict[str, str] = field(default_factory=dict)  # node id -> when it was last seen ("setup")
+    # node id -> when it was last seen ("setup")
+    started: dict[str, str] = field(default_factory=dict)
     called: set[str] = field(default_factory=set)
     environment: dict[str, Any] = field(default_factory=dict)
-    #: each matrix item's outcome for expectations (:data:`~conformance.report.OUTCOME`): id -> pass or finding.
+    #: each matrix item's outcome for expectations (:data:`~conformance.report.OUTCOME`): id -> pass
+    #: or finding.
     outcomes: dict[str, str] = field(default_factory=dict)
     exitstatus: int | None = None
     lines: int = 0
@@ -110,7 +112,8 @@ def read_log(path: Path) -> LogContents:
 
 
 def rebuild(path: Path, log: LogContents | None = None) -> dict[str, Any]:
-    """The report document for the log at ``path`` (see the module docstring); ``log``: it, already read."""
+    """The report document for the log at ``path`` (see the module docstring); ``log``: it, already
+    read."""
     log = log or read_log(path)
     env = log.environment
     selected = set(env.get("ids") or [])
@@ -128,12 +131,14 @@ def rebuild(path: Path, log: LogContents | None = None) -> dict[str, Any]:
         if not selected and not nodeid.startswith("moe-ep-matrix::"):
             continue
         records.append({"id": nodeid, "status": INTERRUPTED, "detail": why, "duration_s": 0.0,
-                        "adapter": first.get("adapter", ""), "adapter_version": first.get("adapter_version", ""),
+                        "adapter": first.get("adapter", ""),
+                        "adapter_version": first.get("adapter_version", ""),
                         "torch": first.get("torch", "")})
     interrupted = killed or log.exitstatus == INTERRUPTED_STATUS
     doc = build_report(records, backend=env.get("backend") or first.get("backend", ""),
                         world_size=int(env.get("world_size") or first.get("world_size") or 0),
-                        tier=env.get("tier"), full_cells=env.get("full_cells"), interrupted=interrupted,
+                        tier=env.get("tier"), full_cells=env.get("full_cells"),
+                       interrupted=interrupted,
                         not_run=not_run(selected, records), rebuilt_from=str(path),
                         incomplete=interrupted or bool(not_run(selected, records)),
                         experts=env.get("experts"), adapter_option=env.get("adapter_option"))
@@ -143,9 +148,9 @@ def rebuild(path: Path, log: LogContents | None = None) -> dict[str, Any]:
 
 def judge_against(doc: dict[str, Any], outcomes: dict[str, str], path: Path, *,
                   tolerate: tuple[str, ...] = ()) -> list[str]:
-    """Judge the log's cells (``outcomes``: id -> pass or finding) against the expectations file at ``path``; each
-    cell's record gets its expectation fields, as the run itself would have written them.  Returns the lines of
-    the cells that came back other than expected."""
+    """Judge the log's cells (``outcomes``: id -> pass or finding) against the expectations file at
+    ``path``; each cell's record gets its expectation fields, as the run itself would have written
+    them.  Returns the lines of the cells that came back other than expected."""
     from conformance.expectations import Baseline, ExpectationsError, read
 
     try:
@@ -167,16 +172,20 @@ def judge_against(doc: dict[str, Any], outcomes: dict[str, str], path: Path, *,
 
 def rebuild_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.report --from-log",
-                                     description="Rebuild moe-ep-conformance.json and .md from a pytest-reportlog "
-                                     "log (pytest --report-log=LOG), marked incomplete when the run was cut short; "
-                                     "with --expectations, judge its cells against that file (exit 1 when some "
-                                     "came back other than expected).")
+                                     description="Rebuild moe-ep-conformance.json and .md from a "
+                                     "pytest-reportlog log (pytest --report-log=LOG), marked "
+                                     "incomplete when the run was cut short; with --expectations, "
+                                     "judge its cells against that file (exit 1 when some came "
+                                     "back other than expected).")
     parser.add_argument("--from-log", dest="log", type=Path, required=True, metavar="LOG")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
-    parser.add_argument("--expectations", type=Path, metavar="FILE", help="an expectations file to judge against")
+    parser.add_argument("--expectations", type=Path, metavar="FILE",
+                        help="an expectations file to judge against")
     parser.add_argument("--update-expectations", action="store_true",
-                        help="rewrite FILE from the log's outcomes (refused for a log of a run that did not finish)")
-    parser.add_argument("--tolerate", default="", metavar="FINDINGS", help="as pytest's --moe-ep-tolerate")
+                        help="rewrite FILE from the log's outcomes (refused for a log of a run "
+                        "that did not finish)")
+    parser.add_argument("--tolerate", default="", metavar="FINDINGS",
+                        help="as pytest's --moe-ep-tolerate")
     args = parser.parse_args(argv)
     from conformance.expectations import parse_tolerate
 
@@ -185,32 +194,37 @@ def rebuild_main(argv: list[str]) -> int:
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
     if args.update_expectations and args.expectations is None:
-        raise UsageProblem("--update-expectations rewrites the file --expectations FILE names; give one")
+        raise UsageProblem("--update-expectations rewrites the file --expectations FILE names; "
+                           "give one")
     log = read_log(args.log)
     doc = rebuild(args.log, log)
-    unmet = judge_against(doc, log.outcomes, args.expectations, tolerate=tolerate) if args.expectations and not \
-        args.update_expectations else []
+    unmet = (judge_against(doc, log.outcomes, args.expectations, tolerate=tolerate)
+             if args.expectations and not args.update_expectations else [])
     if args.update_expectations:
         print(update_from_log(doc, log.outcomes, args.expectations))
     try:
         json_path, md_path = write_document(args.out, doc)
     except OSError as exc:
-        raise UsageProblem(f"{args.out}: cannot write the report there: {exc.strerror or exc}") from exc
+        raise UsageProblem(f"{args.out}: cannot write the report there: "
+                           f"{exc.strerror or exc}") from exc
     state = "incomplete" if doc["incomplete"] else "complete"
-    print(f"{json_path} and {md_path.name}: {len(doc['cells'])} cell record(s), {len(doc['not_run'])} not run "
+    print(f"{json_path} and {md_path.name}: {len(doc['cells'])} cell record(s), "
+          f"{len(doc['not_run'])} not run "
           f"({state}; {', '.join(f'{n} {o}' for o, n in doc['outcomes'].items())})")
     if unmet:
-        print(f"{len(unmet)} cell(s) not as {args.expectations} expects:\n" + "\n".join(f"  {u}" for u in unmet))
+        print(f"{len(unmet)} cell(s) not as {args.expectations} expects:\n"
+              + "\n".join(f"  {u}" for u in unmet))
     return 1 if unmet else 0
 
 
 def update_from_log(doc: dict[str, Any], outcomes: dict[str, str], path: Path) -> str:
-    """Rewrite the expectations file at ``path`` from a complete log's outcomes; a cut-short log writes nothing."""
+    """Rewrite the expectations file at ``path`` from a complete log's outcomes; a cut-short log
+    writes nothing."""
     from conformance.expectations import ExpectationsError, read, updated_text, written_by
 
     if doc["incomplete"]:
-        raise UsageProblem(f"{path}: not updated: the log is of a run that did not finish (an interrupted run never "
-                           "rewrites a baseline)")
+        raise UsageProblem(f"{path}: not updated: the log is of a run that did not finish (an "
+                           "interrupted run never rewrites a baseline)")
     name, version = doc["adapter"]["name"], doc["adapter"]["version"]
     try:
         current = read(path, adapter=name or None, missing_ok=True)

@@ -1,13 +1,13 @@
-"""One save feeds every load: which cell writes a checkpoint, which cells reuse it, when it is removed.
+"""One save feeds every load: which cell writes a checkpoint, which cells reuse it, when it is
+removed.
 
 A checkpoint is a pure function of the adapter and its save side -- layer kind, state, FSDP, layout,
 expert count, legacy or not, and the layer count (a cell with pipeline stages on either side builds
 :data:`~conformance.matrix.PIPELINE_LAYERS`) -- so every cell with the same
 :attr:`~conformance.matrix.Cell.save_key` can load the one checkpoint the first of them writes.  The
-controller counts each checkpoint's readers once the collection is final (after ``-k``) and removes it
-after its last reader.  The truth checkpoint (the
-ep=1 save of a spec, what the checkpoint check compares with) is shared the same way, per
-:func:`truth_key`, for the whole session.
+controller counts each checkpoint's readers once the collection is final (after ``-k``) and removes
+it after its last reader.  The truth checkpoint (the ep=1 save of a spec, what the checkpoint check
+compares with) is shared the same way, per :func:`truth_key`, for the whole session.
 
 A cell whose run failed may not have finished its save, so what it wrote is removed at once (a
 full disk gets its space back) and the next reader writes it again; a save's inspection findings
@@ -39,13 +39,16 @@ class CellPlan:
     #: the checkpoint this cell loads, and whether this cell writes it (the first of its readers).
     path: str
     save: bool = True
-    #: the ep=1 truth checkpoint of the save side's model (None: no checkpoint check), and whether to write it.
+    #: the ep=1 truth checkpoint of the save side's model (None: no checkpoint check), and whether
+    #: to write it.
     truth_path: str | None = None
     save_truth: bool = False
-    #: the checkpoint check's findings, from the cell that wrote a shared save (and the truth checkpoint's).
+    #: the checkpoint check's findings, from the cell that wrote a shared save (and the truth
+    #: checkpoint's).
     findings: tuple[str, ...] = ()
     truth_findings: tuple[str, ...] = ()
-    #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth teaches.
+    #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth
+    #: teaches.
     expert_keys: tuple[str, ...] = ()
     #: the matrix session's id: a rank that sees a new one drops its world state
     #: (:meth:`conformance.world_state.WorldState.begin`).
@@ -72,10 +75,12 @@ def _size(n: int) -> str:
 
 
 def disk_problem(error: Any, plan: CellPlan) -> str | None:
-    """The first line of a cell whose save failed with ENOSPC, EDQUOT, EACCES, EPERM or EROFS, else ``None``.
+    """The first line of a cell whose save failed with ENOSPC, EDQUOT, EACCES, EPERM or EROFS, else
+    ``None``.
 
     ``error`` is the engine's :class:`~pytest_moe_ep.world.engine.WorldError`; the line names the
-    directory written, its free space now (before the partial save is removed) and the failing ranks.
+    directory written, its free space now (before the partial save is removed) and the failing
+    ranks.
     """
     found: dict[int, tuple[int, str]] = {}
     for rank, rank_error in sorted(getattr(error, "errors", {}).items()):
@@ -88,7 +93,8 @@ def disk_problem(error: Any, plan: CellPlan) -> str | None:
         return None
     code, named = next(iter(found.values()))
     candidates = [d for d in (plan.path, plan.truth_path) if d]
-    directory = next((d for d in candidates if named and os.path.abspath(named).startswith(d.rstrip("/") + "/")),
+    directory = next((d for d in candidates if named
+                      and os.path.abspath(named).startswith(d.rstrip("/") + "/")),
                      candidates[0] if candidates else os.path.dirname(named))
     try:
         usage = shutil.disk_usage(directory)
@@ -96,8 +102,8 @@ def disk_problem(error: Any, plan: CellPlan) -> str | None:
     except OSError as exc:
         space = f"free space unknown ({exc.strerror or exc})"
     ranks = ", ".join(map(str, found))
-    return (f"save failed: {DISK_ERRORS[code]} ({errno.errorcode[code]}) writing {directory}: {space}; "
-            f"failed on rank(s) {ranks}")
+    return (f"save failed: {DISK_ERRORS[code]} ({errno.errorcode[code]}) writing {directory}: "
+            f"{space}; failed on rank(s) {ranks}")
 
 
 def _empty(path: str) -> None:
@@ -160,13 +166,16 @@ class Saves:
 
     engine: Any
     adapter: Any
-    #: ``False``: every cell writes its own checkpoint (the benchmark's baseline for what sharing saves).
+    #: ``False``: every cell writes its own checkpoint (the benchmark's baseline for what sharing
+    #: saves).
     share: bool = True
     saves: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
     truths: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
-    #: what :func:`~conformance.members.check_adapter` resolved of the adapter (resolved here when not given).
+    #: what :func:`~conformance.members.check_adapter` resolved of the adapter (resolved here when
+    #: not given).
     members: Members | None = None
-    #: whether cells get a truth checkpoint: the checkpoint check can read this adapter's checkpoints.
+    #: whether cells get a truth checkpoint: the checkpoint check can read this adapter's
+    #: checkpoints.
     truths_wanted: bool = field(init=False, default=True)
     #: this session's id, sent with every plan.
     session: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -194,8 +203,9 @@ class Saves:
                 truth.path = str(self.engine.shared_dir(f"truth-{cell.node_name}"))
             truth_path, save_truth = truth.path, not truth.written
         truth_findings = self.truths[truth_key(cell)].findings if truth_path else ()
-        return CellPlan(entry.path, save=not entry.written, truth_path=truth_path, save_truth=save_truth,
-                        findings=entry.findings, truth_findings=truth_findings, expert_keys=expert_keys,
+        return CellPlan(entry.path, save=not entry.written, truth_path=truth_path,
+                        save_truth=save_truth, findings=entry.findings,
+                        truth_findings=truth_findings, expert_keys=expert_keys,
                         session=self.session)
 
     def finished(self, cell: Cell, plan: CellPlan, verdict: Any) -> None:
@@ -210,7 +220,8 @@ class Saves:
             truth.written, truth.findings = True, verdict.truth_findings
         if findings is not None and plan.save:
             entry.written, entry.findings = True, findings
-        if verdict is None and getattr(self.engine, "rank", 0) == 0:  # the next reader writes them again
+        # the next reader writes them again
+        if verdict is None and getattr(self.engine, "rank", 0) == 0:
             if plan.save and entry.path:
                 _empty(entry.path)
             if plan.save_truth and plan.truth_path and not self.truths[truth_key(cell)].written:
@@ -221,5 +232,6 @@ class Saves:
             del self.saves[_key(cell, self.share)]
 
     def _remove(self, path: str) -> None:
-        if getattr(self.engine, "rank", 0) == 0:  # under torchrun the ranks share rank 0's directory
+        # under torchrun the ranks share rank 0's directory
+        if getattr(self.engine, "rank", 0) == 0:
             shutil.rmtree(path, ignore_errors=True)

@@ -1,11 +1,12 @@
 """The optimizer's and the training state's scalars, in the same names at every EP degree.
 
-``scalars`` (an adapter member) and ``state`` (``build``'s third element: LR schedulers, a train-state dict) are
-read here into one flat ``name -> plain value`` mapping the ``scalars`` and ``resume`` checks compare with the
-ground truth's.  Nested state is walked: a mapping of schedulers (one for the experts and one for the rest, as
-trainers keep them under EP) gives ``state.scheduler.experts.last_epoch`` beside the ep=1 truth's
-``state.scheduler.last_epoch``; the checks read such a name as the same field re-keyed
-(:func:`conformance.inspection.keys.field_of`), not as one name missing and another unexpected.
+``scalars`` (an adapter member) and ``state`` (``build``'s third element: LR schedulers, a
+train-state dict) are read here into one flat ``name -> plain value`` mapping the ``scalars`` and
+``resume`` checks compare with the ground truth's.  Nested state is walked: a mapping of schedulers
+(one for the experts and one for the rest, as trainers keep them under EP) gives
+``state.scheduler.experts.last_epoch`` beside the ep=1 truth's ``state.scheduler.last_epoch``; the
+checks read such a name as the same field re-keyed (:func:`conformance.inspection.keys.field_of`),
+not as one name missing and another unexpected.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def is_configuration(name: str) -> bool:
 
 
 def plain(value: Any) -> Any:
-    """A scalar-ish value as plain Python (a list for tuples and 0-d or small tensors), else ``None``."""
+    """A scalar-ish value as plain Python (a list for tuples and 0-d or small tensors), else
+    ``None``."""
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     if isinstance(value, (list, tuple)):
         items = [plain(v) for v in value]
-        return items if all(i is not None or v is None for i, v in zip(items, value, strict=True)) else None
+        return items if all(i is not None or v is None
+                            for i, v in zip(items, value, strict=True)) else None
     if hasattr(value, "numel") and hasattr(value, "tolist") and value.numel() <= 16:
         return value.tolist()
     return None
@@ -66,9 +69,9 @@ def _walk(prefix: str, obj: Any, found: dict[str, Any], depth: int) -> None:
 def state_scalars(state: Mapping[str, Any] | None) -> dict[str, Any]:
     """The scalars of the training state beyond the optimizer, as ``state.<name>.<field>``.
 
-    Each object's ``state_dict()`` (a torch LR scheduler: ``last_epoch``, ``base_lrs``, ``_last_lr``, ...),
-    or a mapping's own items, walked into nested mappings and objects (``state.<name>.<key>.<field>``); values
-    that are not plain scalars (tensors) are left out.
+    Each object's ``state_dict()`` (a torch LR scheduler: ``last_epoch``, ``base_lrs``,
+    ``_last_lr``, ...), or a mapping's own items, walked into nested mappings and objects
+    (``state.<name>.<key>.<field>``); values that are not plain scalars (tensors) are left out.
     """
     found: dict[str, Any] = {}
     for name, obj in sorted((state or {}).items()):
@@ -124,8 +127,9 @@ def optimizer_state(optimizer: Any) -> dict[Any, Any]:
 
 
 def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
-    """``scalars`` of a ``torch.optim`` optimizer or a container of several (:func:`optimizers_of`): each param
-    group's hyperparameters, the groups numbered across the container in order, and the step counts of their state.
+    """``scalars`` of a ``torch.optim`` optimizer or a container of several (:func:`optimizers_of`):
+    each param group's hyperparameters, the groups numbered across the container in order, and the
+    step counts of their state.
 
     The same names at every EP degree: groups by index, steps as the sorted set of distinct values.
     """
@@ -136,16 +140,19 @@ def torch_optimizer_scalars(optimizer: Any) -> dict[str, Any]:
             if name in group:
                 value = group[name]
                 found[f"param_groups.{i}.{name}"] = (list(value) if isinstance(value, tuple) else
-                                                     float(value) if hasattr(value, "item") else value)
-    found["step"] = sorted({float(s["step"]) for s in optimizer_state(optimizer).values() if "step" in s})
+                                                     float(value) if hasattr(value, "item")
+                                                     else value)
+    found["step"] = sorted({float(s["step"]) for s in optimizer_state(optimizer).values()
+                            if "step" in s})
     return found
 
 
 def all_scalars(adapter: Any, b: Any, optimizer: Any) -> dict[str, Any] | None:
     """The adapter's ``scalars`` and the training state's (:func:`state_scalars`) for a build ``b``
-    (:class:`~conformance.adapter.Built`); ``None`` when there are neither.  ``adapter`` is the cell's (its
-    ``members`` resolved by the controller)."""
-    found = dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.has("scalars") else None
+    (:class:`~conformance.adapter.Built`); ``None`` when there are neither.  ``adapter`` is the
+    cell's (its ``members`` resolved by the controller)."""
+    found = (dict(adapter.scalars(b.model, optimizer, **b.extra)) if adapter.members.has("scalars")
+             else None)
     extra = state_scalars(b.training_state)
     if extra:
         found = {**(found or {}), **extra}

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from conformance.report import MD_NAME, OUTCOME, RECORD, SELECTION, not_run, terminal_summary, write_report
+from conformance.report import (
+    MD_NAME,
+    OUTCOME,
+    RECORD,
+    SELECTION,
+    not_run,
+    terminal_summary,
+    write_report,
+)
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
 from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 
@@ -203,7 +211,13 @@ def _baseline(config: pytest.Config, adapter: Any, members: Members | None, worl
               num_experts: tuple[int, ...]) -> Baseline | None:
     """``--moe-ep-expectations``, ``--moe-ep-update-expectations`` and ``--moe-ep-tolerate``, read and checked now:
     a file that does not parse, names an unknown finding, another adapter or no cell is a usage error."""
-    from conformance.expectations import Baseline, Expectations, ExpectationsError, parse_tolerate, read
+    from conformance.expectations import (
+        Baseline,
+        Expectations,
+        ExpectationsError,
+        parse_tolerate,
+        read,
+    )
 
     given = setting(config, "expectations")
     update = bool(config.getoption("moe_ep_update_expectations", False))

@@ -1,6 +1,6 @@
-"""A cell's outcome in words, from every rank's verdict (or, for a functions cell, every function's merged
-record): the first line is the diagnosis.  What the outcome *is* (status, findings) is decided in
-:mod:`conformance.outcome`, which asks this module for the words.
+"""A cell's outcome in words, from every rank's verdict (or, for a functions cell, every function's
+merged record): the first line is the diagnosis.  What the outcome *is* (status, findings) is
+decided in :mod:`conformance.outcome`, which asks this module for the words.
 
 The first line is what the report's failure list, the index and the README table show, so it names
 the rank, layer, expert and tensor (or the checkpoint key and experts) and ends with the cell's
@@ -19,13 +19,14 @@ SHOWN_PROBLEMS = 6
 
 
 def _context(cell: Cell, adapter: str) -> str:
-    return (f"(E={cell.num_experts}, saved at {cell.save.describe()}, loaded at {cell.load.describe()}; "
-            f"adapter {adapter})")
+    return (f"(E={cell.num_experts}, saved at {cell.save.describe()}, loaded at "
+            f"{cell.load.describe()}; adapter {adapter})")
 
 
 def mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
     """The first difference by rank, one from each other rank, and a count of the rest."""
-    found: list[Mismatch] = [m for v in sorted(verdicts, key=lambda v: v.rank) for m in v.mismatches]
+    found: list[Mismatch] = [m for v in sorted(verdicts, key=lambda v: v.rank)
+                             for m in v.mismatches]
     if not found:
         return []
     found.sort(key=lambda m: (m.check != "values", m.rank))
@@ -41,30 +42,34 @@ def mismatch_lines(verdicts: list[RankVerdict]) -> list[str]:
 
 
 def _problem_lines(verdicts: list[RankVerdict]) -> list[str]:
-    """The ranks' problems by check, each check's in the order they were found (the checkpoint check's worst
-    first: :data:`conformance.inspection.compare.ORDER`), by rank."""
+    """The ranks' problems by check, each check's in the order they were found (the checkpoint
+    check's worst first: :data:`conformance.inspection.compare.ORDER`), by rank."""
     order = list(CHECKS)
-    seen = list(dict.fromkeys(p for v in sorted(verdicts, key=lambda v: v.rank) for p in v.problems))
+    seen = list(dict.fromkeys(p for v in sorted(verdicts, key=lambda v: v.rank)
+                              for p in v.problems))
     problems = sorted(seen, key=lambda p: order.index(p.check) if p.check in order else len(order))
     lines = [f"[{p.check}] {p.text}" for p in problems[:SHOWN_PROBLEMS]]
     if len(problems) > SHOWN_PROBLEMS:
-        lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems (the record has them all; -v shows them)")
+        lines.append(f"... and {len(problems) - SHOWN_PROBLEMS} more problems (the record has them "
+                     "all; -v shows them)")
     return lines
 
 
 def _rounding(verdicts: list[RankVerdict]) -> str:
-    """`` (bit for bit)`` or how many tensors a kernel's rounding left within :data:`ROUNDING_ULPS` of it."""
+    """`` (bit for bit)`` or how many tensors a kernel's rounding left within :data:`ROUNDING_ULPS`
+    of it."""
     count = sum(v.rounded_count for v in verdicts)
     if not count:
         return " bit for bit"
     worst = max(v.rounded_ulps for v in verdicts)
-    return (f" ({count} of them within a kernel's rounding of it: at most {worst:.2g} ulps, the tolerance is "
-            f"{ROUNDING_ULPS})")
+    return (f" ({count} of them within a kernel's rounding of it: at most {worst:.2g} ulps, the "
+            f"tolerance is {ROUNDING_ULPS})")
 
 
 def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
-    """``(status, detail)`` of a cell from every rank's verdict, in words: the detail fits one screen.
-    Its findings, and the headline that leads with them, are :mod:`conformance.outcome`'s."""
+    """``(status, detail)`` of a cell from every rank's verdict, in words: the detail fits one
+    screen. Its findings, and the headline that leads with them, are
+    :mod:`conformance.outcome`'s."""
     context = _context(cell, adapter)
     if cell.legacy:
         refused = {v.rank: v.refused for v in verdicts if v.refused}
@@ -72,8 +77,8 @@ def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[st
             return "pass", f"refused on every rank: {next(iter(refused.values()))}"
         silent = [v for v in verdicts if not v.refused]
         ranks = ", ".join(str(v.rank) for v in silent)
-        lines = [f"legacy checkpoint {silent[0].not_refused or 'not refused'} on rank(s) {ranks} {context}",
-                 *mismatch_lines(verdicts)]
+        lines = [f"legacy checkpoint {silent[0].not_refused or 'not refused'} on rank(s) {ranks} "
+                 f"{context}", *mismatch_lines(verdicts)]
         return "fail", "\n".join(lines)
     problems = _problem_lines(verdicts)
     mismatches = mismatch_lines(verdicts)
@@ -83,8 +88,9 @@ def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[st
         ran = [c for c in CHECKS if c not in skipped and c not in ("refusal", "setup")
                and not (cell.state == "model" and c in ("scalars", "resume"))]
         tail = "".join(f"; {k} check skipped: {why}" for k, why in sorted(skipped.items()))
-        return "pass", (f"{compared} tensors on {len(verdicts)} ranks equal what the checkpoint holds bit for bit, "
-                        f"and the ep=1 ground truth{_rounding(verdicts)} (checks: {', '.join(ran)}){tail}")
+        return "pass", (f"{compared} tensors on {len(verdicts)} ranks equal what the checkpoint "
+                        f"holds bit for bit, and the ep=1 ground truth{_rounding(verdicts)} "
+                        f"(checks: {', '.join(ran)}){tail}")
     # A wrong value leads (it names rank, layer, expert and tensor); else the checks' problems, the
     # checkpoint's own findings first, and a difference only the next step shows last.
     values_first = any(m.check == "values" for v in verdicts for m in v.mismatches)
@@ -94,7 +100,8 @@ def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[st
 
 
 def summarize_functions(cell: Any, records: list[dict[str, Any]]) -> tuple[str, str]:
-    """``(status, detail)`` of a functions cell from its functions' merged records (one per function)."""
+    """``(status, detail)`` of a functions cell from its functions' merged records (one per
+    function)."""
     failed = [r for r in records if r["status"] != "pass"]
     if not failed:
         return "pass", f"{len(records)} functions agree with the reference"

@@ -15,7 +15,8 @@ from typing import Any
 
 from conformance.world_state import world_state
 
-__all__ = ["synthetic_batch", "synthetic_grad", "synthetic_grad_rows", "synthetic_tensor", "synthetic_weight"]
+__all__ = ["synthetic_batch", "synthetic_grad", "synthetic_grad_rows", "synthetic_tensor",
+           "synthetic_weight"]
 
 
 def _seed(*parts: object) -> int:
@@ -26,9 +27,10 @@ def _seed_of(hashed: Any) -> int:
     return int.from_bytes(hashed.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _row_seeds(head: tuple[Any, ...], last: object, experts: Iterable[int]) -> Iterator[tuple[int, int]]:
-    """``(g, _seed(*head, g, last))`` for each expert ``g``, the common prefix hashed once (a 256-expert tier asks
-    for thousands of rows a process)."""
+def _row_seeds(head: tuple[Any, ...], last: object,
+               experts: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """``(g, _seed(*head, g, last))`` for each expert ``g``, the common prefix hashed once (a
+    256-expert tier asks for thousands of rows a process)."""
     prefix = hashlib.sha256("".join(f"{part!r}\x1f" for part in head).encode())
     tail = f"\x1f{last!r}"
     for g in experts:
@@ -39,8 +41,8 @@ def _row_seeds(head: tuple[Any, ...], last: object, experts: Iterable[int]) -> I
 
 #: the draws already made in this process, per (shape, scale, seed) (the world state's): a session
 #: builds the same (seed, step, layer, expert) many times -- every cell's save side, the truth, both
-#: kinds -- and at 256 experts a cell asked for thousands (a hash and a seeded generator each).  Callers
-#: get a copy, so none can change an entry.
+#: kinds -- and at 256 experts a cell asked for thousands (a hash and a seeded generator each).
+#: Callers get a copy, so none can change an entry.
 _DRAWN = world_state().store("synthetic draws")
 
 
@@ -61,8 +63,10 @@ def _draw(shape: tuple[int, ...], scale: float, seed: int) -> Any:
     return _kept((shape, scale, seed), lambda: _generate(shape, scale, seed))
 
 
-def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0, dtype: Any = None) -> Any:
-    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone (a new tensor each call)."""
+def synthetic_tensor(shape: Sequence[int], *key: object, scale: float = 1.0,
+                     dtype: Any = None) -> Any:
+    """A standard-normal tensor of ``shape`` (times ``scale``) determined by ``key`` alone (a new
+    tensor each call)."""
     found = _draw(tuple(shape), scale, _seed(*key))
     return found.clone() if dtype is None else found.to(dtype, copy=True)
 
@@ -75,16 +79,18 @@ def synthetic_grad(seed: int, step: int, layer: int | None, global_expert_id: in
     ``global_expert_id=None`` (and ``layer=None`` outside MoE layers).  Deterministic, different for
     every expert, and identical at every EP degree.
     """
-    if not isinstance(global_expert_id, int) or isinstance(global_expert_id, bool) or global_expert_id < 0:
-        return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name, dtype=dtype)
+    if not isinstance(global_expert_id, int) or isinstance(global_expert_id,
+                                                           bool) or global_expert_id < 0:
+        return synthetic_tensor(shape, "grad", seed, step, layer, global_expert_id, name,
+                                dtype=dtype)
     g = global_expert_id
     return synthetic_grad_rows(seed, step, layer, range(g, g + 1), name, shape, dtype)[0]
 
 
-def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range, name: str, shape: Sequence[int],
-                        dtype: Any = None) -> Any:
-    """:func:`synthetic_grad` of each expert in ``experts`` stacked (row ``i``: expert ``experts[i]``'s), for a
-    packed weight's rows (a new tensor each call)."""
+def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range, name: str,
+                        shape: Sequence[int], dtype: Any = None) -> Any:
+    """:func:`synthetic_grad` of each expert in ``experts`` stacked (row ``i``: expert
+    ``experts[i]``'s), for a packed weight's rows (a new tensor each call)."""
     import torch
 
     shape = tuple(shape)
@@ -96,15 +102,17 @@ def synthetic_grad_rows(seed: int, step: int, layer: int | None, experts: range,
     return found.clone() if dtype is None else found.to(dtype, copy=True)
 
 
-#: the expert rows drawn so far, per (shape, family) (the world state's): row ``g`` is expert ``g``'s
-#: draw (seeded by the family's key with ``g`` before its last part), ``drawn[g]`` whether it has been.
-#: One array a family: a rank asks for the same experts under many ranges (the truth's all, ep=2's
-#: halves, ep=4's quarters, a kind's single experts), and each row is drawn once whatever the ranges.
+#: the expert rows drawn so far, per (shape, family) (the world state's): row ``g`` is expert
+#: ``g``'s draw (seeded by the family's key with ``g`` before its last part), ``drawn[g]`` whether
+#: it has been. One array a family: a rank asks for the same experts under many ranges (the truth's
+#: all, ep=2's halves, ep=4's quarters, a kind's single experts), and each row is drawn once
+#: whatever the ranges.
 _ROWS = world_state().store("synthetic expert rows")
 
 
 def _expert_rows(shape: tuple[int, ...], family: tuple[Any, ...], experts: range) -> Any:
-    """Rows ``experts`` (step 1) of ``family``'s expert draws, as a view of the kept array (never handed out)."""
+    """Rows ``experts`` (step 1) of ``family``'s expert draws, as a view of the kept array (never
+    handed out)."""
     import torch
 
     key = (shape, family)
@@ -119,17 +127,22 @@ def _expert_rows(shape: tuple[int, ...], family: tuple[Any, ...], experts: range
     first = drawn.find(0, experts.start, experts.stop)  # -1: every row asked for was drawn before
     if first >= 0:
         *head, last = family
-        generator = torch.Generator()  # manual_seed resets all of its state: one generator serves every row
-        for g, seed in _row_seeds(tuple(head), last, (g for g in range(first, experts.stop) if not drawn[g])):
-            data[g].normal_(generator=generator.manual_seed(seed))  # as synthetic_tensor draws (seed, .., g, last)
+        # manual_seed resets all of its state: one generator serves every row
+        generator = torch.Generator()
+        for g, seed in _row_seeds(tuple(head), last,
+                                  (g for g in range(first, experts.stop) if not drawn[g])):
+            # as synthetic_tensor draws (seed, .., g, last)
+            data[g].normal_(generator=generator.manual_seed(seed))
             drawn[g] = 1
     return data[experts.start:experts.stop]
 
 
 def synthetic_weight(seed: int, layer: int | None, global_expert_id: int | None, name: str,
                      shape: Sequence[int], dtype: Any = None, scale: float = 0.02) -> Any:
-    """Initial weights keyed like :func:`synthetic_grad`, for adapters whose framework init is not."""
-    return synthetic_tensor(shape, "weight", seed, layer, global_expert_id, name, scale=scale, dtype=dtype)
+    """Initial weights keyed like :func:`synthetic_grad`, for adapters whose framework init is
+    not."""
+    return synthetic_tensor(shape, "weight", seed, layer, global_expert_id, name, scale=scale,
+                            dtype=dtype)
 
 
 def synthetic_load(seed: int, step: int, layer: int | None, num_experts: int) -> Any:

@@ -15,9 +15,10 @@ share what they kept.
 :data:`BUDGET_BYTES`; past it, the least recently used entry of any store goes first.
 
 *Why a cell run alone gives its tier's verdict.*  Nothing kept decides a verdict: a store holds a
-pure function's result (truths, draws, digests, what the truth checkpoint teaches, the same for every
-cell of its spec), or what a save of this session held -- and a cell whose save is not kept (its world
-started after the save) compares the load with the truth within a kernel's rounding and says so.
+pure function's result (truths, draws, digests, what the truth checkpoint teaches, the same for
+every cell of its spec), or what a save of this session held -- and a cell whose save is not kept
+(its world started after the save) compares the load with the truth within a kernel's rounding and
+says so.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def nbytes(value: Any) -> int:
 
 
 class Store:
-    """One named part of the world state: a mapping whose entries count against the shared budget."""
+    """One named part of the world state: a mapping whose entries count against the shared
+    budget."""
 
     def __init__(self, owner: WorldState, name: str) -> None:
         self._owner, self.name = owner, name
 
     def get(self, key: Hashable) -> Any:
-        """The entry under ``key`` (``None`` when there is none); it becomes the most recently used."""
+        """The entry under ``key`` (``None`` when there is none); it becomes the most recently
+        used."""
         return self._owner._get(self.name, key)
 
     def put(self, key: Hashable, value: T, size: int | None = None) -> T:

@@ -1,4 +1,5 @@
-"""pytest-moe-ep: multi-rank worlds in pytest, and the expert-parallel checkpoint conformance matrix.
+"""pytest-moe-ep: multi-rank worlds in pytest, and the expert-parallel checkpoint conformance
+matrix.
 
 Importing this package does not import torch.
 """

@@ -19,11 +19,12 @@ from pytest_moe_ep.world.backend import BackendUnavailable
 from pytest_moe_ep.world.engine import CallResult, Engine, RankOutput, WorldError
 from pytest_moe_ep.world.protocol import FunctionRef
 
-#: pytest's fixtures that act on the pytest process itself: a copy in a rank would do nothing useful.
+#: pytest's fixtures that act on the pytest process itself: a copy in a rank would do nothing
+#: useful.
 PROCESS_BOUND_FIXTURES = frozenset({
-    "request", "pytestconfig", "monkeypatch", "capsys", "capsysbinary", "capfd", "capfdbinary", "caplog",
-    "recwarn", "record_property", "record_xml_attribute", "record_testsuite_property", "pytester",
-    "testdir", "subtests",
+    "request", "pytestconfig", "monkeypatch", "capsys", "capsysbinary", "capfd", "capfdbinary",
+    "caplog", "recwarn", "record_property", "record_xml_attribute", "record_testsuite_property",
+    "pytester", "testdir", "subtests",
 })
 
 
@@ -36,7 +37,8 @@ def engine_of(config: pytest.Config) -> Engine:
 
 
 def call_timeout(item: pytest.Item, explicit: float | None = None) -> float:
-    """The deadline of ``item``'s call: the marker's, else pytest-timeout's, else ``moe_ep_timeout``."""
+    """The deadline of ``item``'s call: the marker's, else pytest-timeout's, else
+    ``moe_ep_timeout``."""
     if explicit:
         return float(explicit)
     found = item.stash.get(TIMEOUT, 0.0)
@@ -52,16 +54,16 @@ def attach_outputs(item: pytest.Item, outputs: list[RankOutput]) -> None:
             item.add_report_section("call", f"rank {rank} stderr", out.stderr)
 
 
-def call_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                  world_size: int, backend: str, timeout: float | None = None) -> CallResult:
+def call_on_world(item: pytest.Item, fn: FunctionRef, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  *, world_size: int, backend: str, timeout: float | None = None) -> CallResult:
     """Run ``fn`` through the session's engine; skip on a missing backend or a skip on every rank.
 
     A failure raises the engine's :class:`WorldError` with each rank's output attached to ``item``;
     the caller decides how to show it.
     """
     try:
-        result = engine_of(item.config).call(fn, args, kwargs, world_size=world_size, backend=backend,
-                                             timeout=call_timeout(item, timeout))
+        result = engine_of(item.config).call(fn, args, kwargs, world_size=world_size,
+                                             backend=backend, timeout=call_timeout(item, timeout))
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
     except WorldError as exc:
@@ -82,12 +84,14 @@ def run_marked_test(item: pytest.Function, marker: WorldMarker) -> None:
             try:
                 pickle.dumps(value)
             except Exception as exc:
-                why = f"its value ({type(value).__qualname__}) cannot be sent to rank processes ({exc})"
+                why = (f"its value ({type(value).__qualname__}) cannot be sent to rank processes "
+                       f"({exc})")
         if why:
-            pytest.fail(f"fixture {name!r} cannot be used in a {marker.world_size}-rank test: {why}. "
-                        "Fixtures that work inside ranks: parametrize values, tmp_path, moe_ep_shared_dir "
-                        "and fixtures returning plain data.", pytrace=False)
-    fn = FunctionRef(item.module.__name__, item.obj.__qualname__, str(item.path), rewrite_asserts=True)
+            pytest.fail(f"fixture {name!r} cannot be used in a {marker.world_size}-rank test: "
+                        f"{why}. Fixtures that work inside ranks: parametrize values, tmp_path, "
+                        "moe_ep_shared_dir and fixtures returning plain data.", pytrace=False)
+    fn = FunctionRef(item.module.__name__, item.obj.__qualname__, str(item.path),
+                     rewrite_asserts=True)
     try:
         call_on_world(item, fn, (), kwargs, world_size=marker.world_size, backend=marker.backend,
                       timeout=marker.timeout)

@@ -1,4 +1,5 @@
-"""pytest-moe-ep's entry module (``pytest11``): the world engine's options, marker, fixtures and hooks.
+"""pytest-moe-ep's entry module (``pytest11``): the world engine's options, marker, fixtures and
+hooks.
 
 pytest loads this module in every session of every user, so it stays light: it never imports
 torch, and an engine is created only in ``pytest_configure`` (torch is imported the first time a
@@ -23,7 +24,15 @@ from typing import Any
 import pytest
 
 from pytest_moe_ep.distributed import engine_of, is_distributed, run_marked_test
-from pytest_moe_ep.settings import ENGINE, SETTINGS, TIMEOUT, WORLD_MARKER_HELP, Settings, WorldMarker, add_options
+from pytest_moe_ep.settings import (
+    ENGINE,
+    SETTINGS,
+    TIMEOUT,
+    WORLD_MARKER_HELP,
+    Settings,
+    WorldMarker,
+    add_options,
+)
 from pytest_moe_ep.signals import TermAsInterrupt
 
 SIGTERM_HANDLER = pytest.StashKey[TermAsInterrupt]()
@@ -42,14 +51,16 @@ def under_torchrun() -> bool:
 
 
 def _check_explicit_backend(settings: Settings) -> None:
-    """An explicitly asked-for backend that cannot run here is a usage error, not a green run that checked nothing."""
+    """An explicitly asked-for backend that cannot run here is a usage error, not a green run that
+    checked nothing."""
     if settings.backend != "nccl":
         return
     from pytest_moe_ep.world.backend import cuda_devices
 
     if cuda_devices() == 0:
-        raise pytest.UsageError("--moe-ep-backend=nccl: this machine has no CUDA GPU, so no NCCL world can run; "
-                                "use --moe-ep-backend=gloo or auto (auto falls back to gloo)")
+        raise pytest.UsageError("--moe-ep-backend=nccl: this machine has no CUDA GPU, so no NCCL "
+                                "world can run; use --moe-ep-backend=gloo or auto (auto falls back "
+                                "to gloo)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -68,8 +79,8 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_moe_ep.world.supervisor import Supervisor
 
         engine = Supervisor(start_method=settings.start_method, capture=settings.capture,
-                            pg_timeout_s=collective_timeout_s(settings.timeout_s), default_timeout_s=settings.timeout_s,
-                            preload=settings.preload)
+                            pg_timeout_s=collective_timeout_s(settings.timeout_s),
+                            default_timeout_s=settings.timeout_s, preload=settings.preload)
         handler = config.stash[SIGTERM_HANDLER] = TermAsInterrupt()
         if handler.install():
             config.pluginmanager.register(handler, TermAsInterrupt.NAME)

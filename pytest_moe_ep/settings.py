@@ -18,7 +18,8 @@ START_METHODS = ("forkserver", "spawn")
 WORLD_MARKER = "moe_ep_world"
 WORLD_MARKER_HELP = (
     f"{WORLD_MARKER}(n, backend='auto', timeout=None): run the test function on every rank of an "
-    "n-rank world with the default process group initialized; it passes only when every rank passes."
+    "n-rank world with the default process group initialized; it passes only when every rank "
+    "passes."
 )
 GROUP = ("moe-ep", "pytest-moe-ep: expert-parallel worlds and MoE checkpoint conformance")
 
@@ -37,10 +38,12 @@ IniType = Literal["string", "bool", "int", "float", "args", "linelist"]
 
 def ini_and_option(parser: pytest.Parser, name: str, help: str, *, type: IniType = "string",
                    default: Any = None, choices: tuple[str, ...] | None = None) -> None:
-    """Register the ini value ``moe_ep_<name>`` and the option ``--moe-ep-<name>`` that overrides it."""
+    """Register the ini value ``moe_ep_<name>`` and the option ``--moe-ep-<name>`` that overrides
+    it."""
     parser.addini(f"moe_ep_{name}", help, type=type, default=default)
-    parser.getgroup(*GROUP).addoption(f"--moe-ep-{name.replace('_', '-')}", dest=f"moe_ep_{name}", default=None,
-                                      choices=choices, help=f"{help} (overrides the ini value moe_ep_{name})")
+    parser.getgroup(*GROUP).addoption(
+        f"--moe-ep-{name.replace('_', '-')}", dest=f"moe_ep_{name}", default=None,
+        choices=choices, help=f"{help} (overrides the ini value moe_ep_{name})")
 
 
 def setting(config: pytest.Config, name: str) -> Any:
@@ -58,18 +61,21 @@ def number(config: pytest.Config, name: str, kind: type, minimum: float) -> Any:
         value = None
     if value is None or value < minimum:
         what = "an integer" if kind is int else "a number"
-        raise pytest.UsageError(f"--moe-ep-{name.replace('_', '-')} (ini moe_ep_{name}) must be {what} >= "
-                                f"{minimum:g}, got {raw!r}")
+        raise pytest.UsageError(f"--moe-ep-{name.replace('_', '-')} (ini moe_ep_{name}) must be "
+                                f"{what} >= {minimum:g}, got {raw!r}")
     return value
 
 
 def add_options(parser: pytest.Parser) -> None:
-    ini_and_option(parser, "timeout", "deadline in seconds of one call on a world; a pytest-timeout value for "
+    ini_and_option(parser, "timeout",
+                   "deadline in seconds of one call on a world; a pytest-timeout value for "
                    "the test takes precedence (default 300)", default="300")
-    ini_and_option(parser, "backend", "process-group backend: auto, gloo or nccl (default auto: nccl when CUDA "
+    ini_and_option(parser, "backend",
+                   "process-group backend: auto, gloo or nccl (default auto: nccl when CUDA "
                    "has a GPU per rank, else gloo; an explicit nccl without GPUs is a usage error)",
                    default="auto", choices=BACKENDS)
-    ini_and_option(parser, "start_method", "how ranks start: forkserver (torch preloaded, default) or spawn",
+    ini_and_option(parser, "start_method",
+                   "how ranks start: forkserver (torch preloaded, default) or spawn",
                    default="forkserver", choices=START_METHODS)
     parser.addini("moe_ep_preload", "extra modules the rank forkserver imports once (for example a "
                   "framework the ranks all need)", type="linelist", default=[])
@@ -86,7 +92,8 @@ class Settings:
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
         timeout_s = number(config, "timeout", float, 0.001)
-        backend, start_method = str(setting(config, "backend")), str(setting(config, "start_method"))
+        backend, start_method = (str(setting(config, "backend")),
+                                 str(setting(config, "start_method")))
         if backend not in BACKENDS:
             raise pytest.UsageError(f"moe_ep_backend: unknown backend {backend!r}; choose one of "
                                     f"{', '.join(BACKENDS)}")
@@ -117,15 +124,17 @@ class WorldMarker:
                                     f"{WORLD_MARKER}(n, backend='auto', timeout=None)") from exc
         n = found.world_size
         if isinstance(n, bool) or not isinstance(n, int):
-            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} needs the world size n as an int, got "
-                                    f"{type(n).__name__} {n!r}")
+            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} needs the world size n as an "
+                                    f"int, got {type(n).__name__} {n!r}")
         if n < 1:
-            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} needs a world size n >= 1, got {n!r}")
+            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} needs a world size n >= 1, got "
+                                    f"{n!r}")
         if found.backend not in BACKENDS:
-            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} got unknown backend {found.backend!r}; "
-                                    f"choose one of {', '.join(BACKENDS)}")
+            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} got unknown backend "
+                                    f"{found.backend!r}; choose one of {', '.join(BACKENDS)}")
         if found.timeout is not None and (isinstance(found.timeout, bool)
-                                          or not isinstance(found.timeout, (int, float)) or found.timeout <= 0):
-            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} timeout must be a number of seconds > 0, "
-                                    f"got {found.timeout!r}")
+                                          or not isinstance(found.timeout, (int, float))
+                                          or found.timeout <= 0):
+            raise pytest.UsageError(f"{item.nodeid}: {WORLD_MARKER} timeout must be a number of "
+                                    f"seconds > 0, got {found.timeout!r}")
         return found

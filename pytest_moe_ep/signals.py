@@ -8,9 +8,9 @@ world is shut down as on Ctrl-C, every report is written with what finished, and
 its status for an interrupted session (2).  A SIGTERM while the session is already finishing is
 only counted (the reports are being written); a second SIGTERM always stops the process at once.
 
-A first SIGTERM that arrives while a test's report is made and logged (:meth:`TermAsInterrupt.hold` to
-:meth:`~TermAsInterrupt.release`) takes effect once every logger has that report, so a ``pytest-reportlog`` log
-and the conformance report agree on which tests started and finished.
+A first SIGTERM that arrives while a test's report is made and logged (:meth:`TermAsInterrupt.hold`
+to :meth:`~TermAsInterrupt.release`) takes effect once every logger has that report, so a
+``pytest-reportlog`` log and the conformance report agree on which tests started and finished.
 
 Installed only in the main thread of a process that is not a torchrun rank (torchrun's own SIGTERM
 handling owns those, see :mod:`pytest_moe_ep.world.torchrun`).
@@ -32,8 +32,8 @@ class Terminated(KeyboardInterrupt):
 
 
 class TermAsInterrupt:
-    """The SIGTERM handler of one pytest session: install in ``pytest_configure`` (and register as a plugin, for
-    the report hooks that hold a SIGTERM), remove in unconfigure."""
+    """The SIGTERM handler of one pytest session: install in ``pytest_configure`` (and register as a
+    plugin, for the report hooks that hold a SIGTERM), remove in unconfigure."""
 
     NAME = "moe-ep-sigterm"
 
@@ -55,7 +55,8 @@ class TermAsInterrupt:
 
     def uninstall(self) -> None:
         if self.installed and signal.getsignal(signal.SIGTERM) == self._handle:
-            signal.signal(signal.SIGTERM, self.previous if self.previous is not None else signal.SIG_DFL)
+            signal.signal(signal.SIGTERM,
+                          self.previous if self.previous is not None else signal.SIG_DFL)
         self.installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -98,8 +99,8 @@ class TermAsInterrupt:
         finally:
             self.release()
 
-    # A report made without being logged (a plugin's own ``call_and_report(log=False)``) must not hold a SIGTERM
-    # through the next test's run: each phase begins by letting a held one through.
+    # A report made without being logged (a plugin's own ``call_and_report(log=False)``) must not
+    # hold a SIGTERM through the next test's run: each phase begins by letting a held one through.
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self) -> None:
         self.release()
@@ -113,5 +114,5 @@ class TermAsInterrupt:
         self.release()
 
     def _raise(self) -> None:
-        raise Terminated("SIGTERM received: stopping like Ctrl-C (reports are written with the finished "
-                         "tests); a second SIGTERM stops at once")
+        raise Terminated("SIGTERM received: stopping like Ctrl-C (reports are written with the "
+                         "finished tests); a second SIGTERM stops at once")

@@ -1,4 +1,5 @@
-"""Failure text on one line: the helpers every message of the engine, the matrix and the inspector uses.
+"""Failure text on one line: the helpers every message of the engine, the matrix and the inspector
+uses.
 
 One place for how a message is cut, so a report, a JSON record and a terminal line agree.  Imports
 nothing, so the no-torch inspector can use it without loading the world engine.
@@ -10,7 +11,8 @@ __all__ = ["first_line", "shorten"]
 
 
 def first_line(text: str) -> str:
-    """The first line of ``text`` once stripped ("" for blank text): an exception message's headline."""
+    """The first line of ``text`` once stripped ("" for blank text): an exception message's
+    headline."""
     stripped = text.strip()
     return stripped.splitlines()[0] if stripped else ""
 

@@ -58,7 +58,8 @@ __all__ = ["load", "save", "save_layout", "save_legacy", "state_dict"]
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` as get_model/optimizer_state_dict give them (rank-local)."""
+    """``{"model": ..., "optimizer": ...}`` as get_model/optimizer_state_dict give them
+    (rank-local)."""
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -100,9 +101,10 @@ def save_legacy(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def _in_place(model: nn.Module, loaded: dict[str, Any]) -> bool:
-    """Whether every tensor ``loaded`` holds lives in the model's own parameters and buffers, so that the load
-    already wrote the model and ``set_model_state_dict`` would copy each tensor onto itself (at 64 experts,
-    ~0.3 s a load).  Anything else (a non-tensor entry, a copy) goes through ``set_model_state_dict``."""
+    """Whether every tensor ``loaded`` holds lives in the model's own parameters and buffers, so
+    that the load already wrote the model and ``set_model_state_dict`` would copy each tensor onto
+    itself (at 64 experts, ~0.3 s a load).  Anything else (a non-tensor entry, a copy) goes through
+    ``set_model_state_dict``."""
     from torch.distributed.tensor import DTensor
 
     def storage(t: torch.Tensor) -> int:
@@ -113,13 +115,15 @@ def _in_place(model: nn.Module, loaded: dict[str, Any]) -> bool:
 
 
 def _load_here(state: dict[str, Any], path: str) -> None:
-    """``dcp.load`` of this rank's own state, then one all-reduce so that every rank fails if one does.
+    """``dcp.load`` of this rank's own state, then one all-reduce so that every rank fails if one
+    does.
 
-    A load plans nothing across ranks: each rank reads the regions its own tensors ask for, and DCP's central
-    load plan is each rank's local plan unchanged.  In a process group ``dcp.load`` still gathers every rank's
-    plan (one read item per expert, weight and moment: thousands at 64 experts), scatters them back and
-    gathers once more after reading; ``no_dist=True`` runs the same planning and reading without those
-    collectives, and the all-reduce here keeps what they gave: one rank's failure is every rank's.
+    A load plans nothing across ranks: each rank reads the regions its own tensors ask for, and
+    DCP's central load plan is each rank's local plan unchanged.  In a process group ``dcp.load``
+    still gathers every rank's plan (one read item per expert, weight and moment: thousands at 64
+    experts), scatters them back and gathers once more after reading; ``no_dist=True`` runs the same
+    planning and reading without those collectives, and the all-reduce here keeps what they gave:
+    one rank's failure is every rank's.
     """
     if not (dist.is_available() and dist.is_initialized()):
         dcp.load(state, checkpoint_id=path)
@@ -130,13 +134,14 @@ def _load_here(state: dict[str, Any], path: str) -> None:
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         failed = exc
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([dist.get_rank() + 1 if failed is not None else 0], dtype=torch.int64, device=device)
+    flag = torch.tensor([dist.get_rank() + 1 if failed is not None else 0], dtype=torch.int64,
+                        device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if failed is not None:
         raise failed
     if int(flag.item()):
-        raise RuntimeError(f"{path}: the load failed on rank {int(flag.item()) - 1} (and maybe others); every "
-                           f"rank stops with it")
+        raise RuntimeError(f"{path}: the load failed on rank {int(flag.item()) - 1} (and maybe "
+                           f"others); every rank stops with it")
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
@@ -153,13 +158,15 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     """
     path = os.fspath(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if check_saved:  # off only for the conformance suite's negative control, which must show the damage
+    # off only for the conformance suite's negative control, which must show the damage
+    if check_saved:
         check_saved_experts(model, saved, where=path)
     # get_optimizer_state_dict creates a fresh optimizer's moments (a zero-lr step), so DCP has
     # tensors to load into.
     state = state_dict(model, optimizer)
-    # a param group's "params" are this rank's own names, not state: the checkpoint holds one rank's copy of each
-    # group's list (DCP keeps one of equal keys), and ranks of different pipeline stages list different parameters
+    # a param group's "params" are this rank's own names, not state: the checkpoint holds one rank's
+    # copy of each group's list (DCP keeps one of equal keys), and ranks of different pipeline
+    # stages list different parameters
     own = [list(group["params"]) for group in state.get("optimizer", {}).get("param_groups", [])]
     forms = saved_forms(model, saved)
     layout = expert_layout(model, packed_form={n for n, f in forms.items() if f != "per-expert"},

@@ -1,7 +1,8 @@
-"""The two autograd functions :class:`~reference_impl.model.MoEMLP`'s forward crosses an EP or ETP group with.
+"""The two autograd functions :class:`~reference_impl.model.MoEMLP`'s forward crosses an EP or ETP
+group with.
 
-Every rank of the group sees the same tokens; each computes its experts' (or its hidden-axis part's) share.
-The pair makes that forward, and its backward, the ep=1 one.
+Every rank of the group sees the same tokens; each computes its experts' (or its hidden-axis part's)
+share. The pair makes that forward, and its backward, the ep=1 one.
 """
 
 from __future__ import annotations

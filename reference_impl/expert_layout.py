@@ -1,21 +1,22 @@
 """Experts under their global identity in a DCP state dict: the packed, fused and per-expert forms.
 
-After :func:`reference_impl.parallelize.apply_expert_parallel` every EP rank names and shapes its experts
-as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank, and a
-packed weight has ``num_local_experts`` rows under the same name on every rank.
+After :func:`reference_impl.parallelize.apply_expert_parallel` every EP rank names and shapes its
+experts as if they were the layer's only ones: unpacked experts are ``experts.0 ..`` on every rank,
+and a packed weight has ``num_local_experts`` rows under the same name on every rank.
 torch.distributed.checkpoint (DCP) writes one copy per name and offset, so a checkpoint of those
-state dicts keeps one rank's experts in place of all of them: loading at the same ep silently
-hands every rank that rank's experts, and at another ep the load fails.
+state dicts keeps one rank's experts in place of all of them: loading at the same ep silently hands
+every rank that rank's experts, and at another ep the load fails.
 
 :class:`ExpertLayout` translates the state dict DCP sees, on the way out and back in, into one of
 three **global checkpoint forms**, each holding every expert of every layer once under its global
 id:
 
 - the **packed form** (seed 001's, what :func:`reference_impl.checkpoint.save` writes for packed
-  layers): ``layers.N.moe.up_w`` ``[E, ...]`` and its moments, row ``G`` expert ``G``.  A packed layer
-  presents its weight as a DTensor whose rows cover all experts (``Shard(0)`` over ``ep``, nested with
-  the FSDP/HSDP and ``etp`` placements the weight already has; no copy), so a rank's rows sit at their
-  global offset.  It is one DCP item per weight and moment per rank's chunk whatever E is.
+  layers): ``layers.N.moe.up_w`` ``[E, ...]`` and its moments, row ``G`` expert ``G``.  A packed
+  layer presents its weight as a DTensor whose rows cover all experts (``Shard(0)`` over ``ep``,
+  nested with the FSDP/HSDP and ``etp`` placements the weight already has; no copy), so a rank's
+  rows sit at their global offset.  It is one DCP item per weight and moment per rank's chunk
+  whatever E is.
 - the **fused form** (what fused layers save): the packed form with ``gate_up_w`` ``[E, 2, h, dim]``
   (gate at ``[:, 0]``, up at ``[:, 1]``, whatever the layer's row order) in place of ``gate_w`` and
   ``up_w``: :func:`~reference_impl.fused.canonical_fused` says why this shape.
@@ -39,12 +40,8 @@ checkpoint holds packed and fused):
   dict is the original or a view of it, so nothing is copied and a load writes straight into the
   model and the optimizer;
 - the packed form into unpacked layers, and the fused form into packed or unpacked ones: no DTensor
-  can present separate tensors (an unpacked layer's experts, a packed layer's ``gate_w`` and
-  ``up_w``) as one, so they are **copied**: this rank's tensors are stacked into one staging tensor
-  per weight and moment (placements moved with the new axes), presented as the other form's, loaded,
-  and copied back by :meth:`ExpertLayout.to_local` (one copy of this rank's expert weights and
-  moments each way; ``benchmarks/bench_layout.py`` measures it). A save never needs it: each kind
-  saves its own form, or the per-expert form.
+  presents separate tensors as one, so they are **copied** into staging tensors and back
+  (:mod:`reference_impl.staging`; ``benchmarks/bench_layout.py`` measures it). A save never copies.
 
 A router's ``expert_bias`` buffer is whole (``[E]``) on every rank under its global name, so it
 passes through as it is, and its ``tokens_per_expert`` counter is non-persistent:
@@ -72,7 +69,7 @@ from reference_impl.saved import (
     saved_fused_layers,
     saved_packed_layers,
 )
-from reference_impl.staging import Staged, copy_back, stack
+from reference_impl.staging import Staged, StagedKey, copy_back, stack
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows",
            "fused_layers", "layer_form", "moe_layers", "packed_layers", "saved_forms",
@@ -132,9 +129,11 @@ def _root_mesh(mesh: Any) -> Any:
 
 
 def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """The rows of a packed weight (or moment) this rank holds, each with its global expert id: the one row rule
-    (:func:`reference_impl.regions.packed_rows`), from the layer's first local expert.  Nothing is copied."""
-    return packed_rows(tensor, moe.local_expert_start, where=f"MoE layer {moe.name!r}: a packed weight")
+    """The rows of a packed weight (or moment) this rank holds, each with its global expert id: the
+    one row rule (:func:`reference_impl.regions.packed_rows`), from the layer's first local expert.
+    Nothing is copied."""
+    return packed_rows(tensor, moe.local_expert_start,
+                       where=f"MoE layer {moe.name!r}: a packed weight")
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -158,16 +157,6 @@ class _View:
     per_expert: bool
 
 
-@dataclass(frozen=True)
-class _Stage:
-    """A staging copy presented under one key: this rank's ``members`` (FQNs) stacked as ``how``
-    says (:data:`reference_impl.staging.STACKINGS`)."""
-
-    moe: MoEMLP
-    members: tuple[str, ...]
-    how: str
-
-
 class ExpertLayout:
     """Translates a DCP state dict between one rank's experts and the global checkpoint forms.
 
@@ -189,7 +178,7 @@ class ExpertLayout:
         #: packed (or fused) weight FQN -> how it is presented, through views of it.
         self._views: dict[str, _View] = {}
         #: FQN presented in a packed form through a staging copy -> what is stacked into it.
-        self._staged: dict[str, _Stage] = {}
+        self._staged: dict[str, StagedKey] = {}
         #: a staged member's FQN -> the FQN it is staged under.
         self._members: dict[str, str] = {}
         #: the layers' non-persistent buffers (the expert-bias counter): never in a state dict.
@@ -255,7 +244,7 @@ class ExpertLayout:
             self._stage(f"{pre}{linear}_w", moe, experts, "experts")
 
     def _stage(self, key: str, moe: MoEMLP, members: tuple[str, ...], how: str) -> None:
-        self._staged[key] = _Stage(moe, members, how)
+        self._staged[key] = StagedKey(moe, members, how)
         self._members.update(dict.fromkeys(members, key))
 
     # ---------------------------------------------------------------- the packed forms
@@ -275,20 +264,22 @@ class ExpertLayout:
         local, region = local_region(value)
         ep_name = moe.ep_mesh.mesh_dim_names[0]
         if isinstance(value, DTensor):
-            # Torch may hand out one cached submesh for equal rank groups of different root meshes, so
-            # "the same device mesh" is checked by dim names and ranks, not by object identity.
+            # Torch may hand out one cached submesh for equal rank groups of different root meshes,
+            # so "the same device mesh" is checked by dim names and ranks, not by object identity.
             root, names = _root_mesh(moe.ep_mesh), tuple(value.device_mesh.mesh_dim_names or ())
             order = root.mesh_dim_names or ()
             if (not names or any(n not in order for n in names)
                     or sliced(root, names).mesh.tolist() != value.device_mesh.mesh.tolist()):
-                raise ValueError(f"{key!r}: its mesh {value.device_mesh} and the ep mesh {moe.ep_mesh} of MoE "
-                                 f"layer {moe.name!r} do not come from one device mesh with named dims")
+                raise ValueError(
+                    f"{key!r}: its mesh {value.device_mesh} and the ep mesh {moe.ep_mesh} of MoE "
+                    f"layer {moe.name!r} do not come from one device mesh with named dims")
             placement_of = {**dict(zip(names, value.placements, strict=True)), ep_name: Shard(0)}
             split_rows = {n for n, p in placement_of.items() if isinstance(p, Shard) and p.dim == 0}
             early = [n for n in names if order.index(n) < order.index(ep_name) and n in split_rows]
             if early:
-                raise ValueError(f"{key!r}: mesh dims {early} split the expert rows but come before {ep_name!r} in "
-                                 f"the device mesh {order}; DTensor would nest them first")
+                raise ValueError(f"{key!r}: mesh dims {early} split the expert rows but come "
+                                 f"before {ep_name!r} in the device mesh {order}; DTensor would "
+                                 "nest them first")
             dims = tuple(sorted({ep_name, *names}, key=order.index))
             mesh = sliced(root, dims)
             row, placements = region[0].start if region else 0, tuple(placement_of[d] for d in dims)
@@ -296,7 +287,8 @@ class ExpertLayout:
             row, mesh, placements = 0, moe.ep_mesh, (Shard(0),)
         with torch.no_grad():
             wrapped = DTensor.from_local(local, mesh, placements, run_check=False,
-                                         shape=torch.Size(global_shape), stride=contiguous_stride(global_shape))
+                                         shape=torch.Size(global_shape),
+                                         stride=contiguous_stride(global_shape))
         # DCP places the data by the DTensor's computed local shape and offset, never the local
         # tensor's, so they must be what this rank holds or the checkpoint silently mixes rows up.
         first = moe.local_expert_start + row
@@ -339,7 +331,7 @@ class ExpertLayout:
                 out.append((part, shown))
         return out
 
-    def _stack(self, key: str, stage: _Stage, values: list[torch.Tensor]) -> torch.Tensor:
+    def _stack(self, key: str, stage: StagedKey, values: list[torch.Tensor]) -> torch.Tensor:
         """This rank's ``values`` stacked as ``stage.how`` says, among all experts: a copy
         (:func:`reference_impl.staging.stack`)."""
         staged = stack(values, stage.how)
@@ -363,11 +355,13 @@ class ExpertLayout:
         """
         model = state.get("model")
         if not isinstance(model, Mapping):
-            raise ValueError("the state has no 'model' entry; ExpertLayout needs the model's expert weights")
+            raise ValueError("the state has no 'model' entry; ExpertLayout needs the model's "
+                             "expert weights")
         missing = [k for k in (*self._to_global, *self._views, *self._members) if k not in model]
         if missing:
-            raise ValueError(f"the model state lacks {len(missing)} expert weight(s) of split MoE layers, "
-                             f"first {missing[:3]}; was it taken from another model or filtered?")
+            raise ValueError(f"the model state lacks {len(missing)} expert weight(s) of split MoE "
+                             f"layers, first {missing[:3]}; was it taken from another model or "
+                             "filtered?")
         transient = sorted(self._transient & set(model))
         if transient:
             raise ValueError(f"the model state holds the non-persistent buffer(s) "
@@ -407,22 +401,26 @@ class ExpertLayout:
                 out[new] = value
         return out
 
-    def _optimizer_to_global(self, optimizer: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+    def _optimizer_to_global(self, optimizer: Mapping[str, Any],
+                             model: Mapping[str, Any]) -> dict[str, Any]:
         states: dict[str, Any] = {}
         for key, entry in optimizer.get("state", {}).items():
             if key in self._members:
                 continue
             if key not in self._views:
-                states[self._to_global.get(key, key)] = dict(entry) if isinstance(entry, Mapping) else entry
+                states[self._to_global.get(key, key)] = (dict(entry) if isinstance(entry, Mapping)
+                                                         else entry)
                 continue
             moe, expected = self._views[key].moe, tuple(model[key].shape)
             shown: dict[str, list[tuple[str, torch.Tensor]]] = {}
             for name, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:  # scalars such as `step` stay
+                # scalars such as `step` stay
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
                     if tuple(value.shape) != expected:
-                        raise ValueError(f"optimizer state {key!r}[{name!r}] has shape {tuple(value.shape)}, "
-                                         f"expected {expected} (the packed weight's); it cannot be placed "
-                                         f"among all {moe.num_experts} experts")
+                        raise ValueError(f"optimizer state {key!r}[{name!r}] has shape "
+                                         f"{tuple(value.shape)}, expected {expected} (the packed "
+                                         "weight's); it cannot be placed among all "
+                                         f"{moe.num_experts} experts")
                     shown[name] = self._present(key, value, f".{name}")
             for i, new in enumerate(self._shown[key]):
                 states[new] = {n: shown[n][i][1] if n in shown else v for n, v in entry.items()}
@@ -435,13 +433,15 @@ class ExpertLayout:
                                  f"of MoE layer {stage.moe.name!r} only (or different entries for "
                                  f"them); they cannot be stacked into {key!r}")
             states[key] = {n: self._stack(f"{key}.{n}", stage, [e[n] for e in entries])
-                           if isinstance(v, torch.Tensor) and v.dim() > 0 else v for n, v in entries[0].items()}
+                           if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                           for n, v in entries[0].items()}
         groups = optimizer.get("param_groups", [])
         self._local_groups = [list(group["params"]) for group in groups]
         out = dict(optimizer)
         out["state"] = states
-        out["param_groups"] = [{**group, "params": list(self._names_to_global(dict.fromkeys(group["params"])))}
-                               for group in groups]
+        out["param_groups"] = [
+            {**group, "params": list(self._names_to_global(dict.fromkeys(group["params"])))}
+            for group in groups]
         return out
 
     def to_local(self, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -458,7 +458,8 @@ class ExpertLayout:
         """
         seen = self._seen.get("state")
         if seen is None:
-            raise ValueError("to_local needs the record of to_global; call it on the dict to_global returned")
+            raise ValueError("to_local needs the record of to_global; call it on the dict "
+                             "to_global returned")
         copy_back(self._stacks)
         out = dict(state)
         if isinstance(state.get("model"), Mapping):
@@ -467,13 +468,15 @@ class ExpertLayout:
         if optimizer is not None:
             groups = optimizer.get("param_groups", [])
             if self._local_groups is None or len(self._local_groups) != len(groups):
-                raise ValueError(f"the optimizer state has {len(groups)} param groups, but to_global of this "
-                                 f"layout saw {self._local_groups and len(self._local_groups)}; call to_local "
-                                 f"on the dict to_global returned")
+                raise ValueError(f"the optimizer state has {len(groups)} param groups, but "
+                                 "to_global of this layout saw "
+                                 f"{self._local_groups and len(self._local_groups)}; call to_local "
+                                 "on the dict to_global returned")
             out["optimizer"] = {
                 **optimizer,
                 "state": self._optimizer_state_to_local(optimizer.get("state", {}),
-                                                        (seen.get("optimizer") or {}).get("state", {})),
+                                                        (seen.get("optimizer")
+                                                         or {}).get("state", {})),
                 "param_groups": [{**group, "params": list(params)}
                                  for group, params in zip(groups, self._local_groups, strict=True)],
             }
@@ -497,7 +500,8 @@ class ExpertLayout:
         out.update(found)
         return out
 
-    def _optimizer_state_to_local(self, loaded: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+    def _optimizer_state_to_local(self, loaded: Mapping[str, Any],
+                                  before: Mapping[str, Any]) -> dict[str, Any]:
         out = self._names_to_local(loaded, before)
         empty = []
         for key in self._views:
@@ -505,12 +509,14 @@ class ExpertLayout:
                 continue
             entry = out[key] = dict(before[key])
             firsts = [loaded[k] for k in self._shown.get(key, []) if k in loaded]
-            scalars = [n for n, v in entry.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)]
+            scalars = [n for n, v in entry.items()
+                       if not (isinstance(v, torch.Tensor) and v.dim() > 0)]
             if firsts:
                 entry.update((n, firsts[0][n]) for n in scalars if n in firsts[0])
             elif scalars:
                 empty.append((key, scalars))
-        for key, staged in self._members.items():  # the stack's scalars (AdamW's step) into each expert's own
+        # the stack's scalars (AdamW's step) into each expert's own
+        for key, staged in self._members.items():
             if key in before and staged in loaded:
                 entry = out[key] = dict(before[key])
                 for n, v in loaded[staged].items():
@@ -523,8 +529,9 @@ class ExpertLayout:
                         entry[n] = v
         rowless = {key for key, _ in empty}
         for key, scalars in empty:
-            # the group's first parameter whose state the load wrote; a group of only this rank's row-less packed
-            # weights (the experts in a group of their own, on a rank that holds no expert) takes another group's
+            # the group's first parameter whose state the load wrote; a group of only this rank's
+            # row-less packed weights (the experts in a group of their own, on a rank that holds no
+            # expert) takes another group's
             group = next((g for g in self._local_groups or [] if key in g), [])
             others = [p for g in self._local_groups or [] if g is not group for p in g]
             donor = next((out[p] for p in (*group, *others) if p in out and p not in rowless), None)
@@ -532,7 +539,8 @@ class ExpertLayout:
                 if donor is None or name not in donor:
                     continue
                 mine, theirs = out[key][name], donor[name]
-                if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and mine.shape == theirs.shape:
+                if (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+                    and mine.shape == theirs.shape):
                     with torch.no_grad():
                         mine.copy_(theirs)
                 else:

@@ -1,4 +1,5 @@
-"""The reference's memos: results of pure functions kept per process, each bounded, cleared together.
+"""The reference's memos: results of pure functions kept per process, each bounded, cleared
+together.
 
 A session builds the same model (seed, layer, expert) for many cells, and walks the same DTensor
 placements many times a cell, so the reference keeps its weight draws and its placement walks.  Each
@@ -16,7 +17,8 @@ _MEMOS: list[Memo] = []
 
 
 class Memo:
-    """A bounded mapping: past ``limit`` units (entries, or what ``size`` counts), it starts again."""
+    """A bounded mapping: past ``limit`` units (entries, or what ``size`` counts), it starts
+    again."""
 
     def __init__(self, name: str, limit: int, size: Callable[[Any], int] = lambda _: 1) -> None:
         self.name, self.limit, self._size = name, limit, size

@@ -3,7 +3,8 @@
 :class:`MoEMLP` routes each token to ``top_k`` of ``num_experts`` experts (plus an optional shared
 expert every token uses).  Its experts come in the three forms frameworks use:
 
-- **unpacked**: ``experts`` is a ``ModuleList`` of small MLPs, ``experts.{i}.{up,gate,down}.weight``;
+- **unpacked**: ``experts`` is a ``ModuleList`` of small MLPs,
+  ``experts.{i}.{up,gate,down}.weight``;
 - **packed**: one Parameter per weight with a leading expert axis, ``up_w``/``gate_w`` ``[E, hidden,
   dim]`` and ``down_w`` ``[E, dim, hidden]``, so ``up_w[g]`` is unpacked ``experts[g].up.weight``;
 - **fused**: packed, with gate and up in one Parameter ``gate_up_w`` ``[E, 2 * hidden, dim]``
@@ -156,7 +157,8 @@ def _act(up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (differentiable: its gradient comes back as a DTensor), else ``t``."""
+    """A DTensor's local shard (differentiable: its gradient comes back as a DTensor), else
+    ``t``."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -187,10 +189,11 @@ class MoEMLP(nn.Module):
     ``(seed, name)`` gives the same global experts at every EP degree and in every form.
 
     After :func:`~reference_impl.parallelize.apply_expert_parallel` the module holds experts
-    ``local_expert_start`` to ``local_expert_start + num_local_experts`` of ``num_experts``.  Its forward
-    then computes those experts' share and sums it over the EP group, which is the layer's output (and the backward
-    the ep=1 gradients) when every EP rank sees the same tokens.  Real EP frameworks all-to-all the
-    tokens instead; this reference only needs a forward that is right, not fast.
+    ``local_expert_start`` to ``local_expert_start + num_local_experts`` of ``num_experts``.  Its
+    forward then computes those experts' share and sums it over the EP group, which is the layer's
+    output (and the backward the ep=1 gradients) when every EP rank sees the same tokens.  Real EP
+    frameworks all-to-all the tokens instead; this reference only needs a forward that is right, not
+    fast.
     """
 
     def __init__(self, config: MoEConfig, name: str = "", seed: int = 0) -> None:
@@ -220,7 +223,8 @@ class MoEMLP(nn.Module):
         self.shared = (ExpertMLP(dim, shared_hidden, config.activation, dtype)
                        if config.shared_expert else None)
         if config.kind == "unpacked":
-            self.experts = nn.ModuleList(ExpertMLP(dim, hidden, config.activation, dtype) for _ in range(E))
+            self.experts = nn.ModuleList(ExpertMLP(dim, hidden, config.activation, dtype)
+                                         for _ in range(E))
         else:
             for weight, shape in self._packed_shapes().items():
                 self.register_parameter(weight, nn.Parameter(torch.empty(shape, dtype=dtype)))
@@ -228,7 +232,8 @@ class MoEMLP(nn.Module):
 
     def _packed_shapes(self) -> dict[str, tuple[int, int, int]]:
         c = self.config
-        shapes = {"up_w": (c.num_experts, c.hidden, c.dim), "down_w": (c.num_experts, c.dim, c.hidden)}
+        shapes = {"up_w": (c.num_experts, c.hidden, c.dim),
+                  "down_w": (c.num_experts, c.dim, c.hidden)}
         if c.kind == "fused":
             return {FUSED_WEIGHT: (c.num_experts, 2 * c.hidden, c.dim), "down_w": shapes["down_w"]}
         if c.activation == "swiglu":
@@ -295,13 +300,15 @@ class MoEMLP(nn.Module):
         if self.kind == "unpacked":
             return self.experts[i](x)
         gate = F.linear(x, self.expert_weight(i, "gate")) if self.activation == "swiglu" else None
-        return F.linear(_act(F.linear(x, self.expert_weight(i, "up")), gate), self.expert_weight(i, "down"))
+        return F.linear(_act(F.linear(x, self.expert_weight(i, "up")), gate),
+                        self.expert_weight(i, "down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         top_w, top_i = self.router.route(tokens, self.top_k)
         groups = [mesh.get_group() for mesh, size in ((self.etp_mesh, self.etp_world_size),
-                                                      (self.ep_mesh, self.ep_world_size)) if size > 1]
+                                                      (self.ep_mesh, self.ep_world_size))
+                  if size > 1]
         if not groups:
             routed_in, routed_w, out = tokens, top_w, torch.zeros_like(tokens)
         else:
@@ -314,7 +321,8 @@ class MoEMLP(nn.Module):
             routed_in, routed_w = routed[:, : tokens.shape[-1]], routed[:, tokens.shape[-1]:]
             out = routed_in * 0
         start = self.local_expert_start
-        chosen = top_i.unique()  # ascending: the experts run in id order, those no token chose not at all
+        # ascending: the experts run in id order, those no token chose not at all
+        chosen = top_i.unique()
         for g in chosen[(chosen >= start) & (chosen < start + self.num_local_experts)].tolist():
             token, slot = (top_i == g).nonzero(as_tuple=True)
             y = self._expert(g - start, routed_in[token]) * routed_w[token, slot, None]
@@ -340,11 +348,12 @@ class MoEBlock(nn.Module):
 
 
 class Layers(nn.ModuleDict):
-    """A model's blocks under their global index (``layers.4``), as torchtitan keeps them: a pipeline stage drops the
-    blocks it does not hold (:func:`~reference_impl.parallelize.apply_pipeline`) and the rest keep their names, so the
-    stage's state dict names every layer globally.  A ``ModuleList`` would renumber them 0..k-1 -- the stage-local
-    naming that files stage 1's first layer where layer 0 belongs.  Indexing by int and iterating the blocks in layer
-    order work as on a ``ModuleList``."""
+    """A model's blocks under their global index (``layers.4``), as torchtitan keeps them: a
+    pipeline stage drops the blocks it does not hold
+    (:func:`~reference_impl.parallelize.apply_pipeline`) and the rest keep their names, so the
+    stage's state dict names every layer globally.  A ``ModuleList`` would renumber them 0..k-1 --
+    the stage-local naming that files stage 1's first layer where layer 0 belongs.  Indexing by int
+    and iterating the blocks in layer order work as on a ``ModuleList``."""
 
     def __getitem__(self, index: int | str) -> nn.Module:
         return super().__getitem__(str(index))
@@ -413,11 +422,13 @@ class MoEModel(nn.Module):
         super().__init__()
         self.config = config
         self.num_layers = num_layers
-        self.layers = Layers({str(i): MoEBlock(config, f"layers.{i}", seed) for i in range(num_layers)})
+        self.layers = Layers({str(i): MoEBlock(config, f"layers.{i}", seed)
+                              for i in range(num_layers)})
         for i, block in enumerate(self.layers):
             cast(MoEBlock, block).moe.layer = i
         self.norm: nn.Module | None = nn.RMSNorm(config.dim, dtype=config.dtype)
-        #: which pipeline stage of how many this model is (0 of 1: the whole model; see apply_pipeline).
+        #: which pipeline stage of how many this model is (0 of 1: the whole model; see
+        #: apply_pipeline).
         self.stage, self.num_stages = 0, 1
         fill(self.norm.weight, config.init_std, seed, "norm", mean=1.0)
         #: the MTP layers under their depth (``mtp.0``), held by the last pipeline stage only; None
@@ -474,15 +485,17 @@ def build_model(config: MoEConfig, num_layers: int = 2, seed: int = 0) -> MoEMod
 
 
 #: module-name parts that wrappers insert (activation checkpointing, torch.compile, FSDP1) and
-#: get_model_state_dict leaves out of parameter names; DDP's ``module`` is left out too (see named_modules).
+#: get_model_state_dict leaves out of parameter names; DDP's ``module`` is left out too (see
+#: named_modules).
 WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Every module of ``model`` once, named as its state-dict entries are (wrapper names left out).
 
-    Pre-order, each module where it is first met, with an explicit stack: a nested generator per module cost a
-    resumption per level for every module yielded, and the canonical views walk a model often."""
+    Pre-order, each module where it is first met, with an explicit stack: a nested generator per
+    module cost a resumption per level for every module yielded, and the canonical views walk a
+    model often."""
     seen: set[int] = set()
     stack: list[tuple[tuple[str, ...], nn.Module]] = [((), model)]
     while stack:
@@ -492,13 +505,15 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         seen.add(id(found))
         yield ".".join(parts), found
         is_ddp = isinstance(found, nn.parallel.DistributedDataParallel)
-        children = [(parts if name in WRAPPER_PARTS or (is_ddp and name == "module") else (*parts, name), child)
+        children = [(parts if name in WRAPPER_PARTS or (is_ddp and name == "module")
+                     else (*parts, name), child)
                     for name, child in found.named_children()]
         stack.extend(reversed(children))
 
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """``model.named_parameters()`` under the names get_model_state_dict gives (wrapper names left out)."""
+    """``model.named_parameters()`` under the names get_model_state_dict gives (wrapper names left
+    out)."""
     seen: set[int] = set()
     for prefix, module in named_modules(model):
         for name, p in module._parameters.items():

@@ -1,4 +1,5 @@
-"""The expert-parallel split of :mod:`reference_impl.model`, expert tensor parallelism, and FSDP on top.
+"""The expert-parallel split of :mod:`reference_impl.model`, expert tensor parallelism, and FSDP on
+top.
 
 :func:`apply_expert_parallel` keeps only this rank's experts, exactly as frameworks do, and that is
 the bug this project is about: afterwards a rank names and shapes its experts as if they were the
@@ -66,8 +67,8 @@ def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
         return model
     for moe in moe_modules(model):
         if moe.ep_world_size != 1 or moe.etp_world_size != 1:
-            raise ValueError(f"MoE layer {moe.name!r} is already split over {moe.ep_world_size} EP and "
-                             f"{moe.etp_world_size} ETP ranks")
+            raise ValueError(f"MoE layer {moe.name!r} is already split over {moe.ep_world_size} EP "
+                             f"and {moe.etp_world_size} ETP ranks")
         if ep > 1:
             assert ep_mesh is not None
             ep_rank = ep_mesh.get_local_rank()
@@ -127,7 +128,8 @@ def _split_hidden(moe: MoEMLP, etp_mesh: Any) -> None:
 
 
 def apply_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
-    """FSDP2 over ``device_mesh["dp_shard"]`` (HSDP with ``dp_replicate`` > 1): each :class:`MoEMLP`, then the model.
+    """FSDP2 over ``device_mesh["dp_shard"]`` (HSDP with ``dp_replicate`` > 1): each
+    :class:`MoEMLP`, then the model.
 
     Apply it after :func:`apply_expert_parallel`: each rank's experts are then sharded over
     dp_shard (FSDP2 pads uneven dim-0 shards, ranks may hold zero rows), and expert weights that
@@ -157,10 +159,11 @@ def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
     :func:`reference_impl.layout.mtp_stage` names, the last (they read the main stack's last hidden
     state and feed the output head).  Apply it before the EP split.
 
-    Nothing is copied or renamed: the stage's state dict is the whole model's restricted to its layers, so a
-    checkpoint of the stages together holds what the pp=1 model's does (the layer's twin of
-    :class:`~reference_impl.expert_layout.ExpertLayout`, free here because the blocks keep their names).  Running
-    the stages in turn, each on the last one's output, is the pp=1 forward (:func:`pipeline_forward`).
+    Nothing is copied or renamed: the stage's state dict is the whole model's restricted to its
+    layers, so a checkpoint of the stages together holds what the pp=1 model's does (the layer's
+    twin of :class:`~reference_impl.expert_layout.ExpertLayout`, free here because the blocks keep
+    their names).  Running the stages in turn, each on the last one's output, is the pp=1 forward
+    (:func:`pipeline_forward`).
     """
     if model.num_stages != 1:
         raise ValueError(f"the model is already pipeline stage {model.stage} of {model.num_stages}")
@@ -178,11 +181,12 @@ def apply_pipeline(model: MoEModel, pp: int, stage: int) -> MoEModel:
 
 def pipeline_forward(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, pp_group: Any,
                      stage: int) -> torch.Tensor:
-    """A pipeline's forward over ``pp_group`` (its ranks in stage order), stage by stage: stage ``s`` receives stage
-    ``s - 1``'s activations, runs ``run`` (this rank's stage: its blocks) and sends the result on; the last stage's
-    output goes back to every stage, so each rank returns the whole model's output.  Plain send/recv -- a schedule
-    without micro-batches, enough to check that the stages together compute the pp=1 forward.  Activations keep
-    ``x``'s shape (residual blocks)."""
+    """A pipeline's forward over ``pp_group`` (its ranks in stage order), stage by stage: stage
+    ``s`` receives stage ``s - 1``'s activations, runs ``run`` (this rank's stage: its blocks) and
+    sends the result on; the last stage's output goes back to every stage, so each rank returns the
+    whole model's output.  Plain send/recv -- a schedule without micro-batches, enough to check that
+    the stages together compute the pp=1 forward.  Activations keep ``x``'s shape (residual
+    blocks)."""
     return pipeline_outputs(lambda h: [run(h)], x, pp_group, stage, 1)[0]
 
 
@@ -195,7 +199,8 @@ def pipeline_outputs(run: Callable[[torch.Tensor], Sequence[torch.Tensor]], x: t
 
     stages = dist.get_world_size(pp_group)
     if not 0 <= stage < stages:
-        raise ValueError(f"pipeline_forward: stage {stage} is not among the pp group's {stages} stages")
+        raise ValueError(f"pipeline_forward: stage {stage} is not among the pp group's {stages} "
+                         "stages")
     peer = [dist.get_global_rank(pp_group, s) for s in range(stages)]
     if stage > 0:
         x = torch.empty_like(x)

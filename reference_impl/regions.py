@@ -35,8 +35,8 @@ from reference_impl.model import (
 )
 from reference_impl.weights import normal, stable_seed
 
-__all__ = ["GlobalRegion", "RegionError", "block_region", "global_regions", "local_region", "packed_rows",
-           "set_deterministic_grads", "set_deterministic_loads"]
+__all__ = ["GlobalRegion", "RegionError", "block_region", "global_regions", "local_region",
+           "packed_rows", "set_deterministic_grads", "set_deterministic_loads"]
 
 
 class RegionError(ValueError):
@@ -46,28 +46,31 @@ class RegionError(ValueError):
     so DCP) would put it.
     """
 
-    def __init__(self, local_shape: tuple[int, ...], placed_shape: tuple[int, ...], offset: tuple[int, ...],
-                 placements: tuple[object, ...], mesh: object) -> None:
-        super().__init__(f"the DTensor's local tensor has shape {local_shape}, but its placements {placements} on "
-                         f"{mesh} give this rank shape {placed_shape} at offset {offset}; DCP would place the "
-                         f"data wrongly")
+    def __init__(self, local_shape: tuple[int, ...], placed_shape: tuple[int, ...],
+                 offset: tuple[int, ...], placements: tuple[object, ...], mesh: object) -> None:
+        super().__init__(f"the DTensor's local tensor has shape {local_shape}, but its placements "
+                         f"{placements} on {mesh} give this rank shape {placed_shape} at offset "
+                         f"{offset}; DCP would place the data wrongly")
         self.local_shape, self.placed_shape, self.offset = local_shape, placed_shape, offset
         self.placements, self.mesh = placements, mesh
 
 
-#: ``compute_local_shape_and_global_offset`` by (global shape, mesh, placements): its Python walk over the placements
-#: cost more than the rest of a walk of the model, which the checks take several times a cell.
+#: ``compute_local_shape_and_global_offset`` by (global shape, mesh, placements): its Python walk
+#: over the placements cost more than the rest of a walk of the model, which the checks take several
+#: times a cell.
 _PLACED = Memo("placements", 4096)
 
 
 def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
-    """``(local data, region of the global tensor it is)``; a plain tensor is whole (region ``None``).
+    """``(local data, region of the global tensor it is)``; a plain tensor is whole (region
+    ``None``).
 
     The region comes from the DTensor's placements, so FSDP2's uneven and empty shards, nested
-    ``Shard`` placements and ``Replicate`` dims all resolve as DCP resolves them.  Raises
-    ValueError for ``Partial`` (its local values are summands, not a region of anything) and :class:`RegionError` for a
-    local tensor whose shape is not the one its placements give this rank (a DTensor made by
-    ``from_local(..., shape=...)`` from another split), which DCP would silently misplace.
+    ``Shard`` placements and ``Replicate`` dims all resolve as DCP resolves them.  Raises ValueError
+    for ``Partial`` (its local values are summands, not a region of anything) and
+    :class:`RegionError` for a local tensor whose shape is not the one its placements give this rank
+    (a DTensor made by ``from_local(..., shape=...)`` from another split), which DCP would silently
+    misplace.
     """
     from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -75,22 +78,25 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | Non
     if not isinstance(t, DTensor):
         return t, None
     if any(isinstance(p, Partial) for p in t.placements):
-        raise ValueError(f"a DTensor placed {tuple(t.placements)} holds partial sums, not a region of its "
-                         f"global tensor; redistribute it to Replicate() first")
+        raise ValueError(f"a DTensor placed {tuple(t.placements)} holds partial sums, not a region "
+                         f"of its global tensor; redistribute it to Replicate() first")
     local = t.to_local()
     key = (t.shape, t.device_mesh, tuple(t.placements))
     placed = _PLACED.get(key)
-    if placed is None:  # a pure function of the key on this rank (its coordinates are fixed): taken once
+    # a pure function of the key on this rank (its coordinates are fixed): taken once
+    if placed is None:
         placed = _PLACED.put(key, compute_local_shape_and_global_offset(t.shape, t.device_mesh,
                                                                         t.placements))
     shape, offset = placed
     if tuple(shape) != tuple(local.shape):
-        raise RegionError(tuple(local.shape), tuple(shape), tuple(offset), tuple(t.placements), t.device_mesh)
+        raise RegionError(tuple(local.shape), tuple(shape), tuple(offset), tuple(t.placements),
+                          t.device_mesh)
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (a DTensor made ``from_local`` of a row needs its own)."""
+    """The strides of a contiguous tensor of ``shape`` (a DTensor made ``from_local`` of a row needs
+    its own)."""
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
@@ -99,29 +105,32 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _row_split(tensor: torch.Tensor, where: str) -> dict[int, Any]:
-    """The mesh dims (index -> placement) of a packed DTensor that split each row itself (an inner axis), not the
-    expert axis: expert tensor parallelism, FSDP2 sharding an inner dim.  Empty for a plain tensor."""
+    """The mesh dims (index -> placement) of a packed DTensor that split each row itself (an inner
+    axis), not the expert axis: expert tensor parallelism, FSDP2 sharding an inner dim.  Empty for a
+    plain tensor."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(tensor, DTensor):
         return {}
     mesh, placements = tensor.device_mesh, tensor.placements
-    keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0 and mesh.size(i) > 1}
+    keep = {i: p for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0
+            and mesh.size(i) > 1}
     if any(isinstance(p, _StridedShard) for p in keep.values()):
-        raise ValueError(f"{where}: placed {tuple(placements)}, it has a strided shard of an inner axis; its "
-                         f"rows are not contiguous shards of one expert")
+        raise ValueError(f"{where}: placed {tuple(placements)}, it has a strided shard of an inner "
+                         f"axis; its rows are not contiguous shards of one expert")
     return keep
 
 
 def block_region(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed weight"
                  ) -> tuple[torch.Tensor, int, tuple[slice, ...] | None]:
-    """A packed weight's (or moment's) rows on this rank: ``(local data, global id of its row 0, row region)``.
+    """A packed weight's (or moment's) rows on this rank: ``(local data, global id of its row 0, row
+    region)``.
 
-    Row ``i`` of the local data is expert ``first + i``; ``region`` is where each row sits in the expert's whole
-    tensor (``None`` when the rows are whole here), what :func:`local_region` gives for the same row of
-    :func:`packed_rows`.  No DTensor is made per row, so a harness walks thousands of rows for one
-    :func:`local_region`.
+    Row ``i`` of the local data is expert ``first + i``; ``region`` is where each row sits in the
+    expert's whole tensor (``None`` when the rows are whole here), what :func:`local_region` gives
+    for the same row of :func:`packed_rows`.  No DTensor is made per row, so a harness walks
+    thousands of rows for one :func:`local_region`.
     """
     local, region = local_region(tensor)
     first = first + (region[0].start if region is not None else 0)
@@ -132,11 +141,12 @@ def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed 
                 ) -> list[tuple[int, torch.Tensor]]:
     """The rows of a packed weight (or moment) this rank holds, each with its global expert id.
 
-    ``first`` is the global id of the tensor's row 0: 0 for a DTensor over all experts, the rank's first expert
-    for a plain tensor holding its chunk.  Each row is what the same expert's unpacked weight is on this rank: a
-    view of the row when the row is whole here (mesh dims that split the expert axis, FSDP's, and replicating dims
-    drop out), else a DTensor on that view over the mesh dims that split the row itself (expert tensor
-    parallelism, FSDP2 sharding an inner dim), ``Shard(d)`` becoming ``Shard(d - 1)``.  Nothing is copied.
+    ``first`` is the global id of the tensor's row 0: 0 for a DTensor over all experts, the rank's
+    first expert for a plain tensor holding its chunk.  Each row is what the same expert's unpacked
+    weight is on this rank: a view of the row when the row is whole here (mesh dims that split the
+    expert axis, FSDP's, and replicating dims drop out), else a DTensor on that view over the mesh
+    dims that split the row itself (expert tensor parallelism, FSDP2 sharding an inner dim),
+    ``Shard(d)`` becoming ``Shard(d - 1)``.  Nothing is copied.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -149,8 +159,9 @@ def packed_rows(tensor: torch.Tensor, first: int = 0, *, where: str = "a packed 
         if len(keep) == mesh.ndim:
             sub = mesh
         elif names is None:
-            raise ValueError(f"{where}: placed {tuple(tensor.placements)} on a mesh without dim names; its rows "
-                             "need the submesh of the dims that split them, so create the mesh with mesh_dim_names")
+            raise ValueError(f"{where}: placed {tuple(tensor.placements)} on a mesh without dim "
+                             "names; its rows need the submesh of the dims that split them, so "
+                             "create the mesh with mesh_dim_names")
         else:
             sub = sliced(mesh, tuple(names[i] for i in keep))
         shards = [Shard(p.dim - 1) for p in keep.values()]
@@ -201,7 +212,8 @@ class GlobalRegion:
 
 
 def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
-    """Every parameter of ``model`` with its ep=1 name, ep=1 shape and the region this rank holds."""
+    """Every parameter of ``model`` with its ep=1 name, ep=1 shape and the region this rank
+    holds."""
     owners: dict[int, MoEMLP] = {}
     for _, layer in moe_layers(model):
         for p in layer.parameters():
@@ -245,7 +257,8 @@ def _in_frame(name: str, order: str, shape: list[int],
 
 
 def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
-    """Set every gradient to a pure function of ``(seed, step, ep=1 unpacked name)``, sliced to this rank.
+    """Set every gradient to a pure function of ``(seed, step, ep=1 unpacked name)``, sliced to this
+    rank.
 
     A model at any layout (ep, etp, FSDP/HSDP) and of any kind then takes the same optimizer step as
     an ep=1 model -- a packed row, and each half of a fused row, gets the gradient its unpacked
@@ -255,7 +268,8 @@ def set_deterministic_grads(model: nn.Module, seed: int, step: int) -> None:
 
     for piece in global_regions(model):
         if piece.experts is not None:  # packed: one draw per expert, under its unpacked name
-            head, linear = f"{piece.experts}." if piece.experts else "", piece.name.rsplit(".", 1)[-1][:-2]
+            head, linear = (f"{piece.experts}." if piece.experts else "",
+                            piece.name.rsplit(".", 1)[-1][:-2])
             order, shape = piece.fused_order, piece.global_shape
             linears = (linear,) if order is None else ("gate", "up")  # a fused row: gate, up
             halves = 0 if order is None else HALF_AXIS[order]

@@ -11,13 +11,14 @@ tensors each way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from reference_impl.regions import contiguous_stride, local_region
 
-__all__ = ["STACKINGS", "Staged", "copy_back", "stack"]
+__all__ = ["STACKINGS", "Staged", "StagedKey", "copy_back", "stack"]
 
 #: how tensors are stacked: each an expert's row (``[n, ...]``); each two an expert's gate and up
 #: halves (``[n, 2, ...]``, members gate 0, up 0, gate 1, ...); two packed weights as the halves
@@ -25,6 +26,16 @@ __all__ = ["STACKINGS", "Staged", "copy_back", "stack"]
 STACKINGS = ("experts", "expert-halves", "halves")
 #: a staging tensor and each tensor copied into it, with its index there.
 Staged = tuple[torch.Tensor, list[tuple[torch.Tensor, tuple[Any, ...]]]]
+
+
+@dataclass(frozen=True)
+class StagedKey:
+    """A staging copy presented under one key: this rank's ``members`` (FQNs) of MoE layer ``moe``
+    stacked as ``how`` says (:data:`STACKINGS`)."""
+
+    moe: Any
+    members: tuple[str, ...]
+    how: str
 
 
 def stack(values: list[torch.Tensor], how: str) -> Staged:

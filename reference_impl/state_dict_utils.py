@@ -77,7 +77,8 @@ def _check_global_experts(tensor: torch.Tensor, n_experts: int, what: str) -> No
 
 def _check_mesh(device_mesh: object) -> DeviceMesh:
     if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a DeviceMesh or None, got {type(device_mesh).__name__}")
+        raise TypeError("device_mesh must be a DeviceMesh or None, got "
+                        f"{type(device_mesh).__name__}")
     return device_mesh
 
 
@@ -102,10 +103,12 @@ def get_submesh(device_mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
         raise TypeError(f"dims must be a non-empty tuple of mesh dim names, got {dims!r}")
     names = device_mesh.mesh_dim_names
     if names is None:
-        raise ValueError(f"cannot select mesh dims {dims}: the mesh has no dim names (pass mesh_dim_names)")
+        raise ValueError(f"cannot select mesh dims {dims}: the mesh has no dim names (pass "
+                         "mesh_dim_names)")
     missing = [d for d in dims if d not in names]
     if missing:
-        raise ValueError(f"mesh has no dim named {', '.join(map(repr, missing))}; its dims are {names}")
+        raise ValueError(f"mesh has no dim named {', '.join(map(repr, missing))}; its dims are "
+                         f"{names}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"mesh dim names must not repeat, got {dims}")
     if dims == names:
@@ -115,7 +118,8 @@ def get_submesh(device_mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
 
 
 def _get_expert_mesh_dim_index(dtensor: DTensor) -> int | None:
-    """The mesh dim that partitions experts: a named ``ep`` dim, else the first ``Shard(0)``, else None.
+    """The mesh dim that partitions experts: a named ``ep`` dim, else the first ``Shard(0)``, else
+    None.
 
     ``ep`` wins when present because it is the dim EP loading reasons about, even where FSDP shards
     the same rows again; without it an EP-free FSDP dim (``dp_shard_cp``) is the partition.
@@ -137,23 +141,24 @@ def _get_expert_mesh_dim_index(dtensor: DTensor) -> int | None:
 def _local_expert_rows(dtensor: DTensor, n_experts: int, what: str) -> tuple[int, int]:
     """``(start, end)`` of the global expert rows this rank's local tensor holds.
 
-    Asks DTensor itself (through :func:`reference_impl.regions.local_region`) so that nested ``Shard(0)``
-    placements are resolved exactly as DTensor and DCP resolve them, then checks the local tensor
-    really has that many rows: a DTensor built by ``from_local(..., shape=...)`` from another split
-    describes rows its ranks do not hold, and trusting it would save experts under wrong ids.
+    Asks DTensor itself (through :func:`reference_impl.regions.local_region`) so that nested
+    ``Shard(0)`` placements are resolved exactly as DTensor and DCP resolve them, then checks the
+    local tensor really has that many rows: a DTensor built by ``from_local(..., shape=...)`` from
+    another split describes rows its ranks do not hold, and trusting it would save experts under
+    wrong ids.
     """
     mesh, placements = dtensor.device_mesh, dtensor.placements
     for placement in placements:
         if isinstance(placement, Partial):
             raise ValueError(
-                f"{what} has unsupported DTensor placement: {placement!r}. Its local values are partial "
-                "sums, not expert weights; redistribute to Replicate() first"
+                f"{what} has unsupported DTensor placement: {placement!r}. Its local values are "
+                "partial sums, not expert weights; redistribute to Replicate() first"
             )
         if isinstance(placement, _StridedShard) and placement.dim == 0:
             raise ValueError(
-                f"{what} has unsupported DTensor placement: {placement!r}. A strided shard of the expert "
-                "axis need not hold a contiguous range of experts; use the DTensor before FSDP wrapped it "
-                "or its full_tensor()"
+                f"{what} has unsupported DTensor placement: {placement!r}. A strided shard of the "
+                "expert axis need not hold a contiguous range of experts; use the DTensor before "
+                "FSDP wrapped it or its full_tensor()"
             )
     if not mesh._is_current_rank_part_of_mesh():
         raise ValueError(f"{what}: this rank is not part of the DTensor's device mesh {mesh}")
@@ -162,12 +167,13 @@ def _local_expert_rows(dtensor: DTensor, n_experts: int, what: str) -> tuple[int
     except RegionError as exc:
         if exc.local_shape[0] == exc.placed_shape[0]:
             raise ValueError(f"{what}: {exc}") from None
-        rows, at = exc.placed_shape[0], min(exc.offset[0], n_experts) if exc.placed_shape[0] else n_experts
+        rows, at = exc.placed_shape[0], min(exc.offset[0],
+                                            n_experts) if exc.placed_shape[0] else n_experts
         raise ValueError(
             f"{what}: the local tensor holds {exc.local_shape[0]} expert rows but its placements "
-            f"{tuple(placements)} give this rank {rows} (rows {at}:{at + rows} of {n_experts}). Was it built with "
-            "DTensor.from_local(..., shape=...) from a split other than torch.chunk's? "
-            "See reference_impl.layout.expert_range"
+            f"{tuple(placements)} give this rank {rows} (rows {at}:{at + rows} of {n_experts}). "
+            "Was it built with DTensor.from_local(..., shape=...) from a split other than "
+            "torch.chunk's? See reference_impl.layout.expert_range"
         ) from None
     assert region is not None
     rows = region[0].stop - region[0].start
@@ -178,8 +184,9 @@ def _local_expert_rows(dtensor: DTensor, n_experts: int, what: str) -> tuple[int
         rule = expert_range(n_experts, mesh.size(dim), mesh.get_local_rank(dim))
         if rule != (start, start + rows):
             raise RuntimeError(
-                f"DTensor places rows {start}:{start + rows} of {n_experts} on this rank but the layout rule "
-                f"says {rule[0]}:{rule[1]}; this torch version changed Shard(0), update reference_impl.layout"
+                f"DTensor places rows {start}:{start + rows} of {n_experts} on this rank but the "
+                f"layout rule says {rule[0]}:{rule[1]}; this torch version changed Shard(0), "
+                "update reference_impl.layout"
             )
     return start, start + rows
 
@@ -189,10 +196,10 @@ def get_expert_slice_for_rank(
 ) -> tuple[torch.Tensor, int, int]:
     """The experts this rank holds: ``(local_tensor, start_expert, end_expert)``, end exclusive.
 
-    A plain tensor holds all of them.  For a DTensor the range is the rows DTensor assigns this
-    rank under every ``Shard(0)`` placement together (EP, EP then FSDP, or FSDP alone), so it names
-    the experts by the global ids DCP saves them under.  A rank holding none gets ``(E, E)``, which
-    is also where DTensor places an empty shard.  The local tensor is the DTensor's own local tensor,
+    A plain tensor holds all of them.  For a DTensor the range is the rows DTensor assigns this rank
+    under every ``Shard(0)`` placement together (EP, EP then FSDP, or FSDP alone), so it names the
+    experts by the global ids DCP saves them under.  A rank holding none gets ``(E, E)``, which is
+    also where DTensor places an empty shard.  The local tensor is the DTensor's own local tensor,
     not a copy; for inner-axis shards it holds all experts but part of each.
     """
     _check_tensor(experts_tensor, "experts_tensor")
@@ -210,9 +217,10 @@ def split_experts_weights_dtensor_aware(
     """This rank's experts one by one, with their global ids in order; each output views ``weight``.
 
     The mesh dims that partition experts have nothing left to shard once a tensor holds a single
-    expert, so they are dropped; the other placements shift down one tensor dim (``Shard(d)`` becomes
-    ``Shard(d-1)``) and the per-expert tensors are DTensors over the remaining mesh dims of size > 1,
-    or plain tensors when none remain.  That keeps an inner-axis shard sharded, with no copy.
+    expert, so they are dropped; the other placements shift down one tensor dim (``Shard(d)``
+    becomes ``Shard(d-1)``) and the per-expert tensors are DTensors over the remaining mesh dims of
+    size > 1, or plain tensors when none remain.  That keeps an inner-axis shard sharded, with no
+    copy.
     """
     local, start, end = get_expert_slice_for_rank(weight, n_experts)
     ids = list(range(start, end))
@@ -227,8 +235,8 @@ def split_experts_weights_dtensor_aware(
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError(
-            "split_experts_weights_dtensor_aware needs mesh dim names to build the per-expert submesh; "
-            "create the mesh with mesh_dim_names"
+            "split_experts_weights_dtensor_aware needs mesh dim names to build the per-expert "
+            "submesh; create the mesh with mesh_dim_names"
         )
     submesh = get_submesh(mesh, tuple(names[i] for i in keep))
     new_placements: list[Placement] = []
@@ -252,8 +260,8 @@ def validate_dtensor_expert_sharding(
 ) -> bool:
     """True when ``tensor`` holds ``expected_experts`` experts in a layout EP loading can use.
 
-    Checks the placement on the expert-partitioning mesh dim (``Shard(0)`` or ``Replicate()``),
-    not whichever placement comes last, so an ``(ep, ep_shard)`` DTensor with ``(Shard(0), Shard(1))``
+    Checks the placement on the expert-partitioning mesh dim (``Shard(0)`` or ``Replicate()``), not
+    whichever placement comes last, so an ``(ep, ep_shard)`` DTensor with ``(Shard(0), Shard(1))``
     is valid.  ``Partial`` anywhere, or a shard of another dim on the expert dim, is not: such a
     local tensor does not hold whole experts.  Raises ``ValueError`` instead of returning False.
     """
@@ -261,7 +269,8 @@ def validate_dtensor_expert_sharding(
     expected_experts = _check_n_experts(expected_experts, "expected_experts")
     if not is_dtensor(tensor):
         if tensor.shape[0] != expected_experts:
-            raise ValueError(f"{tensor_name} has shape {tensor.shape[0]} experts, expected {expected_experts}")
+            raise ValueError(f"{tensor_name} has shape {tensor.shape[0]} experts, expected "
+                             f"{expected_experts}")
         return True
     if tensor.shape[0] != expected_experts:
         raise ValueError(
@@ -272,8 +281,8 @@ def validate_dtensor_expert_sharding(
         placement = tensor.placements[expert_dim]
         if not (_is_expert_shard(placement) or isinstance(placement, Replicate)):
             raise ValueError(
-                f"{tensor_name} has unsupported DTensor placement: {placement!r}. The expert mesh dim "
-                f"{expert_dim} must use Shard(0) or Replicate()"
+                f"{tensor_name} has unsupported DTensor placement: {placement!r}. The expert mesh "
+                f"dim {expert_dim} must use Shard(0) or Replicate()"
             )
     _local_expert_rows(tensor, expected_experts, tensor_name)
     return True
@@ -296,22 +305,24 @@ def create_dtensor_from_local(
     local_tensor: torch.Tensor, device_mesh: DeviceMesh | None, rank: int | None = None, *,
     etp_dim: int | None = None,
 ) -> torch.Tensor:
-    """Wrap this rank's experts as a DTensor with the right global shape; None mesh returns them as is.
+    """Wrap this rank's experts as a DTensor with the right global shape; None mesh returns them as
+    is.
 
     Collective: every rank of ``device_mesh`` must call it, because the global shape comes from the
-    local expert counts gathered over the ``ep`` group (ranks may hold different numbers of experts).
-    Those counts must follow :func:`reference_impl.layout.expert_range`, or the DTensor would describe
-    rows its ranks do not hold and a checkpoint would lose experts; a mismatch raises ``ValueError``.
+    local expert counts gathered over the ``ep`` group (ranks may hold different numbers of
+    experts). Those counts must follow :func:`reference_impl.layout.expert_range`, or the DTensor
+    would describe rows its ranks do not hold and a checkpoint would lose experts; a mismatch raises
+    ``ValueError``.
 
-    Mesh dims: ``ep`` shards experts (``Shard(0)``); ``ep_shard`` (``Shard(1)``) and ``ep_replicate``
-    (``Replicate()``) are used only when one of them has size > 1, else the ep submesh alone is used.
-    A parallel-layout mesh (:data:`LAYOUT_MESH_DIMS`, EP groups strided or consecutive) is read the
-    same way: ``dp_replicate`` and ``dp_shard`` replicate the rank's experts, and ``etp`` (expert
-    tensor parallelism) shards axis ``etp_dim`` of them, the hidden axis, which only the caller
-    knows (``[E, hidden, dim]`` -> 1, ``[E, dim, hidden]`` -> 2); the DTensor uses ``ep`` and the
-    dims of size > 1.
-    The tensor moves to the mesh's device type (``rank`` picks the CUDA device, else the current one);
-    when it is already there nothing is copied.
+    Mesh dims: ``ep`` shards experts (``Shard(0)``); ``ep_shard`` (``Shard(1)``) and
+    ``ep_replicate`` (``Replicate()``) are used only when one of them has size > 1, else the ep
+    submesh alone is used. A parallel-layout mesh (:data:`LAYOUT_MESH_DIMS`, EP groups strided or
+    consecutive) is read the same way: ``dp_replicate`` and ``dp_shard`` replicate the rank's
+    experts, and ``etp`` (expert tensor parallelism) shards axis ``etp_dim`` of them, the hidden
+    axis, which only the caller knows (``[E, hidden, dim]`` -> 1, ``[E, dim, hidden]`` -> 2); the
+    DTensor uses ``ep`` and the dims of size > 1. The tensor moves to the mesh's device type
+    (``rank`` picks the CUDA device, else the current one); when it is already there nothing is
+    copied.
     """
     if device_mesh is None:
         return local_tensor
@@ -321,21 +332,25 @@ def create_dtensor_from_local(
     _check_mesh(device_mesh)
     names = device_mesh.mesh_dim_names
     if names is None:
-        raise ValueError(f"create_dtensor_from_local needs a mesh with dim names among {EXPERT_MESH_DIMS}")
+        raise ValueError("create_dtensor_from_local needs a mesh with dim names among "
+                         f"{EXPERT_MESH_DIMS}")
     unknown = [n for n in names if n not in EXPERT_MESH_DIMS + LAYOUT_MESH_DIMS]
     if unknown:
         raise ValueError(
-            f"create_dtensor_from_local got mesh dim {', '.join(map(repr, unknown))} (mesh dims {names}); "
-            f"allowed names are {EXPERT_MESH_DIMS} or {LAYOUT_MESH_DIMS}"
+            f"create_dtensor_from_local got mesh dim {', '.join(map(repr, unknown))} (mesh dims "
+            f"{names}); allowed names are {EXPERT_MESH_DIMS} or {LAYOUT_MESH_DIMS}"
         )
-    placement_of: dict[str, Placement] = {"ep": Shard(0), "ep_shard": Shard(1), "ep_replicate": Replicate(),
+    placement_of: dict[str, Placement] = {"ep": Shard(0), "ep_shard": Shard(1),
+                                          "ep_replicate": Replicate(),
                                           "dp_replicate": Replicate(), "dp_shard": Replicate()}
     size = {n: device_mesh.size(i) for i, n in enumerate(names)}
     if size.get("etp", 1) > 1:
-        if isinstance(etp_dim, bool) or not isinstance(etp_dim, int) or not 1 <= etp_dim < local_tensor.ndim:
-            raise ValueError(f"the mesh's etp dim (size {size['etp']}) splits each expert's hidden axis; pass "
-                             f"etp_dim, that axis of local_tensor (shape {tuple(local_tensor.shape)}): an int in "
-                             f"[1, {local_tensor.ndim}), got {etp_dim!r}")
+        if isinstance(etp_dim, bool) or not isinstance(etp_dim,
+                                                       int) or not 1 <= etp_dim < local_tensor.ndim:
+            raise ValueError(
+                f"the mesh's etp dim (size {size['etp']}) splits each expert's hidden axis; pass "
+                f"etp_dim, that axis of local_tensor (shape {tuple(local_tensor.shape)}): an int "
+                f"in [1, {local_tensor.ndim}), got {etp_dim!r}")
         placement_of["etp"] = Shard(etp_dim)
     if any(n in ("dp_replicate", "dp_shard", "etp") for n in names):
         kept = tuple(n for n in names if n == "ep" or size[n] > 1)
@@ -346,11 +361,13 @@ def create_dtensor_from_local(
     mesh_names = mesh.mesh_dim_names or ()
     placements = [placement_of[n] for n in mesh_names]
     if "ep_shard" in mesh_names and local_tensor.ndim < 2:
-        raise ValueError(f"ep_shard shards dim 1, but local_tensor has shape {tuple(local_tensor.shape)}")
+        raise ValueError("ep_shard shards dim 1, but local_tensor has shape "
+                         f"{tuple(local_tensor.shape)}")
 
     if local_tensor.device.type != mesh.device_type:
         if mesh.device_type == "cuda":
-            index = rank % torch.cuda.device_count() if rank is not None else torch.cuda.current_device()
+            index = (rank % torch.cuda.device_count() if rank is not None
+                     else torch.cuda.current_device())
             local_tensor = local_tensor.to(torch.device("cuda", index))
         else:
             local_tensor = local_tensor.to(mesh.device_type)
@@ -369,35 +386,40 @@ def create_dtensor_from_local(
             continue
         axis = placement.dim
         counts = [s[axis] for s in shapes]
-        if any(s[:axis] + s[axis + 1 :] != local_shape[:axis] + local_shape[axis + 1 :] for s in shapes):
+        if any(s[:axis] + s[axis + 1 :] != local_shape[:axis] + local_shape[axis + 1 :]
+               for s in shapes):
             raise ValueError(
-                f"local shapes over the {name} group (global ranks {ranks}) are {shapes}: they may differ "
-                f"only in dim {axis}"
+                f"local shapes over the {name} group (global ranks {ranks}) are {shapes}: they may "
+                f"differ only in dim {axis}"
             )
         total = sum(counts)
         if total < 1:
-            raise ValueError(f"the {name} group (global ranks {ranks}) holds no rows in dim {axis} at all")
+            raise ValueError(f"the {name} group (global ranks {ranks}) holds no rows in dim {axis} "
+                             "at all")
         expected = expert_counts(total, len(counts))
         wrong = [r for r, c, e in zip(ranks, counts, expected, strict=True) if c != e]
         if wrong:
             what = "expert counts" if axis == 0 else f"dim-{axis} sizes"
             raise ValueError(
-                f"local {what} {counts} over the {name} group (global ranks {ranks}) do not follow the "
-                f"layout rule for {total} rows on {len(counts)} ranks, which expects {expected} "
-                f"(reference_impl.layout.expert_range); ranks {wrong} disagree"
+                f"local {what} {counts} over the {name} group (global ranks {ranks}) do not follow "
+                f"the layout rule for {total} rows on {len(counts)} ranks, which expects "
+                f"{expected} (reference_impl.layout.expert_range); ranks {wrong} disagree"
             )
         global_shape[axis] = total
 
     return DTensor.from_local(
-        local_tensor, mesh, placements, shape=torch.Size(global_shape), stride=contiguous_stride(global_shape)
+        local_tensor, mesh, placements, shape=torch.Size(global_shape),
+        stride=contiguous_stride(global_shape)
     )
 
 
-def get_expert_range_for_rank_from_mesh(device_mesh: DeviceMesh | None, n_experts: int) -> tuple[int, int]:
+def get_expert_range_for_rank_from_mesh(device_mesh: DeviceMesh | None,
+                                        n_experts: int) -> tuple[int, int]:
     """``(start, end)`` of the experts this rank loads: its ``ep`` coordinate under the layout rule.
 
     No mesh means one rank holding everything.  A mesh with an ``ep`` dim uses that dim; a 1-D mesh
-    without one is itself the expert partition; a larger mesh without ``ep`` is ambiguous and refused.
+    without one is itself the expert partition; a larger mesh without ``ep`` is ambiguous and
+    refused.
     """
     n_experts = _check_n_experts(n_experts)
     if device_mesh is None:
@@ -411,15 +433,19 @@ def get_expert_range_for_rank_from_mesh(device_mesh: DeviceMesh | None, n_expert
     else:
         raise ValueError(
             f"device_mesh has dims {names} of shape {tuple(device_mesh.shape)} and no 'ep' dim: "
-            "cannot tell which dim partitions the experts; pass a mesh with an 'ep' dim or a 1-D mesh"
+            "cannot tell which dim partitions the experts; pass a mesh with an 'ep' dim or a 1-D "
+            "mesh"
         )
     return expert_range(n_experts, device_mesh.size(dim), device_mesh.get_local_rank(dim))
 
 
-def should_load_expert_for_rank(expert_id: int, device_mesh: DeviceMesh | None, n_experts: int) -> bool:
-    """Whether global expert ``expert_id`` lives on this rank, so a loader reads only its own experts."""
+def should_load_expert_for_rank(expert_id: int, device_mesh: DeviceMesh | None,
+                                n_experts: int) -> bool:
+    """Whether global expert ``expert_id`` lives on this rank, so a loader reads only its own
+    experts."""
     n_experts = _check_n_experts(n_experts)
-    if isinstance(expert_id, bool) or not isinstance(expert_id, int) or not 0 <= expert_id < n_experts:
+    if isinstance(expert_id, bool) or not isinstance(expert_id,
+                                                     int) or not 0 <= expert_id < n_experts:
         raise ValueError(f"expert_id must be an int in [0, {n_experts}), got {expert_id!r}")
     start, end = get_expert_range_for_rank_from_mesh(device_mesh, n_experts)
     return start <= expert_id < end

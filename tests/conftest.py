@@ -2,17 +2,18 @@
 
 ``slow`` marks the tests that run a real framework through its whole as-found matrix (one to three
 minutes each on the 2-core CI machine).  They are skipped unless ``--run-slow`` is given, so the
-suite CI runs (``bash ci/test.sh``) stays well under its 15-minute budget; every framework still runs
-end to end there through its smaller tests (seeded bugs, negative controls, a few cells).  Run them
-with ``bash ci/test.sh --slow`` before changing the harness or a pinned framework version.
+suite CI runs (``bash ci/test.sh``) stays well under its 15-minute budget; every framework still
+runs end to end there through its smaller tests (seeded bugs, negative controls, a few cells).  Run
+them with ``bash ci/test.sh --slow`` before changing the harness or a pinned framework version.
 """
 
 from __future__ import annotations
 
-# torch, and what the controller of an in-process matrix run may import, are imported before any test: pytester drops
-# the modules first imported during a test that uses it (or during an in-process run), and a second import of torch
-# or of its modules that register operators crashes the process.  The plugin's controller never imports torch, so
-# nothing else guarantees these are imported first.
+# torch, and what the controller of an in-process matrix run may import, are imported before any
+# test: pytester drops the modules first imported during a test that uses it (or during an
+# in-process run), and a second import of torch or of its modules that register operators crashes
+# the process.  The plugin's controller never imports torch, so nothing else guarantees these are
+# imported first.
 import importlib
 import os
 from typing import Any
@@ -22,32 +23,36 @@ import torch  # noqa: F401
 
 from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 
-for _module in (*CHECKPOINT_PRELOAD, "reference_impl", "conformance.adapters.reference", "conformance.adapters.legacy",
-                "conformance.adapters.balanced_functions"):
+for _module in (*CHECKPOINT_PRELOAD, "reference_impl", "conformance.adapters.reference",
+                "conformance.adapters.legacy", "conformance.adapters.balanced_functions"):
     importlib.import_module(_module)
 
 
 @pytest.fixture(scope="session")
 def shared_fork_server(moe_ep_engine: Any) -> None:
-    """This session's fork server, started now (with a one-rank world that lives as long as the session).
+    """This session's fork server, started now (with a one-rank world that lives as long as the
+    session).
 
-    A matrix run in this process (``matrix_expectations.run_inline``) then forks its ranks from it instead of
-    starting a fork server of its own, which imports torch again: 4-5 s a run.  Its preloads are this
-    project's ``moe_ep_preload`` (pyproject.toml).
+    A matrix run in this process (``matrix_expectations.run_inline``) then forks its ranks from it
+    instead of starting a fork server of its own, which imports torch again: 4-5 s a run.  Its
+    preloads are this project's ``moe_ep_preload`` (pyproject.toml).
     """
     moe_ep_engine.run(os.getpid, world_size=1, backend="gloo")
 
 
-SLOW_REASON = "a real framework's whole as-found matrix (minutes): run with --run-slow (bash ci/test.sh --slow)"
+SLOW_REASON = ("a real framework's whole as-found matrix (minutes): run with --run-slow (bash "
+               "ci/test.sh --slow)")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False,
-                     help="also run the tests marked slow (the real frameworks' whole as-found matrices)")
+                     help="also run the tests marked slow (the real frameworks' whole as-found "
+                     "matrices)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: a real framework's whole as-found matrix; needs --run-slow")
+    config.addinivalue_line("markers",
+                            "slow: a real framework's whole as-found matrix; needs --run-slow")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,10 @@
-"""Wrong on purpose, for tests/test_functions_suite.py: three defects the functions suite must catch.
+"""Wrong on purpose, for tests/test_functions_suite.py: three defects the functions suite must
+catch.
 
-- ``get_expert_slice_for_rank`` returns a copy of the local experts (right values, detached storage);
-- ``should_load_expert_for_rank`` answers False for an expert id out of range instead of refusing it;
+- ``get_expert_slice_for_rank`` returns a copy of the local experts (right values, detached
+  storage);
+- ``should_load_expert_for_rank`` answers False for an expert id out of range instead of refusing
+  it;
 - ``WITHOUT_VALIDATE`` (use ``"functions_suite_wrong:WITHOUT_VALIDATE"``) is the reference lacking
   ``validate_dtensor_expert_sharding``.
 """

@@ -1,9 +1,9 @@
 """Seeded forward bugs for the framework adapters: the negative controls of the ``forward`` check.
 
-Each is the framework's own adapter with the router rows of experts 0 and 1 swapped while its forward
-runs on a loaded model -- as a framework whose dispatch maps expert ids at run time differently from how
-its checkpoint names them.  The stored tensors stay right (``values`` passes), so only ``forward`` can
-catch it.  The ground truth (never loaded) runs unswapped.
+Each is the framework's own adapter with the router rows of experts 0 and 1 swapped while its
+forward runs on a loaded model -- as a framework whose dispatch maps expert ids at run time
+differently from how its checkpoint names them.  The stored tensors stay right (``values`` passes),
+so only ``forward`` can catch it.  The ground truth (never loaded) runs unswapped.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ _LOADED = "_seeded_loaded"
 
 @contextlib.contextmanager
 def rows_swapped(weights: list[Any]) -> Iterator[None]:
-    """Rows 0 and 1 (experts 0 and 1) of each router weight swapped for the block, swapped back after it."""
+    """Rows 0 and 1 (experts 0 and 1) of each router weight swapped for the block, swapped back
+    after it."""
     import torch
 
     def swap() -> None:

@@ -1,17 +1,20 @@
-"""The ``transformers`` adapter end to end: transformers 5.24.0's own expert parallelism through the matrix.
+"""The ``transformers`` adapter end to end: transformers 5.24.0's own expert parallelism through the
+matrix.
 
-Skipped unless the transformers on the path has ``DistributedConfig(ep_size=...)`` (5.24.0 does; 5.18.0, which
-NeMo Automodel 0.7.0 pins and the shared environment keeps, does not): ``ci/install_transformers.sh`` installs
-5.24.0 into an overlay and ``.ci/run`` runs this module with it first on ``PYTHONPATH``.  Each run happens in a
-pytester subprocess and its outcome is asserted *as found*, cell by cell.
+Skipped unless the transformers on the path has ``DistributedConfig(ep_size=...)`` (5.24.0 does;
+5.18.0, which NeMo Automodel 0.7.0 pins and the shared environment keeps, does not):
+``ci/install_transformers.sh`` installs 5.24.0 into an overlay and ``.ci/run`` runs this module with
+it first on ``PYTHONPATH``.  Each run happens in a pytester subprocess and its outcome is asserted
+*as found*, cell by cell.
 
-A small stated subset of the full tier (``ci/conformance.sh`` runs all of it): packed, model+optimizer, FSDP2,
-E=4 -- ep2c -> ep4, ep4 -> ep1 and HSDP ep2.hsdp2 -> ep4 pass bit for bit with every check (``checkpoint``,
-``values``, ``missing``, ``scalars``, ``resume``, ``forward``); the EP-only, strided-order and expert-TP cells of
-the same pair are n/a, each with its reason; E=5 loaded at ep=4 is an ``error`` cell: transformers refuses to split
-5 experts over 4 ranks.  The negative control: the same adapter with
-the optimizer load left out (what a Trainer resume under ``DistributedConfig`` gives: the Trainer refuses to
-save optimizer state there) fails its cell on ``scalars`` and ``values``.
+A small stated subset of the full tier (``ci/conformance.sh`` runs all of it): packed,
+model+optimizer, FSDP2, E=4 -- ep2c -> ep4, ep4 -> ep1 and HSDP ep2.hsdp2 -> ep4 pass bit for bit
+with every check (``checkpoint``, ``values``, ``missing``, ``scalars``, ``resume``, ``forward``);
+the EP-only, strided-order and expert-TP cells of the same pair are n/a, each with its reason; E=5
+loaded at ep=4 is an ``error`` cell: transformers refuses to split 5 experts over 4 ranks.  The
+negative control: the same adapter with the optimizer load left out (what a Trainer resume under
+``DistributedConfig`` gives: the Trainer refuses to save optimizer state there) fails its cell on
+``scalars`` and ``values``.
 
 DeepSeek-V3 (``transformers-deepseek_v3``): model+optimizer ep4 -> ep2c passes bit for bit with its
 expert bias compared on every rank, and E=5 at ep=4 is refused.  Its negative control (slow), a load
@@ -19,10 +22,10 @@ that then zeroes every persistent floating-point buffer, is red in every default
 Measured on the shared 2-core machine: the DeepSeek-V3 slice 87 s at load ~200 (25 s of CPU), the
 negative control 150 s at load 25-90 (60 s of CPU).
 
-Cost: two rank worlds (one per run), and their start and the transformers import in each rank dominate.
-Measured: 461 s for both on a 2-core machine at load average 100-400 (7 agents sharing it). On that machine
-under lighter load, a world's first cell took 53 s and later cells 1-11 s, so expect about 2 minutes on an idle
-2-core CI machine.
+Cost: two rank worlds (one per run), and their start and the transformers import in each rank
+dominate. Measured: 461 s for both on a 2-core machine at load average 100-400 (7 agents sharing
+it). On that machine under lighter load, a world's first cell took 53 s and later cells 1-11 s, so
+expect about 2 minutes on an idle 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -33,34 +36,40 @@ import pytest
 from matrix_expectations import BIT_FOR_BIT, assert_as_expected, by_status, expectations_args
 from matrix_expectations import run_report as run
 
-distributed = pytest.importorskip("transformers.distributed", reason="transformers is not installed "
+distributed = pytest.importorskip("transformers.distributed",
+                                  reason="transformers is not installed "
                                   "(ci/install_transformers.sh installs transformers==5.24.0)")
 if "ep_size" not in {f.name for f in dataclasses.fields(distributed.DistributedConfig)}:
-    pytest.skip("the installed transformers has no DistributedConfig(ep_size=...) expert parallelism (5.18.0, NeMo "
-                "Automodel's pin, does not); run with ci/install_transformers.sh's 5.24.0 overlay first on "
-                "PYTHONPATH", allow_module_level=True)
+    pytest.skip("the installed transformers has no DistributedConfig(ep_size=...) expert "
+                "parallelism (5.18.0, NeMo "
+                "Automodel's pin, does not); run with ci/install_transformers.sh's 5.24.0 overlay "
+                "first on PYTHONPATH", allow_module_level=True)
 
 CELL = "moe-ep-matrix::checkpoint::packed::model+optim::{mode}::{experts}{pair}"
-PASSING = {CELL.format(mode="fsdp", experts="", pair=pair) for pair in ("ep2c->ep4", "ep4->ep1", "ep2.hsdp2->ep4")}
+PASSING = {CELL.format(mode="fsdp", experts="", pair=pair)
+           for pair in ("ep2c->ep4", "ep4->ep1", "ep2.hsdp2->ep4")}
 ALL_CHECKS = "(checks: checkpoint, values, missing, scalars, resume, forward)"
 NOT_APPLICABLE = {
-    CELL.format(mode="ep-only", experts="", pair="ep2c->ep4"): "adapter composes EP only with FSDP2 (no EP-only cells)",
-    CELL.format(mode="fsdp", experts="", pair="ep2->ep4"): "adapter forms consecutive EP groups, not strided",
-    CELL.format(mode="fsdp", experts="", pair="ep2.etp2->ep4"): "adapter does not support expert tensor parallelism "
-                                                                 "(etp > 1)",
+    CELL.format(mode="ep-only", experts="", pair="ep2c->ep4"): "adapter composes EP only with "
+    "FSDP2 (no EP-only cells)", CELL.format(mode="fsdp", experts="", pair="ep2->ep4"): "adapter "
+    "forms consecutive EP groups, not strided", CELL.format(mode="fsdp", experts="",
+                                                            pair="ep2.etp2->ep4"): "adapter does "
+    "not support expert tensor parallelism (etp > 1)",
 }
-#: E=5 loaded at ep=4: transformers' expert parallelism refuses to split the experts (a loud refusal, as found).
+#: E=5 loaded at ep=4: transformers' expert parallelism refuses to split the experts (a loud
+#: refusal, as found).
 UNEVEN = CELL.format(mode="fsdp", experts="E5::", pair="ep1->ep4")
 UNEVEN_REFUSAL = "ValueError: Cannot evenly shard 5 experts across 4 expert-parallel ranks."
-SUBSET = ("kind_packed and optim and E4 and fsdp and ((save_ep2 and load_ep4) or (save_ep4 and load_ep1))"
-          " or kind_packed and E5 and fsdp and optim and save_ep1 and load_ep4"
+SUBSET = ("kind_packed and optim and E4 and fsdp and ((save_ep2 and load_ep4) or (save_ep4 and "
+          "load_ep1)) or kind_packed and E5 and fsdp and optim and save_ep1 and load_ep4"
           " or kind_packed and optim and not fsdp and save_ep2 and save_consecutive and load_ep4")
 SEEDED = '''
 from conformance.adapters.transformers_ep import TransformersAdapter
 
 
 class OptimizerNotLoaded(TransformersAdapter):
-    """Seeded bug: the model is loaded and the optimizer is not (load_optimizer_distributed left out)."""
+    """Seeded bug: the model is loaded and the optimizer is not (load_optimizer_distributed left
+    out)."""
 
     name = "seeded-transformers-optimizer-not-loaded"
 
@@ -73,14 +82,17 @@ class OptimizerNotLoaded(TransformersAdapter):
 
 def test_transformers_matrix_subset_passes_fsdp_and_hsdp_cells_and_names_what_is_not_applicable(
         pytester: pytest.Pytester) -> None:
-    result, doc = run(pytester, "--moe-ep-matrix=full", "--moe-ep-adapter=transformers", "-k", SUBSET,
-                      *expectations_args("transformers"))
+    result, doc = run(pytester, "--moe-ep-matrix=full", "--moe-ep-adapter=transformers", "-k",
+                      SUBSET, *expectations_args("transformers"))
     assert doc["adapter"] == {"name": "transformers", "version": "5.24.0"}, doc["adapter"]
-    assert_as_expected(result, doc)  # held against ci/expectations/transformers.toml: the refusal is expected
+    # held against ci/expectations/transformers.toml: the refusal is expected
+    assert_as_expected(result, doc)
     cells, statuses, _ = by_status(doc)
-    assert statuses.get("pass", set()) == PASSING, {i: c["detail"] for i, c in cells.items() if c["status"] != "n/a"}
+    assert statuses.get("pass", set()) == PASSING, {i: c["detail"] for i, c in cells.items()
+                                                    if c["status"] != "n/a"}
     for cell_id in PASSING:
-        assert BIT_FOR_BIT in cells[cell_id]["detail"] and ALL_CHECKS in cells[cell_id]["detail"], cells[cell_id]
+        assert (BIT_FOR_BIT in cells[cell_id]["detail"]
+                and ALL_CHECKS in cells[cell_id]["detail"]), cells[cell_id]
     na = {i: cells[i]["detail"] for i in statuses.get("n/a", set()) if i in NOT_APPLICABLE}
     assert na == NOT_APPLICABLE
     assert statuses.get("error", set()) == {UNEVEN}, statuses
@@ -89,15 +101,19 @@ def test_transformers_matrix_subset_passes_fsdp_and_hsdp_cells_and_names_what_is
     assert "fail" not in statuses
 
 
-def test_a_skipped_optimizer_load_is_caught_through_the_transformers_adapter(pytester: pytest.Pytester) -> None:
+def test_a_skipped_optimizer_load_is_caught_through_the_transformers_adapter(
+        pytester: pytest.Pytester) -> None:
     pytester.makepyfile(seeded_transformers=SEEDED)
-    result, doc = run(pytester, "--moe-ep-matrix=full", "--moe-ep-adapter=seeded_transformers:OptimizerNotLoaded",
-                      "-k", "kind_packed and optim and E4 and fsdp and save_ep2 and save_consecutive and load_ep4")
+    result, doc = run(pytester, "--moe-ep-matrix=full",
+                      "--moe-ep-adapter=seeded_transformers:OptimizerNotLoaded",
+                      "-k", "kind_packed and optim and E4 and fsdp and save_ep2 and "
+                      "save_consecutive and load_ep4")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
     [cell] = [c for c in doc["cells"] if c["status"] != "n/a"]
     assert cell["id"] == CELL.format(mode="fsdp", experts="", pair="ep2c->ep4")
     assert cell["status"] == "fail", cell
-    assert "[scalars]" in cell["detail"] and "'step' = [3.0] after the load, expected [2.0]" in cell["detail"], cell
+    assert ("[scalars]" in cell["detail"]
+            and "'step' = [3.0] after the load, expected [2.0]" in cell["detail"]), cell
 
 
 #: ``transformers-deepseek_v3`` on a slice of the default tier: one model+optimizer cell across EP
@@ -174,8 +190,8 @@ def test_a_load_that_zeroes_the_expert_bias_is_red_in_every_default_cell(
 
 @pytest.mark.moe_ep_world(4)
 def test_a_second_build_of_a_layout_forms_no_new_process_groups() -> None:
-    """Builds reuse the meshes transformers formed for the same shape (a full tier once reached ~250 gloo threads
-    per rank); a new shape still gets its own meshes, formed by transformers."""
+    """Builds reuse the meshes transformers formed for the same shape (a full tier once reached ~250
+    gloo threads per rank); a new shape still gets its own meshes, formed by transformers."""
     from torch.distributed.distributed_c10d import _world
 
     from conformance.adapter import Spec
@@ -188,7 +204,8 @@ def test_a_second_build_of_a_layout_forms_no_new_process_groups() -> None:
     adapter.build(spec, ep2.build_mesh(), 0)
     groups = len(_world.pg_map)
     adapter.build(spec, ep2.build_mesh(), 1)
-    assert len(_world.pg_map) == groups, "the second build of the same layout formed new process groups"
+    assert len(_world.pg_map) == groups, ("the second build of the same layout formed new process "
+                                          "groups")
     ep4 = ParallelLayout.for_world(4, 4)
     adapter.build(Spec(kind="packed", num_experts=4, fsdp=True, layout=ep4), ep4.build_mesh(), 0)
     assert len(_world.pg_map) > groups, "a new layout must get transformers' own meshes"

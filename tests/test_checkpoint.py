@@ -2,8 +2,8 @@
 
 Every test runs on each rank of one persistent 4-rank gloo world.  The expected values never come
 from another rank: each rank builds and trains an ep=1 model itself (weights and gradients are pure
-functions of global names), and :func:`reference_impl.regions.global_regions` says which part of that
-model a rank's (split, FSDP-sharded) parameter is.
+functions of global names), and :func:`reference_impl.regions.global_regions` says which part of
+that model a rank's (split, FSDP-sharded) parameter is.
 
 Meshes on 4 ranks are ``(ep, dp_shard)``: ep=1 -> (1, 4), ep=2 -> (2, 2), ep=4 -> (4, 1).  With
 E=6, ep=4 leaves rank 3 without experts and FSDP at ep=1 leaves rank 3 without packed rows.
@@ -66,7 +66,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) ->
 
 @functools.cache
 def reference(config: MoEConfig) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """The ep=1 run, on this rank alone: parameters and optimizer state by ep=1 name (cached: read only)."""
+    """The ep=1 run, on this rank alone: parameters and optimizer state by ep=1 name (cached: read
+    only)."""
     model = build_model(config, LAYERS, SAVE_SEED)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **SAVED_HP)
     train(model, optimizer)
@@ -75,7 +76,8 @@ def reference(config: MoEConfig) -> tuple[dict[str, torch.Tensor], dict[str, dic
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.detach().view({1: torch.int8, 2: torch.int16, 4: torch.int32,
+                            8: torch.int64}[t.element_size()])
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -84,18 +86,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def assert_matches_reference(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: MoEConfig,
-                             case: str) -> int:
-    """Every parameter (and its moments) holds bit for bit what ep=1 holds there; how many checked."""
+def assert_matches_reference(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                             config: MoEConfig, case: str) -> int:
+    """Every parameter (and its moments) holds bit for bit what ep=1 holds there; how many
+    checked."""
     params, states = reference(config)
     rank = dist.get_rank()
     checked = 0
     for piece in global_regions(model):
-        where = f"{case} rank {rank}: {piece.name} rows {piece.region[0].start}:{piece.region[0].stop}"
+        where = (f"{case} rank {rank}: {piece.name} rows "
+                 f"{piece.region[0].start}:{piece.region[0].stop}")
         got = piece.local
         expected = piece.of(params[piece.name])  # a fused weight is read in its frame, both sides
-        assert got.shape == expected.shape, f"{where}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
-        assert torch.equal(bits(got), bits(expected)), f"{where}: weights differ from the ep=1 run's"
+        assert got.shape == expected.shape, (f"{where}: shape {tuple(got.shape)} != "
+                                             f"{tuple(expected.shape)}")
+        assert torch.equal(bits(got),
+                           bits(expected)), f"{where}: weights differ from the ep=1 run's"
         if optimizer is not None:
             state, ref_state = optimizer.state[piece.param], states[piece.name]
             for moment in ("exp_avg", "exp_avg_sq"):
@@ -115,13 +121,13 @@ def assert_matches_reference(model: nn.Module, optimizer: torch.optim.Optimizer 
 
 def roundtrip(path: Path, config: MoEConfig, fsdp: bool, save_ep: int, load_eps: tuple[int, ...],
               load_kind: str | None = None) -> None:
-    """Train and save at ``save_ep``, then load at each of ``load_eps`` (into ``load_kind`` layers) and
-    compare with ep=1 (whose weights and gradients are the same in both kinds)."""
+    """Train and save at ``save_ep``, then load at each of ``load_eps`` (into ``load_kind`` layers)
+    and compare with ep=1 (whose weights and gradients are the same in both kinds)."""
     model, optimizer = build(config, save_ep, fsdp, SAVE_SEED, SAVED_HP)
     train(model, optimizer)
     load_config = replace(config, kind=load_kind or config.kind)
-    case = (f"{config.kind}/{config.activation}/E={config.num_experts}/fsdp={fsdp} saved at ep={save_ep}"
-            f"{f' into {load_config.kind}' if load_config.kind != config.kind else ''}")
+    case = (f"{config.kind}/{config.activation}/E={config.num_experts}/fsdp={fsdp} saved at "
+            f"ep={save_ep}{f' into {load_config.kind}' if load_config.kind != config.kind else ''}")
     # The saving run itself must equal the ep=1 run, or a load failure would blame the checkpoint.
     assert_matches_reference(model, optimizer, config, f"{case} (before saving)")
     checkpoint.save(model, optimizer, path)
@@ -131,8 +137,10 @@ def roundtrip(path: Path, config: MoEConfig, fsdp: bool, save_ep: int, load_eps:
         assert_matches_reference(model, optimizer, load_config, f"{case}, loaded at ep={load_ep}")
 
 
-#: (activation, fsdp): GELU experts (no gate weight) without FSDP only -- FSDP shards every weight alike.
-VARIANTS = [pytest.param("swiglu", False, id="swiglu-plain"), pytest.param("swiglu", True, id="swiglu-fsdp"),
+#: (activation, fsdp): GELU experts (no gate weight) without FSDP only -- FSDP shards every weight
+#: alike.
+VARIANTS = [pytest.param("swiglu", False, id="swiglu-plain"),
+            pytest.param("swiglu", True, id="swiglu-fsdp"),
             pytest.param("gelu", False, id="gelu-plain")]
 
 
@@ -149,11 +157,12 @@ def test_roundtrip_every_ep_pair(kind: str, activation: str, fsdp: bool, save_ep
 @pytest.mark.moe_ep_world(WORLD)
 @pytest.mark.parametrize("save_ep", EPS)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
-@pytest.mark.parametrize(("save_kind", "load_kind"), [("packed", "unpacked"), ("unpacked", "packed")])
+@pytest.mark.parametrize(("save_kind", "load_kind"),
+                         [("packed", "unpacked"), ("unpacked", "packed")])
 def test_cross_kind_every_ep_pair(save_kind: str, load_kind: str, fsdp: bool, save_ep: int,
                                   moe_ep_shared_dir: Path) -> None:
-    """Each form into the other kind: saved packed (the packed form) it loads unpacked, saved unpacked (per expert)
-    it loads packed, at every ep, moments too."""
+    """Each form into the other kind: saved packed (the packed form) it loads unpacked, saved
+    unpacked (per expert) it loads packed, at every ep, moments too."""
     config = MoEConfig(num_experts=6, kind=save_kind)  # type: ignore[arg-type]
     roundtrip(moe_ep_shared_dir / "ckpt", config, fsdp, save_ep, EPS, load_kind=load_kind)
 
@@ -183,7 +192,8 @@ def test_model_only(kind: str, moe_ep_shared_dir: Path) -> None:
 @pytest.mark.moe_ep_world(WORLD)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
 @pytest.mark.parametrize("kind", ["unpacked", "packed"])
-def test_legacy_checkpoint_is_refused_before_loading(kind: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
+def test_legacy_checkpoint_is_refused_before_loading(kind: str, fsdp: bool,
+                                                     moe_ep_shared_dir: Path) -> None:
     config = MoEConfig(kind=kind)  # type: ignore[arg-type]
     path = moe_ep_shared_dir / "legacy"
     model, optimizer = build(config, 2, fsdp, SAVE_SEED, SAVED_HP)
@@ -202,7 +212,8 @@ def test_legacy_checkpoint_is_refused_before_loading(kind: str, fsdp: bool, moe_
         with pytest.raises(ValueError, match=r"holds 3 experts of MoE layer 'layers\.0\.moe'"):
             checkpoint.load(model, optimizer, path)
         for name, p in model.named_parameters():
-            assert torch.equal(local(p), before[name]), f"ep={load_ep}: refused load still changed {name}"
+            assert torch.equal(local(p),
+                               before[name]), f"ep={load_ep}: refused load still changed {name}"
         assert not optimizer.state, f"ep={load_ep}: refused load touched the optimizer"
 
 
@@ -227,4 +238,5 @@ def test_legacy_checkpoint_really_loses_experts(moe_ep_shared_dir: Path) -> None
     # Both EP ranks now hold the same expert in slot 0: the checkpoint kept one rank's experts.
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, held)
-    assert gathered[0] == gathered[2] and len(gathered[0]) == 1, f"slot 0 holds global experts {gathered}"
+    assert gathered[0] == gathered[2] and len(gathered[0]) == 1, (
+        f"slot 0 holds global experts {gathered}")

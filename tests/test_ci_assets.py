@@ -1,4 +1,5 @@
-"""The CI assets a framework copies: the GitHub workflow uses the commands README and docs/ document."""
+"""The CI assets a framework copies: the GitHub workflow uses the commands README and docs/
+document."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def documentation() -> str:
     """README and the docs/ pages it points to: what a user reads."""
-    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+    return "\n".join(p.read_text()
+                     for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
 
 
 def test_workflow_runs_the_documented_commands() -> None:
@@ -20,22 +22,28 @@ def test_workflow_runs_the_documented_commands() -> None:
     workflow = yaml.safe_load((ROOT / "ci/github/moe-ep-conformance.yml").read_text())
     readme = documentation()
     assert set(workflow["jobs"]) == {"cpu", "gpu"}
-    runs = {job: [step.get("run", "") for step in spec["steps"]] for job, spec in workflow["jobs"].items()}
+    runs = {job: [step.get("run", "") for step in spec["steps"]]
+            for job, spec in workflow["jobs"].items()}
     matrix_cpu = [r for r in runs["cpu"] if "--moe-ep-matrix" in r]
     matrix_gpu = [r for r in runs["gpu"] if "--moe-ep-matrix" in r]
-    gate = "--moe-ep-expectations=$EXPECTATIONS $UPDATE"  # gated on change, not on green: the expectations file
-    assert matrix_cpu == [f"pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER {gate} --moe-ep-report=moe-ep-report/cpu "
+    # gated on change, not on green: the expectations file
+    gate = "--moe-ep-expectations=$EXPECTATIONS $UPDATE"
+    assert matrix_cpu == [f"pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER {gate} "
+                          "--moe-ep-report=moe-ep-report/cpu "
                           "--report-log=moe-ep-report/cpu/pytest-log.jsonl"]
-    assert matrix_gpu == [f"pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-backend=nccl {gate} "
-                          "--moe-ep-report=moe-ep-report/gpu --report-log=moe-ep-report/gpu/pytest-log.jsonl"]
-    assert workflow["env"]["UPDATE"] == "${{ inputs.update && '--moe-ep-update-expectations' || '' }}"
-    assert "--moe-ep-update-expectations" in workflow[True]["workflow_dispatch"]["inputs"]["update"]["description"] \
-        or workflow[True]["workflow_dispatch"]["inputs"]["update"]["type"] == "boolean"
-    # A killed run's log (uploaded with the report, it lies in the report directory) rebuilds the report, judged
-    # against the same file.
+    assert matrix_gpu == [
+        f"pytest --moe-ep-matrix --moe-ep-adapter=$ADAPTER --moe-ep-backend=nccl {gate} "
+        "--moe-ep-report=moe-ep-report/gpu --report-log=moe-ep-report/gpu/pytest-log.jsonl"]
+    assert (workflow["env"]["UPDATE"]
+            == "${{ inputs.update && '--moe-ep-update-expectations' || '' }}")
+    assert ("--moe-ep-update-expectations"
+            in workflow[True]["workflow_dispatch"]["inputs"]["update"]["description"]
+        or workflow[True]["workflow_dispatch"]["inputs"]["update"]["type"] == "boolean")
+    # A killed run's log (uploaded with the report, it lies in the report directory) rebuilds the
+    # report, judged against the same file.
     for job in ("cpu", "gpu"):
-        assert any(f"--from-log moe-ep-report/{job}/pytest-log.jsonl --out moe-ep-report/{job} --expectations "
-                   "$EXPECTATIONS" in r for r in runs[job]), runs[job]
+        assert any(f"--from-log moe-ep-report/{job}/pytest-log.jsonl --out moe-ep-report/{job} "
+                   "--expectations $EXPECTATIONS" in r for r in runs[job]), runs[job]
     assert "--from-log" in readme and "--report-log" in readme
     # The job summary gets the report's head, and (CPU) what changed since the latest release's.
     for job in ("cpu", "gpu"):
@@ -51,7 +59,8 @@ def test_workflow_runs_the_documented_commands() -> None:
     # Every option the workflow passes is one README documents.
     for option in set(re.findall(r"--moe-ep-[a-z-]+", " ".join(matrix_cpu + matrix_gpu))):
         assert option in readme, option
-    uploads = [s for s in workflow["jobs"]["cpu"]["steps"] if "upload-artifact" in s.get("uses", "")]
+    uploads = [s for s in workflow["jobs"]["cpu"]["steps"]
+               if "upload-artifact" in s.get("uses", "")]
     assert uploads and uploads[0]["with"]["path"] == "moe-ep-report/cpu"
     assert any("gh release upload" in r for r in runs["cpu"])
     # YAML reads the bare key `on` as True.
@@ -62,7 +71,8 @@ def test_ci_run_installs_pinned_cpu_torch_first_and_runs_the_readme_test_command
     ci_run = (ROOT / ".ci/run").read_text()
     readme = (ROOT / "README.md").read_text()
     assert ci_run.index("torch==2.13.0") < ci_run.index('-e ".[test]"')
-    assert "bash ci/test.sh" in ci_run and "bash ci/test.sh" in readme.split("## Quick start")[1].split("##")[0]
+    assert ("bash ci/test.sh" in ci_run
+            and "bash ci/test.sh" in readme.split("## Quick start")[1].split("##")[0])
     # Chromium for the report page's browser test, before the suite, never a reason for CI to fail.
     [install] = [line for line in ci_run.splitlines() if "apt-get install" in line]
     assert "chromium" in install and ci_run.index(install) < ci_run.index("bash ci/test.sh")
@@ -80,14 +90,14 @@ def test_the_status_index_says_which_tier_each_report_ran(tmp_path: Path) -> Non
     """ci/conformance.sh's table: a default-tier report must not read as the full tier's counts."""
     from conformance.report import INDEX_END, INDEX_START, write_index, write_report
 
-    cell = {"id": "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2", "status": "pass", "detail": "",
-            "suite": "checkpoint", "adapter": "a"}
+    cell = {"id": "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2", "status": "pass",
+            "detail": "", "suite": "checkpoint", "adapter": "a"}
     write_report(tmp_path / "full", [cell], backend="gloo", world_size=4, tier="full")
     write_report(tmp_path / "default", [cell], backend="gloo", world_size=4, tier="default")
     page = tmp_path / "page.md"
     page.write_text(f"head\n{INDEX_START}\nold\n{INDEX_END}\ntail\n")
     text = write_index(tmp_path, page)
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()
-            if line.startswith("| ") and "`" in line}
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and "`" in line}
     assert [r[1] for r in rows.values()] == ["default", "full"], rows
     assert page.read_text().startswith("head\n") and "old" not in page.read_text()

@@ -1,12 +1,12 @@
 """An :class:`~conformance.adapter.ExpertBlock` reads as exactly the rows it stands for.
 
-The reference yields each packed weight and moment as one block (at 256 experts a DTensor per row was
-most of a cell's checks).  The harness expands a block in one place (:func:`conformance.checks.held.held_tensors`,
-on :func:`reference_impl.regions.block_region`); these tests hold it to the per-row path it replaced
-(:func:`reference_impl.regions.packed_rows` and :func:`~reference_impl.regions.local_region` of each row) in
-real 4-rank worlds: plain rows, expert-TP rows (a region of each expert), FSDP2 and HSDP shards of the expert
-axis, an empty rank at E=6, ep=4.  The build-side block fills (weights, gradients) are held to their per-expert
-draws.
+The reference yields each packed weight and moment as one block (at 256 experts a DTensor per row
+was most of a cell's checks).  The harness expands a block in one place
+(:func:`conformance.checks.held.held_tensors`, on :func:`reference_impl.regions.block_region`);
+these tests hold it to the per-row path it replaced (:func:`reference_impl.regions.packed_rows` and
+:func:`~reference_impl.regions.local_region` of each row) in real 4-rank worlds: plain rows,
+expert-TP rows (a region of each expert), FSDP2 and HSDP shards of the expert axis, an empty rank at
+E=6, ep=4.  The build-side block fills (weights, gradients) are held to their per-expert draws.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ LAYOUTS = {
 
 
 def _per_row(adapter: ReferenceAdapter, model: object, optimizer: object) -> dict[tuple, tuple]:
-    """What the per-row path gave before blocks: a tensor per expert through packed_rows, read by local_region."""
+    """What the per-row path gave before blocks: a tensor per expert through packed_rows, read by
+    local_region."""
     out = {}
     for entry in adapter.expert_tensors(model, optimizer):
         if not isinstance(entry, ExpertBlock):
@@ -61,15 +62,18 @@ def test_a_block_reads_as_its_rows_did_at_every_layout(case: str) -> None:
     blocks = [e for e in adapter.expert_tensors(model, optimizer) if isinstance(e, ExpertBlock)]
     assert blocks, "the reference yields its packed weights as blocks"
     want = _per_row(adapter, model, optimizer)
-    got = {(h.layer, h.expert, h.name): (h.local, h.region) for h in held_tensors(adapter.expert_tensors(model,
-                                                                                                         optimizer))}
+    got = {(h.layer, h.expert, h.name): (h.local, h.region)
+           for h in held_tensors(adapter.expert_tensors(model,
+                                                        optimizer))}
     assert got.keys() == want.keys(), f"{case}: keys {sorted(got.keys() ^ want.keys())[:4]} differ"
     for key, (local, region) in got.items():
         assert region == want[key][1], f"{case}: {key} region {region}, per row {want[key][1]}"
         assert torch.equal(local, want[key][0]), f"{case}: {key} values differ from its row's"
-    copies = {(h.layer, h.expert, h.name): h.local for h in held_tensors(adapter.expert_tensors(model, optimizer),
-                                                                         copy=True)}
-    assert all(torch.equal(copies[k], v[0]) and copies[k].data_ptr() != v[0].data_ptr() for k, v in got.items())
+    copies = {(h.layer, h.expert, h.name): h.local
+              for h in held_tensors(adapter.expert_tensors(model, optimizer),
+                                    copy=True)}
+    assert all(torch.equal(copies[k], v[0]) and copies[k].data_ptr() != v[0].data_ptr()
+               for k, v in got.items())
     ids = {k[1] for k in want if k[1] is not None}
     assert reported_experts(adapter, model, optimizer) == tuple(sorted(ids))
 
@@ -102,8 +106,8 @@ def test_a_packed_build_fills_each_row_as_its_unpacked_expert(num_experts: int) 
     for name, moe in packed.items():
         for g in range(num_experts):
             for linear in ("gate", "up", "down"):
-                assert torch.equal(moe.expert_weight(g, linear), unpacked[name].expert_weight(g, linear)), (
-                    name, g, linear)
+                assert torch.equal(moe.expert_weight(g, linear),
+                                   unpacked[name].expert_weight(g, linear)), (name, g, linear)
 
 
 def test_gradient_rows_are_each_experts_own_gradient() -> None:
@@ -112,23 +116,29 @@ def test_gradient_rows_are_each_experts_own_gradient() -> None:
     for i, g in enumerate(range(2, 6)):
         assert torch.equal(block[i], synthetic_grad(7, 1, 0, g, "up", (3, 5)))
     block.zero_()  # a copy: the kept block is not changed through it
-    assert torch.equal(synthetic_grad_rows(7, 1, 0, range(2, 6), "up", (3, 5))[0], synthetic_grad(7, 1, 0, 2, "up",
-                                                                                                  (3, 5)))
+    assert torch.equal(synthetic_grad_rows(7, 1, 0, range(2, 6), "up", (3, 5))[0],
+                       synthetic_grad(7, 1, 0, 2, "up",
+                                      (3, 5)))
     assert synthetic_grad_rows(7, 1, 0, range(4, 4), "up", (3, 5)).shape == (0, 3, 5)
 
 
 def test_gradient_rows_under_any_ranges_are_the_experts_own_draws() -> None:
-    """Rows are kept per expert whatever range asked first (a quarter, then all, then a half across both): each is
-    the draw of its own seed, as ``synthetic_tensor`` makes it, and a single expert's gradient is its row."""
+    """Rows are kept per expert whatever range asked first (a quarter, then all, then a half across
+    both): each is the draw of its own seed, as ``synthetic_tensor`` makes it, and a single expert's
+    gradient is its row."""
     from conformance.synthetic import synthetic_tensor
 
     for experts in (range(8, 12), range(0, 16), range(6, 14), range(15, 16)):
         block = synthetic_grad_rows(9, 2, 1, experts, "down", (4, 3))
         for i, g in enumerate(experts):
-            assert torch.equal(block[i], synthetic_tensor((4, 3), "grad", 9, 2, 1, g, "down")), (experts, g)
+            assert torch.equal(block[i],
+                               synthetic_tensor((4, 3), "grad", 9, 2, 1, g, "down")), (experts, g)
     synthetic_grad(9, 2, 1, 3, "down", (4, 3)).fill_(1.0)  # a copy too
     assert torch.equal(synthetic_grad_rows(9, 2, 1, range(3, 4), "down", (4, 3))[0],
                        synthetic_tensor((4, 3), "grad", 9, 2, 1, 3, "down"))
-    assert synthetic_grad_rows(9, 2, 1, range(3, 0, -1), "down", (4, 3)).shape == (3, 4, 3)  # not a step-1 range
-    outside = synthetic_grad_rows(9, 2, None, range(0, 3), "shared.up", (4, 3))  # layer None: the seed's repr
-    assert all(torch.equal(outside[g], synthetic_tensor((4, 3), "grad", 9, 2, None, g, "shared.up")) for g in range(3))
+    # not a step-1 range
+    assert synthetic_grad_rows(9, 2, 1, range(3, 0, -1), "down", (4, 3)).shape == (3, 4, 3)
+    # layer None: the seed's repr
+    outside = synthetic_grad_rows(9, 2, None, range(0, 3), "shared.up", (4, 3))
+    assert all(torch.equal(outside[g], synthetic_tensor((4, 3), "grad", 9, 2, None, g, "shared.up"))
+               for g in range(3))

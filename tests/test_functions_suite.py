@@ -2,7 +2,8 @@
 
 - the reference against itself passes every record of every cell;
 - the balanced-split negative control fails exactly on the E where its split differs from
-  ``torch.chunk``'s, in exactly the functions where the layout matters for that cell, and nowhere else;
+  ``torch.chunk``'s, in exactly the functions where the layout matters for that cell, and nowhere
+  else;
 - a copy where the reference returns a view, a silent return where it raises, a missing function and
   an unloadable module are each reported as what they are.
 
@@ -23,7 +24,13 @@ import torch
 import torch.distributed as dist
 
 from conformance.adapters import balanced_functions
-from conformance.functions.cells import FUNCTIONS, NUM_EXPERTS, REFERENCE, FunctionsCell, functions_cells
+from conformance.functions.cells import (
+    FUNCTIONS,
+    NUM_EXPERTS,
+    REFERENCE,
+    FunctionsCell,
+    functions_cells,
+)
 from conformance.functions.merge import merge_rank_records
 from conformance.functions.rank import TEXT_LIMIT, TensorValue, check_functions, same
 from pytest_moe_ep.world.engine import Engine
@@ -36,7 +43,8 @@ WRONG = "functions_suite_wrong"  # tests/functions_suite_wrong.py, importable on
 ROW_FUNCTIONS = ("get_expert_slice_for_rank", "split_experts_weights_dtensor_aware",
                  "validate_dtensor_expert_sharding")
 MESH_FUNCTIONS = ("get_expert_range_for_rank_from_mesh", "should_load_expert_for_rank")
-DISAGREEMENT_KEYS = {"function", "E", "k", "mesh", "placements", "rank", "inputs", "expected", "got"}
+DISAGREEMENT_KEYS = {"function", "E", "k", "mesh", "placements", "rank", "inputs", "expected",
+                     "got"}
 
 
 def cell_named(node_name: str) -> FunctionsCell:
@@ -73,7 +81,8 @@ def test_cells_are_unique_readable_and_fit_this_machine() -> None:
     assert {c.k for c in CELLS} == {1, 2, 3, 4}
     kinds = {c.mesh for c in CELLS}
     assert {"ep", "dp,ep", "ep,dp_shard", "dp_shard_cp", "ep+Shard(1)", "ep+Replicate"} <= kinds
-    assert cell_named("functions::ep::k3") == pickle.loads(pickle.dumps(cell_named("functions::ep::k3")))
+    assert (cell_named("functions::ep::k3")
+            == pickle.loads(pickle.dumps(cell_named("functions::ep::k3"))))
     # the grid holds E < k, k dividing E and k not dividing E for every k
     for k in range(2, 5):
         assert {E % k == 0 for E in NUM_EXPERTS} == {True, False} and min(NUM_EXPERTS) < k
@@ -81,8 +90,8 @@ def test_cells_are_unique_readable_and_fit_this_machine() -> None:
 
 def test_the_grid_is_cheap_to_import() -> None:
     """Collection builds items from the grid; that must not import torch."""
-    code = ("import sys; from conformance.functions.cells import functions_cells; functions_cells(); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = ("import sys; from conformance.functions.cells import functions_cells; "
+            "functions_cells(); assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -93,7 +102,8 @@ def test_merge_names_the_first_failing_rank_and_sums_counts() -> None:
                 "detail": f"f: rank {rank} ..." if count else "", "disagreements": [d] * count,
                 "failed_num_experts": failed, "ranks": [rank] if count else []}
 
-    (merged,) = merge_rank_records([[record(0, 0, [])], [record(1, 2, [6])], [record(2, 7, [5, 6])]])
+    (merged,) = merge_rank_records([[record(0, 0, [])], [record(1, 2, [6])],
+                                    [record(2, 7, [5, 6])]])
     assert merged["status"] == "fail" and merged["count"] == 9
     assert merged["detail"].startswith("f: rank 1 ") and "failing ranks: [1, 2]" in merged["detail"]
     assert merged["failed_num_experts"] == [5, 6] and merged["ranks"] == [1, 2]
@@ -119,7 +129,8 @@ def test_same_compares_meaning_not_form() -> None:
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.node_name)
 def test_the_reference_agrees_with_itself(moe_ep_engine: Engine, cell: FunctionsCell) -> None:
     records = run_cell(moe_ep_engine, REFERENCE, cell)
-    assert all(r["status"] == "pass" for r in records.values()), [r["detail"] for r in records.values()]
+    assert all(r["status"] == "pass"
+               for r in records.values()), [r["detail"] for r in records.values()]
 
 
 def splits_differ(k: int) -> set[int]:
@@ -127,7 +138,8 @@ def splits_differ(k: int) -> set[int]:
 
 
 def test_the_two_splits_differ_where_expected() -> None:
-    """The premise of the next test, stated: k <= 2 never tells the splits apart, k = 3, 4 sometimes."""
+    """The premise of the next test, stated: k <= 2 never tells the splits apart, k = 3, 4
+    sometimes."""
     assert splits_differ(1) == splits_differ(2) == set()
     assert splits_differ(3) == {4, 7, 10, 13, 16}
     assert splits_differ(4) == {5, 6, 9, 10, 13, 14}  # E=7 is uneven, yet 2, 2, 2, 1 either way
@@ -168,25 +180,32 @@ def test_a_copy_and_a_silent_return_are_disagreements(moe_ep_engine: Engine) -> 
     assert records["get_expert_slice_for_rank"]["failed_num_experts"] == list(NUM_EXPERTS)
 
     silent = records["should_load_expert_for_rank"]
-    assert silent["count"] == 2 * len(NUM_EXPERTS) * cell.world_size  # ids E and -1, each E, each rank
+    # ids E and -1, each E, each rank
+    assert silent["count"] == 2 * len(NUM_EXPERTS) * cell.world_size
     for d in silent["disagreements"]:
         assert d["expected"].startswith("raises ValueError") and d["got"] == "returns False", d
-        assert d["inputs"].startswith((f"should_load_expert_for_rank({d['E']}, ", "should_load_expert_for_rank(-1, "))
+        assert d["inputs"].startswith((f"should_load_expert_for_rank({d['E']}, ",
+                                       "should_load_expert_for_rank(-1, "))
 
 
 @pytest.mark.moe_ep_world(2, backend="gloo")
 def test_a_missing_function_is_one_clear_failure_on_each_rank() -> None:
     """Run inside a marked test: check_functions works on any rank of a default process group."""
-    records = {r["function"]: r for r in check_functions(f"{WRONG}:WITHOUT_VALIDATE", cell_named("functions::ep::k2"))}
+    records = {r["function"]: r for r in check_functions(f"{WRONG}:WITHOUT_VALIDATE",
+                                                         cell_named("functions::ep::k2"))}
     missing = records.pop("validate_dtensor_expert_sharding")
     assert missing["status"] == "fail" and missing["count"] == 1
-    assert missing["detail"] == (f"validate_dtensor_expert_sharding: rank {dist.get_rank()}: missing: "
-                                 f"'{WRONG}:WITHOUT_VALIDATE' has no function 'validate_dtensor_expert_sharding'")
-    assert all(r["status"] == "pass" for r in records.values()), [r["detail"] for r in records.values()]
+    assert (missing["detail"]
+            == (f"validate_dtensor_expert_sharding: rank {dist.get_rank()}: missing: "
+                f"'{WRONG}:WITHOUT_VALIDATE' has no function 'validate_dtensor_expert_sharding'"))
+    assert all(r["status"] == "pass"
+               for r in records.values()), [r["detail"] for r in records.values()]
 
 
 def test_a_module_that_cannot_be_loaded_fails_every_function(moe_ep_engine: Engine) -> None:
-    records = run_cell(moe_ep_engine, "no_such_module_for_the_functions_suite", cell_named("functions::ep::k1"))
+    records = run_cell(moe_ep_engine, "no_such_module_for_the_functions_suite",
+                       cell_named("functions::ep::k1"))
     for r in records.values():
-        assert r["status"] == "fail" and "missing: cannot load 'no_such_module_for_the_functions_suite'" in r["detail"]
+        assert (r["status"] == "fail"
+                and "missing: cannot load 'no_such_module_for_the_functions_suite'" in r["detail"])
         assert "ModuleNotFoundError" in r["detail"]

@@ -1,4 +1,5 @@
-"""Nothing of a run reachable from the network, nothing left behind, failures that say what happened.
+"""Nothing of a run reachable from the network, nothing left behind, failures that say what
+happened.
 
 Real worlds throughout: the listening sockets of a live 4-rank world, a matrix cell that hangs, a
 ``kill -9`` of a pytest process, the processes of a finished run, folded tracebacks.
@@ -46,7 +47,8 @@ class Exploit:
 
 
 def exchange_with_a_forged_value(marker: str) -> str:
-    """Rank 1 puts a pickle in the launch's store where its name should be; rank 0 reads every rank's name."""
+    """Rank 1 puts a pickle in the launch's store where its name should be; rank 0 reads every
+    rank's name."""
     import torch.distributed as dist
 
     from pytest_moe_ep.world.torchrun import TorchrunWorld
@@ -67,8 +69,9 @@ def exchange_with_a_forged_value(marker: str) -> str:
 # -- helpers -------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def gpus() -> int:
-    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots sys.modules:
-    a torch first imported inside a pytester test is dropped after it, and a second import crashes."""
+    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots
+    sys.modules: a torch first imported inside a pytester test is dropped after it, and a second
+    import crashes."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -135,7 +138,8 @@ def _alive(pid: int) -> bool:
 
 
 def _session_members(sid: int) -> list[str]:
-    """Live processes of session ``sid`` (everything a ``start_new_session`` pytest started), with their names."""
+    """Live processes of session ``sid`` (everything a ``start_new_session`` pytest started), with
+    their names."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -163,7 +167,8 @@ def test_every_listening_socket_of_a_live_world_is_loopback(moe_ep_engine: Super
     exposed = {pid: [a for a in addrs if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
                for pid, addrs in mine.items()}
     exposed = {pid: addrs for pid, addrs in exposed.items() if addrs}
-    assert not exposed, f"listening beyond loopback (pytest is {os.getpid()}, ranks {ranks}): {exposed}"
+    assert not exposed, (f"listening beyond loopback (pytest is {os.getpid()}, ranks {ranks}): "
+                         f"{exposed}")
 
 
 @pytest.mark.moe_ep_world(2)
@@ -193,18 +198,21 @@ def test_writes_then_hangs(moe_ep_shared_dir):
 
 
 def _tmp_leftovers(tmpdir: Path) -> list[str]:
-    """The session's work directories, and multiprocessing's (``pymp-*``, the fork server's socket) in ``tmpdir``."""
+    """The session's work directories, and multiprocessing's (``pymp-*``, the fork server's socket)
+    in ``tmpdir``."""
     return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith((PREFIX, "pymp-")))
 
 
-def test_kill_9_of_pytest_leaves_no_work_directory(pytester: pytest.Pytester, tmp_path: Path) -> None:
+def test_kill_9_of_pytest_leaves_no_work_directory(pytester: pytest.Pytester,
+                                                   tmp_path: Path) -> None:
     pytester.makepyfile(KILLED_MIDWAY)
     tmpdir, pids_dir = tmp_path / "tmp", tmp_path / "pids"
     tmpdir.mkdir()
     pids_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
-                            cwd=pytester.path, env={**os.environ, "PIDS_DIR": str(pids_dir), "TMPDIR": str(tmpdir)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+        cwd=pytester.path, env={**os.environ, "PIDS_DIR": str(pids_dir), "TMPDIR": str(tmpdir)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while len(list(pids_dir.iterdir())) < 2:
@@ -237,16 +245,19 @@ def test_sweep_removes_only_leftovers_whose_owner_is_provably_gone(tmp_path: Pat
     assert live is not None
     reused = Identity(os.getpid(), live.start + 1, live.boot)  # this pid, but not this process
     dirs = {}
-    for name, owner in (("dead", gone_id), ("live", live), ("reused", reused), ("other-boot", None), ("bare", None)):
+    for name, owner in (("dead", gone_id), ("live", live), ("reused", reused), ("other-boot", None),
+                        ("bare", None)):
         path = tmp_path / f"{PREFIX}{name}"
         (path / "gen0").mkdir(parents=True)
         (path / "gen0" / "rank0.stdout").write_text("log")
         if owner is not None:
             owner.write(str(path / OWNER))
         dirs[name] = path
-    (dirs["other-boot"] / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": live.start, "boot": "x"}))
+    (dirs["other-boot"]
+     / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": live.start, "boot": "x"}))
     (tmp_path / "unrelated").mkdir()
-    # A rank that outlived its dead session (stuck where its lifeline could not run) is stopped first.
+    # A rank that outlived its dead session (stuck where its lifeline could not run) is stopped
+    # first.
     stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stuck_id = Identity.of(stuck.pid)
     assert stuck_id is not None
@@ -258,8 +269,10 @@ def test_sweep_removes_only_leftovers_whose_owner_is_provably_gone(tmp_path: Pat
     assert live_rank.poll() is None, "a rank of a live session was stopped"
     live_rank.kill()
     live_rank.wait()
-    assert sorted(Path(p).name for p in removed) == sorted(f"{PREFIX}{n}" for n in ("dead", "reused", "other-boot"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{PREFIX}live", f"{PREFIX}bare", "unrelated"])
+    assert (sorted(Path(p).name for p in removed)
+            == sorted(f"{PREFIX}{n}" for n in ("dead", "reused", "other-boot")))
+    assert (sorted(p.name for p in tmp_path.iterdir())
+            == sorted([f"{PREFIX}live", f"{PREFIX}bare", "unrelated"]))
 
 
 # -- 13.8: nothing outlives pytest -----------------------------------------------------------------
@@ -273,12 +286,14 @@ def test_passes():
 """
 
 
-def _session_to_its_end(pytester: pytest.Pytester, env: dict[str, str] | None = None) -> tuple[int, str, list[str]]:
-    """pytest on ``pytester.path`` in its own session: its exit code, its output, and the members of its session
-    still alive the moment it exited (killed here, so none outlives the test)."""
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
-                            cwd=pytester.path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+def _session_to_its_end(pytester: pytest.Pytester,
+                        env: dict[str, str] | None = None) -> tuple[int, str, list[str]]:
+    """pytest on ``pytester.path`` in its own session: its exit code, its output, and the members of
+    its session still alive the moment it exited (killed here, so none outlives the test)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+        cwd=pytester.path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
     out = proc.communicate(timeout=300)[0].decode()
     left = _session_members(proc.pid)
     for member in left:
@@ -303,31 +318,37 @@ def pytest_unconfigure(config):
 """
 
 
-def test_a_tmpdir_too_long_for_a_socket_still_starts_worlds(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    """The fork server's AF_UNIX address lives under TMPDIR; a long one (a CI workspace, xdist's ``popen-gwN``)
-    must not fail every world with ``AF_UNIX path too long``: multiprocessing gets a short directory, removed after."""
+def test_a_tmpdir_too_long_for_a_socket_still_starts_worlds(pytester: pytest.Pytester,
+                                                            tmp_path: Path) -> None:
+    """The fork server's AF_UNIX address lives under TMPDIR; a long one (a CI workspace, xdist's
+    ``popen-gwN``) must not fail every world with ``AF_UNIX path too long``: multiprocessing gets a
+    short directory, removed after."""
     pytester.makepyfile(ONE_WORLD)
     pytester.makeconftest(RECORD_MP_TEMPDIR)
-    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))  # + /pymp-X{8}/listener-X{8}: > 107
+    # + /pymp-X{8}/listener-X{8}: > 107
+    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
     long_tmp.mkdir()
     assert len(str(long_tmp)) >= 100
     record = tmp_path / "mp_tempdir"
-    code, out, left = _session_to_its_end(pytester, {"TMPDIR": str(long_tmp), "MP_TEMPDIR_RECORD": str(record)})
+    code, out, left = _session_to_its_end(pytester, {"TMPDIR": str(long_tmp),
+                                                     "MP_TEMPDIR_RECORD": str(record)})
     assert code == 0, out
     assert not left, f"processes of the run alive after pytest exited: {left}"
     used = record.read_text()
-    assert used and not used.startswith(str(long_tmp)) and len(used) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX, used
+    assert (used and not used.startswith(str(long_tmp))
+            and len(used) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX), used
     assert not os.path.exists(used), f"multiprocessing's short directory {used} was left behind"
     assert _tmp_leftovers(long_tmp) == []
 
 
-# -- 13.9: one traceback per distinct error ---------------------------------------------------------
+# -- 13.9: one traceback per distinct error --------------------------------------------------------
 def test_identical_tracebacks_of_other_ranks_are_folded(moe_ep_engine: Supervisor) -> None:
     with pytest.raises(RankFailure) as info:
         moe_ep_engine.run(same_error_everywhere, world_size=N, backend="gloo")
     err = info.value
     assert err.at_fault == [0, 1, 2, 3]
-    assert "ranks 0, 1, 2, 3 raised ValueError: the adapter's save cannot write here" in err.headline
+    assert ("ranks 0, 1, 2, 3 raised ValueError: the adapter's save cannot write here"
+            in err.headline)
     titles = [title for title, _ in err.sections]
     assert [t for t in titles if t.endswith("traceback")] == ["rank 0 traceback"], titles
     assert "ranks 1, 2, 3: the same error at the same place as rank 0" in titles, titles
@@ -357,21 +378,25 @@ def test_a_hang_in_a_matrix_cell_is_reported_as_one(pytester: pytest.Pytester) -
     pytester.makepyfile(sleepy=SLEEPY_SAVE)
     out = pytester.path / "out"
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--moe-ep-matrix=2", "--moe-ep-world-size=2", "--moe-ep-adapter=sleepy:SleepySave",
-        "-o", "moe_ep_timeout=6", f"--moe-ep-report={out}", "-k", "kind_unpacked and not optim and ep-only and E4",
-        f"--junitxml={out / 'junit.xml'}", timeout=300)
+        "-p", "no:cacheprovider", "--moe-ep-matrix=2", "--moe-ep-world-size=2",
+        "--moe-ep-adapter=sleepy:SleepySave", "-o", "moe_ep_timeout=6", f"--moe-ep-report={out}",
+        "-k", "kind_unpacked and not optim and ep-only and E4", f"--junitxml={out / 'junit.xml'}",
+        timeout=300)
     text = result.stdout.str()
     result.assert_outcomes(failed=1)
-    expected = "hung: timed out in a collective waiting for a stuck rank; suspect rank 1 (rank 1 at "
+    expected = ("hung: timed out in a collective waiting for a stuck rank; suspect rank 1 (rank 1 "
+                "at ")
     assert expected in text and "in save); rank 0 waiting in a collective" in text, text
     doc = json.loads((out / "moe-ep-conformance.json").read_text())
     [cell] = doc["cells"]
     assert cell["status"] == "error"
-    assert cell["detail"].startswith(f"error: {expected}") and "sleepy.py:" in cell["detail"], cell["detail"]
+    assert (cell["detail"].startswith(f"error: {expected}")
+            and "sleepy.py:" in cell["detail"]), cell["detail"]
     assert cell["detail"].endswith("in save); rank 0 waiting in a collective"), cell["detail"]
     markdown = (out / "moe-ep-conformance.md").read_text()
     assert f"`{cell['id']}`: error: {expected}" in markdown
-    # 13.9: the backend that ran, "1 error", a legend for blank table cells, the junit property as JSON.
+    # 13.9: the backend that ran, "1 error", a legend for blank table cells, the junit property as
+    # JSON.
     assert doc["backend"] == "gloo"
     assert "1 error," in markdown and "1 errors" not in markdown and "1 errors" not in text
     assert "A blank table cell is a (save, load) layout pair this run did not include" in text
@@ -379,16 +404,21 @@ def test_a_hang_in_a_matrix_cell_is_reported_as_one(pytester: pytest.Pytester) -
     assert prop is not None and json.loads(prop.get("value", ""))["status"] == "error"
 
 
-# -- 13.3, 13.4, 13.5, 13.9: bad input is a usage error that names what was wrong, before any world --
+# -- 13.3, 13.4, 13.5, 13.9: bad input is a usage error that names what was wrong, before any world
+# --
 @pytest.mark.parametrize(("args", "message"), [
-    (("--moe-ep-matrix", "--moe-ep-report=/proc/forbidden"), "--moe-ep-report=/proc/forbidden: cannot write a report"),
+    (("--moe-ep-matrix", "--moe-ep-report=/proc/forbidden"),
+     "--moe-ep-report=/proc/forbidden: cannot write a report"),
     (("--moe-ep-backend=nccl",), "--moe-ep-backend=nccl: this machine has no CUDA GPU"),
     (("--moe-ep-functions=json",), "--moe-ep-functions=json: 'json' lacks 9 of the nine functions"),
-    (("--moe-ep-matrix", "--moe-ep-world-size=abc"), "--moe-ep-world-size (ini moe_ep_world_size) must be an integer"),
-    (("--moe-ep-timeout=soon",), "--moe-ep-timeout (ini moe_ep_timeout) must be a number >= 0.001, got 'soon'"),
+    (("--moe-ep-matrix", "--moe-ep-world-size=abc"),
+     "--moe-ep-world-size (ini moe_ep_world_size) must be an integer"),
+    (("--moe-ep-timeout=soon",),
+     "--moe-ep-timeout (ini moe_ep_timeout) must be a number >= 0.001, got 'soon'"),
 ], ids=["report-dir", "nccl", "functions", "world-size", "timeout"])
 def test_bad_options_are_usage_errors_before_any_world(gpus: int, pytester: pytest.Pytester,
-                                                        args: tuple[str, ...], message: str) -> None:
+                                                        args: tuple[str, ...],
+                                                       message: str) -> None:
     if args == ("--moe-ep-backend=nccl",) and gpus:
         pytest.skip("this machine has a GPU: nccl can run")
     pytester.makepyfile("def test_nothing(): pass")
@@ -410,7 +440,8 @@ def test_torchrun_shared_dir_must_be_one_rank_0_makes(tmp_path: Path) -> None:
     link = tmp_path / "moe-ep-shared-link"
     link.symlink_to(good)
     for forged in (str(tmp_path), str(loose), str(link), "moe-ep-shared-relative", None, 7):
-        with pytest.raises(RuntimeError, match="is not a private moe-ep-shared-\\* directory of this user"):
+        with pytest.raises(RuntimeError,
+                           match="is not a private moe-ep-shared-\\* directory of this user"):
             _checked_shared_dir("t", forged)
 
 

@@ -1,7 +1,7 @@
 """``pytest --moe-ep-matrix`` end to end: reference, legacy, broken adapters, reports.
 
-The runs are pytester runs in this process (``matrix_expectations.run_inline``: the ranks fork from this
-session's fork server); the xdist run is a subprocess, as its workers are.
+The runs are pytester runs in this process (``matrix_expectations.run_inline``: the ranks fork from
+this session's fork server); the xdist run is a subprocess, as its workers are.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from conformance.adapter import Capabilities
 class NoLoad:
     name = "no-load"
     version = "1"
-    capabilities = Capabilities(kinds=("packed",), optimizer=False, fsdp=False, uneven=False, max_ep=4, format="dcp")
+    capabilities = Capabilities(kinds=("packed",), optimizer=False, fsdp=False, uneven=False,
+                                max_ep=4, format="dcp")
     def build(self, spec, mesh, seed): ...
     def save(self, model, optimizer, path): ...
     def expert_tensors(self, model, optimizer): ...
@@ -64,14 +65,15 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 def report(directory: Path) -> dict[str, Any]:
     doc = json.loads((directory / "moe-ep-conformance.json").read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
-    assert set(doc) >= {"schema_version", "adapter", "torch", "backend", "world_size", "created", "summary", "cells"}
+    assert set(doc) >= {"schema_version", "adapter", "torch", "backend", "world_size", "created",
+                        "summary", "cells"}
     assert set(doc["summary"]) == {"pass", "fail", "error", "n/a"}
     assert sum(doc["summary"].values()) == len(doc["cells"])
     for cell in doc["cells"]:
         assert {"id", "suite", "status", "detail", "duration_s"} <= set(cell), cell
         assert cell["status"] in ("pass", "fail", "error", "n/a")
-        keys = ({"kind", "state", "fsdp", "save_ep", "load_ep", "num_experts"} if cell["suite"] == "checkpoint"
-                else {"function", "num_experts", "ep", "mesh", "placements"})
+        keys = ({"kind", "state", "fsdp", "save_ep", "load_ep", "num_experts"} if cell["suite"]
+                == "checkpoint" else {"function", "num_experts", "ep", "mesh", "placements"})
         assert keys <= set(cell), cell
     return doc
 
@@ -84,27 +86,34 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     assert doc["adapter"] == {"name": "reference", "version": "0.1.0"}
     cells = doc["cells"]
     assert doc["summary"]["fail"] == doc["summary"]["error"] == 0
-    # the reference supports every layout, kind and state: n/a only where no rank-local (legacy) save can be written
+    # the reference supports every layout, kind and state: n/a only where no rank-local (legacy)
+    # save can be written
     na = [c for c in cells if c["status"] == "n/a"]
     assert len(na) == doc["summary"]["n/a"] == 1
     assert "a legacy (rank-local) save cannot be written here" in na[0]["detail"]
     assert doc["summary"]["pass"] == len(cells) - 1 >= 40
     assert set(doc["coverage"]["uneven_classes"]) == {"partial", "empty", "miscount", "mislabel"}
-    assert doc["tier"] == "default" and doc["coverage"]["full_tier_cells"] > doc["coverage"]["cells"]
-    for fragment in ("ep2c", "ep2.hsdp2", "ep2.etp2", "ep4"):  # every layout is saved and loaded somewhere
-        assert any(c["save_layout"] == fragment for c in cells) and any(c["load_layout"] == fragment for c in cells)
-    assert any(c["kind"] == "packed->unpacked" for c in cells) and any(c["kind"] == "unpacked->packed" for c in cells)
+    assert (doc["tier"] == "default"
+            and doc["coverage"]["full_tier_cells"] > doc["coverage"]["cells"])
+    # every layout is saved and loaded somewhere
+    for fragment in ("ep2c", "ep2.hsdp2", "ep2.etp2", "ep4"):
+        assert any(c["save_layout"] == fragment
+                   for c in cells) and any(c["load_layout"] == fragment for c in cells)
+    assert any(c["kind"] == "packed->unpacked"
+               for c in cells) and any(c["kind"] == "unpacked->packed" for c in cells)
     assert any(c.get("shared_save") for c in cells), "no cell reused a save"
     assert any(c["num_experts"] == 5 and c["load_ep"] == 4 and c["status"] == "pass" for c in cells)
     assert any(c["load_layout"] == "ep2c" and c["status"] == "pass" for c in cells)
     legacy = [c for c in cells if c.get("legacy") and c["status"] != "n/a"]
-    assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"] for c in legacy)
+    assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"]
+                          for c in legacy)
     md = (out / "moe-ep-conformance.md").read_text()
     assert "](moe-ep-conformance-grid-packed-model.svg)" in md and "## Environment" in md
     assert "Tier `default`" in md
-    # A passing run's terminal summary is compact: counts per kind and state, the coverage, the report's path;
-    # the save x load tables only with -v (and always in the Markdown report).
-    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state",
+    # A passing run's terminal summary is compact: counts per kind and state, the coverage, the
+    # report's path; the save x load tables only with -v (and always in the Markdown report).
+    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*",
+                                 "checkpoint cells by kind and state",
                                  "| kind * | state * | * pass | * silent | * on-disk | * refused | "
                                  "* error | * n/a |",
                                  f"- Tier default: {len(cells)} checkpoint cells of the full *",
@@ -115,10 +124,11 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     assert "| save ep" not in summary and len(summary.splitlines()) < 30, summary
 
 
-def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(pytester: pytest.Pytester) -> None:
+def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(
+        pytester: pytest.Pytester) -> None:
     out = pytester.path / "out"
-    result = run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=legacy", f"--moe-ep-report={out}",
-                 "-k", "kind_unpacked and not E5 and not consecutive")
+    result = run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=legacy",
+                 f"--moe-ep-report={out}", "-k", "kind_unpacked and not E5 and not consecutive")
     assert result.ret == 1
     cells = [c for c in report(out)["cells"] if c["status"] != "n/a"]
     saved_wide = [c for c in cells if c["save_ep"] > 1]
@@ -126,8 +136,10 @@ def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(pytester: p
     assert saved_wide and saved_at_one
     assert [c["id"] for c in saved_wide if c["status"] == "pass"] == []
     assert [c["id"] for c in saved_at_one if c["status"] != "pass"] == []
-    # The classic bug is named: a rank holds another expert's values, or the checkpoint lacks experts.
-    same_ep = next(c for c in cells if c["id"] == "moe-ep-matrix::checkpoint::unpacked::model::ep-only::ep2->ep2")
+    # The classic bug is named: a rank holds another expert's values, or the checkpoint lacks
+    # experts.
+    same_ep = next(c for c in cells
+                   if c["id"] == "moe-ep-matrix::checkpoint::unpacked::model::ep-only::ep2->ep2")
     assert same_ep["status"] in ("fail", "error")
     assert "expert" in same_ep["detail"]
     # Without -v the terminal shows the tables that hold a red cell, not the others.
@@ -136,29 +148,33 @@ def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(pytester: p
 
 
 def test_verbose_terminal_summary_shows_every_table(pytester: pytest.Pytester) -> None:
-    """With -v a passing run's summary adds every save x load table (one cell here, on a 2-rank world)."""
+    """With -v a passing run's summary adds every save x load table (one cell here, on a 2-rank
+    world)."""
     result = run(pytester, "--moe-ep-matrix=1", "--moe-ep-world-size=2", "-v",
                  "-k", "kind_unpacked and not optim and ep-only")
     assert result.ret == 0, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*moe-ep conformance matrix*", "checkpoint cells by kind and state", "*",
-                                 "| unpacked*| model*|*1 |*0 |*0 |*0 |",
-                                 "- Tier 1: 1 checkpoint cells of the full tier's *",
-                                 "- A green run means: the plain layouts at those EP*",
-                                 "A blank table cell is a (save, load) layout pair*",
-                                 "unpacked · model · ep-only · E=4", "|*| load ep1 *|", "|*", "| save ep1 | pass *|",
-                                 "1 pass, 0 silent, 0 on-disk, 0 refused, 0 error, 0 n/a"])
+    result.stdout.fnmatch_lines([
+        "*moe-ep conformance matrix*", "checkpoint cells by kind and state", "*",
+        "| unpacked*| model*|*1 |*0 |*0 |*0 |", "- Tier 1: 1 checkpoint cells of the full tier's *",
+        "- A green run means: the plain layouts at those EP*",
+        "A blank table cell is a (save, load) layout pair*",
+        "unpacked · model · ep-only · E=4", "|*| load ep1 *|", "|*", "| save ep1 | pass *|",
+        "1 pass, 0 silent, 0 on-disk, 0 refused, 0 error, 0 n/a"])
     assert "more table" not in result.stdout.str()
 
 
-def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(pytester: pytest.Pytester) -> None:
+def test_adapter_raising_in_load_on_one_rank_fails_that_cell_only(
+        pytester: pytest.Pytester) -> None:
     pytester.makepyfile(broken_adapter=RAISES_IN_LOAD)
     result = run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=broken_adapter:RaisesInLoad",
-                 "-k", "kind_unpacked and not optim and ep-only and not E5 and not consecutive", "-p", "no:randomly")
-    result.assert_outcomes(failed=4)  # every ep pair of the selection loads, and rank 1 raises in each
+                 "-k", "kind_unpacked and not optim and ep-only and not E5 and not consecutive",
+                 "-p", "no:randomly")
+    # every ep pair of the selection loads, and rank 1 raises in each
+    result.assert_outcomes(failed=4)
     result.stdout.fnmatch_lines([
-        "error: *failed on rank(s) 1: rank 1 raised LoadFailed: the load at ep=* raised: RuntimeError: deliberate "
-        "failure inside load on rank 1 (the checkpoint is EP-invariant, so the load is wrong; raised at "
-        "broken_adapter.py:* in load)",
+        "error: *failed on rank(s) 1: rank 1 raised LoadFailed: the load at ep=* raised: "
+        "RuntimeError: deliberate failure inside load on rank 1 (the checkpoint is EP-invariant, "
+        "so the load is wrong; raised at broken_adapter.py:* in load)",
         "*in load",
     ])
 
@@ -183,14 +199,17 @@ class EndsCells(ReferenceAdapter):
 """
 
 
-def test_end_cell_is_called_on_every_rank_after_every_cell_failed_or_not(pytester: pytest.Pytester) -> None:
-    """The optional ``end_cell`` (what Megatron's process groups need): once per cell on each rank, also on the rank
-    whose part raised (the loads at ep=2 raise on rank 1).  The other ranks wait in the load's collective until the
-    failed call replaces the world: their processes end, and their groups with them."""
+def test_end_cell_is_called_on_every_rank_after_every_cell_failed_or_not(
+        pytester: pytest.Pytester) -> None:
+    """The optional ``end_cell`` (what Megatron's process groups need): once per cell on each rank,
+    also on the rank whose part raised (the loads at ep=2 raise on rank 1).  The other ranks wait in
+    the load's collective until the failed call replaces the world: their processes end, and their
+    groups with them."""
     out = pytester.mkdir("ended")
     pytester.makepyfile(ends_cells=END_CELL.format(out=str(out)))
     result = run(pytester, "--moe-ep-matrix=1,2", "--moe-ep-adapter=ends_cells:EndsCells",
-                 "-k", "kind_unpacked and not optim and ep-only and not E5 and not consecutive", "-p", "no:randomly")
+                 "-k", "kind_unpacked and not optim and ep-only and not E5 and not consecutive",
+                 "-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=2)  # the two loads at ep=2 raise on rank 1
     ended = {rank: (out / f"rank{rank}").read_text().count("ended") for rank in range(4)}
     assert ended == {0: 2, 1: 4, 2: 2, 3: 2}, ended
@@ -209,13 +228,15 @@ class EndRaises(ReferenceAdapter):
 """
 
 
-def test_an_end_cell_that_raises_after_green_checks_is_an_error_naming_it(pytester: pytest.Pytester) -> None:
+def test_an_end_cell_that_raises_after_green_checks_is_an_error_naming_it(
+        pytester: pytest.Pytester) -> None:
     pytester.makepyfile(end_raises=END_CELL_RAISES)
     result = run(pytester, "--moe-ep-matrix=1", "--moe-ep-adapter=end_raises:EndRaises",
                  "-k", "kind_unpacked and not optim and ep-only and not E5 and not legacy")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["error: *rank 2 raised AdapterError: the cell's checks ran, then end_cell() raised "
-                                 "RuntimeError: deliberate failure in end_cell on rank 2*"])
+    result.stdout.fnmatch_lines(["error: *rank 2 raised AdapterError: the cell's checks ran, then "
+                                 "end_cell() raised RuntimeError: deliberate failure in end_cell "
+                                 "on rank 2*"])
 
 
 def test_adapter_missing_a_method_is_a_usage_error(pytester: pytest.Pytester) -> None:
@@ -226,11 +247,14 @@ def test_adapter_missing_a_method_is_a_usage_error(pytester: pytest.Pytester) ->
 
 
 @pytest.mark.parametrize(("given", "message"), [
-    ("no_such_module:Adapter", "cannot import adapter module 'no_such_module' (from 'no_such_module:Adapter')"),
-    ("conformance.adapters.reference:Nope", "has no attribute 'Nope' (from 'conformance.adapters.reference:Nope')"),
+    ("no_such_module:Adapter",
+     "cannot import adapter module 'no_such_module' (from 'no_such_module:Adapter')"),
+    ("conformance.adapters.reference:Nope",
+     "has no attribute 'Nope' (from 'conformance.adapters.reference:Nope')"),
     ("nonsense", "unknown adapter 'nonsense': give a built-in name"),
 ])
-def test_bad_adapter_paths_are_usage_errors(pytester: pytest.Pytester, given: str, message: str) -> None:
+def test_bad_adapter_paths_are_usage_errors(pytester: pytest.Pytester, given: str,
+                                            message: str) -> None:
     result = run(pytester, "--moe-ep-matrix", f"--moe-ep-adapter={given}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}*"])
@@ -246,7 +270,8 @@ def test_adapter_from_a_conftest_hook(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(HOOK_CONFTEST)
     out = pytester.path / "out"
     result = run(pytester, "--moe-ep-matrix=2", "-k",
-                 "kind_unpacked and not optim and ep-only and not E5 and not consecutive", f"--moe-ep-report={out}")
+                 "kind_unpacked and not optim and ep-only and not E5 and not consecutive",
+                 f"--moe-ep-report={out}")
     result.assert_outcomes(passed=1)
     assert report(out)["adapter"]["name"] == "from-hook"
 
@@ -254,18 +279,21 @@ def test_adapter_from_a_conftest_hook(pytester: pytest.Pytester) -> None:
 def test_xdist_merges_every_worker_into_one_report(pytester: pytest.Pytester) -> None:
     pytest.importorskip("xdist")
     out = pytester.path / "out"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-p", "xdist", "--moe-ep-matrix=1,2",
-                                           "-k", "ep-only and not E5 and not consecutive and not optim",
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-p", "xdist",
+                                           "--moe-ep-matrix=1,2", "-k",
+                                           "ep-only and not E5 and not consecutive and not optim",
                                            f"--moe-ep-report={out}", timeout=600)
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
-    assert len(doc["cells"]) == 3 * 4  # packed, unpacked, fused x 4 ep pairs, model only: a world of 4 each
+    # packed, unpacked, fused x 4 ep pairs, model only: a world of 4 each
+    assert len(doc["cells"]) == 3 * 4
     assert doc["summary"]["pass"] == len(doc["cells"])  # the reference declares cross_kind
     assert {c["status"] for c in doc["cells"]} <= {"pass", "n/a"}
     assert len({c["id"] for c in doc["cells"]}) == len(doc["cells"])
 
 
-def test_functions_suite_on_the_reference_and_on_a_balanced_split(pytester: pytest.Pytester) -> None:
+def test_functions_suite_on_the_reference_and_on_a_balanced_split(
+        pytester: pytest.Pytester) -> None:
     good, bad = pytester.path / "good", pytester.path / "bad"
     result = run(pytester, "--moe-ep-functions=reference", f"--moe-ep-report={good}")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -314,9 +342,11 @@ def test_report_diff_prints_changed_cells(tmp_path: Path) -> None:
         f"wrote {tmp_path / 'moe-ep-conformance-diff.md'}"]
 
 
-def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_either(tmp_path: Path) -> None:
+def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_either(
+        tmp_path: Path) -> None:
     def diff(*names: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "conformance.report", *(str(tmp_path / n) for n in names)],
+        return subprocess.run([sys.executable, "-m", "conformance.report",
+                               *(str(tmp_path / n) for n in names)],
                               capture_output=True, text=True)
 
     (tmp_path / "old.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION, "cells": [
@@ -325,7 +355,8 @@ def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_eith
         {"id": "a", "status": "pass"}, {"id": "fresh", "status": "fail"}]}))
     (tmp_path / "bad.json").write_text("{not json")
     same = diff("old.json", "new.json")
-    assert same.returncode == 0, same.stdout  # cells present on one side only are not status changes
+    # cells present on one side only are not status changes
+    assert same.returncode == 0, same.stdout
     assert same.stdout.splitlines()[3:-1] == [
         "only in the old report (1):", "  gone", "only in the new report (1):", "  fresh",
         "0 newly failing, 0 newly passing, 0 finding changed, 0 other changes, 1 unchanged, "
@@ -333,7 +364,8 @@ def test_report_diff_tells_deselected_cells_from_changes_and_bad_input_from_eith
     for args, message in ((("missing.json", "new.json"), "missing.json: cannot read it"),
                           (("bad.json", "new.json"), "bad.json: not a JSON report")):
         proc = diff(*args)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert (proc.returncode == 2 and message in proc.stderr
+                and "Traceback" not in proc.stderr), proc.stderr
 
 
 def test_expert_counts_are_a_choice(pytester: pytest.Pytester) -> None:
@@ -343,21 +375,25 @@ def test_expert_counts_are_a_choice(pytester: pytest.Pytester) -> None:
                  "-k", "E5 and kind_packed and load_ep4 and not legacy")
     assert result.ret == 0, result.stdout.str()[-3000:]
     cells = report(out)["cells"]
-    assert cells and all(c["num_experts"] == 5 and c["load_ep"] == 4 and c["status"] == "pass" for c in cells)
+    assert cells and all(c["num_experts"] == 5 and c["load_ep"] == 4 and c["status"] == "pass"
+                         for c in cells)
     result = run(pytester, "--moe-ep-matrix", "--moe-ep-experts=0,x")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--moe-ep-experts (ini moe_ep_experts) takes expert counts >= 1*'0,x'*"])
+    result.stderr.fnmatch_lines(["*--moe-ep-experts (ini moe_ep_experts) takes expert counts >= "
+                                 "1*'0,x'*"])
 
 
 def test_an_eight_rank_world_runs_every_layout(pytester: pytest.Pytester) -> None:
     """Named full-tier cells, so that the covering's picks do not decide which layouts run."""
     out = pytester.path / "out"
-    result = run(pytester, "--moe-ep-matrix=full", "--moe-ep-world-size=8", f"--moe-ep-report={out}", "-k",
-                 "kind_packed and not optim and not legacy and not E5 and ((not fsdp and save_ep8 and load_ep4c) or "
-                 "(not fsdp and save_pp2.ep4 and load_pp2.ep2c) or (fsdp and save_hsdp2 and load_etp2))")
+    result = run(pytester, "--moe-ep-matrix=full", "--moe-ep-world-size=8",
+                 f"--moe-ep-report={out}", "-k", "kind_packed and not optim and not legacy and not "
+                 "E5 and ((not fsdp and save_ep8 and load_ep4c) or (not fsdp and save_pp2.ep4 and "
+                 "load_pp2.ep2c) or (fsdp and save_hsdp2 and load_etp2))")
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
-    assert doc["world_size"] == 8 and doc["summary"]["pass"] == len(doc["cells"]) == 3, doc["summary"]
+    assert (doc["world_size"] == 8
+            and doc["summary"]["pass"] == len(doc["cells"]) == 3), doc["summary"]
     layouts = {c["save_layout"] for c in doc["cells"]} | {c["load_layout"] for c in doc["cells"]}
     assert layouts == {"ep8", "ep4c", "pp2.ep4", "pp2.ep2c", "ep2.hsdp2", "ep2.etp2"}, layouts
 
@@ -377,19 +413,23 @@ def test_the_eight_rank_default_tier_passes_on_the_reference(pytester: pytest.Py
     assert any(c["id"].endswith("E5::ep8->pp2.ep4") for c in doc["cells"])
 
 
-def test_a_packed_key_without_expert_in_its_name_is_still_checked(pytester: pytest.Pytester) -> None:
-    """The reference's packed keys (``layers.N.moe.up_w``) hold experts although no "expert" is in the name."""
+def test_a_packed_key_without_expert_in_its_name_is_still_checked(
+        pytester: pytest.Pytester) -> None:
+    """The reference's packed keys (``layers.N.moe.up_w``) hold experts although no "expert" is in
+    the name."""
     out = pytester.path / "out"
     run(pytester, "--moe-ep-matrix=2", "--moe-ep-adapter=legacy", f"--moe-ep-report={out}",
         "-k", "kind_packed and ep-only and not optim and not E5 and not consecutive and not legacy")
     (cell,) = report(out)["cells"]
     assert cell["status"] == "error" and cell["save_ep"] == cell["load_ep"] == 2, cell
-    assert "raised LoadFailed: the checkpoint differs from an EP-invariant one: layer " in cell["detail"], cell
-    assert re.search(r"key 'model\.layers\.\d\.moe\.(gate|up|down)_w', experts 2\.\.3: its expert axis has 2 rows, "
-                     r"expected 4 \(the global extent\): 2 is a local count", cell["detail"]), cell["detail"]
+    assert ("raised LoadFailed: the checkpoint differs from an EP-invariant one: layer "
+            in cell["detail"]), cell
+    assert re.search(r"key 'model\.layers\.\d\.moe\.(gate|up|down)_w', experts 2\.\.3: its expert "
+                     r"axis has 2 rows, expected 4 \(the global extent\): 2 is a local count",
+                     cell["detail"]), cell["detail"]
 
 
-# -- the default tier's composition (no world: the cells alone) --------------------------------------
+# -- the default tier's composition (no world: the cells alone) ------------------------------------
 def _default(world_size: int = 4, experts: tuple[int, ...] = (4, 5)) -> list[Any]:
     from conformance.adapters.reference import ReferenceAdapter
     from conformance.matrix import checkpoint_cells
@@ -398,15 +438,18 @@ def _default(world_size: int = 4, experts: tuple[int, ...] = (4, 5)) -> list[Any
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_the_priced_covering_covers_all_the_full_tier_covers_and_keeps_no_redundant_cell(world_size: int) -> None:
-    """The prices pick which cells carry the guarantee, never the guarantee: every pair the applicable full tier
-    covers is covered, and each picked cell holds something no other pick does (the prune left none redundant)."""
+def test_the_priced_covering_covers_all_the_full_tier_covers_and_keeps_no_redundant_cell(
+        world_size: int) -> None:
+    """The prices pick which cells carry the guarantee, never the guarantee: every pair the
+    applicable full tier covers is covered, and each picked cell holds something no other pick does
+    (the prune left none redundant)."""
     from collections import Counter
 
     from conformance.adapters.reference import ReferenceAdapter
     from conformance.matrix import _pairs, checkpoint_cells
 
-    everything = [c for c in checkpoint_cells(ReferenceAdapter.capabilities, "full", world_size, (4, 5)) if not c.na]
+    everything = [c for c in checkpoint_cells(ReferenceAdapter.capabilities, "full", world_size,
+                                              (4, 5)) if not c.na]
     picked = [c for c in _default(world_size) if not c.na]
     wanted = set().union(*(_pairs(c) for c in everything))
     assert set().union(*(_pairs(c) for c in picked)) == wanted
@@ -423,17 +466,18 @@ def test_the_default_tier_is_deterministic_and_its_size_is_stated() -> None:
     assert [c.node_name for c in _default()] == [c.node_name for c in _default()]
     assert (len(_default()), full_size(4, (4, 5))) == (95, 2380)  # docs/matrix.md's Tiers paragraph
     assert (len(_default(8)), full_size(8, (4, 5))) == (156, 5524)
-    without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4, (4, 5))
+    without_stages = checkpoint_cells(replace(ReferenceAdapter.capabilities, pp=(1,)), None, 4,
+                                      (4, 5))
     assert len(without_stages) == 79 and [c.na for c in without_stages if c.pipeline] == [
         "adapter supports no pipeline parallelism, not pp=2"]
-    # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP pairs);
-    # an adapter without the fused kind gets no fused cells there
+    # the EP-list tier the framework adapters' own tests pin: E=5 is uneven at ep=2 too (8 uneven EP
+    # pairs); an adapter without the fused kind gets no fused cells there
     assert len(checkpoint_cells(ReferenceAdapter.capabilities, "1,2,4", 4, (4, 5))) == 156
     split_only = replace(ReferenceAdapter.capabilities, kinds=("packed", "unpacked"))
     assert len(checkpoint_cells(split_only, "1,2,4", 4, (4, 5))) == 112
 
 
-def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only_with_fsdp() -> None:
+def test_the_ep_list_tier_has_uneven_cells_where_ep_alone_composes_with_fsdp() -> None:
     from dataclasses import replace
 
     from conformance.adapters.reference import ReferenceAdapter
@@ -442,28 +486,33 @@ def test_the_ep_list_tier_has_uneven_cells_for_a_framework_that_composes_ep_only
     caps = replace(ReferenceAdapter.capabilities, ep_only=False)
     uneven = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4, 5)) if c.num_experts == 5]
     assert uneven and all(c.fsdp for c in uneven)
-    assert {(c.save.ep, c.load.ep) for c in uneven if not c.na} >= {(1, 4), (4, 1), (4, 4), (2, 4), (1, 2), (2, 2)}
+    assert {(c.save.ep, c.load.ep) for c in uneven
+            if not c.na} >= {(1, 4), (4, 1), (4, 4), (2, 4), (1, 2), (2, 2)}
     assert len(checkpoint_cells(caps, "1,2,4", 4, (4, 5))) == 156  # the same cells, with FSDP2
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> None:
-    """A legacy cell ends at the refusal: it must not stand in for a pair no value comparison tests."""
+    """A legacy cell ends at the refusal: it must not stand in for a pair no value comparison
+    tests."""
     import itertools
 
     from conformance.matrix import _fused_pairs, full_product
 
     def values(c: Any) -> list[tuple[str, Any]]:
-        return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state), ("fsdp", c.fsdp),
-                ("E", c.num_experts)]
+        return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state),
+                ("fsdp", c.fsdp), ("E", c.num_experts)]
 
-    def pairs(cells: list[Any]) -> set[Any]:  # a cell with stages: not its pair of layouts (see the next test)
+    # a cell with stages: not its pair of layouts (see the next test)
+    def pairs(cells: list[Any]) -> set[Any]:
         return {p for c in cells if not c.legacy and c.kind != "fused"
-                for p in itertools.combinations(values(c), 2) if not (c.pipeline and p == tuple(values(c)[:2]))}
+                for p in itertools.combinations(values(c), 2)
+                if not (c.pipeline and p == tuple(values(c)[:2]))}
 
     chosen = _default(world_size)
     assert pairs(chosen) == pairs(full_product(world_size, (4, 5)))
-    fused = [c for c in full_product(world_size, (4, 5)) if c.kind == "fused"]  # a stratum of its own
+    # a stratum of its own
+    fused = [c for c in full_product(world_size, (4, 5)) if c.kind == "fused"]
     assert set().union(*map(_fused_pairs, (c for c in chosen if c.kind == "fused"))) == set().union(
         *map(_fused_pairs, fused))
     legacy = [c for c in chosen if c.legacy]
@@ -473,19 +522,22 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_the_default_tier_changes_stages_with_every_ep_change_and_trades_stages_for_ep_ranks(world_size: int) -> None:
-    """pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and Megatron-LM issue 1517's shape,
-    stages traded for EP ranks in the same world (pp2.ep1 -> ep2) and back -- all among cells that compare values."""
+def test_the_default_tier_changes_stages_with_every_ep_change_and_trades_stages_for_ep_ranks(
+        world_size: int) -> None:
+    """pp 1 -> 2, 2 -> 1 and 2 -> 2, each with the EP degree the same, up and down; and Megatron-LM
+    issue 1517's shape, stages traded for EP ranks in the same world (pp2.ep1 -> ep2) and back --
+    all among cells that compare values."""
     chosen = [c for c in _default(world_size) if not c.legacy and not c.na]
 
     def change(c: Any) -> tuple[int, int, int]:
         return c.save.pp, c.load.pp, (c.load.ep > c.save.ep) - (c.load.ep < c.save.ep)
 
-    assert {change(c) for c in chosen if c.pipeline} == {(a, b, d) for a in (1, 2) for b in (1, 2) for d in (-1, 0, 1)
-                                                         if (a, b) != (1, 1)}
+    assert {change(c) for c in chosen if c.pipeline} == {(a, b, d) for a in (1, 2) for b in (1, 2)
+                                                         for d in (-1, 0, 1) if (a, b) != (1, 1)}
     names = {(c.save.fragment, c.load.fragment) for c in chosen}
     assert {("pp2.ep1", "ep2"), ("ep2", "pp2.ep1"), ("pp2.ep2", "ep4"), ("ep4", "pp2.ep2")} <= names
-    assert all(c.spec(Spec(), side).num_layers == 3 for c in chosen if c.pipeline for side in ("save", "load"))
+    assert all(c.spec(Spec(), side).num_layers == 3 for c in chosen if c.pipeline
+               for side in ("save", "load"))
 
 
 @pytest.mark.parametrize("experts", [(4, 6), (4, 5)])
@@ -493,24 +545,28 @@ def test_every_kind_splits_unevenly_at_ep_above_one_on_each_side(experts: tuple[
     chosen = [c for c in _default(4, experts) if not c.legacy and not c.na]
     for kind in ("packed", "unpacked", "packed->unpacked", "unpacked->packed"):
         for side in ("save", "load"):
-            assert any(c.kind == kind and getattr(c, side).ep > 1 and c.num_experts % getattr(c, side).ep
-                       for c in chosen), (kind, side)
+            assert any(c.kind == kind and getattr(c, side).ep > 1 and c.num_experts
+                       % getattr(c, side).ep for c in chosen), (kind, side)
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side(world_size: int) -> None:
+def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side(
+        world_size: int) -> None:
     """At E=6 the default tier never put a silent mislabel (the seed's own NeMo bug) in front of a
-    framework; its uneven count is chosen so that every class is reached, by cells that compare values."""
+    framework; its uneven count is chosen so that every class is reached, by cells that compare
+    values."""
     from reference_impl.layout import UNEVEN_CLASSES, uneven_classes
 
     chosen = [c for c in _default(world_size) if not c.legacy and not c.na]
     for kind in ("packed", "unpacked", "packed->unpacked", "unpacked->packed"):
         for side in ("save", "load"):
-            reached = {name for c in chosen if c.kind == kind and c.num_experts % getattr(c, side).ep
+            reached = {name for c in chosen if c.kind == kind
+                       and c.num_experts % getattr(c, side).ep
                        for name in uneven_classes(c.num_experts, getattr(c, side).ep)}
             assert reached == set(UNEVEN_CLASSES), (kind, side, reached)
     old = {name for c in _default(world_size, (4, 6)) if not c.legacy
-           for ep in (c.save.ep, c.load.ep) if c.num_experts % ep for name in uneven_classes(c.num_experts, ep)}
+           for ep in (c.save.ep, c.load.ep) if c.num_experts % ep
+           for name in uneven_classes(c.num_experts, ep)}
     assert "mislabel" not in old and "partial" not in old  # what E=6 missed
 
 
@@ -520,13 +576,16 @@ def test_the_coverage_list_names_the_uneven_classes_the_cells_reached() -> None:
     from conformance.report.cells import coverage_items
 
     def record(e: int, s: int, t: int, **extra: Any) -> dict[str, Any]:
-        return {"id": f"moe-ep-matrix::checkpoint::packed::model::ep-only::E{e}::ep{s}->ep{t}", "suite": "checkpoint",
-                "kind": "packed", "state": "model", "fsdp": False, "num_experts": e, "save_ep": s, "load_ep": t,
-                "legacy": False, "status": "pass", "detail": "refused on every rank", **extra}
+        return {"id": f"moe-ep-matrix::checkpoint::packed::model::ep-only::E{e}::ep{s}->ep{t}",
+                "suite": "checkpoint", "kind": "packed", "state": "model", "fsdp": False,
+                "num_experts": e, "save_ep": s, "load_ep": t, "legacy": False, "status": "pass",
+                "detail": "refused on every rank", **extra}
 
-    records = [record(5, 2, 1), record(6, 1, 4), record(5, 4, 4, legacy=True), record(5, 1, 4, status="n/a")]
+    records = [record(5, 2, 1), record(6, 1, 4), record(5, 4, 4, legacy=True),
+               record(5, 1, 4, status="n/a")]
     reach = uneven_reach(records)
-    assert reach == {"partial": ["E=5 at ep=2"], "empty": ["E=6 at ep=4"], "miscount": ["E=6 at ep=4"]}
+    assert reach == {"partial": ["E=5 at ep=2"], "empty": ["E=6 at ep=4"],
+                     "miscount": ["E=6 at ep=4"]}
     report = build_report(records, backend="gloo", world_size=4, tier="default", full_cells=1096)
     assert report["coverage"]["uneven_classes"] == reach
     items = dict(coverage_items(report))
@@ -547,7 +606,8 @@ def test_optimizer_state_goes_through_every_layout_family() -> None:
     layouts = {c.save.fragment for c in optim} | {c.load.fragment for c in optim}
     assert {"ep2", "ep2c", "ep2.hsdp2", "ep2.etp2", "ep4"} <= layouts
     assert any(c.save.ep < c.load.ep for c in optim) and any(c.save.ep > c.load.ep for c in optim)
-    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed", "fused"}
+    assert {c.kind for c in optim} == {"packed", "unpacked", "packed->unpacked", "unpacked->packed",
+                                       "fused"}
 
 
 def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> None:
@@ -558,7 +618,8 @@ def test_a_legacy_save_no_rank_local_save_can_write_is_na_with_the_reason() -> N
     na = {c.node_name: c.na for c in cells if c.na}
     assert set(na) == {f"checkpoint::legacy::packed::E5::ep2.etp2->{t}"
                        for t in ("ep1", "ep2", "ep2c", "ep4", "ep2.hsdp2", "ep2.etp2")}
-    assert all("DCP refuses the global plan" in why and "E=5, ep=2, etp=2" in why for why in na.values())
+    assert all("DCP refuses the global plan" in why and "E=5, ep=2, etp=2" in why
+               for why in na.values())
     assert any(c.na for c in _default(4, (4, 5)))  # the default tier shows the reason once
 
 
@@ -567,26 +628,33 @@ def test_an_adapter_that_composes_ep_only_with_fsdp_gets_its_ep_only_cells_na() 
     from conformance.matrix import checkpoint_cells
     from conformance.members import capabilities_of
 
-    caps = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp",
-                        ep_orders=("consecutive",), ep_only=False)
-    cells = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4,), has_legacy=False) if c.kind == "packed"]
+    caps = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4,
+                        format="dcp", ep_orders=("consecutive",), ep_only=False)
+    cells = [c for c in checkpoint_cells(caps, "1,2,4", 4, (4,), has_legacy=False)
+             if c.kind == "packed"]
     assert {c.na for c in cells if not c.fsdp and not c.legacy} == {
         "adapter composes EP only with FSDP2 (no EP-only cells)"}
     assert [c for c in cells if c.fsdp] and all(not c.na for c in cells if c.fsdp)
-    as_mapping = type("Adapter", (), {"capabilities": {"kinds": ("packed",), "optimizer": True, "fsdp": True,
-                                                       "uneven": True, "max_ep": 4, "format": "dcp", "ep_only": False}})
+    as_mapping = type("Adapter", (),
+                      {"capabilities": {"kinds": ("packed",), "optimizer": True, "fsdp": True,
+                                        "uneven": True, "max_ep": 4, "format": "dcp",
+                                        "ep_only": False}})
     assert capabilities_of(as_mapping).ep_only is False
-    assert caps.__class__(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4, format="dcp").ep_only
+    assert caps.__class__(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=4,
+                          format="dcp").ep_only
 
 
 def test_names_as_users_type_them(pytester: pytest.Pytester) -> None:
-    """``--moe-ep-adapter=olmo-core`` is ``olmo_core`` (``-`` and ``_`` alike, as pip compares names), and every
-    name a node id shows is a ``-k`` keyword (``load_ep2c``, ``save_ep2.etp2``)."""
+    """``--moe-ep-adapter=olmo-core`` is ``olmo_core`` (``-`` and ``_`` alike, as pip compares
+    names), and every name a node id shows is a ``-k`` keyword (``load_ep2c``,
+    ``save_ep2.etp2``)."""
     from conformance.adapters import builtin_name
 
-    assert builtin_name("olmo-core") == "olmo_core" and builtin_name("Torchtitan_Local") == "torchtitan-local"
+    assert (builtin_name("olmo-core") == "olmo_core"
+            and builtin_name("Torchtitan_Local") == "torchtitan-local")
     assert builtin_name("mypkg.ckpt:Adapter") == "mypkg.ckpt:Adapter"
-    result = run(pytester, "--moe-ep-matrix=full", "--co", "-q", "-k", "load_ep2c and save_ep2.etp2")
+    result = run(pytester, "--moe-ep-matrix=full", "--co", "-q", "-k",
+                 "load_ep2c and save_ep2.etp2")
     ids = [line for line in result.stdout.lines if line.startswith("moe-ep-matrix::")]
     assert ids and all(i.endswith("ep2.etp2->ep2c") for i in ids), ids
 

@@ -1,4 +1,5 @@
-"""The reference MoE: both expert forms agree, weights depend only on global identity, EP and FSDP2 split it right.
+"""The reference MoE: both expert forms agree, weights depend only on global identity, EP and FSDP2
+split it right.
 
 The single-process tests pin the model itself; the 4-rank tests show that after
 ``apply_expert_parallel`` (and FSDP2 over dp_shard) a rank holds exactly its experts under the
@@ -50,15 +51,18 @@ def test_packed_and_unpacked_give_the_same_output(activation: str, shared_expert
         u, p = unpacked.layers[layer].moe, packed.layers[layer].moe
         for g in range(6):
             for linear in ("gate", "up", "down") if activation == "swiglu" else ("up", "down"):
-                assert torch.equal(u.expert_weight(g, linear), p.expert_weight(g, linear)), (layer, g, linear)
+                assert torch.equal(u.expert_weight(g, linear),
+                                   p.expert_weight(g, linear)), (layer, g, linear)
 
 
 def test_state_dict_names() -> None:
     unpacked = build_model(MoEConfig(kind="unpacked", activation="gelu"), 1).state_dict()
     packed = build_model(MoEConfig(kind="packed"), 1).state_dict()
-    assert "layers.0.moe.experts.5.up.weight" in unpacked and "layers.0.moe.experts.0.gate.weight" not in unpacked
+    assert ("layers.0.moe.experts.5.up.weight" in unpacked
+            and "layers.0.moe.experts.0.gate.weight" not in unpacked)
     assert {k: tuple(v.shape) for k, v in packed.items() if k.endswith("_w")} == {
-        "layers.0.moe.gate_w": (6, 64, 32), "layers.0.moe.up_w": (6, 64, 32), "layers.0.moe.down_w": (6, 32, 64)}
+        "layers.0.moe.gate_w": (6, 64, 32), "layers.0.moe.up_w": (6, 64, 32),
+        "layers.0.moe.down_w": (6, 32, 64)}
 
 
 def test_init_is_a_function_of_seed_layer_and_expert_only() -> None:
@@ -68,19 +72,25 @@ def test_init_is_a_function_of_seed_layer_and_expert_only() -> None:
     # Another E, top_k or number of layers leaves expert g of layer i as it is.
     b = build_model(MoEConfig(num_experts=9, top_k=1), 3, seed=1)
     for g in range(6):
-        assert torch.equal(a.layers[1].moe.experts[g].up.weight, b.layers[1].moe.experts[g].up.weight), g
+        assert torch.equal(a.layers[1].moe.experts[g].up.weight,
+                           b.layers[1].moe.experts[g].up.weight), g
     assert torch.equal(a.layers[0].moe.shared.up.weight, b.layers[0].moe.shared.up.weight)
     # ... while another seed, layer or expert changes it.
     c = build_model(MoEConfig(num_experts=6), 2, seed=2)
-    assert not torch.equal(a.layers[1].moe.experts[0].up.weight, c.layers[1].moe.experts[0].up.weight)
-    assert not torch.equal(a.layers[0].moe.experts[0].up.weight, a.layers[1].moe.experts[0].up.weight)
-    assert not torch.equal(a.layers[0].moe.experts[0].up.weight, a.layers[0].moe.experts[1].up.weight)
+    assert not torch.equal(a.layers[1].moe.experts[0].up.weight,
+                           c.layers[1].moe.experts[0].up.weight)
+    assert not torch.equal(a.layers[0].moe.experts[0].up.weight,
+                           a.layers[1].moe.experts[0].up.weight)
+    assert not torch.equal(a.layers[0].moe.experts[0].up.weight,
+                           a.layers[0].moe.experts[1].up.weight)
 
 
 def test_stable_seed_does_not_use_python_hash() -> None:
-    assert stable_seed(0, "layers.0.moe", "expert", 3, "up") == stable_seed(0, "layers.0.moe", "expert", 3, "up")
+    assert stable_seed(0, "layers.0.moe", "expert", 3,
+                       "up") == stable_seed(0, "layers.0.moe", "expert", 3, "up")
     assert stable_seed(0, "a") != stable_seed(0, "b")
-    assert stable_seed(0, "layers.0.moe") == 4989160234143381662  # pinned: the same in every process, forever
+    # pinned: the same in every process, forever
+    assert stable_seed(0, "layers.0.moe") == 4989160234143381662
     assert 0 <= stable_seed("x") < 2**63
 
 
@@ -138,15 +148,19 @@ def test_a_rank_keeps_exactly_its_experts(kind: str, ep: int) -> None:
         assert held == end - start, f"{where}: holds {held} experts, expected {end - start}"
         for j in range(end - start):
             for linear in ("gate", "up", "down"):
-                assert torch.equal(moe.expert_weight(j, linear), ref.expert_weight(start + j, linear)), (
-                    f"{where}: local expert {j} {linear} is not global expert {start + j}")
+                assert torch.equal(
+                    moe.expert_weight(j, linear),
+                    ref.expert_weight(start + j, linear)), (f"{where}: local expert {j} {linear} "
+                                                            f"is not global expert {start + j}")
         assert torch.equal(moe.router.weight, ref.router.weight), where
     if ep == 4 and dist.get_rank() == 3:
         assert model.layers[0].moe.num_local_experts == 0
 
 
-def ep1_reference(config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """The batch, the loss weights, and the ep=1 model's output and gradients every split must reproduce."""
+def ep1_reference(config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              dict[str, Any]]:
+    """The batch, the loss weights, and the ep=1 model's output and gradients every split must
+    reproduce."""
     gen = torch.Generator().manual_seed(11)
     x, weight = torch.randn(3, 8, 32, generator=gen), torch.randn(3, 8, 32, generator=gen)
     ref = build_model(config, 2, seed=4)
@@ -155,7 +169,8 @@ def ep1_reference(config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor, torch.
     return x, weight, ref_out, {name: p.grad for name, p in ref.named_parameters()}
 
 
-FORWARD_CASES = [(fsdp, e, ep) for fsdp in (False, True) for e, ep in [(6, 1), (6, 2), (6, 4), (3, 2), (2, 2)]
+FORWARD_CASES = [(fsdp, e, ep) for fsdp in (False, True)
+                 for e, ep in [(6, 1), (6, 2), (6, 4), (3, 2), (2, 2)]
                  if fsdp or ep > 1]  # ep=1 without FSDP is the reference itself
 
 
@@ -173,7 +188,8 @@ def test_forward_and_backward_match_ep1(kind: str, fsdp: bool, num_experts: int,
     out = model(x)
     (out * weight).sum().backward()
     where = f"{kind} E={num_experts} ep={ep} fsdp={fsdp} rank {dist.get_rank()}"
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} output: {m}")
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{where} output: {m}")
     for piece in global_regions(model):
         grad = piece.param.grad
         if grad is None:  # an expert no token reached (or none held) has no gradient at ep=1 either
@@ -192,13 +208,15 @@ def test_forward_and_backward_match_ep1(kind: str, fsdp: bool, num_experts: int,
     (3, 2, [1, 1, 1, 0]),   # ep rank 1 holds 1 row for 2 dp_shard ranks
     (2, 2, [1, 0, 1, 0]),   # every ep rank holds fewer rows than dp_shard ranks
 ])
-def test_fsdp2_shards_packed_rows_with_torch_chunk(num_experts: int, ep: int, rows: list[int]) -> None:
+def test_fsdp2_shards_packed_rows_with_torch_chunk(num_experts: int, ep: int,
+                                                   rows: list[int]) -> None:
     config = MoEConfig(num_experts=num_experts, kind="packed")
     model = apply_fsdp(apply_expert_parallel(build_model(config, 1), _mesh(ep)), _mesh(ep))
     moe = model.layers[0].moe
     assert isinstance(moe, MoEMLP)
     local = moe.up_w.to_local()
-    assert local.shape[0] == rows[dist.get_rank()], f"rank {dist.get_rank()} holds {local.shape[0]} rows"
+    assert local.shape[0] == rows[dist.get_rank()], (f"rank {dist.get_rank()} holds "
+                                                     f"{local.shape[0]} rows")
     piece = next(p for p in global_regions(model) if p.name == "layers.0.moe.up_w")
     ref = build_model(config, 1).layers[0].moe.up_w
     assert torch.equal(local, ref[piece.region]), f"rank {dist.get_rank()}: rows {piece.region[0]}"
@@ -224,7 +242,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", ["unpacked", "packed"])
 def test_every_layout_keeps_its_experts_and_hidden_shard(kind: str, layout: str) -> None:
-    """The EP rank is the ``ep`` coordinate (not the global rank); etp splits each expert's hidden axis."""
+    """The EP rank is the ``ep`` coordinate (not the global rank); etp splits each expert's hidden
+    axis."""
     spec = LAYOUTS[layout]
     rank = dist.get_rank()
     coords = spec.coordinates(rank)
@@ -233,14 +252,16 @@ def test_every_layout_keeps_its_experts_and_hidden_shard(kind: str, layout: str)
     moe = apply_expert_parallel(build_model(config, 1, seed=7), spec.build_mesh()).layers[0].moe
     start, end = expert_range(6, spec.ep, coords["ep"])
     where = f"{kind} {layout} rank {rank} coords {coords}"
-    assert (moe.ep_rank, moe.local_expert_start, moe.num_local_experts) == (coords["ep"], start, end - start), where
+    assert (moe.ep_rank, moe.local_expert_start,
+            moe.num_local_experts) == (coords["ep"], start, end - start), where
     assert moe.etp_world_size == spec.etp, where
     for j in range(end - start):
         for linear, axis in HIDDEN_AXIS.items():
             ref = full.expert_weight(start + j, linear)
             lo, hi = expert_range(ref.shape[axis], spec.etp, coords["etp"])  # DTensor's Shard rule
             expected = ref.narrow(axis, lo, hi - lo)
-            assert torch.equal(moe.expert_weight(j, linear), expected), f"{where}: expert {start + j} {linear}"
+            assert torch.equal(moe.expert_weight(j, linear),
+                               expected), f"{where}: expert {start + j} {linear}"
     if spec.etp > 1:
         weight = moe.experts[0].up.weight if kind == "unpacked" else moe.up_w
         assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("etp",), where
@@ -262,11 +283,13 @@ def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsd
         apply_fsdp(model, mesh)
         router = model.layers[0].moe.router.weight
         dims = ("dp_replicate", "dp_shard") if spec.hsdp else ("dp_shard",)
-        assert router.device_mesh.mesh_dim_names == dims, f"{where}: FSDP2 mesh {router.device_mesh}"
+        assert router.device_mesh.mesh_dim_names == dims, (f"{where}: FSDP2 mesh "
+                                                           f"{router.device_mesh}")
         assert router.placements == ((Replicate(), Shard(0)) if spec.hsdp else (Shard(0),)), where
     out = model(x)
     (out * weight).sum().backward()
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} output: {m}")
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{where} output: {m}")
     checked = 0
     for piece in global_regions(model):
         grad = piece.param.grad
@@ -284,8 +307,8 @@ def test_every_layout_forward_and_backward_match_ep1(kind: str, layout: str, fsd
 # -- pipeline stages: the reference keeps a stage's blocks under their global names ----------------
 @pytest.mark.parametrize(("num_layers", "pp"), [(2, 2), (3, 2), (5, 3)])
 @pytest.mark.parametrize("kind", ["packed", "unpacked"])
-def test_pipeline_stages_partition_the_state_dict_and_chain_to_the_whole_forward(num_layers: int, pp: int,
-                                                                                  kind: str) -> None:
+def test_pipeline_stages_partition_the_state_dict_and_chain_to_the_whole_forward(
+        num_layers: int, pp: int, kind: str) -> None:
     from reference_impl.layout import stage_layers
     from reference_impl.moe import apply_pipeline
 
@@ -295,10 +318,12 @@ def test_pipeline_stages_partition_the_state_dict_and_chain_to_the_whole_forward
     want = whole.state_dict()
     held = [m.state_dict() for m in stages]
     keys = [k for sd in held for k in sd]
-    assert sorted(keys) == sorted(want) and len(keys) == len(set(keys))  # every key once, under its global name
+    # every key once, under its global name
+    assert sorted(keys) == sorted(want) and len(keys) == len(set(keys))
     for stage, sd in enumerate(held):
         start, end = stage_layers(num_layers, pp, stage)
-        assert {int(k.split(".")[1]) for k in sd if k.startswith("layers.")} == set(range(start, end))
+        assert {int(k.split(".")[1]) for k in sd
+                if k.startswith("layers.")} == set(range(start, end))
         assert ("norm.weight" in sd) == (stage == pp - 1)
         assert all(torch.equal(t, want[k]) for k, t in sd.items())
     x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
@@ -310,8 +335,9 @@ def test_pipeline_stages_partition_the_state_dict_and_chain_to_the_whole_forward
 
 
 def test_a_stage_that_renumbers_its_layers_files_them_where_other_layers_belong() -> None:
-    """The negative control for the names: stage 1 of 2 renumbered 0..k-1 (a ``ModuleList`` rebuilt from the
-    stage's blocks) saves layer 2's weights under ``layers.0``, the key stage 0's layer 0 also writes."""
+    """The negative control for the names: stage 1 of 2 renumbered 0..k-1 (a ``ModuleList`` rebuilt
+    from the stage's blocks) saves layer 2's weights under ``layers.0``, the key stage 0's layer 0
+    also writes."""
     from torch import nn
 
     from reference_impl.moe import apply_pipeline

@@ -40,7 +40,8 @@ def test_reference_checkpoint_round_trip_on_the_gpu(moe_ep_shared_dir) -> None: 
     checkpoint.save(model, None, moe_ep_shared_dir / "ckpt")
     other = build_model(config, num_layers=1, seed=2).cuda()
     checkpoint.load(other, None, moe_ep_shared_dir / "ckpt")
-    for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items(),
+                                 strict=True):
         assert a.is_cuda and torch.equal(a, b), name
 
 
@@ -53,5 +54,5 @@ def test_nccl_without_a_gpu_per_rank_is_unavailable(moe_ep_engine: Engine) -> No
 def test_auto_picks_nccl_only_with_a_gpu_per_rank(moe_ep_engine: Engine) -> None:
     expected = ("nccl", "cuda") if _gpus() >= 1 else ("gloo", "cpu")
     assert moe_ep_engine.run(backend_and_device, world_size=1, backend="auto") == [expected]
-    assert moe_ep_engine.run(backend_and_device, world_size=_gpus() + 1, backend="auto") == [("gloo", "cpu")] * (
-        _gpus() + 1)
+    assert moe_ep_engine.run(backend_and_device, world_size=_gpus() + 1,
+                             backend="auto") == [("gloo", "cpu")] * (_gpus() + 1)

@@ -1,4 +1,5 @@
-"""ParallelLayout, the one owner of a cell's rank layout: degrees, EP order, names, groups, and its real mesh."""
+"""ParallelLayout, the one owner of a cell's rank layout: degrees, EP order, names, groups, and its
+real mesh."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def test_ep_groups_strided_and_consecutive() -> None:
     assert ParallelLayout.for_world(4, 2).ep_groups() == [[0, 2], [1, 3]]
     assert ParallelLayout.for_world(4, 2, ep_order="consecutive").ep_groups() == [[0, 1], [2, 3]]
     assert ParallelLayout.for_world(8, 2, etp=2).groups("etp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert ParallelLayout.for_world(8, 4, ep_order="consecutive").ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert (ParallelLayout.for_world(8, 4, ep_order="consecutive").ep_groups()
+            == [[0, 1, 2, 3], [4, 5, 6, 7]])
 
 
 def test_replica_groups_hold_one_copy_each() -> None:
@@ -27,11 +29,13 @@ def test_replica_groups_hold_one_copy_each() -> None:
 
 
 def test_names_and_keywords() -> None:
-    assert [lay.fragment for lay in LAYOUTS] == ["ep2", "ep2c", "ep4", "ep2.hsdp2", "ep2.etp2", "ep1"]
+    assert [lay.fragment for lay in LAYOUTS] == ["ep2", "ep2c", "ep4", "ep2.hsdp2", "ep2.etp2",
+                                                 "ep1"]
     consecutive = ParallelLayout.for_world(4, 2, ep_order="consecutive")
     assert {"ep2", "consecutive", "dp_shard2", "etp1"} <= consecutive.keywords()
     assert "hsdp" in ParallelLayout.for_world(4, 2, dp_replicate=2).keywords()
-    assert ParallelLayout.for_world(4, 2).describe() == "ep=2 (strided EP groups), etp=1, dp_shard=2, dp_replicate=1"
+    assert (ParallelLayout.for_world(4, 2).describe()
+            == "ep=2 (strided EP groups), etp=1, dp_shard=2, dp_replicate=1")
 
 
 def test_one_name_for_one_layout() -> None:
@@ -75,7 +79,8 @@ def test_pipeline_stages_are_the_outermost_dim() -> None:
     layout = ParallelLayout.for_world(4, 2, pp=2)
     assert (layout.fragment, layout.dp_shard, layout.stage_size) == ("pp2.ep2", 1, 2)
     assert [layout.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
-    assert layout.stage_ranks() == [[0, 1], [2, 3]] and ParallelLayout.for_world(4, 2).stage_ranks() == [[0, 1, 2, 3]]
+    assert (layout.stage_ranks() == [[0, 1], [2, 3]]
+            and ParallelLayout.for_world(4, 2).stage_ranks() == [[0, 1, 2, 3]])
     assert layout.ep_groups() == [[0, 1], [2, 3]]  # EP groups within a stage
     assert layout.replica_groups(fsdp=False) == [[0, 1, 2, 3]]  # one copy spans both stages
     assert [layout.layers_of(r, 3) for r in range(4)] == [(0, 2), (0, 2), (2, 3), (2, 3)]

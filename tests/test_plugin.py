@@ -79,10 +79,12 @@ def test_marked_tests_run_on_every_rank(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(PASSING)
     result = run(pytester, "-v", "-rA")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*rank 0 stdout*", "rank 0 says hello", "*rank 1 stdout*", "rank 1 says hello"])
+    result.stdout.fnmatch_lines(["*rank 0 stdout*", "rank 0 says hello", "*rank 1 stdout*",
+                                 "rank 1 says hello"])
 
 
-def test_a_failure_on_one_rank_names_it_with_its_assertion_and_output(pytester: pytest.Pytester) -> None:
+def test_a_failure_on_one_rank_names_it_with_its_assertion_and_output(
+        pytester: pytest.Pytester) -> None:
     pytester.makepyfile(FAILING_ON_RANK_1)
     result = run(pytester)
     result.assert_outcomes(failed=1)
@@ -112,8 +114,8 @@ def test_pytest_timeout_value_goes_to_the_supervisor(pytester: pytest.Pytester) 
     assert time.monotonic() - t0 < 120
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines([
-        "*hung: passed its 4s deadline; suspect rank 1 (rank 1 at *test_rank_one_hangs); rank 0 waiting in a "
-        "collective",
+        "*hung: passed its 4s deadline; suspect rank 1 (rank 1 at *test_rank_one_hangs); rank 0 "
+        "waiting in a collective",
         "*rank 1 stack when given up (suspect)*",
         "*in test_rank_one_hangs",
     ])
@@ -124,20 +126,22 @@ def test_markers_options_and_header(pytester: pytest.Pytester) -> None:
     result = run(pytester, "--markers")
     result.stdout.fnmatch_lines(["@pytest.mark.moe_ep_world(n, backend='auto', timeout=None)*"])
     result = run(pytester, "--help")
-    result.stdout.fnmatch_lines(["*--moe-ep-timeout*", "*--moe-ep-backend*", "*--moe-ep-world-size*",
-                                 "*moe_ep_timeout (string)*"])
+    result.stdout.fnmatch_lines(["*--moe-ep-timeout*", "*--moe-ep-backend*",
+                                 "*--moe-ep-world-size*", "*moe_ep_timeout (string)*"])
     pytester.makeini("[pytest]\nmoe_ep_world_size = 2\nmoe_ep_timeout = 60\n")
     pytester.makepyfile("def test_nothing(): pass")
     result = run(pytester, "--moe-ep-timeout=42")
     result.stdout.fnmatch_lines(["moe-ep: backend=auto timeout=42s start=forkserver"])
-    assert "moe-ep matrix" not in result.stdout.str()  # the matrix session exists only when asked for
+    # the matrix session exists only when asked for
+    assert "moe-ep matrix" not in result.stdout.str()
     result = run(pytester, "--moe-ep-timeout=42", "--moe-ep-matrix", "--collect-only")
     result.stdout.fnmatch_lines(["moe-ep matrix: world_size=2 experts=4,5"])
 
 
 def test_the_matrix_collects_beside_a_conftest_below_the_root(pytester: pytest.Pytester) -> None:
-    """A conftest below the rootdir (the repo's tests/conftest.py) makes pytest build a hook subset, which puts every
-    plugin in a set: the matrix session must be hashable, or ``ci/conformance.sh`` (run from the root) cannot start."""
+    """A conftest below the rootdir (the repo's tests/conftest.py) makes pytest build a hook subset,
+    which puts every plugin in a set: the matrix session must be hashable, or ``ci/conformance.sh``
+    (run from the root) cannot start."""
     pytester.makeini("[pytest]\ntestpaths = tests\nmoe_ep_world_size = 2\n")
     pytester.mkdir("tests").joinpath("conftest.py").write_text("")
     result = run(pytester, "--moe-ep-matrix=1,2", "--collect-only", "-q")
@@ -165,8 +169,9 @@ def test_unknown_backend_option_is_a_usage_error(pytester: pytest.Pytester) -> N
 
 @pytest.fixture(scope="session")
 def gpus() -> int:
-    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots sys.modules:
-    a torch first imported inside a pytester test is dropped after it, and a second import crashes."""
+    """CUDA devices here.  Session-scoped so torch is imported before ``pytester`` snapshots
+    sys.modules: a torch first imported inside a pytester test is dropped after it, and a second
+    import crashes."""
     torch = pytest.importorskip("torch")
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -174,14 +179,16 @@ def gpus() -> int:
 def test_nccl_without_gpus_skips_with_the_reason(gpus: int, pytester: pytest.Pytester) -> None:
     if gpus >= 2:
         pytest.skip("this machine has GPUs: the NCCL path really runs")
-    pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2, backend='nccl')\ndef test_x(): pass\n")
+    pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2, backend='nccl')\ndef "
+                        "test_x(): pass\n")
     result = run(pytester, "-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*nccl needs 2 GPUs (one per rank)*"])
 
 
 def test_fixture_that_cannot_reach_ranks_is_named(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2)\ndef test_x(monkeypatch): pass\n")
+    pytester.makepyfile("import pytest\n@pytest.mark.moe_ep_world(2)\ndef test_x(monkeypatch): "
+                        "pass\n")
     result = run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*fixture 'monkeypatch' cannot be used in a 2-rank test*"])
@@ -203,18 +210,21 @@ def _alive(pid: int) -> bool:
 
 
 def _as_a_terminal_starts_it() -> None:
-    """SIGINT at its default, as in a terminal's foreground job: a suite run as a background job of a script (``cmd
-    &``, ``nohup``) starts with SIGINT ignored, exec keeps that, and a pytest started so never sees the Ctrl-C this
-    test sends (it hung to the 60 s limit in two such runs; in the foreground it exits in seconds)."""
+    """SIGINT at its default, as in a terminal's foreground job: a suite run as a background job of
+    a script (``cmd &``, ``nohup``) starts with SIGINT ignored, exec keeps that, and a pytest
+    started so never sees the Ctrl-C this test sends (it hung to the 60 s limit in two such runs; in
+    the foreground it exits in seconds)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start_hanging_session(pytester: pytest.Pytester, tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+def _start_hanging_session(pytester: pytest.Pytester,
+                           tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
     pytester.makepyfile(RECORD_PIDS_AND_HANG)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     with open(tmp_path / "session.log", "wb") as log:  # read back if the session does not exit
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path)],
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                 str(pytester.path)],
                                 cwd=pytester.path, env={**os.environ, "PIDS_DIR": str(pids_dir)},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_as_a_terminal_starts_it)
@@ -247,14 +257,16 @@ def test_no_rank_survives_its_pytest(pytester: pytest.Pytester, tmp_path: Path, 
         proc.kill()
     try:
         proc.wait(60)
-    except subprocess.TimeoutExpired:  # stop it, and show what it printed (seen once in CI, not reproduced)
+    # stop it, and show what it printed (seen once in CI, not reproduced)
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         left = [p for p in pids if _alive(p)]
         for p in left:
             os.kill(p, signal.SIGKILL)
-        pytest.fail(f"pytest did not exit within 60 s of {how} (ranks or fork server still alive then: {left}); "
-                    f"it printed:\n{(tmp_path / 'session.log').read_text(errors='replace')[-4000:]}")
+        pytest.fail(f"pytest did not exit within 60 s of {how} (ranks or fork server still alive "
+                    f"then: {left}); it "
+                    f"printed:\n{(tmp_path / 'session.log').read_text(errors='replace')[-4000:]}")
     _assert_all_gone(pids)
 
 
@@ -303,13 +315,15 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pytester.makeconftest(TORCHRUN_CONFTEST)
     status_dir = tmp_path / "status"
     status_dir.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["STATUS_DIR"] = str(status_dir)
     env["TMPDIR"] = str(tmp_path / "tmp")
     (tmp_path / "tmp").mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--moe-ep-timeout=60", str(pytester.path)],
+         "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--moe-ep-timeout=60",
+         str(pytester.path)],
         cwd=pytester.path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -320,13 +334,16 @@ def test_inside_torchrun(pytester: pytest.Pytester, tmp_path: Path) -> None:
     assert out.count("FAILED test_torchrun.py::test_fails_on_rank_one") == 2, out
     assert "failed on rank(s) 1: rank 1 raised AssertionError: rank 1 disagrees" in out
     assert "inside torchrun: rank 0 of 2 (gloo)" in out
-    # Both agreed on status 1; the rank torchrun stopped while it finished ends with it, not SIGTERM.
+    # Both agreed on status 1; the rank torchrun stopped while it finished ends with it, not
+    # SIGTERM.
     assert "exitcode  : -15" not in out and "(SIGTERM)" not in out, out
-    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("moe-ep-")] == [], "shared dirs left"
+    assert [p.name for p in (tmp_path / "tmp").iterdir()
+            if p.name.startswith("moe-ep-")] == [], "shared dirs left"
 
 
 def test_entry_modules_do_not_import_torch() -> None:
     """pytest loads both entry modules in every session of every user; torch waits for a world."""
     code = ("import sys, pytest_moe_ep.plugin, conformance.plugin, conformance; "
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if "
+            "m.startswith('torch'))[:5]")
     subprocess.run([sys.executable, "-c", code], check=True)

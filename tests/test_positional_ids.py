@@ -39,7 +39,7 @@ from conformance.inspection.learn import (
     owners_of,
 )
 from conformance.inspection.positional import positional
-from conformance.members import Built
+from conformance.members import Built, Members
 from conformance.scalars import all_scalars, is_configuration
 
 E = 4
@@ -151,8 +151,8 @@ def test_a_kernel_choice_is_configuration_in_every_check() -> None:
     assert [f.key for f in found] == ["optimizer.param_groups.0.lr"]
     assert is_configuration("param_groups.layers.0.w1.foreach") and not is_configuration("fused")
     own = {"param_groups.0.lr": 0.1, "param_groups.0.fused": True}
-    adapter = SimpleNamespace(members=SimpleNamespace(scalars=True),
-                              scalars=lambda model, optim: own)
+    members = Members("t.Adapter", Adapter.capabilities, frozenset({"scalars"}))
+    adapter = SimpleNamespace(members=members, scalars=lambda model, optim: own)
     assert all_scalars(adapter, Built(None, None), None) == {"param_groups.0.lr": 0.1}
 
 

@@ -1,7 +1,8 @@
-"""One save, many loads: which cell writes a checkpoint, who reuses it, when it goes (controller bookkeeping).
+"""One save, many loads: which cell writes a checkpoint, who reuses it, when it goes (controller
+bookkeeping).
 
-Unit level: the engine is a stand-in that only makes directories; the real sharing runs in every matrix test
-(``test_matrix.py`` asserts cells report ``shared_save``).
+Unit level: the engine is a stand-in that only makes directories; the real sharing runs in every
+matrix test (``test_matrix.py`` asserts cells report ``shared_save``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def test_the_first_reader_saves_the_others_reuse_and_the_last_removes(tmp_path: 
     saves.finished(readers[0], first, Verdict(("layer 0: a finding",), ("a truth finding",)))
     second = saves.plan(readers[1])
     assert not second.save and not second.save_truth and second.path == first.path
-    assert second.findings == ("layer 0: a finding",) and second.truth_findings == ("a truth finding",)
+    assert second.findings == ("layer 0: a "
+                               "finding",) and second.truth_findings == ("a truth finding",)
     saves.finished(readers[1], second, Verdict())
     assert Path(first.path).exists()
     third = saves.plan(readers[2])

@@ -1,8 +1,8 @@
 """reference_impl.state_dict_utils on real gloo worlds: every function follows the one layout rule.
 
 Each world test runs on every rank.  The expected rows come from an oracle written here from the
-rule itself (``expert_range`` applied mesh dim by mesh dim, which is ``torch.chunk``), never from the
-code under test; DTensors under test are made by ``distribute_tensor``, i.e. by DTensor itself.
+rule itself (``expert_range`` applied mesh dim by mesh dim, which is ``torch.chunk``), never from
+the code under test; DTensors under test are made by ``distribute_tensor``, i.e. by DTensor itself.
 Coverage across ranks is checked with one ``all_gather_object`` per test.
 """
 
@@ -41,7 +41,8 @@ INNER = (4, 6)  # trailing dims: Shard(1) over 4 ranks is even, Shard(2) over 4 
 
 def full(n_experts: int) -> torch.Tensor:
     """A grouped weight whose every element names its position, so a misplaced row cannot pass."""
-    return torch.arange(n_experts * math.prod(INNER), dtype=torch.float32).reshape(n_experts, *INNER)
+    return torch.arange(n_experts * math.prod(INNER),
+                        dtype=torch.float32).reshape(n_experts, *INNER)
 
 
 def storage(t: torch.Tensor) -> int:
@@ -69,11 +70,13 @@ class Kind:
         return device_mesh(self.shape, self.names)
 
     def is_ep_mesh(self) -> bool:
-        """Whether the mesh-only functions (range, should_load) apply: it names ep, or is 1-D and shards experts."""
+        """Whether the mesh-only functions (range, should_load) apply: it names ep, or is 1-D and
+        shards experts."""
         return "ep" in self.names or (len(self.shape) == 1 and self.placements == ("S0",))
 
     def param(self) -> object:
-        return pytest.param(self, marks=pytest.mark.moe_ep_world(self.world, backend="gloo"), id=self.name)
+        return pytest.param(self, marks=pytest.mark.moe_ep_world(self.world, backend="gloo"),
+                            id=self.name)
 
 
 def oracle_rows(kind: Kind, coord: list[int], n_experts: int) -> tuple[int, int]:
@@ -107,12 +110,13 @@ def check_coverage(kind: Kind, held: dict[int, tuple[int, int]]) -> None:
     """Over all ranks, every expert is held once per copy the non-expert mesh dims make."""
     everyone: list[dict[int, tuple[int, int]]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, held)
-    copies = math.prod(size for size, p in zip(kind.shape, kind.placements, strict=True) if p != "S0")
+    copies = math.prod(size for size, p in zip(kind.shape, kind.placements, strict=True)
+                       if p != "S0")
     for n_experts in held:
         count = Counter(e for ranges in everyone for e in range(*ranges[n_experts]))
         assert count == dict.fromkeys(range(n_experts), copies), (
-            f"{kind.name} E={n_experts}: ranges per rank {[r[n_experts] for r in everyone]} do not hold "
-            f"every expert {copies} time(s)"
+            f"{kind.name} E={n_experts}: ranges per rank {[r[n_experts] for r in everyone]} do not "
+            f"hold every expert {copies} time(s)"
         )
 
 
@@ -150,7 +154,8 @@ def test_slice_split_and_mesh_functions_follow_the_rule(kind: Kind) -> None:
 
         local, got_start, got_end = get_expert_slice_for_rank(weight, n_experts)
         assert (got_start, got_end) == (start, end), f"{where}: slice {got_start}:{got_end}"
-        assert torch.equal(local, expected_local), f"{where}: local rows differ from full[{start}:{end}]"
+        assert torch.equal(local,
+                           expected_local), f"{where}: local rows differ from full[{start}:{end}]"
         assert storage(local) == storage(weight), f"{where}: the local tensor is a copy"
         assert validate_dtensor_expert_sharding(weight, n_experts, "w") is True
 
@@ -162,17 +167,19 @@ def test_slice_split_and_mesh_functions_follow_the_rule(kind: Kind) -> None:
                 assert isinstance(expert, DTensor), f"{where}: expected a DTensor per expert"
                 assert expert.device_mesh.mesh_dim_names == tuple(kind.names[i] for i in remaining)
                 assert expert.placements == tuple(
-                    Replicate() if kind.placements[i] == "R" else Shard(int(kind.placements[i][1:]) - 1)
-                    for i in remaining
+                    Replicate() if kind.placements[i] == "R"
+                    else Shard(int(kind.placements[i][1:]) - 1) for i in remaining
                 ), f"{where}: per-expert placements {expert.placements}"
                 assert expert.shape == INNER
                 assert torch.equal(expert.to_local(), local_row)
             else:
                 assert not is_dtensor(expert), f"{where}: expected a plain tensor per expert"
                 assert torch.equal(expert, local_row)
-        if n_experts == 5 and remaining:  # the per-expert DTensors describe the right global tensors
+        # the per-expert DTensors describe the right global tensors
+        if n_experts == 5 and remaining:
             for expert, expert_id in zip(experts, ids, strict=True):
-                assert torch.equal(expert.full_tensor(), full(n_experts)[expert_id]), f"{where}: {expert_id}"
+                assert torch.equal(expert.full_tensor(),
+                                   full(n_experts)[expert_id]), f"{where}: {expert_id}"
 
         if kind.is_ep_mesh():
             mesh_range = oracle_mesh_range(kind, coord, n_experts)
@@ -193,14 +200,16 @@ def test_expert_mesh_dim_index_rule() -> None:
     cases = [
         ((2, 2), ("dp", "ep"), [Replicate(), Shard(0)], 1),
         ((2, 2), ("ep", "dp_shard"), [Shard(0), Shard(0)], 0),
-        ((2, 2), ("ep", "ep_shard"), [Replicate(), Shard(1)], 0),  # a named ep dim wins even if not sharding
+        # a named ep dim wins even if not sharding
+        ((2, 2), ("ep", "ep_shard"), [Replicate(), Shard(1)], 0),
         ((2, 2), ("dp", "dp_shard"), [Replicate(), Shard(0)], 1),
         ((4,), ("dp_shard_cp",), [Shard(0)], 0),
         ((4,), ("tp",), [Shard(1)], None),
         ((4,), ("dp_shard_cp",), [Replicate()], None),
     ]
     for shape, names, placements, expected in cases:
-        weight = distribute_tensor(full(4), device_mesh(shape, names), placements, src_data_rank=None)
+        weight = distribute_tensor(full(4), device_mesh(shape, names), placements,
+                                   src_data_rank=None)
         assert _get_expert_mesh_dim_index(weight) == expected, f"{names} {placements}"
 
 
@@ -213,7 +222,8 @@ CREATE_KINDS = [
     Kind("ep4", (4,), ("ep",), ("S0",)),
     Kind("ep_replicate2-ep2", (2, 2), ("ep_replicate", "ep"), ("R", "S0")),
     Kind("ep2-ep_shard2", (2, 2), ("ep", "ep_shard"), ("S0", "S1")),
-    Kind("ep4-ep_shard1", (4, 1), ("ep", "ep_shard"), ("S0", "S1")),  # size-1 ep_shard: ep submesh only
+    # size-1 ep_shard: ep submesh only
+    Kind("ep4-ep_shard1", (4, 1), ("ep", "ep_shard"), ("S0", "S1")),
 ]
 
 
@@ -237,28 +247,32 @@ def test_create_dtensor_from_local_agrees_with_everything(kind: Kind) -> None:
         assert weight.shape == full(n_experts).shape, f"{where}: global shape {tuple(weight.shape)}"
         assert weight.stride() == full(n_experts).stride(), where
         assert storage(weight) == storage(local), f"{where}: create_dtensor_from_local copied"
-        assert torch.equal(weight.full_tensor(), full(n_experts)), f"{where}: rows land in the wrong place"
+        assert torch.equal(weight.full_tensor(),
+                           full(n_experts)), f"{where}: rows land in the wrong place"
 
         assert validate_dtensor_expert_sharding(weight, n_experts, "w") is True
         sliced, got_start, got_end = get_expert_slice_for_rank(weight, n_experts)
         assert (got_start, got_end) == (start, end), f"{where}: slice {got_start}:{got_end}"
         assert storage(sliced) == storage(local)
         assert get_expert_range_for_rank_from_mesh(mesh, n_experts) == (start, end), where
-        assert [e for e in range(n_experts) if should_load_expert_for_rank(e, mesh, n_experts)] == list(
-            range(start, end)
+        assert [e for e in range(n_experts)
+                if should_load_expert_for_rank(e, mesh, n_experts)] == list(range(start, end)
         ), where
-        assert split_experts_weights_dtensor_aware(weight, n_experts)[1] == list(range(start, end)), where
+        assert split_experts_weights_dtensor_aware(weight,
+                                                   n_experts)[1] == list(range(start, end)), where
         held[n_experts] = (start, end)
     check_coverage(kind, held)
 
 
 @pytest.mark.moe_ep_world(4, backend="gloo")
-def test_dcp_checkpoint_of_six_experts_on_four_ranks_holds_every_expert(moe_ep_shared_dir: Path) -> None:
+def test_dcp_checkpoint_of_six_experts_on_four_ranks_holds_every_expert(
+        moe_ep_shared_dir: Path) -> None:
     n_experts, path = 6, str(moe_ep_shared_dir / "e6-k4")
     mesh = device_mesh((4,), ("ep",))
     start, end = get_expert_range_for_rank_from_mesh(mesh, n_experts)
     assert (start, end) == [(0, 2), (2, 4), (4, 6), (6, 6)][dist.get_rank()]
-    dcp.save({"w": create_dtensor_from_local(full(n_experts)[start:end].clone(), mesh)}, checkpoint_id=path)
+    dcp.save({"w": create_dtensor_from_local(full(n_experts)[start:end].clone(), mesh)},
+             checkpoint_id=path)
     dist.barrier()
 
     if dist.get_rank() == 0:  # load at EP=1: a plain tensor, no process group involved
@@ -279,7 +293,8 @@ def test_dcp_checkpoint_of_six_experts_on_four_ranks_holds_every_expert(moe_ep_s
 
 @pytest.mark.moe_ep_world(4, backend="gloo")
 def test_balanced_split_is_refused_everywhere() -> None:
-    """The "first E % k ranks get one more" split is what loses expert 5; every entry point says so."""
+    """The "first E % k ranks get one more" split is what loses expert 5; every entry point says
+    so."""
     n_experts, rank = 6, dist.get_rank()
     balanced = [(0, 2), (2, 4), (4, 5), (5, 6)][rank]
     local = full(n_experts)[balanced[0] : balanced[1]]
@@ -287,9 +302,11 @@ def test_balanced_split_is_refused_everywhere() -> None:
     with pytest.raises(ValueError, match=r"expects \[2, 2, 2, 0\].*ranks \[2, 3\] disagree"):
         create_dtensor_from_local(local, mesh)
 
-    wrong = DTensor.from_local(local, mesh, [Shard(0)], shape=full(n_experts).shape, stride=(24, 6, 1))
+    wrong = DTensor.from_local(local, mesh, [Shard(0)], shape=full(n_experts).shape,
+                               stride=(24, 6, 1))
     if rank in (2, 3):
-        rows = {2: "1 expert rows but its placements .* give this rank 2", 3: "1 expert rows .* give this rank 0"}
+        rows = {2: "1 expert rows but its placements .* give this rank 2",
+                3: "1 expert rows .* give this rank 0"}
         with pytest.raises(ValueError, match=rows[rank]):
             get_expert_slice_for_rank(wrong, n_experts)
         with pytest.raises(ValueError, match=r"split other than torch\.chunk's"):
@@ -303,25 +320,31 @@ def test_balanced_split_is_refused_everywhere() -> None:
 @pytest.mark.moe_ep_world(4, backend="gloo")
 def test_create_dtensor_from_local_errors() -> None:
     rank = dist.get_rank()
-    with pytest.raises(ValueError, match=r"mesh dim 'dp' \(mesh dims \('dp', 'ep'\)\); allowed names are "
+    with pytest.raises(ValueError,
+                       match=r"mesh dim 'dp' \(mesh dims \('dp', 'ep'\)\); allowed names are "
                                          r"\('ep', 'ep_shard', 'ep_replicate'\)"):
         create_dtensor_from_local(full(4), device_mesh((2, 2), ("dp", "ep")))
     with pytest.raises(ValueError, match="needs a mesh with dim names"):
         create_dtensor_from_local(full(4), DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     ep_shard = device_mesh((2, 2), ("ep", "ep_shard"))
-    with pytest.raises(ValueError, match=r"ep_shard shards dim 1, but local_tensor has shape \(2,\)"):
+    with pytest.raises(ValueError,
+                       match=r"ep_shard shards dim 1, but local_tensor has shape \(2,\)"):
         create_dtensor_from_local(torch.zeros(2), ep_shard)
     # ep_shard splits dim 1 of 4 as 3, 1: not torch.chunk's 2, 2
-    with pytest.raises(ValueError, match=r"dim-1 sizes \[3, 1\] over the ep_shard group .* expects \[2, 2\]"):
+    with pytest.raises(ValueError,
+                       match=r"dim-1 sizes \[3, 1\] over the ep_shard group .* expects \[2, 2\]"):
         create_dtensor_from_local(torch.zeros(2, 3 if rank % 2 == 0 else 1, 6), ep_shard)
     ep = device_mesh((4,), ("ep",))
-    with pytest.raises(ValueError, match=r"local shapes over the ep group .* may differ only in dim 0"):
+    with pytest.raises(ValueError,
+                       match=r"local shapes over the ep group .* may differ only in dim 0"):
         create_dtensor_from_local(torch.zeros(1, 4, 6 + (rank == 1)), ep)
-    with pytest.raises(ValueError, match=r"the ep group \(global ranks \[0, 1, 2, 3\]\) holds no rows"):
+    with pytest.raises(ValueError,
+                       match=r"the ep group \(global ranks \[0, 1, 2, 3\]\) holds no rows"):
         create_dtensor_from_local(torch.zeros(0, 4, 6), ep)
     replicated = device_mesh((2, 2), ("ep_replicate", "ep"))
     shapes = r"\[\(1, 4, 6\), \(2, 4, 6\)\]"
-    with pytest.raises(ValueError, match=rf"ep_replicate group \(global ranks \[(0, 2|1, 3)\]\) are {shapes}: "
+    with pytest.raises(ValueError,
+                       match=rf"ep_replicate group \(global ranks \[(0, 2|1, 3)\]\) are {shapes}: "
                                          "ep_replicate replicates, so they must all be equal"):
         create_dtensor_from_local(torch.zeros(1 + (rank >= 2), 4, 6), replicated)
     with pytest.raises(TypeError, match="already a DTensor"):
@@ -342,7 +365,8 @@ def test_mesh_and_placement_errors() -> None:
     unnamed = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     with pytest.raises(ValueError, match="the mesh has no dim names"):
         get_submesh(unnamed, ("ep",))
-    with pytest.raises(ValueError, match=r"dims \('dp', 'dp_shard'\) of shape \(2, 2\) and no 'ep' dim"):
+    with pytest.raises(ValueError,
+                       match=r"dims \('dp', 'dp_shard'\) of shape \(2, 2\) and no 'ep' dim"):
         get_expert_range_for_rank_from_mesh(device_mesh((2, 2), ("dp", "dp_shard")), 4)
     with pytest.raises(ValueError, match="cannot tell which dim partitions"):
         should_load_expert_for_rank(0, device_mesh((2, 2), ("dp", "dp_shard")), 4)
@@ -355,21 +379,27 @@ def test_mesh_and_placement_errors() -> None:
     assert validate_dtensor_expert_sharding(weight, 4, "w") is True  # (Shard(0), Shard(1)): valid
     with pytest.raises(ValueError, match=r"w global shape has 4 experts, expected 5"):
         validate_dtensor_expert_sharding(weight, 5, "w")
-    with pytest.raises(ValueError, match=r"experts_tensor has global shape \(4, 4, 6\): dim 0 holds 4"):
+    with pytest.raises(ValueError,
+                       match=r"experts_tensor has global shape \(4, 4, 6\): dim 0 holds 4"):
         get_expert_slice_for_rank(weight, 5)
-    sharded_inner_on_ep = DTensor.from_local(torch.zeros(4, 2, 6), ep_shard, [Shard(1), Replicate()],
+    sharded_inner_on_ep = DTensor.from_local(torch.zeros(4, 2, 6), ep_shard,
+                                             [Shard(1), Replicate()],
                                              shape=(4, 4, 6), stride=(24, 6, 1))
-    with pytest.raises(ValueError, match=r"w has unsupported DTensor placement: Shard\(dim=1\)\. The expert "
+    with pytest.raises(ValueError,
+                       match=r"w has unsupported DTensor placement: Shard\(dim=1\)\. The expert "
                                          r"mesh dim 0 must use Shard\(0\) or Replicate\(\)"):
         validate_dtensor_expert_sharding(sharded_inner_on_ep, 4, "w")
     partial = DTensor.from_local(torch.zeros(4, 4, 6), device_mesh((4,), ("tp",)), [Partial()])
     for call in (validate_dtensor_expert_sharding, get_expert_slice_for_rank,
                  split_experts_weights_dtensor_aware):
-        with pytest.raises(ValueError, match=r"has unsupported DTensor placement: Partial\(sum\)\. .*partial"):
+        with pytest.raises(ValueError,
+                           match=r"has unsupported DTensor placement: Partial\(sum\)\. .*partial"):
             call(partial, 4)
     strided = DTensor.from_local(torch.zeros(2, 4, 6), device_mesh((2, 2), ("dp_shard", "ep")),
-                                 [_StridedShard(0, split_factor=2), Shard(0)], shape=(8, 4, 6), stride=(24, 6, 1))
-    with pytest.raises(ValueError, match=r"unsupported DTensor placement: _StridedShard.*contiguous range"):
+                                 [_StridedShard(0, split_factor=2), Shard(0)], shape=(8, 4, 6),
+                                 stride=(24, 6, 1))
+    with pytest.raises(ValueError,
+                       match=r"unsupported DTensor placement: _StridedShard.*contiguous range"):
         get_expert_slice_for_rank(strided, 8)
 
 
@@ -416,31 +446,44 @@ def test_no_mesh_means_one_rank_with_everything() -> None:
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda: get_expert_slice_for_rank(full(2), 0), ValueError, "n_experts must be an int >= 1, got 0"),
-        (lambda: get_expert_slice_for_rank(full(2), 2.0), ValueError, "n_experts must be an int >= 1"),
+        (lambda: get_expert_slice_for_rank(full(2), 0), ValueError,
+         "n_experts must be an int >= 1, got 0"),
+        (lambda: get_expert_slice_for_rank(full(2), 2.0), ValueError,
+         "n_experts must be an int >= 1"),
         (lambda: get_expert_slice_for_rank(full(2), 3), ValueError,
          r"experts_tensor has shape \(2, 4, 6\): dim 0 holds 2 experts, expected n_experts=3"),
-        (lambda: get_expert_slice_for_rank([1, 2], 2), TypeError, "must be a torch.Tensor or DTensor, got list"),
+        (lambda: get_expert_slice_for_rank([1, 2], 2), TypeError,
+         "must be a torch.Tensor or DTensor, got list"),
         (lambda: get_expert_slice_for_rank(torch.tensor(1.0), 1), ValueError, "0-dim tensor"),
-        (lambda: split_experts_weights_dtensor_aware(full(2), -1), ValueError, "n_experts must be an int >= 1"),
-        (lambda: split_experts_weights_dtensor_aware(full(2), 4), ValueError, "expected n_experts=4"),
+        (lambda: split_experts_weights_dtensor_aware(full(2), -1), ValueError,
+         "n_experts must be an int >= 1"),
+        (lambda: split_experts_weights_dtensor_aware(full(2), 4), ValueError,
+         "expected n_experts=4"),
         (lambda: split_experts_weights_dtensor_aware(None, 4), TypeError, "got NoneType"),
         (lambda: validate_dtensor_expert_sharding(full(2), 3, "moe.w1"), ValueError,
          "moe.w1 has shape 2 experts, expected 3"),
-        (lambda: validate_dtensor_expert_sharding(full(2), 0), ValueError, "expected_experts must be an int >= 1"),
+        (lambda: validate_dtensor_expert_sharding(full(2), 0), ValueError,
+         "expected_experts must be an int >= 1"),
         (lambda: validate_dtensor_expert_sharding("w", 2), TypeError, "got str"),
-        (lambda: create_dtensor_from_local(full(2), "ep"), TypeError, "DeviceMesh or None, got str"),
+        (lambda: create_dtensor_from_local(full(2), "ep"), TypeError,
+         "DeviceMesh or None, got str"),
         (lambda: create_dtensor_from_local(3, None), None, None),
-        (lambda: get_expert_range_for_rank_from_mesh(None, 0), ValueError, "n_experts must be an int >= 1"),
-        (lambda: get_expert_range_for_rank_from_mesh(4, 4), TypeError, "DeviceMesh or None, got int"),
-        (lambda: should_load_expert_for_rank(7, None, 7), ValueError, r"expert_id must be an int in \[0, 7\)"),
-        (lambda: should_load_expert_for_rank(-1, None, 7), ValueError, r"expert_id must be an int in \[0, 7\)"),
-        (lambda: should_load_expert_for_rank(0, None, 0), ValueError, "n_experts must be an int >= 1"),
+        (lambda: get_expert_range_for_rank_from_mesh(None, 0), ValueError,
+         "n_experts must be an int >= 1"),
+        (lambda: get_expert_range_for_rank_from_mesh(4, 4), TypeError,
+         "DeviceMesh or None, got int"),
+        (lambda: should_load_expert_for_rank(7, None, 7), ValueError,
+         r"expert_id must be an int in \[0, 7\)"),
+        (lambda: should_load_expert_for_rank(-1, None, 7), ValueError,
+         r"expert_id must be an int in \[0, 7\)"),
+        (lambda: should_load_expert_for_rank(0, None, 0), ValueError,
+         "n_experts must be an int >= 1"),
         (lambda: get_submesh(None, ("ep",)), TypeError, "DeviceMesh or None, got NoneType"),
         (lambda: _get_expert_mesh_dim_index(full(2)), TypeError, "expected a DTensor, got Tensor"),
     ],
 )
-def test_bad_input_says_what_was_expected(call, error: type[Exception] | None, match: str | None) -> None:
+def test_bad_input_says_what_was_expected(call, error: type[Exception] | None,
+                                          match: str | None) -> None:
     if error is None:  # a None mesh hands back whatever it was given, untouched
         assert call() == 3
         return

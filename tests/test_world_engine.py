@@ -96,12 +96,14 @@ def test_exception_on_one_rank_names_it_and_replaces_the_world(moe_ep_engine: Su
         moe_ep_engine.run(raise_on, 2, world_size=N, backend="gloo")
     err = info.value
     assert err.at_fault == [2]
-    assert "failed on rank(s) 2: rank 2 raised ValueError: deliberate failure on rank 2" in err.headline
+    assert ("failed on rank(s) 2: rank 2 raised ValueError: deliberate failure on rank 2"
+            in err.headline)
     report = err.report()
     assert "rank 2 traceback" in report and 'in raise_on' in report
     assert "rank 0: returned" in report
     after = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
-    assert {p for _, _, p in after}.isdisjoint({p for _, _, p in before}), "a broken world was reused"
+    assert {p
+            for _, _, p in after}.isdisjoint({p for _, _, p in before}), "a broken world was reused"
 
 
 def test_hang_names_the_suspect_with_its_stack(moe_ep_engine: Supervisor) -> None:
@@ -145,7 +147,8 @@ def test_segfault_is_reported_with_the_signal_and_stack(moe_ep_engine: Superviso
 
 
 @pytest.mark.parametrize("fn", [lambda: None, pytest.param("closure", id="closure")])
-def test_functions_ranks_cannot_import_are_refused_before_starting(moe_ep_engine: Supervisor, fn: object) -> None:
+def test_functions_ranks_cannot_import_are_refused_before_starting(
+        moe_ep_engine: Supervisor, fn: object) -> None:
     if fn == "closure":
         def fn() -> None:  # a function defined inside another one
             return None
@@ -163,7 +166,8 @@ def test_bad_world_size_and_backend(moe_ep_engine: Supervisor) -> None:
 
 
 def test_unpicklable_result_is_a_clear_error(moe_ep_engine: Supervisor) -> None:
-    with pytest.raises(RankFailure, match=r"return value of .*unpicklable_result could not be sent"):
+    with pytest.raises(RankFailure,
+                       match=r"return value of .*unpicklable_result could not be sent"):
         moe_ep_engine.run(unpicklable_result, world_size=2, backend="gloo")
 
 
@@ -176,4 +180,5 @@ def test_inherited_rendezvous_variables_are_stripped(monkeypatch: pytest.MonkeyP
         envs = supervisor.run(environment, world_size=2, backend="gloo")
     finally:
         supervisor.shutdown()
-    assert envs == [{"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)]
+    assert envs == [{"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": str(r), "WORLD_SIZE": "2"}
+                    for r in range(2)]

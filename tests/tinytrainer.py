@@ -1,6 +1,7 @@
-"""A tiny torch-native MoE trainer, the framework docs/adapters.md's first example adapts: packed experts
-(``[E, ...]`` per weight) split over ``ep`` as DTensors ``Shard(0)``, AdamW, and DCP through torch's state-dict
-API.  Kept apart from the project's code so the example adapts a framework, not the harness."""
+"""A tiny torch-native MoE trainer, the framework docs/adapters.md's first example adapts: packed
+experts (``[E, ...]`` per weight) split over ``ep`` as DTensors ``Shard(0)``, AdamW, and DCP through
+torch's state-dict API.  Kept apart from the project's code so the example adapts a framework, not
+the harness."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ class Model(nn.Module):
 
 
 def parallelize(model: Model, ep_mesh: object) -> None:
-    """Expert parallelism: each packed weight a DTensor ``Shard(0)`` over ``ep_mesh`` (its rows by torch.chunk)."""
+    """Expert parallelism: each packed weight a DTensor ``Shard(0)`` over ``ep_mesh`` (its rows by
+    torch.chunk)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for moe in model.layers:
         for name in ("w_in", "w_out"):
-            setattr(moe, name, nn.Parameter(distribute_tensor(getattr(moe, name).data, ep_mesh, [Shard(0)])))
+            setattr(moe, name,
+                    nn.Parameter(distribute_tensor(getattr(moe, name).data, ep_mesh, [Shard(0)])))
 
 
 def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None) -> None:

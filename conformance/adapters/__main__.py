@@ -1,4 +1,5 @@
-"""``python -m conformance.adapters``: the built-ins whose framework is installed (see :func:`main`)."""
+"""``python -m conformance.adapters``: the built-ins whose framework is installed (see
+:func:`main`)."""
 
 from conformance.adapters import main
 

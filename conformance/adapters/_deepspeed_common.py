@@ -5,8 +5,8 @@ already) when this module is imported -- the rank fork server imports an adapter
 preloads ``deepspeed``.  The CPU accelerator speaks gloo, the world's backend.
 
 DeepSpeed keeps its expert groups in module globals (``deepspeed.utils.groups``) for the life of the
-process and, for native MoE, names the optimizer file by *the largest EP group ever created*.  A rank
-process of the matrix runs many cells at several EP degrees, so before each engine is built an
+process and, for native MoE, names the optimizer file by *the largest EP group ever created*.  A
+rank process of the matrix runs many cells at several EP degrees, so before each engine is built an
 adapter calls :func:`use_expert_groups`: only that cell's groups stay visible -- what a fresh
 DeepSpeed job sees -- and every group made before is kept aside and reused (``dist.new_group`` is a
 collective on every rank and costs time; DeepSpeed creates a group only when its name is absent).
@@ -22,8 +22,8 @@ if "deepspeed" not in sys.modules:  # DeepSpeed picks its accelerator at import;
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 #: the deepspeed.utils.groups tables keyed by expert group name ("ep_size_<ep>").
-GROUP_TABLES = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
+GROUP_TABLES = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
+                "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
 #: every expert group this rank process created, by (variant, table): reused by later cells.
 _CREATED_GROUPS: dict[tuple[str, str], dict[str, Any]] = {}
 #: the variant whose groups each table holds now.
@@ -56,7 +56,8 @@ def use_expert_groups(ep: int, variant: str = "") -> None:
     name = f"ep_size_{ep}"
     for table in GROUP_TABLES:
         live = getattr(groups, table)
-        for key, value in live.items():  # whatever the last engine left, under the variant it was made for
+        # whatever the last engine left, under the variant it was made for
+        for key, value in live.items():
             _CREATED_GROUPS.setdefault((_LIVE_VARIANT.get(table, ""), table), {})[key] = value
         live.clear()
         kept = _CREATED_GROUPS.get((variant, table), {})

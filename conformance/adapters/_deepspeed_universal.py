@@ -1,12 +1,12 @@
-"""DeepSpeed's universal checkpoint for the ``deepspeed-autoep`` adapters: which EP degree a checkpoint was
-saved at, its conversion (``deepspeed.checkpoint.ds_to_universal``) once per saved checkpoint, and the
-``load_universal`` flag for one ``load_checkpoint`` call.
+"""DeepSpeed's universal checkpoint for the ``deepspeed-autoep`` adapters: which EP degree a
+checkpoint was saved at, its conversion (``deepspeed.checkpoint.ds_to_universal``) once per saved
+checkpoint, and the ``load_universal`` flag for one ``load_checkpoint`` call.
 
-A saved directory serves any number of later loads: the conversion's output stays beside the saved tag
-(``<tag>_universal`` and ``latest_universal``, which DeepSpeed writes last, so its presence means a complete
-conversion) and is never redone; global rank 0 converts under a file lock (loads of one checkpoint in
-concurrent worlds convert it once) and broadcasts its outcome, so a failed conversion fails every rank
-instead of leaving the others waiting at a barrier.
+A saved directory serves any number of later loads: the conversion's output stays beside the saved
+tag (``<tag>_universal`` and ``latest_universal``, which DeepSpeed writes last, so its presence
+means a complete conversion) and is never redone; global rank 0 converts under a file lock (loads of
+one checkpoint in concurrent worlds convert it once) and broadcasts its outcome, so a failed
+conversion fails every rank instead of leaving the others waiting at a barrier.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ def saved_ep(path: str) -> int:
     import torch
 
     tag_dir = os.path.join(path, _tag(path))
-    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
+                       weights_only=False)
     return int(state["ds_config"]["expert_parallel"]["autoep_size"])
 
 
 def convert_once(path: str) -> None:
-    """``ds_to_universal`` of the checkpoint in ``path`` unless done before (a collective; see the docstring)."""
+    """``ds_to_universal`` of the checkpoint in ``path`` unless done before (a collective; see the
+    docstring)."""
     import torch.distributed as dist
 
     outcome: list[Any] = [None]
@@ -48,13 +50,14 @@ def convert_once(path: str) -> None:
         except Exception as exc:  # every rank must learn of it; see the docstring
             outcome[0] = f"ds_to_universal failed: {type(exc).__name__}: {exc}"
     dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:  # DeepSpeed's conversion failed on rank 0: its refusal, on every rank
+    # DeepSpeed's conversion failed on rank 0: its refusal, on every rank
+    if outcome[0] is not None:
         raise FrameworkRefusal(outcome[0])
 
 
 def convert_locked(path: str) -> None:
-    """The conversion in this process: one extract and one merge worker, since rank processes may not
-    fork a process pool."""
+    """The conversion in this process: one extract and one merge worker, since rank processes may
+    not fork a process pool."""
     from types import SimpleNamespace
 
     from deepspeed.checkpoint import ds_to_universal
@@ -66,9 +69,11 @@ def convert_locked(path: str) -> None:
         tag = _tag(path)
         output = os.path.join(path, f"{tag}_universal")
         shutil.rmtree(output, ignore_errors=True)  # an interrupted conversion's leftovers
-        args = SimpleNamespace(input_folder=os.path.join(path, tag), output_folder=output, num_extract_workers=1,
-                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        args = SimpleNamespace(
+            input_folder=os.path.join(path, tag), output_folder=output, num_extract_workers=1,
+            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+        with (open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet),
+              contextlib.redirect_stderr(quiet)):
             ds_to_universal.main(args)  # its progress lines and bars; a failure still raises
 
 

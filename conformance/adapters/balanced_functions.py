@@ -1,11 +1,11 @@
 """Negative control for the functions suite: the reference, except for the tempting expert split.
 
-Many frameworks split E experts over k ranks as "the first ``E % k`` ranks get one more"
-(E=6 on k=4: ``2, 2, 1, 1``).  DTensor's ``Shard(0)``, and so every checkpoint, uses ``torch.chunk``
+Many frameworks split E experts over k ranks as "the first ``E % k`` ranks get one more" (E=6 on
+k=4: ``2, 2, 1, 1``).  DTensor's ``Shard(0)``, and so every checkpoint, uses ``torch.chunk``
 (``2, 2, 2, 0``).  The two agree when k divides E and for some uneven E (E=7 on k=4), and disagree
-for the rest.  This module is :mod:`reference_impl.state_dict_utils` with that one change wherever the
-layout rule matters -- expert ranges, ``should_load``, slice start/end, split ids, validation and
-``create_dtensor_from_local``'s count check -- so the suite must fail it on exactly those uneven
+for the rest.  This module is :mod:`reference_impl.state_dict_utils` with that one change wherever
+the layout rule matters -- expert ranges, ``should_load``, slice start/end, split ids, validation
+and ``create_dtensor_from_local``'s count check -- so the suite must fail it on exactly those uneven
 cases and pass it everywhere else.  A suite that passes it, or fails it on an even case, is broken.
 
 To stay identical to the reference everywhere else, the reference's own functions are re-bound to a
@@ -52,11 +52,13 @@ def expert_range(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]
 
 def expert_counts(num_experts: int, num_ranks: int) -> list[int]:
     _check(num_experts, num_ranks)
-    return [end - start for start, end in (expert_range(num_experts, num_ranks, r) for r in range(num_ranks))]
+    return [end - start
+            for start, end in (expert_range(num_experts, num_ranks, r) for r in range(num_ranks))]
 
 
 def _local_expert_rows(dtensor: Any, n_experts: int, what: str) -> tuple[int, int]:
-    """The rows a framework with the bug believes this rank holds: the balanced split per Shard(0) dim.
+    """The rows a framework with the bug believes this rank holds: the balanced split per Shard(0)
+    dim.
 
     Keeps the reference's refusals (Partial, strided expert shards, ranks outside the mesh, a local
     row count that contradicts the split) so that only the split differs.
@@ -66,7 +68,8 @@ def _local_expert_rows(dtensor: Any, n_experts: int, what: str) -> tuple[int, in
 
     mesh, placements = dtensor.device_mesh, dtensor.placements
     for placement in placements:
-        if isinstance(placement, Partial) or (isinstance(placement, _StridedShard) and placement.dim == 0):
+        if isinstance(placement, Partial) or (isinstance(placement, _StridedShard)
+                                              and placement.dim == 0):
             raise ValueError(f"{what} has unsupported DTensor placement: {placement!r}")
     if not mesh._is_current_rank_part_of_mesh():
         raise ValueError(f"{what}: this rank is not part of the DTensor's device mesh {mesh}")
@@ -80,7 +83,8 @@ def _local_expert_rows(dtensor: Any, n_experts: int, what: str) -> tuple[int, in
         start = end = n_experts
     rows = dtensor.to_local().shape[0]
     if rows != end - start:
-        raise ValueError(f"{what}: the local tensor holds {rows} expert rows, expected {end - start}")
+        raise ValueError(f"{what}: the local tensor holds {rows} expert rows, expected "
+                         f"{end - start}")
     return start, end
 
 

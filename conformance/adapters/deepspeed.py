@@ -4,9 +4,10 @@ It drives DeepSpeed's own code: blocks of a ``LayerNorm`` and a ``deepspeed.moe.
 (unpacked experts; the shared expert is its residual MoE), ``deepspeed.initialize`` (ZeRO-0, fp32,
 ``torch_adam`` AdamW over ``configure_moe_param_groups``), ``engine.save_checkpoint`` /
 ``load_checkpoint``, and the engine's forward (gate, ``_AllToAll`` dispatch, experts) under
-:data:`FORWARD_SEED`.  Experts are filled by DeepSpeed's global id (``expp_rank * num_local_experts +
-local_id``); ``read_checkpoint`` is ``_deepspeed_checkpoint.read_native``.  The ground truth is the same
-model at ``ep_size=1`` without an engine, stepped by ``torch.optim.AdamW`` over the same groups.
+:data:`FORWARD_SEED`.  Experts are filled by DeepSpeed's global id (``expp_rank *
+num_local_experts + local_id``); ``read_checkpoint`` is ``_deepspeed_checkpoint.read_native``.  The
+ground truth is the same model at ``ep_size=1`` without an engine, stepped by ``torch.optim.AdamW``
+over the same groups.
 
 Settings and workarounds, none of which changes what is checked:
 
@@ -35,16 +36,23 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, FrameworkRefusal, Spec, forward_with_layers
+from conformance.adapter import (
+    ADAM_MOMENTS,
+    Capabilities,
+    FrameworkRefusal,
+    Spec,
+    forward_with_layers,
+)
 from conformance.adapters._deepspeed_checkpoint import NATIVE_EP_DEPENDENT, read_native
 from conformance.adapters._deepspeed_common import deepspeed as _deepspeed
 from conformance.adapters._deepspeed_common import installed_version, use_expert_groups
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
 WEIGHT_DECAY = 0.01
-#: torch's RNG seed for every forward check: DeepSpeed's top-2 gate samples the second expert with Gumbel
-#: noise from the global RNG (``top2_2nd_expert_sampling``, on by default), which each rank draws for its
-#: whole batch, so the same seed gives every rank at every EP degree the truth's noise.
+#: torch's RNG seed for every forward check: DeepSpeed's top-2 gate samples the second expert with
+#: Gumbel noise from the global RNG (``top2_2nd_expert_sampling``, on by default), which each rank
+#: draws for its whole batch, so the same seed gives every rank at every EP degree the truth's
+#: noise.
 FORWARD_SEED = 0
 
 
@@ -74,9 +82,10 @@ def _classes() -> tuple[type, type]:
         def __init__(self, spec: Spec, ep: int) -> None:
             super().__init__()
             self.norm = nn.LayerNorm(spec.dim)
-            self.moe = MoE(hidden_size=spec.dim, expert=ExpertMLP(spec.dim, spec.hidden, spec.activation),
-                           num_experts=spec.num_experts, ep_size=ep, k=min(spec.top_k, spec.num_experts),
-                           use_residual=spec.shared_expert)
+            self.moe = MoE(hidden_size=spec.dim,
+                           expert=ExpertMLP(spec.dim, spec.hidden, spec.activation),
+                           num_experts=spec.num_experts, ep_size=ep,
+                           k=min(spec.top_k, spec.num_experts), use_residual=spec.shared_expert)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.moe(self.norm(x))[0]
@@ -150,15 +159,17 @@ def _fill(model: Any, seed: int) -> None:
 def _set_grads(model: Any, seed: int, step: int) -> None:
     for layer, g, expert in _local_experts(model):
         for name, p in expert.named_parameters():
-            p.grad = synthetic_grad(seed, step, layer, g, _short(name), p.shape, dtype=p.dtype).to(p.device)
+            p.grad = synthetic_grad(seed, step, layer, g, _short(name), p.shape,
+                                    dtype=p.dtype).to(p.device)
     for dense_layer, name, p in _dense_params(model):
-        p.grad = synthetic_grad(seed, step, dense_layer, None, name, p.shape, dtype=p.dtype).to(p.device)
+        p.grad = synthetic_grad(seed, step, dense_layer, None, name, p.shape,
+                                dtype=p.dtype).to(p.device)
 
 
 class DeepSpeedAdapter:
     name = "deepspeed"
-    capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
-                                format="deepspeed", ep_orders=("consecutive",))
+    capabilities = Capabilities(kinds=("unpacked",), optimizer=True, fsdp=False, uneven=False,
+                                max_ep=64, format="deepspeed", ep_orders=("consecutive",))
     #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR).
     preload = ("deepspeed", "deepspeed.moe.layer")
     #: see :data:`conformance.adapters._deepspeed_checkpoint.NATIVE_EP_DEPENDENT`.
@@ -174,8 +185,9 @@ class DeepSpeedAdapter:
         import torch
 
         if spec.kind != "unpacked" or spec.fsdp or spec.dtype != "float32":
-            raise ValueError(f"this adapter drives DeepSpeed's native MoE (unpacked experts), fp32, ZeRO-0; "
-                             f"got kind={spec.kind!r}, fsdp={spec.fsdp}, dtype={spec.dtype!r}")
+            raise ValueError("this adapter drives DeepSpeed's native MoE (unpacked experts), fp32, "
+                             f"ZeRO-0; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
+                             f"dtype={spec.dtype!r}")
         deepspeed = _deepspeed()
         _, model_class = _classes()
         ep = 1 if mesh is None else mesh["ep"].size()
@@ -187,8 +199,8 @@ class DeepSpeedAdapter:
             _fill(model, seed)
             if steps <= 0:
                 return model, None
-            optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())), lr=spec.lr,
-                                          weight_decay=WEIGHT_DECAY)
+            optimizer = torch.optim.AdamW(configure_moe_param_groups(list(model.parameters())),
+                                          lr=spec.lr, weight_decay=WEIGHT_DECAY)
             for step in range(steps):
                 _set_grads(model, seed, step)
                 optimizer.step()
@@ -208,9 +220,11 @@ class DeepSpeedAdapter:
         }
         if steps > 0:
             config["optimizer"] = {"type": "AdamW",
-                                   "params": {"lr": spec.lr, "weight_decay": WEIGHT_DECAY, "torch_adam": True}}
+                                   "params": {"lr": spec.lr, "weight_decay": WEIGHT_DECAY,
+                                              "torch_adam": True}}
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=list(model.parameters()) if steps > 0 else None, config=config)
+            model=model, model_parameters=list(model.parameters()) if steps > 0 else None,
+            config=config)
         _fill(engine, seed)
         for step in range(steps):
             _set_grads(engine, seed, step)
@@ -225,19 +239,23 @@ class DeepSpeedAdapter:
         try:
             loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
                                               load_lr_scheduler_states=False)
-        except Exception as exc:  # DeepSpeed's own error, prefixed with the EP degrees it happened between
+        # DeepSpeed's own error, prefixed with the EP degrees it happened between
+        except Exception as exc:
             message = " ".join(str(exc).split()).replace(os.fspath(path), "<checkpoint>")
-            raise RuntimeError(f"load_checkpoint ({_ep_story(model, path)}) raised {type(exc).__name__}: "
-                               f"{message}") from exc
+            raise RuntimeError(f"load_checkpoint ({_ep_story(model, path)}) raised "
+                               f"{type(exc).__name__}: {message}") from exc
         if loaded is None:
-            raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+            raise FrameworkRefusal("DeepSpeed engine.load_checkpoint found no checkpoint in "
+                                   f"{path}")
 
     def forward(self, model: Any, batch: Any) -> Any:
-        """The engine's (or the truth's plain model's) forward on ``batch``: DeepSpeed's gate, its token
-        dispatch (``_AllToAll`` over the EP group at ep > 1) and its experts, under :data:`FORWARD_SEED`.
+        """The engine's (or the truth's plain model's) forward on ``batch``: DeepSpeed's gate, its
+        token dispatch (``_AllToAll`` over the EP group at ep > 1) and its experts, under
+        :data:`FORWARD_SEED`.
 
-        In the named form, each ``MoE``'s own output too: each adds ~1e-6 to a residual stream of ~3 (LayerNorm
-        weights of scale 0.02), below the stream's rounding, so only its own output shows a wrong dispatch."""
+        In the named form, each ``MoE``'s own output too: each adds ~1e-6 to a residual stream of ~3
+        (LayerNorm weights of scale 0.02), below the stream's rounding, so only its own output shows
+        a wrong dispatch."""
         import torch
 
         layers = {f"layers.{i}.moe": moe for i, moe in enumerate(_moe_layers(model))}
@@ -246,7 +264,8 @@ class DeepSpeedAdapter:
             return forward_with_layers(lambda: model(batch), layers)
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
-        """The saved files in global form: :func:`conformance.adapters._deepspeed_checkpoint.read_native`."""
+        """The saved files in global form:
+        :func:`conformance.adapters._deepspeed_checkpoint.read_native`."""
         return read_native(path)
 
     # -- canonical views ---------------------------------------------------------------------------
@@ -260,7 +279,8 @@ class DeepSpeedAdapter:
                     if moment in state.get(p, {}):
                         yield layer, g, f"{short}.{moment}", state[p][moment]
 
-    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+    def other_tensors(self, model: Any,
+                      optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         state = optimizer.state if optimizer is not None else {}
         for layer, name, p in _dense_params(model):
             yield layer, None, name, p

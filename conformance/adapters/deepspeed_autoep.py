@@ -1,32 +1,35 @@
-"""The ``deepspeed-autoep`` adapters: DeepSpeed 0.19.8's AutoEP under ZeRO-1/2 and its universal checkpoint.
+"""The ``deepspeed-autoep`` adapters: DeepSpeed 0.19.8's AutoEP under ZeRO-1/2 and its universal
+checkpoint.
 
-AutoEP is the path DeepSpeed documents for changing the EP degree; all of it is DeepSpeed's own code.
-A Mixtral-shaped model (fused ``gate_up_proj`` / ``down_proj``, filled by *global* expert id) goes
-through ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "autoep_size": ep,
+AutoEP is the path DeepSpeed documents for changing the EP degree; all of it is DeepSpeed's own
+code. A Mixtral-shaped model (fused ``gate_up_proj`` / ``down_proj``, filled by *global* expert id)
+goes through ``deepspeed.initialize`` with ``"expert_parallel": {"enabled": true, "autoep_size": ep,
 "preset_model": "mixtral", "use_grouped_mm": false}`` (consecutive EP groups; ``Spec.layout``'s
 ``ep_order="strided"`` is ``use_data_before_expert_parallelism``), ZeRO-1 (``deepspeed-autoep``;
 ``deepspeed-autoep-noconvert`` loads without the conversion) or ZeRO-2 (``deepspeed-autoep-zero2``),
-fp32, ``torch_adam`` AdamW; ``deepspeed-autoep-bf16`` / ``deepspeed-autoep-zero2-bf16`` are the same under
-``"bf16": {"enabled": true}`` (bf16 parameters, fp32 masters and moments; :class:`DeepSpeedAutoEPBf16Adapter`), and
-``deepspeed-autoep-bf16-fp32accum`` adds ``grad_accum_dtype: fp32`` (DeepSpeed's ``BF16_Optimizer`` at ZeRO-1).
+fp32, ``torch_adam`` AdamW; ``deepspeed-autoep-bf16`` / ``deepspeed-autoep-zero2-bf16`` are the same
+under ``"bf16": {"enabled": true}`` (bf16 parameters, fp32 masters and moments;
+:class:`DeepSpeedAutoEPBf16Adapter`), and ``deepspeed-autoep-bf16-fp32accum`` adds
+``grad_accum_dtype: fp32`` (DeepSpeed's ``BF16_Optimizer`` at ZeRO-1).
 ``deepspeed-autoep-deepseek_v3`` hands transformers' own ``DeepseekV3ForCausalLM`` to the
-``deepseek_v3`` preset instead (ZeRO-1, fp32), its router's expert bias
-``e_score_correction_bias`` with synthetic values (:mod:`conformance.adapters._deepspeed_models`).
-``engine.save_checkpoint``; ``engine.load_checkpoint`` at the saved EP
-degree, else ``ds_to_universal`` then ``"load_universal": true`` (``_deepspeed_universal``).  Experts,
-fp32 masters and moments are read with ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``.
-The ground truth is AutoEP's conversion at ep=1 without an engine, stepped by ``torch.optim.AdamW``.
+``deepseek_v3`` preset instead (ZeRO-1, fp32), its router's expert bias ``e_score_correction_bias``
+with synthetic values (:mod:`conformance.adapters._deepspeed_models`). ``engine.save_checkpoint``;
+``engine.load_checkpoint`` at the saved EP degree, else ``ds_to_universal`` then
+``"load_universal": true`` (``_deepspeed_universal``).  Experts, fp32 masters and moments are read
+with ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``. The ground truth is AutoEP's
+conversion at ep=1 without an engine, stepped by ``torch.optim.AdamW``.
 
 Workarounds, none of which changes what is checked (CPU/gloo only, ``DS_ACCELERATOR=cpu``):
 
 * Re-link of optimizer-state fragments (:func:`_relink_optimizer_states`):
-  ``DeepSpeedZeroOptimizer._optimizer_step`` links them after the *first* param group's step and marks
-  every group linked before AutoEP's expert group has any state, so ``safe_get_full_optimizer_state``
-  on an expert raises "exp_avg not found in optimizer state fragment".
+  ``DeepSpeedZeroOptimizer._optimizer_step`` links them after the *first* param group's step and
+  marks every group linked before AutoEP's expert group has any state, so
+  ``safe_get_full_optimizer_state`` on an expert raises "exp_avg not found in optimizer state
+  fragment".
 * ``gradient_clipping: 0``: the default clip to a global norm of 1.0 sums over every rank's experts,
   whose rounding depends on the EP degree -- it would test the clip, not the checkpoint.
-* A step is ``engine.backward`` of a loss whose gradient is the synthetic one, expert gradients times ep,
-  which ZeRO's expert averaging divides out (:meth:`DeepSpeedAutoEPAdapter.step`).
+* A step is ``engine.backward`` of a loss whose gradient is the synthetic one, expert gradients
+  times ep, which ZeRO's expert averaging divides out (:meth:`DeepSpeedAutoEPAdapter.step`).
 * Persistent world: before each engine only that cell's expert groups stay visible, as a fresh job
   sees them (``_deepspeed_common.use_expert_groups``).
 * ``ds_to_universal`` runs in-process on global rank 0 with one extract and one merge worker (rank
@@ -42,7 +45,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, Capabilities, FrameworkRefusal, Spec, forward_with_layers
+from conformance.adapter import (
+    ADAM_MOMENTS,
+    Capabilities,
+    FrameworkRefusal,
+    Spec,
+    forward_with_layers,
+)
 from conformance.adapters._deepspeed_checkpoint import AUTOEP_EP_DEPENDENT, read_autoep
 from conformance.adapters._deepspeed_common import deepspeed, installed_version, use_expert_groups
 from conformance.adapters._deepspeed_models import (
@@ -61,14 +70,15 @@ WEIGHT_DECAY = 0.01
 def _ep_order(spec: Spec) -> str:
     """The EP order a ``Spec.layout`` asks for (DeepSpeed's default, consecutive, without one).
 
-    The expert-tensor-parallel degree must be 1: AutoEP's ETP is its AutoTP folding, not driven here.
-    DeepSpeed's ZeRO partitions over every data-parallel rank, so ``dp_replicate`` and ``dp_shard``
-    are one data-parallel group to it."""
+    The expert-tensor-parallel degree must be 1: AutoEP's ETP is its AutoTP folding, not driven
+    here. DeepSpeed's ZeRO partitions over every data-parallel rank, so ``dp_replicate`` and
+    ``dp_shard`` are one data-parallel group to it."""
     layout = getattr(spec, "layout", None)
     if layout is None:
         return "consecutive"
     if getattr(layout, "etp", 1) != 1:
-        raise ValueError(f"deepspeed-autoep drives AutoEP without expert tensor parallelism; got etp={layout.etp}")
+        raise ValueError("deepspeed-autoep drives AutoEP without expert tensor parallelism; got "
+                         f"etp={layout.etp}")
     order = getattr(layout, "ep_order", "consecutive")
     if order not in ("strided", "consecutive"):
         raise ValueError(f"ep_order must be 'strided' or 'consecutive', got {order!r}")
@@ -94,7 +104,8 @@ def _expert_ids(moe: Any) -> list[int]:
     return list(autoep_experts_for_rank(moe.expert_placement_descriptor, moe.ep_rank))
 
 
-def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Iterator[tuple[Any, Any]]:
+def _gradients(model: Any, seed: int, step: int,
+               expert_scale: int = 1) -> Iterator[tuple[Any, Any]]:
     """``(parameter, its synthetic gradient)`` for every parameter, experts by global id, expert
     gradients times ``expert_scale`` (see :meth:`DeepSpeedAutoEPAdapter.step`)."""
     import torch
@@ -103,7 +114,8 @@ def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Itera
         ids = _expert_ids(moe)
         for name in EXPERT_WEIGHTS:
             p = getattr(moe.experts, name)
-            grads = torch.stack([synthetic_grad(seed, step, layer, g, name, p.shape[1:]) for g in ids])
+            grads = torch.stack([synthetic_grad(seed, step, layer, g, name, p.shape[1:])
+                                 for g in ids])
             yield p, grads * expert_scale if expert_scale != 1 else grads
     for where, name, p in dense_params(_module(model)):
         yield p, synthetic_grad(seed, step, where, None, name, p.shape)
@@ -112,10 +124,11 @@ def _gradients(model: Any, seed: int, step: int, expert_scale: int = 1) -> Itera
 def _truth(adapter: Any, spec: Spec, seed: int) -> tuple[Any, Any]:
     """AutoEP at ep=1 on this rank alone, stepped by the optimizer the engine would make.
 
-    With ``bf16`` the model's parameters are the engine's fp32 *masters*, rounded where DeepSpeed rounds: they start
-    at ``bf16(w0)`` (the engine casts the module to bf16 before it makes its fp32 partitions from it) and are stepped
-    with gradients rounded to bf16 (autograd's gradient of a bf16 parameter); the bf16 parameter is then
-    ``bf16(master)`` (:func:`_views`), as ``DeepSpeedZeroOptimizer.step`` copies it."""
+    With ``bf16`` the model's parameters are the engine's fp32 *masters*, rounded where DeepSpeed
+    rounds: they start at ``bf16(w0)`` (the engine casts the module to bf16 before it makes its fp32
+    partitions from it) and are stepped with gradients rounded to bf16 (autograd's gradient of a
+    bf16 parameter); the bf16 parameter is then ``bf16(master)`` (:func:`_views`), as
+    ``DeepSpeedZeroOptimizer.step`` copies it."""
     import torch
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
@@ -138,7 +151,8 @@ def _truth(adapter: Any, spec: Spec, seed: int) -> tuple[Any, Any]:
 
 
 def _truth_step(model: Any, optimizer: Any, seed: int, step: int, bf16: bool) -> None:
-    """One ``torch.optim.AdamW`` step of the ground truth (gradients rounded to bf16 under ``bf16``)."""
+    """One ``torch.optim.AdamW`` step of the ground truth (gradients rounded to bf16 under
+    ``bf16``)."""
     for p, grad in _gradients(model, seed, step):
         p.grad = grad.bfloat16().float() if bf16 else grad
     optimizer.step()
@@ -158,20 +172,23 @@ class DeepSpeedAutoEPAdapter:
 
     name = "deepspeed-autoep"
     zero_stage = 1
-    #: ``"bf16": {"enabled": true}``: bf16 parameters, fp32 masters (:class:`DeepSpeedAutoEPBf16Adapter`).
+    #: ``"bf16": {"enabled": true}``: bf16 parameters, fp32 masters
+    #: (:class:`DeepSpeedAutoEPBf16Adapter`).
     bf16 = False
-    #: ``"data_types": {"grad_accum_dtype": ...}`` when set (:class:`DeepSpeedAutoEPBf16Fp32AccumAdapter`).
+    #: ``"data_types": {"grad_accum_dtype": ...}`` when set
+    #: (:class:`DeepSpeedAutoEPBf16Fp32AccumAdapter`).
     grad_accum_dtype: str | None = None
     #: AutoEP's preset for the model family :meth:`source_model` builds.
     preset = "mixtral"
-    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=False, uneven=False, max_ep=64,
-                                format="deepspeed", ep_orders=("consecutive", "strided"))
-    #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR), not in each
-    #: world's first engine: measured, these imports are 13 of the first engine's 15 s on 2 cores (ZeRO's
-    #: optimizer check imports the Muon optimizer, which imports torch._dynamo; AutoEP's conversion
-    #: imports transformers when installed, to retarget its router-logit recorders).  A module that is
-    #: not installed is skipped by the fork server.
-    preload: tuple[str, ...] = ("deepspeed", "deepspeed.module_inject.auto_ep", "deepspeed.runtime.zero.stage_1_and_2",
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=False, uneven=False,
+                                max_ep=64, format="deepspeed", ep_orders=("consecutive", "strided"))
+    #: imported once by the rank fork server (after this module, which sets DS_ACCELERATOR), not in
+    #: each world's first engine: measured, these imports are 13 of the first engine's 15 s on 2
+    #: cores (ZeRO's optimizer check imports the Muon optimizer, which imports torch._dynamo;
+    #: AutoEP's conversion imports transformers when installed, to retarget its router-logit
+    #: recorders).  A module that is not installed is skipped by the fork server.
+    preload: tuple[str, ...] = ("deepspeed", "deepspeed.module_inject.auto_ep",
+                                "deepspeed.runtime.zero.stage_1_and_2",
                "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.checkpoint.ds_to_universal",
                "transformers")
     #: see :data:`conformance.adapters._deepspeed_checkpoint.AUTOEP_EP_DEPENDENT`.
@@ -192,17 +209,19 @@ class DeepSpeedAutoEPAdapter:
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
-        if spec.kind != "packed" or spec.fsdp or spec.dtype != "float32" or spec.activation != "swiglu":
+        if (spec.kind != "packed" or spec.fsdp or spec.dtype != "float32"
+            or spec.activation != "swiglu"):
             raise ValueError(f"this adapter drives DeepSpeed AutoEP's {self.preset} preset (packed "
                              f"SwiGLU experts), "
-                             f"{'bf16 with fp32 masters (dtype float32)' if self.bf16 else 'fp32'}, "
-                             f"ZeRO-{self.zero_stage}; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
+                             f"{'bf16 with fp32 masters (dtype float32)' if self.bf16 else 'fp32'}"
+                             f", ZeRO-{self.zero_stage}; got kind={spec.kind!r}, fsdp={spec.fsdp}, "
                              f"dtype={spec.dtype!r}, activation={spec.activation!r}")
         if mesh is None:
             return _truth(self, spec, seed)
         if mesh.device_type != "cpu":
-            raise ValueError(f"deepspeed-autoep runs DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) on a gloo "
-                             f"world; this world's mesh is on {mesh.device_type!r} (run with --moe-ep-backend=gloo)")
+            raise ValueError("deepspeed-autoep runs DeepSpeed's CPU accelerator "
+                             "(DS_ACCELERATOR=cpu) on a gloo world; this world's mesh is on "
+                             f"{mesh.device_type!r} (run with --moe-ep-backend=gloo)")
         ep = mesh["ep"].size()
         strided = _ep_order(spec) == "strided"
         use_expert_groups(ep, variant="strided" if strided else "")
@@ -211,16 +230,21 @@ class DeepSpeedAutoEPAdapter:
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": self.zero_stage},
             "expert_parallel": _autoep_section(ep, self.preset),
-            # DeepSpeed's own names for the two EP orders: its default puts ``ep`` consecutive ranks in an
-            # EP group; "data before expert parallel" strides them (ranks r, r + world/ep, ...).
+            # DeepSpeed's own names for the two EP orders: its default puts ``ep`` consecutive ranks
+            # in an EP group; "data before expert parallel" strides them (ranks r, r + world/ep,
+            # ...).
             "use_data_before_expert_parallelism": strided,
             "optimizer": {"type": "AdamW",
-                          "params": {"lr": spec.lr, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
-            # the default clip to 1.0 sums a norm over every rank's experts: rounding depends on the EP degree.
+                          "params": {"lr": spec.lr, "weight_decay": WEIGHT_DECAY,
+                                     "torch_adam": True}},
+            # the default clip to 1.0 sums a norm over every rank's experts: rounding depends on the
+            # EP degree.
             "gradient_clipping": 0.0,
             "steps_per_print": 1 << 30,
         }
-        if self.bf16:  # DeepSpeed's default bf16 path: grad-accum dtype bf16, so DeepSpeedZeroOptimizer at stage 1 too
+        # DeepSpeed's default bf16 path: grad-accum dtype bf16, so DeepSpeedZeroOptimizer at stage 1
+        # too
+        if self.bf16:
             config["bf16"] = {"enabled": True}
         if self.grad_accum_dtype is not None:
             config["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}
@@ -231,14 +255,15 @@ class DeepSpeedAutoEPAdapter:
         return engine, optimizer
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        """One optimizer step with synthetic gradients: ``backward`` of ``sum(p * grad)`` has exactly
-        ``grad`` as the gradient of ``p``, and runs ZeRO's own gradient hooks and reduction.
+        """One optimizer step with synthetic gradients: ``backward`` of ``sum(p * grad)`` has
+        exactly ``grad`` as the gradient of ``p``, and runs ZeRO's own gradient hooks and reduction.
 
         ZeRO divides every gradient by the data-parallel size (the world) and sums an expert's over
-        its expert-data-parallel group (world / ep ranks): the expert ends up with its local gradient
-        divided by ep -- right for real training, where an expert's local gradient holds the tokens
-        of all its EP peers.  So each rank's expert gradient is ``synthetic_grad * ep``, and every
-        expert is stepped with ``synthetic_grad`` itself at every EP degree (exactly, for powers of two).
+        its expert-data-parallel group (world / ep ranks): the expert ends up with its local
+        gradient divided by ep -- right for real training, where an expert's local gradient holds
+        the tokens of all its EP peers.  So each rank's expert gradient is ``synthetic_grad * ep``,
+        and every expert is stepped with ``synthetic_grad`` itself at every EP degree (exactly, for
+        powers of two).
         """
         import torch
 
@@ -252,15 +277,17 @@ class DeepSpeedAutoEPAdapter:
         model.step()
 
     def forward(self, model: Any, batch: Any) -> Any:
-        """The engine's (or the truth's converted model's) forward on ``batch`` as one sequence of tokens:
-        AutoEP's router, its ``_AllToAllV`` dispatch over the EP group at ep > 1, its experts and combine.
+        """The engine's (or the truth's converted model's) forward on ``batch`` as one sequence of
+        tokens: AutoEP's router, its ``_AllToAllV`` dispatch over the EP group at ep > 1, its
+        experts and combine.
 
-        In the named form, each AutoEP layer's own output too: behind the residual stream a layer's part is below
-        the stream's rounding (as on the native adapter's model).
+        In the named form, each AutoEP layer's own output too: behind the residual stream a layer's
+        part is below the stream's rounding (as on the native adapter's model).
 
-        Under bf16 the batch is cast to the parameters' dtype (DeepSpeed does not autocast: an fp32 batch meets bf16
-        LayerNorm weights and torch raises "mixed dtype"); the truth, whose parameters are the fp32 masters, runs
-        with them cast to bf16 for the forward (params only, as the engine casts them) and restored after it."""
+        Under bf16 the batch is cast to the parameters' dtype (DeepSpeed does not autocast: an fp32
+        batch meets bf16 LayerNorm weights and torch raises "mixed dtype"); the truth, whose
+        parameters are the fp32 masters, runs with them cast to bf16 for the forward (params only,
+        as the engine casts them) and restored after it."""
         import torch
 
         layers = {f"model.layers.{i}.mlp": moe for i, moe in enumerate(_moe_layers(model))}
@@ -275,7 +302,8 @@ class DeepSpeedAutoEPAdapter:
             with torch.no_grad():
                 return forward_with_layers(lambda: self.output(model, batch), layers)
         finally:
-            for p, master in zip(params, masters, strict=False):  # masters is empty unless truth_bf16
+            # masters is empty unless truth_bf16
+            for p, master in zip(params, masters, strict=False):
                 p.data = master
 
     # -- checkpoint path ---------------------------------------------------------------------------
@@ -287,26 +315,31 @@ class DeepSpeedAutoEPAdapter:
         try:
             saved = saved_ep(path)
         except (OSError, KeyError) as exc:
-            raise RuntimeError(f"{path} holds no DeepSpeed AutoEP checkpoint to load at ep={ep}: expected 'latest' "
-                               f"naming a tag whose mp_rank_00_model_states.pt records expert_parallel.autoep_size "
-                               f"({type(exc).__name__}: {exc})") from exc
+            raise RuntimeError(f"{path} holds no DeepSpeed AutoEP checkpoint to load at ep={ep}: "
+                               "expected 'latest' naming a tag whose mp_rank_00_model_states.pt "
+                               f"records expert_parallel.autoep_size ({type(exc).__name__}: "
+                               f"{exc})") from exc
         universal = saved != ep
-        story = f"saved at ep={saved}, loading at ep={ep}{' through a universal checkpoint' if universal else ''}"
+        story = (f"saved at ep={saved}, loading at "
+                 f"ep={ep}{' through a universal checkpoint' if universal else ''}")
         try:
             if universal:
                 convert_once(path)
             with load_universal(model, universal):
                 loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
                                                   load_lr_scheduler_states=False)
-        except Exception as exc:  # DeepSpeed's own error, prefixed with the EP degrees it happened between
+        # DeepSpeed's own error, prefixed with the EP degrees it happened between
+        except Exception as exc:
             message = " ".join(str(exc).split()).replace(os.fspath(path), "<checkpoint>")
             raise RuntimeError(f"load ({story}) raised {type(exc).__name__}: {message}") from exc
         if loaded is None:
-            raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path} ({story})")
+            raise FrameworkRefusal("DeepSpeed engine.load_checkpoint found no checkpoint in "
+                                   f"{path} ({story})")
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
-        """The engine checkpoint and its universal conversion in global form (converted here once; a later
-        load at another EP reuses it): :func:`conformance.adapters._deepspeed_checkpoint.read_autoep`."""
+        """The engine checkpoint and its universal conversion in global form (converted here once; a
+        later load at another EP reuses it):
+        :func:`conformance.adapters._deepspeed_checkpoint.read_autoep`."""
         return read_autoep(path)
 
     # -- canonical views ---------------------------------------------------------------------------
@@ -322,7 +355,8 @@ class DeepSpeedAutoEPAdapter:
                     for i, g in enumerate(ids):
                         yield layer, g, short, full[i]
 
-    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+    def other_tensors(self, model: Any,
+                      optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         engine = hasattr(model, "module")
         for layer, name, p in dense_params(_module(model)):
             for short, full in _views(name, p, optimizer, engine, self.bf16):
@@ -334,11 +368,13 @@ class DeepSpeedAutoEPAdapter:
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, object]:
         """Step counts and hyperparameters of the dense and the expert param group."""
-        out: dict[str, object] = {f"step[{kind}]": int(value.item()) for kind, value in _steps(optimizer).items()}
+        out: dict[str, object] = {f"step[{kind}]": int(value.item())
+                                  for kind, value in _steps(optimizer).items()}
         for kind, group in _groups(optimizer).items():
             for key in ("lr", "betas", "weight_decay", "eps"):
                 value = group[key]
-                out[f"{key}[{kind}]"] = tuple(float(v) for v in value) if key == "betas" else float(value)
+                out[f"{key}[{kind}]"] = tuple(float(v)
+                                              for v in value) if key == "betas" else float(value)
         return out
 
 
@@ -350,39 +386,45 @@ class DeepSpeedAutoEPZero2Adapter(DeepSpeedAutoEPAdapter):
 
 
 class DeepSpeedAutoEPBf16Adapter(DeepSpeedAutoEPAdapter):
-    """AutoEP under ZeRO stage 1 in bf16: ``"bf16": {"enabled": true}``, DeepSpeed's default bf16 path.
+    """AutoEP under ZeRO stage 1 in bf16: ``"bf16": {"enabled": true}``, DeepSpeed's default bf16
+    path.
 
-    The bf16 parameters are this adapter's production precision: the engine casts the module's parameters to bf16
-    (``DeepSpeedEngine._configure_distributed_model``) and ``DeepSpeedZeroOptimizer`` keeps fp32 partitions of them
-    (its masters, ``single_partition_of_fp32_groups``) with fp32 Adam moments; each step copies the stepped fp32
-    partition back into the bf16 one.  ``spec.dtype == "float32"`` keeps naming the fp32 masters (as on
-    ``megatron-distopt``).  The canonical views hold the bf16 weight under the weight's name, the fp32 master as
-    ``<name>.master`` and the fp32 moments.  The grad-accum dtype is left at its default (the model's, bf16), which
-    gives ``DeepSpeedZeroOptimizer`` at stage 1 too; ``"data_types": {"grad_accum_dtype": "fp32"}`` would give
-    ``BF16_Optimizer`` instead (docs/frameworks/deepspeed.md).
+    The bf16 parameters are this adapter's production precision: the engine casts the module's
+    parameters to bf16 (``DeepSpeedEngine._configure_distributed_model``) and
+    ``DeepSpeedZeroOptimizer`` keeps fp32 partitions of them (its masters,
+    ``single_partition_of_fp32_groups``) with fp32 Adam moments; each step copies the stepped fp32
+    partition back into the bf16 one.  ``spec.dtype == "float32"`` keeps naming the fp32 masters (as
+    on ``megatron-distopt``).  The canonical views hold the bf16 weight under the weight's name, the
+    fp32 master as ``<name>.master`` and the fp32 moments.  The grad-accum dtype is left at its
+    default (the model's, bf16), which gives ``DeepSpeedZeroOptimizer`` at stage 1 too;
+    ``"data_types": {"grad_accum_dtype": "fp32"}`` would give ``BF16_Optimizer`` instead
+    (docs/frameworks/deepspeed.md).
 
-    The ground truth is the same computation at ep=1 without an engine: fp32 masters from ``bf16(w0)``, gradients
-    rounded to bf16, ``torch.optim.AdamW`` in fp32, bf16 weights cast from the masters (:func:`_truth`).  The
-    forward casts the batch to bf16 (:meth:`DeepSpeedAutoEPAdapter.forward`)."""
+    The ground truth is the same computation at ep=1 without an engine: fp32 masters from
+    ``bf16(w0)``, gradients rounded to bf16, ``torch.optim.AdamW`` in fp32, bf16 weights cast from
+    the masters (:func:`_truth`).  The forward casts the batch to bf16
+    (:meth:`DeepSpeedAutoEPAdapter.forward`)."""
 
     name = "deepspeed-autoep-bf16"
     bf16 = True
 
 
 class DeepSpeedAutoEPZero2Bf16Adapter(DeepSpeedAutoEPBf16Adapter):
-    """:class:`DeepSpeedAutoEPBf16Adapter` under ZeRO stage 2 (``DeepSpeedZeroOptimizer`` with gradients
-    partitioned too)."""
+    """:class:`DeepSpeedAutoEPBf16Adapter` under ZeRO stage 2 (``DeepSpeedZeroOptimizer`` with
+    gradients partitioned too)."""
 
     name = "deepspeed-autoep-zero2-bf16"
     zero_stage = 2
 
 
 class DeepSpeedAutoEPBf16Fp32AccumAdapter(DeepSpeedAutoEPBf16Adapter):
-    """:class:`DeepSpeedAutoEPBf16Adapter` with ``"data_types": {"grad_accum_dtype": "fp32"}``: at ZeRO stage 1
-    DeepSpeed then wraps the optimizer in ``BF16_Optimizer`` (``runtime/bf16_optimizer.py``; fp32 gradient
-    accumulation, fp32 masters in ``fp32_groups_flat_partition``) instead of ``DeepSpeedZeroOptimizer``
-    (``DeepSpeedEngine._do_optimizer_sanity_check``).  Same views, truth and steps as the bf16 adapter: the
-    gradients are still bf16 when autograd makes them, so fp32 accumulation of one micro-batch changes no value."""
+    """:class:`DeepSpeedAutoEPBf16Adapter` with ``"data_types": {"grad_accum_dtype": "fp32"}``: at
+    ZeRO stage 1 DeepSpeed then wraps the optimizer in ``BF16_Optimizer``
+    (``runtime/bf16_optimizer.py``; fp32 gradient accumulation, fp32 masters in
+    ``fp32_groups_flat_partition``) instead of ``DeepSpeedZeroOptimizer``
+    (``DeepSpeedEngine._do_optimizer_sanity_check``).  Same views, truth and steps as the bf16
+    adapter: the gradients are still bf16 when autograd makes them, so fp32 accumulation of one
+    micro-batch changes no value."""
 
     name = "deepspeed-autoep-bf16-fp32accum"
     grad_accum_dtype = "fp32"
@@ -390,11 +432,12 @@ class DeepSpeedAutoEPBf16Fp32AccumAdapter(DeepSpeedAutoEPBf16Adapter):
 
 
 class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
-    """AutoEP under ZeRO-1 loaded the way a user who skips the conversion does: ``load_checkpoint`` at
-    every EP degree.  DeepSpeed 0.19.8 neither refuses nor converts: at another degree the module's
-    expert weights come back right (from the per-global-expert files) while the experts' fp32 masters
-    and Adam moments come from ZeRO partitions of the saved layout -- other values, silently, and the
-    next step writes the wrong masters into the model.  The matrix's negative control on this path."""
+    """AutoEP under ZeRO-1 loaded the way a user who skips the conversion does: ``load_checkpoint``
+    at every EP degree.  DeepSpeed 0.19.8 neither refuses nor converts: at another degree the
+    module's expert weights come back right (from the per-global-expert files) while the experts'
+    fp32 masters and Adam moments come from ZeRO partitions of the saved layout -- other values,
+    silently, and the next step writes the wrong masters into the model.  The matrix's negative
+    control on this path."""
 
     name = "deepspeed-autoep-noconvert"
 
@@ -402,7 +445,8 @@ class DeepSpeedAutoEPNoConversionAdapter(DeepSpeedAutoEPAdapter):
         loaded, _ = model.load_checkpoint(path, load_optimizer_states=optimizer is not None,
                                           load_lr_scheduler_states=False)
         if loaded is None:
-            raise FrameworkRefusal(f"DeepSpeed engine.load_checkpoint found no checkpoint in {path}")
+            raise FrameworkRefusal("DeepSpeed engine.load_checkpoint found no checkpoint in "
+                                   f"{path}")
 
 
 class DeepSpeedAutoEPDeepseekV3Adapter(DeepSpeedAutoEPAdapter):
@@ -427,10 +471,11 @@ class DeepSpeedAutoEPDeepseekV3Adapter(DeepSpeedAutoEPAdapter):
 
 
 # -- helpers of the canonical views ----------------------------------------------------------------
-def _views(name: str, p: Any, optimizer: Any, engine: bool, bf16: bool = False) -> Iterator[tuple[str, Any]]:
-    """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments.  The ground truth's
-    parameter is the master; under ``bf16`` its module parameter is the master cast to bf16 (what
-    ``DeepSpeedZeroOptimizer.step`` copies into the engine's bf16 partition)."""
+def _views(name: str, p: Any, optimizer: Any, engine: bool,
+           bf16: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(canonical name, tensor)``: the module parameter, its fp32 master and its moments.  The
+    ground truth's parameter is the master; under ``bf16`` its module parameter is the master cast
+    to bf16 (what ``DeepSpeedZeroOptimizer.step`` copies into the engine's bf16 partition)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     yield name, p.detach().bfloat16() if bf16 and not engine else p.detach()
@@ -453,7 +498,8 @@ def _groups(optimizer: Any) -> dict[str, dict[str, Any]]:
     """The dense and the expert param group of the torch optimizer, by kind."""
     if optimizer is None:
         return {}
-    return {("expert" if group.get("moe") else "dense"): group for group in _inner(optimizer).param_groups}
+    return {("expert" if group.get("moe") else "dense"): group
+            for group in _inner(optimizer).param_groups}
 
 
 def _steps(optimizer: Any) -> dict[str, Any]:

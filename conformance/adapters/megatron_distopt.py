@@ -138,7 +138,11 @@ def distopt_on_cpu() -> Iterator[None]:
 # -- the model, gradients and the optimizer's state ------------------------------------------------------------
 def _wrap(stack: Any, view: Any) -> Any:
     """``stack`` in Megatron's ``DistributedDataParallel`` (distributed optimizer, fp32 gradient reduction)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, param_and_grad_buffer
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        param_and_grad_buffer,
+    )
 
     stack.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     with _patched([(param_and_grad_buffer, "torch", _CpuTorch())]):

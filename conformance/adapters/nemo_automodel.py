@@ -179,7 +179,9 @@ def _model_class() -> type:
     """
     import torch
     from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
+    from nemo_automodel.components.models.qwen3_moe.state_dict_adapter import (
+        Qwen3MoeStateDictAdapter,
+    )
     from nemo_automodel.components.moe.config import MoEConfig
     from nemo_automodel.components.moe.layers import MoE
     from torch import nn

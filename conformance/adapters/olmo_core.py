@@ -1,18 +1,17 @@
 """The built-in ``olmo_core`` and ``olmo_core-dropless`` adapters: OLMo-core 3.0.0 end to end.
 
-OLMo-core's own code throughout: ``MoEConfig.build`` layers (router, ``ParallelMLP`` over ``MoEMLP``, or
-``ParallelDroplessMLP`` over ``DroplessMoEMLP``, and the shared ``FeedForward``) as ``blocks.<i>``, with packed
-*flattened* expert weights (expert ``g`` is rows ``[g * rows, (g + 1) * rows)`` of ``w1``/``w2``/``w3``);
-``build_world_mesh`` with HSDP and ``ExpertParallelConfig(degree=ep)`` (EP on ``dp_shard``: consecutive groups,
-checked against the cell's ``mesh["ep"]``), ``get_ep_mesh`` and ``apply_ep``; FSDP as ``parallelize_model`` does
-it for MoE (``prepare_experts_for_fsdp``, ``fully_shard`` per block and root, fp32); ``AdamWConfig(lr).build``;
-``save_model_and_optim_state`` / ``load_model_and_optim_state`` (DCP).  Written on
-:class:`conformance.adapters.torch_native.TorchNativeAdapter`: ``identify`` names the flattened expert weights and
-the base derives the rest (a flat weight whose FSDP chunks end inside an expert is gathered, each rank reporting
-the experts it holds rows of, whole).  On CPU: ``parallel._WORLD_MESH`` is reset before each ``build_world_mesh``
-(one world mesh per process; each is cached), and there is no ``forward`` (its Triton kernels need a GPU).
-``uneven=True``: OLMo-core refuses ``E % ep != 0`` (``MoEMLPBase._shard_experts``), a ``refused`` cell.  What the
-matrix finds: docs/frameworks/olmo_core.md.
+OLMo-core's own code throughout: ``MoEConfig.build`` layers (router, ``ParallelMLP`` over ``MoEMLP``
+or ``ParallelDroplessMLP`` over ``DroplessMoEMLP``, the shared ``FeedForward``) as ``blocks.<i>``,
+experts packed, *flattened* (expert ``g``: rows ``[g * rows, (g + 1) * rows)`` of
+``w1``/``w2``/``w3``); ``build_world_mesh`` with HSDP and ``ExpertParallelConfig(degree=ep)`` (EP on
+``dp_shard``: consecutive groups, checked against the cell's ``mesh["ep"]``), ``get_ep_mesh`` and
+``apply_ep``; FSDP as ``parallelize_model`` applies it to MoE (``prepare_experts_for_fsdp``,
+``fully_shard`` per block and root, fp32); ``AdamWConfig(lr).build``; DCP through
+``save_model_and_optim_state`` / ``load_model_and_optim_state``.  On
+:mod:`conformance.adapters.torch_native`: ``identify`` names the flattened expert weights, the base
+derives the rest.  On CPU: ``parallel._WORLD_MESH`` is reset before each ``build_world_mesh`` (each
+is cached), and there is no ``forward`` (its Triton kernels need a GPU).  ``uneven=True``: OLMo-core
+refuses ``E % ep != 0``, a ``refused`` cell.  What the matrix finds: docs/frameworks/olmo_core.md.
 """
 
 from __future__ import annotations
@@ -31,14 +30,15 @@ class OlmoCoreAdapter(TorchNativeAdapter):
 
     name = "olmo_core"
     moe_type = "default"
-    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp", ep_orders=("consecutive",))
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True,
+                                max_ep=64, format="dcp", ep_orders=("consecutive",))
     preload = ("olmo_core.nn.moe", "olmo_core.distributed.checkpoint", "olmo_core.optim")
     distribution = "olmo_core"
 
     def build_model(self, spec: Spec, mesh: Any) -> Any:
         if (spec.kind, spec.activation) != ("packed", "swiglu"):
-            raise ValueError(f"OLMo-core's MoE experts are packed SwiGLU; cannot build {spec.kind} {spec.activation}")
+            raise ValueError(f"OLMo-core's MoE experts are packed SwiGLU; cannot build {spec.kind} "
+                             f"{spec.activation}")
         device = world_device(mesh)
         model = _build_model(spec, self.moe_type, device)
         if mesh is not None:
@@ -51,7 +51,7 @@ class OlmoCoreAdapter(TorchNativeAdapter):
         return AdamWConfig(lr=spec.lr).build(model)
 
     def identify(self, model: Any, fqn: str, param: Any) -> Param:
-        """``blocks.<i>.experts.mlp.<w>``: layer i's flattened expert weight ``w``; ``blocks.<i>.<rest>``: dense."""
+        """``blocks.<i>.experts.mlp.<w>``: layer i's flat expert weight ``w``; the rest: dense."""
         parts = fqn.split(".")
         if parts[:1] != ["blocks"]:
             return Param(None, fqn)
@@ -88,32 +88,34 @@ def _build_model(spec: Spec, moe_type: str, device: Any) -> Any:
     from olmo_core.nn.moe import MoEConfig, MoERouterConfig, MoEType
     from torch import nn
 
-    config = MoEConfig(name=MoEType(moe_type), num_experts=spec.num_experts, hidden_size=spec.hidden,
-                       router=MoERouterConfig(top_k=min(spec.top_k, spec.num_experts)),
-                       shared_mlp=FeedForwardConfig(hidden_size=spec.hidden, bias=False) if spec.shared_expert
-                       else None, dtype=DType(spec.dtype))
+    shared = FeedForwardConfig(hidden_size=spec.hidden, bias=False) if spec.shared_expert else None
+    router = MoERouterConfig(top_k=min(spec.top_k, spec.num_experts))
+    config = MoEConfig(name=MoEType(moe_type), num_experts=spec.num_experts, router=router,
+                       hidden_size=spec.hidden, shared_mlp=shared, dtype=DType(spec.dtype))
     if getattr(torch, spec.dtype) != config.dtype.as_pt():
         raise ValueError(f"OLMo-core's DType has no {spec.dtype!r}")
 
     model = nn.Module()
-    model.blocks = nn.ModuleDict({str(i): config.build(spec.dim, n_layers=spec.num_layers, init_device=device.type)
+    model.blocks = nn.ModuleDict({str(i): config.build(spec.dim, n_layers=spec.num_layers,
+                                                       init_device=device.type)
                                   for i in range(spec.num_layers)})
     return model.to(device)
 
 
 @functools.cache
 def _world_mesh(ep: int, fsdp: bool, device_type: str) -> Any:
-    """OLMo-core's world mesh for EP degree ``ep`` (HSDP with EP on ``dp_shard``; plain FSDP at ep=1)."""
+    """OLMo-core's world mesh at EP degree ``ep``: HSDP with EP on ``dp_shard`` (FSDP at ep=1)."""
     import torch.distributed as dist
     from olmo_core.distributed import parallel
-    from olmo_core.distributed.parallel import DataParallelConfig, DataParallelType, ExpertParallelConfig
 
-    parallel._WORLD_MESH = None  # workaround: OLMo-core allows one world mesh per process (see the docstring)
-    world = dist.get_world_size()
+    parallel._WORLD_MESH = None  # OLMo-core allows one world mesh per process; ours are cached
     if ep == 1:
-        return parallel.build_world_mesh(dp=DataParallelConfig(name=DataParallelType.fsdp), device_type=device_type)
-    dp = DataParallelConfig(name=DataParallelType.hsdp, num_replicas=world // ep, shard_degree=ep)
-    return parallel.build_world_mesh(dp=dp, ep=ExpertParallelConfig(degree=ep), device_type=device_type)
+        dp = parallel.DataParallelConfig(name=parallel.DataParallelType.fsdp)
+        return parallel.build_world_mesh(dp=dp, device_type=device_type)
+    dp = parallel.DataParallelConfig(name=parallel.DataParallelType.hsdp,
+                                     num_replicas=dist.get_world_size() // ep, shard_degree=ep)
+    return parallel.build_world_mesh(dp=dp, ep=parallel.ExpertParallelConfig(degree=ep),
+                                     device_type=device_type)
 
 
 def _parallelize(model: Any, mesh: Any, *, fsdp: bool, device_type: str) -> None:
@@ -131,15 +133,17 @@ def _parallelize(model: Any, mesh: Any, *, fsdp: bool, device_type: str) -> None
         framework = sorted(dist.get_process_group_ranks(ep_mesh.get_group()))
         suite = sorted(dist.get_process_group_ranks(mesh["ep"].get_group()))
         if framework != suite:
-            raise RuntimeError(f"OLMo-core's EP group for rank {dist.get_rank()} is ranks {framework} (its "
-                               f"dp_shard dim: consecutive ranks), but this cell's layout gives {suite}")
+            raise RuntimeError(
+                f"OLMo-core's EP group for rank {dist.get_rank()} is ranks {framework} (its "
+                f"dp_shard dim: consecutive ranks), but this cell's layout gives {suite}")
         for moe in model.blocks.values():
             moe.apply_ep(ep_mesh)
     if not fsdp:
         return
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
     for moe in model.blocks.values():
-        moe.prepare_experts_for_fsdp(world_mesh=world_mesh, mp_policy=policy, reshard_after_forward=ep == 1)
+        moe.prepare_experts_for_fsdp(world_mesh=world_mesh, mp_policy=policy,
+                                     reshard_after_forward=ep == 1)
     dp_mesh = get_dp_model_mesh(world_mesh)
     for moe in model.blocks.values():
         fully_shard(moe, mesh=dp_mesh, mp_policy=policy)

@@ -7,11 +7,12 @@ applicable cell of the matrix passes; the ``legacy`` adapter shows what happens 
 
 It builds on any :class:`conformance.layout.ParallelLayout` mesh: EP groups strided or consecutive
 (the EP rank is the ``ep`` coordinate), HSDP (``dp_replicate`` > 1 with FSDP) and expert tensor
-parallelism (``etp`` > 1: each expert weight a DTensor sharded on its hidden axis).  Packed layers save the packed form
-(``up_w`` ``[E, ...]``), unpacked ones the per-expert form (``experts.G.up.weight``), and each form loads into
-either kind, so it declares ``cross_kind``: a cross-kind cell checks a real translation between the forms.
-:class:`ReferencePerExpertAdapter` (``reference-per-expert``) saves packed layers per expert too, so both forms of
-a packed layer stay checked.
+parallelism (``etp`` > 1: each expert weight a DTensor sharded on its hidden axis).  Packed layers
+save the packed form (``up_w`` ``[E, ...]``), unpacked ones the per-expert form
+(``experts.G.up.weight``), and each form loads into either kind, so it declares ``cross_kind``: a
+cross-kind cell checks a real translation between the forms. :class:`ReferencePerExpertAdapter`
+(``reference-per-expert``) saves packed layers per expert too, so both forms of a packed layer stay
+checked.
 
 Canonical names are the same for both layer kinds (``up``, ``gate``, ``down`` and their Adam
 moments ``up.exp_avg`` ...), so a packed row and the unpacked expert it equals compare equal.
@@ -45,9 +46,10 @@ class ReferenceAdapter:
     name = "reference"
     version = "0.1.0"
     #: cross_kind: either checkpoint form loads into either kind (reference_impl.expert_layout).
-    capabilities = Capabilities(kinds=("packed", "unpacked", "fused"), optimizer=True, fsdp=True, uneven=True,
-                                max_ep=64, format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"),
-                                hsdp=True, etp=True, pp=(1, 2, 3), mtp=True)
+    capabilities = Capabilities(
+        kinds=("packed", "unpacked", "fused"), optimizer=True, fsdp=True, uneven=True,
+        max_ep=64, format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"),
+        hsdp=True, etp=True, pp=(1, 2, 3), mtp=True)
     #: the row order of a fused layer's gate/up weight (reference_impl.model.FUSED_ORDERS).
     fused_order = "concatenated"
     #: the expert bias's step per optimizer step (DeepSeek-V3's update speed).
@@ -58,19 +60,28 @@ class ReferenceAdapter:
         import torch
 
         from reference_impl.meshes import sliced
-        from reference_impl.moe import MoEConfig, apply_expert_parallel, apply_fsdp, apply_pipeline, build_model
+        from reference_impl.moe import (
+            MoEConfig,
+            apply_expert_parallel,
+            apply_fsdp,
+            apply_pipeline,
+            build_model,
+        )
 
-        # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside its Literal
+        # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside
+        # its Literal
         config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden,
                            kind=cast(Literal["packed", "unpacked", "fused"], spec.kind),
                            activation=cast(Literal["swiglu", "gelu"], spec.activation),
                            top_k=min(spec.top_k, spec.num_experts),
                            shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype),
-                           fused_order=cast(Literal["concatenated", "interleaved"], self.fused_order),
+                           fused_order=cast(Literal["concatenated", "interleaved"],
+                                            self.fused_order),
                            expert_bias=True, mtp_layers=spec.mtp_layers)
         model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
-            if "pp" in (mesh.mesh_dim_names or ()):  # this rank's stage first: its layers keep their global names
+            # this rank's stage first: its layers keep their global names
+            if "pp" in (mesh.mesh_dim_names or ()):
                 pp_mesh: Any = sliced(mesh, ("pp",))
                 apply_pipeline(model, pp_mesh.size(), pp_mesh.get_local_rank())
                 model.pp_mesh = pp_mesh
@@ -84,14 +95,16 @@ class ReferenceAdapter:
         return model, optimizer
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        """One AdamW step on :func:`conformance.synthetic_grad` gradients for step index ``step``, and
-        one expert-bias step on :func:`conformance.synthetic_load` loads (DeepSeek-V3's rule)."""
+        """One AdamW step on :func:`conformance.synthetic_grad` gradients for step index ``step``,
+        and one expert-bias step on :func:`conformance.synthetic_load` loads (DeepSeek-V3's
+        rule)."""
         from reference_impl.moe import moe_layers, update_expert_bias
 
         self._set_grads(model, seed, step)
         for _, moe in moe_layers(model):
             if moe.router.has_expert_bias:
-                moe.router.tokens_per_expert.copy_(synthetic_load(seed, step, moe.layer, moe.num_experts))
+                moe.router.tokens_per_expert.copy_(
+                    synthetic_load(seed, step, moe.layer, moe.num_experts))
         optimizer.step()
         update_expert_bias(model, self.bias_rate)
         optimizer.zero_grad(set_to_none=True)
@@ -101,8 +114,9 @@ class ReferenceAdapter:
         return torch_optimizer_scalars(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
-        """The model's forward on ``batch``, without autograd, stage by stage under pipeline parallelism (every rank
-        returns the last stage's output); FSDP2's parameters resharded after it."""
+        """The model's forward on ``batch``, without autograd, stage by stage under pipeline
+        parallelism (every rank returns the last stage's output); FSDP2's parameters resharded after
+        it."""
         import torch
         from torch.distributed.fsdp import FSDPModule
 
@@ -115,13 +129,14 @@ class ReferenceAdapter:
             if pp_mesh is None:
                 outputs = model(batch, with_mtp=True)
             else:
-                outputs = pipeline_outputs(lambda h: model(h, batch, with_mtp=True), batch, pp_mesh.get_group(),
-                                           model.stage, 1 + depths)
+                outputs = pipeline_outputs(lambda h: model(h, batch, with_mtp=True), batch,
+                                           pp_mesh.get_group(), model.stage, 1 + depths)
         if isinstance(model, FSDPModule):
             model.reshard()
         if not depths:
             return outputs[0]
-        return {FORWARD_OUTPUT: outputs[0], **{f"mtp.{i}": out for i, out in enumerate(outputs[1:])}}
+        return {FORWARD_OUTPUT: outputs[0],
+                **{f"mtp.{i}": out for i, out in enumerate(outputs[1:])}}
 
     @staticmethod
     def _set_grads(model: Any, seed: int, step: int) -> None:
@@ -133,21 +148,26 @@ class ReferenceAdapter:
         layers = _layer_index(model)
         for piece in global_regions(model):
             layer, expert, name = _identify(piece.name, layers)
-            if piece.fused_order is not None:  # gate and up rows drawn as their packed weights', in its frame
+            # gate and up rows drawn as their packed weights', in its frame
+            if piece.fused_order is not None:
                 grad = _fused_grad(piece, seed, step, layer)
-            elif piece.experts is not None:  # packed: one block per expert, as its unpacked weight gets, drawn
-                rows, inner = piece.region[0], (slice(None), *piece.region[1:])  # for the rows held only
-                grad = synthetic_grad_rows(seed, step, layer, range(rows.start, rows.stop), name[:-2],
-                                           piece.global_shape[1:])[inner]
+            # packed: one block per expert, as its unpacked weight gets, drawn
+            elif piece.experts is not None:
+                # for the rows held only
+                rows, inner = piece.region[0], (slice(None), *piece.region[1:])
+                grad = synthetic_grad_rows(seed, step, layer, range(rows.start, rows.stop),
+                                           name[:-2], piece.global_shape[1:])[inner]
             else:
-                grad = synthetic_grad(seed, step, layer, expert, name, piece.global_shape)[piece.region]
-            # synthetic_grad(_rows) hands out a new tensor: copied again only to move, convert or pack a cut of it
+                grad = synthetic_grad(seed, step, layer, expert, name,
+                                      piece.global_shape)[piece.region]
+            # synthetic_grad(_rows) hands out a new tensor: copied again only to move, convert or
+            # pack a cut of it
             grad = grad.to(device=piece.local.device, dtype=piece.param.dtype)
             grad = grad.reshape(local_region(piece.param)[0].shape).contiguous()
             p = piece.param
             if isinstance(p, DTensor):
-                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
             p.grad = grad
 
     # -- checkpoint path ---------------------------------------------------------------------------
@@ -169,7 +189,8 @@ class ReferenceAdapter:
 
         from reference_impl.expert_layout import check_saved_experts
 
-        check_saved_experts(model, FileSystemReader(path).read_metadata().state_dict_metadata, where=path)
+        check_saved_experts(model, FileSystemReader(path).read_metadata().state_dict_metadata,
+                            where=path)
 
     def save_legacy(self, model: Any, optimizer: Any, path: str) -> None:
         from reference_impl.checkpoint import save_legacy
@@ -178,9 +199,10 @@ class ReferenceAdapter:
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry | ExpertBlock]:
-        """Each expert's weight and moments as the checkpoint holds them: whole tensors, or DTensors whose
-        local shard and region the harness compares (FSDP's shards, expert tensor parallelism's shards); a packed
-        weight and each moment as one :class:`~conformance.adapter.ExpertBlock` of its rows."""
+        """Each expert's weight and moments as the checkpoint holds them: whole tensors, or DTensors
+        whose local shard and region the harness compares (FSDP's shards, expert tensor
+        parallelism's shards); a packed weight and each moment as one
+        :class:`~conformance.adapter.ExpertBlock` of its rows."""
         from reference_impl.moe import moe_layers
 
         state = optimizer.state if optimizer is not None else {}
@@ -195,7 +217,8 @@ class ReferenceAdapter:
                         g = moe.local_expert_start + i
                         yield from with_moments(layer, [(g, weight)], linear, state, weight,
                                                 rows=partial(_one_row, g))
-                else:  # one block per packed weight and moment: its rows are experts local_expert_start on
+                # one block per packed weight and moment: its rows are experts local_expert_start on
+                else:
                     weight = getattr(moe, f"{linear}_w")
                     yield ExpertBlock(layer, moe.local_expert_start, linear, weight)
                     for moment in ADAM_MOMENTS:
@@ -203,7 +226,8 @@ class ReferenceAdapter:
                             yield ExpertBlock(layer, moe.local_expert_start, f"{linear}.{moment}",
                                               state[weight][moment])
 
-    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+    def other_tensors(self, model: Any,
+                      optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         from reference_impl.moe import moe_layers, named_parameters
 
         expert_params = set()
@@ -225,35 +249,40 @@ class ReferenceAdapter:
 
 
 class ReferencePerExpertAdapter(ReferenceAdapter):
-    """The reference with packed layers saved in the per-expert form, as Hugging Face and Megatron checkpoints hold
-    experts (one DCP item per expert, weight and moment): every applicable cell passes, as the reference's do."""
+    """The reference with packed layers saved in the per-expert form, as Hugging Face and Megatron
+    checkpoints hold experts (one DCP item per expert, weight and moment): every applicable cell
+    passes, as the reference's do."""
 
     name = "reference-per-expert"
     per_expert = True
 
 
 def _linears(moe: Any) -> tuple[str, ...]:
-    """The packed or unpacked weights of ``moe`` (a fused layer's gate and up are :func:`_fused_blocks`')."""
+    """The packed or unpacked weights of ``moe`` (a fused layer's gate and up are
+    :func:`_fused_blocks`')."""
     if moe.kind == "fused":
         return ("down",)
     return ("gate", "up", "down") if moe.activation == "swiglu" else ("up", "down")
 
 
 def _fused_blocks(moe: Any, state: Any) -> Iterator[ExpertBlock]:
-    """A fused layer's gate and up halves, and each moment's, as the blocks a packed layer's weights are."""
+    """A fused layer's gate and up halves, and each moment's, as the blocks a packed layer's weights
+    are."""
     from reference_impl.fused import fused_halves
 
     weight = moe.gate_up_w
-    tensors = [("", weight)] + [(f".{m}", state[weight][m]) for m in ADAM_MOMENTS if m in state.get(weight, {})]
+    tensors = [("", weight)] + [(f".{m}", state[weight][m]) for m in ADAM_MOMENTS
+                                if m in state.get(weight, {})]
     for suffix, tensor in tensors:
-        gate, up = fused_halves(tensor, moe.fused_order, where=f"layer {moe.layer}'s gate_up_w{suffix}")
+        gate, up = fused_halves(tensor, moe.fused_order,
+                                where=f"layer {moe.layer}'s gate_up_w{suffix}")
         yield ExpertBlock(moe.layer, moe.local_expert_start, f"gate{suffix}", gate)
         yield ExpertBlock(moe.layer, moe.local_expert_start, f"up{suffix}", up)
 
 
 def _fused_grad(piece: Any, seed: int, step: int, layer: int | None) -> Any:
-    """A fused weight's gradient for the region this rank holds, in its frame: each expert's gate and up
-    rows as its packed ``gate_w`` and ``up_w`` get them."""
+    """A fused weight's gradient for the region this rank holds, in its frame: each expert's gate
+    and up rows as its packed ``gate_w`` and ``up_w`` get them."""
     import torch
 
     from reference_impl.model import HALF_AXIS

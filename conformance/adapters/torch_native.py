@@ -47,11 +47,19 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import ADAM_MOMENTS, FrameworkRefusal, Spec, TensorEntry, local_region, run_steps
+from conformance.adapter import (
+    ADAM_MOMENTS,
+    FrameworkRefusal,
+    Spec,
+    TensorEntry,
+    local_region,
+    run_steps,
+)
 from conformance.scalars import optimizer_state, optimizers_of, torch_optimizer_scalars
 from conformance.synthetic import synthetic_grad, synthetic_weight
 
-#: ``make(layer, expert, name, shape) -> tensor``: the synthetic value of one tensor by global identity.
+#: ``make(layer, expert, name, shape) -> tensor``: the synthetic value of one tensor by global
+#: identity.
 Make = Callable[[Any, Any, str, tuple[int, ...]], Any]
 
 
@@ -64,18 +72,22 @@ class Param:
     experts: str = "none"
     #: ``experts="one"``: the global id of the expert it is.
     expert: int | None = None
-    #: ``"packed"`` / ``"flat"`` as a plain tensor holding one rank's chunk: the global id of its first expert.
+    #: ``"packed"`` / ``"flat"`` as a plain tensor holding one rank's chunk: the global id of its
+    #: first expert.
     first: int | None = None
-    #: ``"packed"`` as a plain tensor split by Shard(0)'s chunk rule: ``(this rank's place on ep, ep)``.
+    #: ``"packed"`` as a plain tensor split by Shard(0)'s chunk rule:
+    #: ``(this rank's place on ep, ep)``.
     ep_place: tuple[int, int] | None = None
     #: ``"packed"`` / ``"flat"``: the global expert count E.
     num_experts: int | None = None
 
     def __post_init__(self) -> None:
         if self.experts not in ("none", "one", "packed", "flat"):
-            raise ValueError(f"Param {self.name!r}: experts={self.experts!r}; expected none, one, packed or flat")
+            raise ValueError(f"Param {self.name!r}: experts={self.experts!r}; expected none, one, "
+                             "packed or flat")
         if self.experts == "one" and self.expert is None:
-            raise ValueError(f"Param {self.name!r}: experts='one' needs the expert's global id (expert=)")
+            raise ValueError(f"Param {self.name!r}: experts='one' needs the expert's global id "
+                             "(expert=)")
         if self.experts in ("packed", "flat") and not self.num_experts:
             raise ValueError(f"Param {self.name!r}: experts={self.experts!r} needs num_experts=E")
 
@@ -87,9 +99,9 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def chunk_first(where: Param, rows: int) -> int | None:
-    """The first global expert of a plain chunk of ``rows`` rows: ``where.first``, or from ``where.ep_place`` by
-    the layout rule (all ``E`` rows are the whole axis, from expert 0), refused when the framework gave this rank
-    rows that rule has no room for."""
+    """The first global expert of a plain chunk of ``rows`` rows: ``where.first``, or from
+    ``where.ep_place`` by the layout rule (all ``E`` rows are the whole axis, from expert 0),
+    refused when the framework gave this rank rows that rule has no room for."""
     from reference_impl.layout import expert_range
 
     if where.ep_place is None:
@@ -97,15 +109,17 @@ def chunk_first(where: Param, rows: int) -> int | None:
     rank, ep = where.ep_place
     start, end = expert_range(int(where.num_experts or 0), ep, rank)
     if rows != end - start and rows != where.num_experts:
-        raise FrameworkRefusal(f"{where.name!r} of layer {where.layer}: ep rank {rank} of {ep} holds a plain expert "
-                               f"tensor of {rows} rows where Shard(0)'s chunk rule (ceil(E/ep) per rank) gives it "
-                               f"experts [{start}, {end}) of E={where.num_experts}: the framework's split cannot "
-                               f"hold E={where.num_experts} at ep={ep}")
+        raise FrameworkRefusal(
+            f"{where.name!r} of layer {where.layer}: ep rank {rank} of {ep} holds a plain expert "
+            f"tensor of {rows} rows where Shard(0)'s chunk rule (ceil(E/ep) per rank) gives it "
+            f"experts [{start}, {end}) of E={where.num_experts}: the framework's split cannot "
+            f"hold E={where.num_experts} at ep={ep}")
     return 0 if rows == where.num_experts else start
 
 
 def placed(tensor: Any, where: Param) -> tuple[Any, tuple[slice, ...], tuple[int, ...]]:
-    """``(local data, its region of the global tensor, the global shape)`` of a parameter or moment."""
+    """``(local data, its region of the global tensor, the global shape)`` of a parameter or
+    moment."""
     local, region = local_region(tensor)
     if region is not None:
         return local, region, tuple(tensor.shape)
@@ -115,11 +129,13 @@ def placed(tensor: Any, where: Param) -> tuple[Any, tuple[slice, ...], tuple[int
     if where.experts == "packed" and where.first is not None:
         full = (int(where.num_experts or 0), *shape[1:])
         if where.first + shape[0] > full[0]:
-            raise ValueError(f"{where.name!r} of layer {where.layer}: {shape[0]} expert rows from global expert "
-                             f"{where.first} run past E={full[0]}")
-        return local, (slice(where.first, where.first + shape[0]), *(slice(0, n) for n in shape[1:])), full
+            raise ValueError(f"{where.name!r} of layer {where.layer}: {shape[0]} expert rows from "
+                             f"global expert {where.first} run past E={full[0]}")
+        return local, (slice(where.first, where.first + shape[0]),
+                       *(slice(0, n) for n in shape[1:])), full
     if where.experts == "flat" and where.first is not None:
-        raise ValueError(f"{where.name!r} of layer {where.layer}: a plain flat tensor holding one rank's chunk does "
+        raise ValueError(f"{where.name!r} of layer {where.layer}: a plain flat tensor holding one "
+                         "rank's chunk does "
                          "not say its rows per expert; make it a DTensor, or name it packed")
     return local, tuple(slice(0, n) for n in shape), shape
 
@@ -140,8 +156,9 @@ def synthetic_full(where: Param, shape: tuple[int, ...], make: Make) -> Any:
 
 
 def _flat_rows(tensor: Any, where: Param) -> Iterator[tuple[int, Any]]:
-    """``(global expert, whole per-expert block)`` of a flat weight on this rank; gathered where FSDP's chunks
-    end inside an expert (decided from the placements alone, so every rank takes the same branch)."""
+    """``(global expert, whole per-expert block)`` of a flat weight on this rank; gathered where
+    FSDP's chunks end inside an expert (decided from the placements alone, so every rank takes the
+    same branch)."""
     import itertools
 
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -149,14 +166,16 @@ def _flat_rows(tensor: Any, where: Param) -> Iterator[tuple[int, Any]]:
     local, region, shape = placed(tensor, where)
     rows = shape[0] // int(where.num_experts or 1)
     if any(r.start != 0 or r.stop != n for r, n in zip(region[1:], shape[1:], strict=True)):
-        raise NotImplementedError(f"{where.name!r} of layer {where.layer}: this rank holds {region} of a {shape} "
-                                  "flat expert tensor: a split of its other dims")
+        raise NotImplementedError(f"{where.name!r} of layer {where.layer}: this rank holds "
+                                  f"{region} of a {shape} flat expert tensor: a split of its other "
+                                  "dims")
     first, stop = region[0].start, region[0].stop
     cut = _is_dtensor(tensor) and any(
         offset[0] % rows or size[0] % rows
         for coordinate in itertools.product(*(range(n) for n in tensor.device_mesh.shape))
-        for size, offset in [_compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh.shape,
-                                                                    list(coordinate), tensor.placements)])
+        for size, offset
+        in [_compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh.shape,
+                                                   list(coordinate), tensor.placements)])
     if cut:
         whole = tensor.full_tensor()
         for g in range(first // rows, -(-stop // rows) if stop > first else first // rows):
@@ -179,7 +198,8 @@ def expert_rows(tensor: Any, where: Param) -> list[tuple[int, Any]]:
 
 
 class TorchNativeAdapter:
-    """The derived members of a torch-native trainer's adapter (see the module docstring for what to give)."""
+    """The derived members of a torch-native trainer's adapter (see the module docstring for what to
+    give)."""
 
     moments: tuple[str, ...] = ADAM_MOMENTS
     #: the module the framework installs (``"torchtitan"``): ``version`` is its distribution's.
@@ -241,7 +261,9 @@ class TorchNativeAdapter:
 
         model = self.build_model(spec, mesh)
         with torch.no_grad():
-            self.fill(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
+            self.fill(model,
+                      lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name,
+                                                                          shape))
         if spec.optimizer_steps <= 0:
             return model, None
         optimizer = self.build_optimizer(spec, model)
@@ -278,7 +300,8 @@ class TorchNativeAdapter:
         every buffer named in :attr:`synthetic_buffers` := ``make``'s whole tensor."""
         for p, where in self.params(model):
             local, region, shape = placed(p, where)
-            local.copy_(synthetic_full(where, shape, make)[region].to(device=local.device, dtype=local.dtype))
+            local.copy_(synthetic_full(where, shape,
+                                       make)[region].to(device=local.device, dtype=local.dtype))
         for buffer, where in self.buffers(model):
             if where.name.rsplit(".", 1)[-1] in self.synthetic_buffers:
                 value = make(where.layer, None, where.name, tuple(buffer.shape))
@@ -289,12 +312,13 @@ class TorchNativeAdapter:
 
         for p, where in self.params(model):
             local, region, shape = placed(p, where)
-            full = synthetic_full(where, shape, lambda layer, g, name, s: synthetic_grad(seed, step, layer, g, name,
-                                                                                          s))
+            full = synthetic_full(where, shape,
+                                  lambda layer, g, name, s: synthetic_grad(seed, step, layer, g,
+                                                                           name, s))
             grad = full[region].to(device=local.device, dtype=local.dtype).contiguous()
             if isinstance(p, DTensor):
-                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
             p.grad = grad
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int,
@@ -314,8 +338,9 @@ class TorchNativeAdapter:
         for p, where in self.params(model):
             if where.experts == "none":
                 continue
-            for name, tensor in {where.name: p, **{f"{where.name}.{m}": state[p][m] for m in self.moments
-                                                   if m in state.get(p, {})}}.items():
+            for name, tensor in {where.name: p,
+                                 **{f"{where.name}.{m}": state[p][m] for m in self.moments
+                                    if m in state.get(p, {})}}.items():
                 for g, row in expert_rows(tensor, where):
                     yield TensorEntry(where.layer, g, name, row)
 
@@ -361,7 +386,8 @@ def _holds(container: Any, obj: Any) -> bool:
 
 
 def reshard(model: Any) -> None:
-    """Every FSDP2 module of ``model`` back to its sharded parameters (after a forward outside training)."""
+    """Every FSDP2 module of ``model`` back to its sharded parameters (after a forward outside
+    training)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -369,5 +395,5 @@ def reshard(model: Any) -> None:
             module.reshard()
 
 
-__all__ = ["Make", "Param", "TorchNativeAdapter", "chunk_first", "expert_rows", "optimizer_state", "optimizers_of",
-           "placed", "reshard", "synthetic_full"]
+__all__ = ["Make", "Param", "TorchNativeAdapter", "chunk_first", "expert_rows", "optimizer_state",
+           "optimizers_of", "placed", "reshard", "synthetic_full"]

@@ -1,29 +1,33 @@
-"""The built-in ``transformers`` adapter: Hugging Face transformers 5.24.0's native expert parallelism end to end.
+"""The built-in ``transformers`` adapter: Hugging Face transformers 5.24.0's native expert
+parallelism end to end.
 
-It drives transformers' own code (nothing of the EP split or of the checkpoint is re-implemented): a tiny
-``Qwen3MoeForCausalLM`` from a ``Qwen3MoeConfig`` object (no hub download; packed SwiGLU experts, no shared
-expert) made by ``from_pretrained(None, config=..., state_dict={}, distributed_config=...)`` -- the one entry
-that takes ``distributed_config`` -- with ``DistributedConfig(dp_replicate_size=R, fsdp_size=ep * dp_shard,
-ep_size=ep, ep_implementation="all_to_all")`` (its own meshes, EP groups of consecutive ranks, its
+It drives transformers' own code (nothing of the EP split or of the checkpoint is re-implemented): a
+tiny ``Qwen3MoeForCausalLM`` from a ``Qwen3MoeConfig`` object (no hub download; packed SwiGLU
+experts, no shared expert) made by ``from_pretrained(None, config=..., state_dict={},
+distributed_config=...)`` -- the one entry that takes ``distributed_config`` -- with
+``DistributedConfig(dp_replicate_size=R, fsdp_size=ep * dp_shard, ep_size=ep,
+ep_implementation="all_to_all")`` (its own meshes, EP groups of consecutive ranks, its
 ``base_model_ep_plan``, then FSDP2/HSDP), then filled with synthetic weights by global expert id;
-``torch.optim.AdamW`` (what the Trainer builds); ``save_pretrained(path, distributed_checkpoint=True)`` and
-``save_optimizer_distributed``; ``_load_model_checkpoint_distributed`` (what ``from_pretrained(path,
-distributed_config=...)`` runs on a sharded checkpoint, here into the built model, since the contract loads in
-place) and ``load_optimizer_distributed``; and ``model(inputs_embeds=batch).logits`` as the forward.
+``torch.optim.AdamW`` (what the Trainer builds); ``save_pretrained(path,
+distributed_checkpoint=True)`` and ``save_optimizer_distributed``;
+``_load_model_checkpoint_distributed`` (what ``from_pretrained(path, distributed_config=...)`` runs
+on a sharded checkpoint, here into the built model, since the contract loads in place) and
+``load_optimizer_distributed``; and ``model(inputs_embeds=batch).logits`` as the forward.
 
 Workarounds (none changes what is checked):
 
-* The truth checkpoint is an ep=1 save without FSDP; transformers' distributed save needs an FSDP- or
-  TP-sharded model, so every build with a mesh composes FSDP2 -- at ep=1 ``DistributedConfig(fsdp_size=world)``,
-  which stores the same global tensors.
-* transformers' per-build load report and progress bar are silenced (``logging.set_verbosity_error``).
-* The forward is the root module's: FSDP2 refuses a forward of the inner ``model.model``, which is not a module
-  it wraps (several roots).
-* transformers forms its own meshes in every build (``init_device_mesh``), and they are the ones checked: the
-  suite's meshes are not substituted.  Within one rank process a second build of the same shape reuses the
-  mesh the first one formed (:func:`_reused_meshes`), as one training script forms it once: the same world,
-  shape and names give the same groups, and without it every build added process groups (each with its gloo
-  threads) until a full tier ran ~250 threads per rank.
+* The truth checkpoint is an ep=1 save without FSDP; transformers' distributed save needs an FSDP-
+  or TP-sharded model, so every build with a mesh composes FSDP2 -- at ep=1
+  ``DistributedConfig(fsdp_size=world)``, which stores the same global tensors.
+* transformers' per-build load report and progress bar are silenced
+  (``logging.set_verbosity_error``).
+* The forward is the root module's: FSDP2 refuses a forward of the inner ``model.model``, which is
+  not a module it wraps (several roots).
+* transformers forms its own meshes in every build (``init_device_mesh``), and they are the ones
+  checked: the suite's meshes are not substituted.  Within one rank process a second build of the
+  same shape reuses the mesh the first one formed (:func:`_reused_meshes`), as one training script
+  forms it once: the same world, shape and names give the same groups, and without it every build
+  added process groups (each with its gloo threads) until a full tier ran ~250 threads per rank.
 
 What the matrix finds: docs/frameworks/transformers.md.
 """
@@ -61,15 +65,16 @@ VOCAB = 32
 
 
 class TransformersAdapter:
-    """transformers 5.24.0: ``DistributedConfig`` EP + FSDP2, ``save_pretrained(distributed_checkpoint=True)``."""
+    """transformers 5.24.0: ``DistributedConfig`` EP + FSDP2,
+    ``save_pretrained(distributed_checkpoint=True)``."""
 
     name = "transformers"
     version = installed_version("transformers") or "5.24.0"
-    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="hf-safetensors-dcp", ep_orders=("consecutive",), hsdp=True,
-                                ep_only=False)
-    preload = ("transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.distributed.checkpoint",
-               "transformers.distributed.expert_parallel")
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True,
+                                max_ep=64, format="hf-safetensors-dcp", ep_orders=("consecutive",),
+                                hsdp=True, ep_only=False)
+    preload = ("transformers.models.qwen3_moe.modeling_qwen3_moe",
+               "transformers.distributed.checkpoint", "transformers.distributed.expert_parallel")
 
     #: the transformers class built, and the last part of the names of the buffers that are state
     #: the way weights are (an expert bias): ``build`` gives them synthetic values
@@ -102,7 +107,8 @@ class TransformersAdapter:
             kwargs["distributed_config"] = _distributed_config(spec)
         with _reused_meshes():
             model = getattr(transformers, self.model_class).from_pretrained(None, **kwargs)
-        _fill(model, lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
+        _fill(model,
+              lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
         _fill_buffers(model, self.synthetic_buffers,
                       lambda layer, name, shape: synthetic_weight(seed, layer, None, name, shape,
                                                                   scale=self.buffer_scale))
@@ -113,7 +119,8 @@ class TransformersAdapter:
         return model, optimizer
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        _fill(model, lambda layer, expert, name, shape: synthetic_grad(seed, step, layer, expert, name, shape),
+        _fill(model, lambda layer, expert, name, shape: synthetic_grad(seed, step, layer, expert,
+                                                                       name, shape),
               grad=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -141,15 +148,20 @@ class TransformersAdapter:
             save_optimizer_distributed(model, optimizer, os.path.join(path, OPTIM_DIR))
 
     def load(self, model: Any, optimizer: Any, path: str) -> None:
-        # _load_model_checkpoint_distributed is transformers 5.24's (the adapter's target); the venv's 5.18 lacks it
-        from transformers.distributed import _load_model_checkpoint_distributed, load_optimizer_distributed  # type: ignore[attr-defined]
+        # _load_model_checkpoint_distributed is transformers 5.24's (the adapter's target); the
+        # venv's 5.18 lacks it
+        from transformers.distributed import (  # type: ignore[attr-defined]
+            _load_model_checkpoint_distributed,
+            load_optimizer_distributed,
+        )
 
         _load_model_checkpoint_distributed(model, path)
         if optimizer is not None:
             load_optimizer_distributed(model, optimizer, os.path.join(path, OPTIM_DIR))
 
     def read_checkpoint(self, path: str) -> dict[str, Any]:
-        """The model's safetensors shards and the optimizer's DCP files, in global form (no process group)."""
+        """The model's safetensors shards and the optimizer's DCP files, in global form (no process
+        group)."""
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
@@ -178,7 +190,8 @@ class TransformersAdapter:
                     for label, view in _views(weight_name, local[i]):
                         yield layer, first + i, f"{label}{suffix}", view
 
-    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+    def other_tensors(self, model: Any,
+                      optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
         """Every other parameter and its moments by name, and every persistent floating-point buffer
         (an expert bias: whole on every rank, as FSDP2 leaves buffers)."""
         state = optimizer.state if optimizer is not None else {}
@@ -202,8 +215,9 @@ _MESHES: dict[str, Any] = {}
 
 @contextlib.contextmanager
 def _reused_meshes() -> Iterator[None]:
-    """``torch.distributed.init_device_mesh`` (which transformers calls) answered once per distinct arguments in
-    this process; re-flattening a reused mesh under the same name is a no-op in torch."""
+    """``torch.distributed.init_device_mesh`` (which transformers calls) answered once per distinct
+    arguments in this process; re-flattening a reused mesh under the same name is a no-op in
+    torch."""
     import torch.distributed as dist
 
     original = dist.init_device_mesh
@@ -222,32 +236,37 @@ def _reused_meshes() -> Iterator[None]:
 
 
 def _config(spec: Spec) -> Any:
-    """A tiny Qwen3-MoE at the suite's sizes: every layer sparse, no router aux loss, untied head."""
+    """A tiny Qwen3-MoE at the suite's sizes: every layer sparse, no router aux loss, untied
+    head."""
     from transformers import Qwen3MoeConfig
 
     heads = 2
-    # head_dim is a Qwen3MoeConfig field in transformers 5.24 (the adapter's target), not in the venv's 5.18
+    # head_dim is a Qwen3MoeConfig field in transformers 5.24 (the adapter's target), not in the
+    # venv's 5.18
     return Qwen3MoeConfig(  # type: ignore[call-arg]
-        vocab_size=VOCAB, hidden_size=spec.dim, intermediate_size=spec.hidden, moe_intermediate_size=spec.hidden,
-        num_hidden_layers=spec.num_layers, num_attention_heads=heads, num_key_value_heads=1,
-        head_dim=spec.dim // heads, num_experts=spec.num_experts,
-        num_experts_per_tok=min(spec.top_k, spec.num_experts), decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=False, output_router_logits=False, router_aux_loss_coef=0.0, tie_word_embeddings=False,
-        max_position_embeddings=64, hidden_act="silu", attention_dropout=0.0)
+        vocab_size=VOCAB, hidden_size=spec.dim, intermediate_size=spec.hidden,
+        moe_intermediate_size=spec.hidden, num_hidden_layers=spec.num_layers,
+        num_attention_heads=heads, num_key_value_heads=1, head_dim=spec.dim // heads,
+        num_experts=spec.num_experts, num_experts_per_tok=min(spec.top_k, spec.num_experts),
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, output_router_logits=False,
+        router_aux_loss_coef=0.0, tie_word_embeddings=False, max_position_embeddings=64,
+        hidden_act="silu", attention_dropout=0.0)
 
 
 def _distributed_config(spec: Spec) -> Any:
-    """transformers' parallelism for ``spec.layout``: FSDP2 over every rank, EP groups of consecutive ranks."""
+    """transformers' parallelism for ``spec.layout``: FSDP2 over every rank, EP groups of
+    consecutive ranks."""
     from transformers.distributed import DistributedConfig
 
     layout = spec.layout
     if layout is None or layout.etp != 1:
-        raise ValueError(f"transformers has no expert tensor parallelism; cannot build layout {layout}")
-    # dp_replicate_size, ep_size and ep_implementation are DistributedConfig fields in transformers 5.24 (the
-    # adapter's target), not in the venv's 5.18
+        raise ValueError("transformers has no expert tensor parallelism; cannot build layout "
+                         f"{layout}")
+    # dp_replicate_size, ep_size and ep_implementation are DistributedConfig fields in transformers
+    # 5.24 (the adapter's target), not in the venv's 5.18
     return DistributedConfig(  # type: ignore[call-arg]
-        dp_replicate_size=layout.dp_replicate, fsdp_size=layout.ep * layout.dp_shard, ep_size=layout.ep,
-        ep_implementation="all_to_all")
+        dp_replicate_size=layout.dp_replicate, fsdp_size=layout.ep * layout.dp_shard,
+        ep_size=layout.ep, ep_implementation="all_to_all")
 
 
 def _layer_of(name: str) -> int | None:
@@ -284,12 +303,13 @@ def _fill(model: Any, make: Any, *, grad: bool = False) -> None:
             else:
                 full = make(_layer_of(name), None, name, shape)
             local, region = local_region(p)
-            values = (full if region is None else full[region]).to(device=local.device, dtype=p.dtype)
+            values = (full if region is None
+                      else full[region]).to(device=local.device, dtype=p.dtype)
             if not grad:
                 local.copy_(values)
             elif isinstance(p, DTensor):
-                p.grad = DTensor.from_local(values.contiguous(), p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
+                p.grad = DTensor.from_local(values.contiguous(), p.device_mesh, p.placements,
+                                            run_check=False, shape=p.shape, stride=p.stride())
             else:
                 p.grad = values.clone()
 
@@ -307,12 +327,14 @@ def _fill_buffers(model: Any, names: tuple[str, ...], make: Any) -> None:
 
 
 def _read_all(reader: Any) -> dict[str, Any]:
-    """Every entry a DCP storage reader holds, flattened to its metadata key, read on this process alone."""
+    """Every entry a DCP storage reader holds, flattened to its metadata key, read on this process
+    alone."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
     return _flatten(state)
 
 

@@ -1,4 +1,5 @@
-"""What one checkpoint cell checks, on every rank: one module per check, named as the report names it.
+"""What one checkpoint cell checks, on every rank: one module per check, named as the report names
+it.
 
 - :mod:`.checkpoint` -- the checkpoint is EP-invariant (with :mod:`conformance.inspection`, which
   reads checkpoints, and :mod:`.save_plan`, which explains a save DCP refused);

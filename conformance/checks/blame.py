@@ -1,14 +1,15 @@
 """Blame by evidence: when the framework's load raises, the first line names the side that is wrong.
 
-The checkpoint check has already said whether the save is EP-invariant.  If it is not, the cell leads with
-the checkpoint's first difference (the load's error is its consequence).  If it is, the save is right and
-the load is wrong: the cell leads with the framework's error, read in expert terms where it can be --
-DCP's "Size mismatch ... for K" on a packed expert key becomes "the model offers 2 rows for the
-checkpoint's 4 experts: the load does not map the saved global rows to this rank's experts 0..1".  The
-whole exception text follows on the next lines (the JSON record keeps it; ``-v`` shows it).
+The checkpoint check has already said whether the save is EP-invariant.  If it is not, the cell
+leads with the checkpoint's first difference (the load's error is its consequence).  If it is, the
+save is right and the load is wrong: the cell leads with the framework's error, read in expert terms
+where it can be -- DCP's "Size mismatch ... for K" on a packed expert key becomes "the model offers
+2 rows for the checkpoint's 4 experts: the load does not map the saved global rows to this rank's
+experts 0..1".  The whole exception text follows on the next lines (the JSON record keeps it; ``-v``
+shows it).
 
-DCP's exceptions are third-party English; they are read only here, and an error that matches none of the
-known forms is shown as it is.
+DCP's exceptions are third-party English; they are read only here, and an error that matches none of
+the known forms is shown as it is.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from typing import Any
 
 from conformance.layout import ParallelLayout
 
-SIZE_MISMATCH = re.compile(r"Size mismatch between saved torch\.Size\(\[(?P<saved>[\d, ]*)\]\) and current: "
-                           r"torch\.Size\(\[(?P<current>[\d, ]*)\]\) for (?P<key>\S+)")
+SIZE_MISMATCH = re.compile(r"Size mismatch between saved torch\.Size\(\[(?P<saved>[\d, ]*)\]\) and "
+                           r"current: torch\.Size\(\[(?P<current>[\d, ]*)\]\) for (?P<key>\S+)")
 MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (?P<key>\S+?)\.?(?:\s|$)")
 
 
 class LoadFailed(Exception):
-    """The framework's load raised.  ``side`` is who the evidence blames ("checkpoint" or "load"); the
-    message's first line is the diagnosis, the following lines the framework's whole error."""
+    """The framework's load raised.  ``side`` is who the evidence blames ("checkpoint" or "load");
+    the message's first line is the diagnosis, the following lines the framework's whole error."""
 
     def __init__(self, side: str, headline: str, full: str) -> None:
         self.side, self.headline, self.full = side, headline, full
@@ -38,16 +39,18 @@ class LoadFailed(Exception):
 
 
 def load_errors() -> tuple[type[BaseException], ...]:
-    """What a failed load (or build, or save) raises: any Exception, and DCP's CheckpointException (a
-    BaseException)."""
+    """What a failed load (or build, or save) raises: any Exception, and DCP's CheckpointException
+    (a BaseException)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).split()) or "(no message)"  # a bare assert: the location that follows says it all
-    return f"{type(exc).__name__}: {text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}"
+    # a bare assert: the location that follows says it all
+    text = " ".join(str(exc).split()) or "(no message)"
+    return (f"{type(exc).__name__}: "
+            f"{text if len(text) <= limit else text[:limit].rsplit(' ', 1)[0] + '...'}")
 
 
 _CONFORMANCE = Path(__file__).resolve().parents[1]
@@ -56,7 +59,8 @@ _ADAPTERS = str(_CONFORMANCE / "adapters")
 
 
 def original(exc: BaseException) -> BaseException:
-    """The exception the adapter's call raised: ``exc`` itself, or what the harness wrapped (``raise ... from``)."""
+    """The exception the adapter's call raised: ``exc`` itself, or what the harness wrapped
+    (``raise ... from``)."""
     from conformance.adapter import AdapterError
 
     seen = exc
@@ -69,8 +73,8 @@ def original(exc: BaseException) -> BaseException:
 
 
 def _raise_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """Where ``exc`` was raised: the innermost frame of the rank's own failure inside DCP's gathered ones, else of
-    its traceback."""
+    """Where ``exc`` was raised: the innermost frame of the rank's own failure inside DCP's gathered
+    ones, else of its traceback."""
     for _, failure in sorted((getattr(exc, "failures", None) or {}).items()):
         stack = failure[1] if isinstance(failure, tuple) and len(failure) > 1 else None
         if isinstance(stack, traceback.StackSummary) and stack:
@@ -80,7 +84,8 @@ def _raise_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 
 def short_path(filename: str) -> str:
-    """A source path as a reader finds it: from the package on (``megatron/core/x.py``), not the machine's."""
+    """A source path as a reader finds it: from the package on (``megatron/core/x.py``), not the
+    machine's."""
     for marker in ("site-packages", "dist-packages"):
         if f"{os.sep}{marker}{os.sep}" in filename:
             return filename.split(f"{os.sep}{marker}{os.sep}", 1)[1]
@@ -94,7 +99,8 @@ def short_path(filename: str) -> str:
 
 
 def _adapter_files(adapter: Any) -> set[str]:
-    """The source files of the adapter's class and its bases (a seeded adapter in a test file among them)."""
+    """The source files of the adapter's class and its bases (a seeded adapter in a test file among
+    them)."""
     wrapped = getattr(adapter, "__wrapped__", adapter)
     cls = wrapped if isinstance(wrapped, type) else type(wrapped)
     files = set()
@@ -107,10 +113,11 @@ def _adapter_files(adapter: Any) -> set[str]:
 
 
 def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
-    """``(raised_in, raised_at)`` of the exception the adapter's call raised: ``raised_in`` is "adapter" (the
-    adapter's own code: its class's files, or a built-in adapter's modules), "harness" (this package's checks)
-    or "framework" (anything else: the framework, torch, DCP), told apart by the frame that raised it;
-    ``raised_at`` is ``path:line in function`` ("" when no traceback survived)."""
+    """``(raised_in, raised_at)`` of the exception the adapter's call raised: ``raised_in`` is
+    "adapter" (the adapter's own code: its class's files, or a built-in adapter's modules),
+    "harness" (this package's checks) or "framework" (anything else: the framework, torch, DCP),
+    told apart by the frame that raised it; ``raised_at`` is ``path:line in function`` ("" when no
+    traceback survived)."""
     from conformance.adapter import AdapterError, FrameworkRefusal
 
     first = original(exc)
@@ -120,9 +127,11 @@ def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
     if frame is None:
         return "framework", ""
     where = f"{short_path(frame.filename)}:{frame.lineno} in {frame.name}"
-    if isinstance(first, FrameworkRefusal):  # the adapter's word that the framework cannot: where it said so
+    # the adapter's word that the framework cannot: where it said so
+    if isinstance(first, FrameworkRefusal):
         return "framework", where
-    path = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
+    path = (str(Path(frame.filename).resolve()) if frame.filename
+            and not frame.filename.startswith("<") else "")
     if path and (path in _adapter_files(adapter) or path.startswith(_ADAPTERS + os.sep)):
         return "adapter", where
     if path and path.startswith(_HARNESS_ROOTS):
@@ -131,19 +140,22 @@ def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
 
 
 def located(exc: BaseException, adapter: Any, limit: int = 400) -> str:
-    """:func:`one_line` of ``exc`` as the adapter's call raised it (an adapter's wrapper names the configuration),
-    with where its original was raised: a bare ``assert`` has no message, and its file and line are the message."""
+    """:func:`one_line` of ``exc`` as the adapter's call raised it (an adapter's wrapper names the
+    configuration), with where its original was raised: a bare ``assert`` has no message, and its
+    file and line are the message."""
     _, where = raised_where(exc, adapter)
     return f"{one_line(exc, limit)} (raised at {where})" if where else one_line(exc, limit)
 
 
 def _failures(exc: BaseException) -> list[tuple[int | None, BaseException]]:
-    """``(rank, exception)`` of every error DCP gathered (its ``failures``), else the exception's own chain."""
+    """``(rank, exception)`` of every error DCP gathered (its ``failures``), else the exception's
+    own chain."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         out: list[tuple[int | None, BaseException]] = []
         for rank, wrapped in sorted(failures.items()):
-            inner = getattr(wrapped, "exc", None) or (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+            inner = getattr(wrapped, "exc", None) or (wrapped[0] if isinstance(wrapped, tuple)
+                                                      else wrapped)
             if isinstance(inner, BaseException):
                 out.append((int(rank), inner))
         if out:
@@ -182,39 +194,51 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
             key, saved, current = m["key"], _ints(m["saved"]), _ints(m["current"])
             info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
             where = f"rank {who}, " + (f"layer {info.layer}, " if info.layer is not None else "")
-            if info.role == "expert" and info.kind == "packed" and saved and current and saved[0] != current[0]:
+            if (info.role == "expert" and info.kind == "packed" and saved and current
+                and saved[0] != current[0]):
                 start, end = layout.experts_of(who, num_experts)
-                mine = f"experts {start}..{end - 1}" if end - start > 1 else f"expert {start}" if end > start \
-                    else "no experts"
-                return (f"{where}{key!r}: the model offers {current[0]} rows for the checkpoint's {saved[0]} "
-                        f"experts: the load does not map the saved global rows to this rank's {mine}")
-            return f"{where}{key!r}: the checkpoint holds global shape {list(saved)}, the model offers {list(current)}"
+                mine = (f"experts {start}..{end - 1}" if end - start > 1 else f"expert {start}"
+                        if end > start else "no experts")
+                return (f"{where}{key!r}: the model offers {current[0]} rows for the checkpoint's "
+                        f"{saved[0]} experts: the load does not map the saved global rows to this "
+                        f"rank's {mine}")
+            return (f"{where}{key!r}: the checkpoint holds global shape {list(saved)}, the model "
+                    f"offers {list(current)}")
         m = MISSING_KEY.search(text)
         if m:
             key = m["key"]
             info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
-            what = (f" (layer {info.layer}" + (f", expert {info.expert}" if info.expert is not None else "") + ")"
+            what = (f" (layer {info.layer}"
+                    + (f", expert {info.expert}" if info.expert is not None else "") + ")"
                     if info.layer is not None else "")
-            return f"rank {who}: the model asks for {key!r}{what}, which the checkpoint does not hold"
+            return (f"rank {who}: the model asks for {key!r}{what}, which the checkpoint does not "
+                    "hold")
     return "" if said else explain(exc, patterns)  # words naming a lacking key: shown as they are
 
 
-def load_failed(exc: BaseException, *, findings: Sequence[str], checked: str, layout: ParallelLayout,
-                num_experts: int, patterns: Sequence[Any], rank: int, adapter: Any = None) -> LoadFailed:
-    """The :class:`LoadFailed` for a load that raised: the checkpoint leads only when it really differs.
+def load_failed(
+        exc: BaseException, *, findings: Sequence[str], checked: str, layout: ParallelLayout,
+        num_experts: int, patterns: Sequence[Any], rank: int, adapter: Any = None) -> LoadFailed:
+    """The :class:`LoadFailed` for a load that raised: the checkpoint leads only when it really
+    differs.
 
-    ``findings``: the checkpoint check's (save and truth); ``checked``: "" when that check ran, else why not.
+    ``findings``: the checkpoint check's (save and truth); ``checked``: "" when that check ran, else
+    why not.
     """
     inner = _failures(exc)
     raised = translate(exc, layout, num_experts, patterns, rank) or (
-        f"{one_line(inner[0][1])} (DCP, rank {inner[0][0]})" if inner and inner[0][0] is not None else one_line(exc))
+        f"{one_line(inner[0][1])} (DCP, rank {inner[0][0]})" if inner and inner[0][0] is not None
+        else one_line(exc))
     _, at = raised_where(exc, adapter)
-    where = f"; raised at {at}" if at else ""  # last: a headline cut short keeps the blame, loses the place
+    # last: a headline cut short keeps the blame, loses the place
+    where = f"; raised at {at}" if at else ""
     full = f"the framework's error in full: {type(exc).__name__}: {exc}"
     if findings:
         more = f" (and {len(findings) - 1} more problems)" if len(findings) > 1 else ""
-        return LoadFailed("checkpoint", f"the checkpoint differs from an EP-invariant one: {findings[0]}{more}; the "
+        return LoadFailed("checkpoint", "the checkpoint differs from an EP-invariant one: "
+                          f"{findings[0]}{more}; the "
                           f"load then raised: {raised}{f' ({where[2:]})' if where else ''}", full)
     why = ("the checkpoint is EP-invariant, so the load is wrong"
            if not checked else f"the checkpoint itself was not checked: {checked}")
-    return LoadFailed("load", f"the load at {layout.describe()} raised: {raised} ({why}{where})", full)
+    return LoadFailed("load", f"the load at {layout.describe()} raised: {raised} ({why}{where})",
+                      full)

@@ -6,17 +6,19 @@ conformance.inspect`` runs on real checkpoints):
 - does the checkpoint hold every expert of every layer once under its global id (metadata alone:
   expert axes, chunk coverage, per-expert ids, layers, optimizer moments)?
 - does it hold the same keys, global shapes, dtypes and values -- tensors and non-tensor entries
-  (step, lr) alike -- as the ep=1 save of the same model (the truth checkpoint)?  Values within a kernel's
-  rounding of the truth's (:mod:`conformance.rounding`) are the same: a fused optimizer steps a shard differently.
+  (step, lr) alike -- as the ep=1 save of the same model (the truth checkpoint)?  Values within a
+  kernel's rounding of the truth's (:mod:`conformance.rounding`) are the same: a fused optimizer
+  steps a shard differently.
 
-and, of the truth checkpoint itself: does each expert key (or packed row) hold the model's own tensor of
-that expert -- the ground truth's view of the model -- and not another expert's?
+and, of the truth checkpoint itself: does each expert key (or packed row) hold the model's own
+tensor of that expert -- the ground truth's view of the model -- and not another expert's?
 
 A bug that round-trips its own mistake (experts saved and loaded under the same wrong ids) passes
 every check of the loaded model, and only this one catches it: the comparison with the ep=1 save
-when the mistake depends on the EP degree, the attribution when it does not.  A DCP checkpoint is read directly
-from its files on one rank, with no process group; another format through the adapter's optional
-``read_checkpoint``.  Keys the adapter declares EP-dependent (``ep_dependent_keys``) are left out.
+when the mistake depends on the EP degree, the attribution when it does not.  A DCP checkpoint is
+read directly from its files on one rank, with no process group; another format through the
+adapter's optional ``read_checkpoint``.  Keys the adapter declares EP-dependent
+(``ep_dependent_keys``) are left out.
 """
 
 from __future__ import annotations
@@ -35,19 +37,22 @@ if TYPE_CHECKING:
 def read_index(adapter: Any, path: str) -> Any:
     """The checkpoint's index, or ``None`` when this adapter's format cannot be read here.
 
-    ``adapter`` here and below is the cell's: its ``members`` are what the controller resolved of it."""
+    ``adapter`` here and below is the cell's: its ``members`` are what the controller resolved of
+    it."""
     from conformance.inspection import index_state_dict, read_dcp
 
     members = adapter.members
     if members.capabilities.format == "dcp":
         return read_dcp(path)
     if members.has("read_checkpoint"):
-        return index_state_dict(adapter.read_checkpoint(path), path, format=members.capabilities.format)
+        return index_state_dict(adapter.read_checkpoint(path), path,
+                                format=members.capabilities.format)
     return None
 
 
 def declared_patterns(adapter: Any, extra: Sequence[str] = ()) -> tuple[KeyPattern, ...]:
-    """The expert-key regexes the adapter declares (``expert_keys``) and the user gives (``--moe-ep-expert-key``)."""
+    """The expert-key regexes the adapter declares (``expert_keys``) and the user gives
+    (``--moe-ep-expert-key``)."""
     from conformance.inspection import pattern
 
     return tuple(pattern(r, "declared") for r in (*adapter.members.value("expert_keys"), *extra))
@@ -55,8 +60,9 @@ def declared_patterns(adapter: Any, extra: Sequence[str] = ()) -> tuple[KeyPatte
 
 @dataclass(frozen=True)
 class Knowledge:
-    """What the truth checkpoint taught about a model's expert keys: the patterns every checkpoint of its
-    spec is read with, and a note when its experts could be identified neither by value nor by name."""
+    """What the truth checkpoint taught about a model's expert keys: the patterns every checkpoint
+    of its spec is read with, and a note when its experts could be identified neither by value nor
+    by name."""
 
     patterns: tuple[KeyPattern, ...]
     note: str = ""
@@ -71,7 +77,8 @@ _KNOWLEDGE = world_state().store("expert keys learned")
 
 
 def known(truth_path: str) -> Knowledge | None:
-    """What this process already knows of ``truth_path`` (rank 0 learned it; the others were sent it)."""
+    """What this process already knows of ``truth_path`` (rank 0 learned it; the others were sent
+    it)."""
     found = _KNOWLEDGE.get(truth_path)
     return found if isinstance(found, Knowledge) else None
 
@@ -83,8 +90,8 @@ def remember(truth_path: str, found: Knowledge) -> None:
 
 def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[Any, Any]],
               declared: tuple[KeyPattern, ...] = ()) -> Knowledge:
-    """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground truth's
-    tensors."""
+    """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground
+    truth's tensors."""
     found = known(truth_path)
     if found is None:
         _learn(adapter, truth_path, truth_state(), declared)
@@ -93,8 +100,10 @@ def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[A
     return found
 
 
-def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tuple[KeyPattern, ...]) -> list[str]:
-    """Learn the truth checkpoint's expert keys; its findings (attribution, experts missing from it)."""
+def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any],
+           declared: tuple[KeyPattern, ...]) -> list[str]:
+    """Learn the truth checkpoint's expert keys; its findings (attribution, experts missing from
+    it)."""
     from conformance.inspection import DEFAULT_PATTERNS, attribute_experts, inspect_index
     from conformance.inspection.learn import (
         key_owners,
@@ -111,21 +120,24 @@ def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any], declared: tu
     learned = learned_patterns(keys, index.entries)
     by_position = key_owners(index, owners, [k for k in index.entries if positional(k)])
     patterns = (*declared, *learned, *DEFAULT_PATTERNS)
-    found = [f"the ep=1 checkpoint: {f}" for f in attribute_experts(index, owners, patterns=patterns)]
+    found = [f"the ep=1 checkpoint: {f}"
+             for f in attribute_experts(index, owners, patterns=patterns)]
     found += _layers_missing(index, owners, keys, state)
     note = ""
-    if not learned and any(f.problem == "no_expert_keys" for f in inspect_index(index, patterns=patterns).findings):
+    if not learned and any(f.problem == "no_expert_keys"
+                           for f in inspect_index(index, patterns=patterns).findings):
         tensors = [k for k, e in index.entries.items() if e.is_tensor and e.shape]
         room = unexplained_volume(index, owners, tensors)
         if room < volume:
-            found.append(f"the ep=1 checkpoint holds none of the model's expert tensors: its {len(index.entries)} "
-                         f"keys hold the dense tensors and {room} other elements, the experts need {volume}: "
-                         "the experts are missing from it")
+            found.append("the ep=1 checkpoint holds none of the model's expert tensors: its "
+                         f"{len(index.entries)} keys hold the dense tensors and {room} other "
+                         f"elements, the experts need {volume}: the experts are missing from it")
         else:
-            note = ("no key of the ep=1 checkpoint holds an expert's tensor as the model holds it and no name pattern "
-                    "matched (a fused or transposed form?): the checkpoints were compared key by key and value by "
-                    "value without expert attribution; name the expert keys with the adapter's expert_keys or "
-                    "--moe-ep-expert-key for findings in expert terms")
+            note = ("no key of the ep=1 checkpoint holds an expert's tensor as the model holds it "
+                    "and no name pattern matched (a fused or transposed form?): the checkpoints "
+                    "were compared key by key and value by value without expert attribution; name "
+                    "the expert keys with the adapter's expert_keys or --moe-ep-expert-key for "
+                    "findings in expert terms")
     _KNOWLEDGE.put(truth_path, Knowledge(patterns, note, by_position))
     return found
 
@@ -151,35 +163,39 @@ def _layers_missing(index: Any, owners: Mapping[Any, Any], keys: Mapping[str, An
     if room >= sum(n for found in wanted.values() for _, n in found):
         return []
     return [f"the ep=1 checkpoint: layer {layer}: no key holds any of its experts' tensors "
-            f"({', '.join(repr(n) for n in sorted({name for name, _ in found}))}): the layer is missing "
-            "from it" for layer, found in sorted(wanted.items(), key=lambda kv: repr(kv[0]))]
+            f"({', '.join(repr(n) for n in sorted({name for name, _ in found}))}): the layer is "
+            "missing from it"
+            for layer, found in sorted(wanted.items(), key=lambda kv: repr(kv[0]))]
 
 
 def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: int,
                         patterns: Sequence[KeyPattern] | None = None) -> list[str]:
     """Every way the checkpoint at ``path`` differs from an EP-invariant one, in expert terms.
 
-    ``patterns``: the expert keys as learned from the truth (:func:`knowledge`).  "No key matched an expert
-    pattern" is no finding here: the comparison with the ep=1 checkpoint names any expert key it lacks.
+    ``patterns``: the expert keys as learned from the truth (:func:`knowledge`).  "No key matched an
+    expert pattern" is no finding here: the comparison with the ep=1 checkpoint names any expert key
+    it lacks.
     """
     from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, inspect_index
 
     patterns = tuple(patterns or DEFAULT_PATTERNS)
     index, truth = read_index(adapter, path), read_index(adapter, truth_path)
-    found = [str(f) for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
+    found = [str(f)
+             for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
              if f.problem != "no_expert_keys"]
     ignore = adapter.members.value("ep_dependent_keys")
     learned = known(truth_path)
     owners = learned.owners if learned is not None else None
-    found += [str(f) for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
-                                              names=("checkpoint", "ep=1 checkpoint"),
-                                              rounding_ulps=ROUNDING_ULPS, owners=owners)]
+    found += [str(f)
+              for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
+                                       names=("checkpoint", "ep=1 checkpoint"),
+                                       rounding_ulps=ROUNDING_ULPS, owners=owners)]
     return list(dict.fromkeys(found))
 
 
 def non_persistent_buffers(model: Any) -> tuple[str, ...]:
-    """The names of ``model``'s non-persistent buffers (a router's token counter): state for one step,
-    which no checkpoint should hold.  Nothing for a model that is no torch module."""
+    """The names of ``model``'s non-persistent buffers (a router's token counter): state for one
+    step, which no checkpoint should hold.  Nothing for a model that is no torch module."""
     named = getattr(model, "named_modules", None)
     if not callable(named):
         return ()
@@ -188,18 +204,18 @@ def non_persistent_buffers(model: Any) -> tuple[str, ...]:
 
 
 def transient_findings(adapter: Any, truth_path: str, transient: Sequence[str]) -> list[str]:
-    """Keys of the ep=1 checkpoint that hold a non-persistent buffer of the model (by its name, under
-    any prefix the framework's save adds)."""
+    """Keys of the ep=1 checkpoint that hold a non-persistent buffer of the model (by its name,
+    under any prefix the framework's save adds)."""
     if not transient:
         return []
     keys = list(read_index(adapter, truth_path).entries)
-    return [f"the ep=1 checkpoint: key {key!r} holds the non-persistent buffer {name!r} (state for one "
-            "step, which a checkpoint must not hold)" for name in transient for key in keys
+    return [f"the ep=1 checkpoint: key {key!r} holds the non-persistent buffer {name!r} (state for "
+            "one step, which a checkpoint must not hold)" for name in transient for key in keys
             if key == name or key.endswith(f".{name}")]
 
 
 def truth_findings(adapter: Any, truth_path: str, truth_state: Mapping[Any, Any],
                    declared: tuple[KeyPattern, ...] = ()) -> list[str]:
-    """Learn the truth checkpoint's expert keys from its content; expert keys (or rows) holding another
-    expert's tensor of the model, and experts missing from it altogether."""
+    """Learn the truth checkpoint's expert keys from its content; expert keys (or rows) holding
+    another expert's tensor of the model, and experts missing from it altogether."""
     return _learn(adapter, truth_path, truth_state, declared)

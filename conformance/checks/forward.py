@@ -1,10 +1,10 @@
 """The ``forward`` check: the framework's own forward after the load equals the ground truth's.
 
 On the suite's batch, each named output (the model's, and each MoE layer's own where the adapter
-gives them) within a tolerance of its own scale (:func:`~conformance.checks.truth.forward_tolerance`:
-EP sums the experts' parts in another order).  Without ``forward`` the check is skipped with the
-reason; a ``forward`` that raises :class:`~conformance.adapter.NotApplicable` skips it with the
-adapter's.
+gives them) within a tolerance of its own scale
+(:func:`~conformance.checks.truth.forward_tolerance`: EP sums the experts' parts in another order).
+Without ``forward`` the check is skipped with the reason; a ``forward`` that raises
+:class:`~conformance.adapter.NotApplicable` skips it with the adapter's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from conformance.checks.verdict import RankVerdict
 
 
 def _outside(name: str, got: Any, want: Any) -> str:
-    """Why output ``name`` leaves the tolerance ("" when it does not): its worst element, expected vs got."""
+    """Why output ``name`` leaves the tolerance ("" when it does not): its worst element, expected
+    vs got."""
     import torch
 
     where = "" if name == FORWARD_OUTPUT else f" in output {name!r}"
@@ -35,33 +36,37 @@ def _outside(name: str, got: Any, want: Any) -> str:
     outside = ~(diff <= tolerance)  # NaN is outside
     if not outside.any():
         return ""
-    worst = int(torch.where(outside, diff.nan_to_num(float("inf")), -1.0).argmax())  # the largest |diff| outside
+    # the largest |diff| outside
+    worst = int(torch.where(outside, diff.nan_to_num(float("inf")), -1.0).argmax())
     element = [int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)]
     expected, found = want.flatten()[worst].item(), got.flatten()[worst].item()
-    return (f"the forward after the load differs from the ground truth's{where}: element {element} expected "
-            f"{expected:.7g}, got {found:.7g} (|diff| {diff[worst].item():.3g}"
-            f" > tolerance {tolerance[worst].item():.3g} = rtol {rtol:g} x |expected| + atol {atol:g}"
-            f" x max|expected| {want.double().abs().max().item():.3g}; {int(outside.sum())} of {outside.numel()} "
-            "elements outside)")
+    return (f"the forward after the load differs from the ground truth's{where}: element {element} "
+            f"expected {expected:.7g}, got {found:.7g} (|diff| {diff[worst].item():.3g}"
+            f" > tolerance {tolerance[worst].item():.3g} = rtol {rtol:g} x |expected| + atol "
+            f"{atol:g} x max|expected| {want.double().abs().max().item():.3g}; "
+            f"{int(outside.sum())} of {outside.numel()} elements outside)")
 
 
 def forward_problems(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """Where the forward's outputs (by name, :func:`~conformance.checks.truth.forward_outputs`) leave the tolerance
-    (:func:`~conformance.checks.truth.forward_tolerance`): one line, the first such output in detail and the names
-    of any others; empty when all match."""
+    """Where the forward's outputs (by name, :func:`~conformance.checks.truth.forward_outputs`)
+    leave the tolerance (:func:`~conformance.checks.truth.forward_tolerance`): one line, the first
+    such output in detail and the names of any others; empty when all match."""
     if list(got) != list(want):
         return [f"the forward gives outputs {list(got)}, expected {list(want)}"]
     found = [(name, line) for name in got if (line := _outside(name, got[name], want[name]))]
     if not found:
         return []
-    others = f"; also outside: {', '.join(repr(name) for name, _ in found[1:])}" if len(found) > 1 else ""
+    others = (f"; also outside: {', '.join(repr(name) for name, _ in found[1:])}" if len(found) > 1
+              else "")
     return [found[0][1] + others]
 
 
-def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int, verdict: RankVerdict) -> None:
+def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int,
+                  verdict: RankVerdict) -> None:
     """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
     if not adapter.members.has("forward") or truth.output is None:
-        verdict.skipped["forward"] = truth.output_not_applicable or "the adapter has no forward(model, batch)"
+        verdict.skipped["forward"] = (truth.output_not_applicable
+                                      or "the adapter has no forward(model, batch)")
         return
     try:
         result = adapter.forward(model, batch_for(spec))

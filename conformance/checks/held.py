@@ -1,11 +1,13 @@
-"""What a rank holds, as the checks read it: a tensor per ``(layer, expert, name)``, kept a packed block at a time.
+"""What a rank holds, as the checks read it: a tensor per ``(layer, expert, name)``, kept a packed
+block at a time.
 
-The checks name every difference by expert, so they read a rank's state as one entry per expert row.  A packed
-weight's rows are one tensor, though, and at 256 experts making, comparing and sending 7,000 row views a cell was
-most of the harness's time.  :class:`Held` (tensors with their regions) and :class:`State` (whole tensors: the
-ground truth, what a checkpoint holds) keep each block whole and answer per row as a mapping -- a row is a view
-made when asked -- and :func:`settle` compares a block with its reference at once, leaving the per-row checks only
-the rows that differ.  A mapping that is not one of these (a test's dict) is read row by row.
+The checks name every difference by expert, so they read a rank's state as one entry per expert row.
+A packed weight's rows are one tensor, though, and at 256 experts making, comparing and sending
+7,000 row views a cell was most of the harness's time.  :class:`Held` (tensors with their regions)
+and :class:`State` (whole tensors: the ground truth, what a checkpoint holds) keep each block whole
+and answer per row as a mapping -- a row is a view made when asked -- and :func:`settle` compares a
+block with its reference at once, leaving the per-row checks only the rows that differ.  A mapping
+that is not one of these (a test's dict) is read row by row.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def box_of(region: Region) -> Box:
 
 @dataclass(frozen=True)
 class Rows:
-    """Consecutive expert rows of one packed tensor: row ``i`` of ``data`` is expert ``first + i``, each row at
-    ``region`` of that expert's whole tensor (``None``: whole)."""
+    """Consecutive expert rows of one packed tensor: row ``i`` of ``data`` is expert ``first + i``,
+    each row at ``region`` of that expert's whole tensor (``None``: whole)."""
 
     layer: Any
     first: int
@@ -48,15 +50,18 @@ class Rows:
 
 
 class _Store(Mapping[Key, Any]):
-    """Single tensors and :class:`Rows` blocks, read as one row-keyed mapping; a key given twice keeps the later.
+    """Single tensors and :class:`Rows` blocks, read as one row-keyed mapping; a key given twice
+    keeps the later.
 
-    Blocks are found per ``(layer, name)`` (a family holds a block or a few), not through an index of every row:
-    at 256 experts such an index was 7,000 entries made per state, and a cell makes several states."""
+    Blocks are found per ``(layer, name)`` (a family holds a block or a few), not through an index
+    of every row: at 256 experts such an index was 7,000 entries made per state, and a cell makes
+    several states."""
 
     def __init__(self) -> None:
         self._single: dict[Key, tuple[Any, Region]] = {}
         self._blocks: list[Rows | None] = []
-        self._family: dict[tuple[Any, str], list[int]] = {}  # (layer, name) -> its live blocks' indices
+        # (layer, name) -> its live blocks' indices
+        self._family: dict[tuple[Any, str], list[int]] = {}
         self._rows = 0  # rows in live blocks
 
     def _value(self, tensor: Any, region: Region) -> Any:
@@ -72,7 +77,8 @@ class _Store(Mapping[Key, Any]):
         return None
 
     def put(self, key: Key, tensor: Any, region: Region = None) -> bool:
-        """Hold ``tensor`` under ``key``; False when ``key`` was held already (the new one replaces it)."""
+        """Hold ``tensor`` under ``key``; False when ``key`` was held already (the new one replaces
+        it)."""
         new = key not in self
         at = self._find(key)
         if at is not None:
@@ -87,8 +93,11 @@ class _Store(Mapping[Key, Any]):
                        for b in (self._blocks[i] for i in family))
         if overlaps or self._single:
             keys = rows.keys()
-            again = [k for k in keys if k in self] if overlaps else [k for k in keys if k in self._single]
-            if again:  # an adapter that yields a row twice: rows one by one, the later winning, as a dict would
+            again = [k for k in keys
+                     if k in self] if overlaps else [k for k in keys if k in self._single]
+            # an adapter that yields a row twice: rows one by one, the later winning, as a dict
+            # would
+            if again:
                 for i, key in enumerate(keys):
                     self.put(key, rows.data[i], rows.region)
                 return again
@@ -120,8 +129,8 @@ class _Store(Mapping[Key, Any]):
         return block if block is not None and block.region is None else None
 
     def whole_rows(self, layer: Any, name: str, first: int, stop: int) -> Any:
-        """Experts ``first..stop-1`` of ``(layer, name)`` as one tensor (a view), when one whole block holds them
-        all; else ``None``."""
+        """Experts ``first..stop-1`` of ``(layer, name)`` as one tensor (a view), when one whole
+        block holds them all; else ``None``."""
         block = self.block_of((layer, first, name))
         if block is None or stop > block.stop:
             return None
@@ -144,7 +153,8 @@ class _Store(Mapping[Key, Any]):
         return self._value(block.data[at[1]], block.region)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._single or (isinstance(key, tuple) and len(key) == 3 and self._find(key) is not None)
+        return key in self._single or (isinstance(key, tuple) and len(key) == 3
+                                       and self._find(key) is not None)
 
     def __iter__(self) -> Iterator[Key]:
         yield from self._single
@@ -156,7 +166,8 @@ class _Store(Mapping[Key, Any]):
 
 
 class Held(_Store):
-    """``(layer, expert, name) -> (local tensor, region)``: what a rank's adapter yields (:func:`canonical`)."""
+    """``(layer, expert, name) -> (local tensor, region)``: what a rank's adapter yields
+    (:func:`canonical`)."""
 
     def _value(self, tensor: Any, region: Region) -> Any:
         return tensor, region
@@ -164,8 +175,8 @@ class Held(_Store):
     def tensors(self) -> State:
         """The same tensors without their regions (sharing the storage): the ground truth's form."""
         state = State()
-        state._single, state._blocks, state._family, state._rows = (self._single, self._blocks, self._family,
-                                                                      self._rows)
+        state._single, state._blocks, state._family, state._rows = (self._single, self._blocks,
+                                                                    self._family, self._rows)
         return state
 
 
@@ -183,15 +194,16 @@ def _cut_rows(rows: Any, region: Region) -> Any:
     """A block's rows cut to each row's ``region`` (``None`` when it does not fit them)."""
     if region is None:
         return rows
-    if len(region) != rows.dim() - 1 or any(r.stop > n for r, n in zip(region, rows.shape[1:], strict=True)):
+    if len(region) != rows.dim() - 1 or any(r.stop > n
+                                            for r, n in zip(region, rows.shape[1:], strict=True)):
         return None
     index = (slice(None), *region)
     return rows[index]
 
 
 class Keys(Sequence[Key]):
-    """The keys of runs of blocks' rows, made into keys only when read (most of what :func:`settle` returns is only
-    counted, or left unread)."""
+    """The keys of runs of blocks' rows, made into keys only when read (most of what :func:`settle`
+    returns is only counted, or left unread)."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[Rows, int, int]] = []  # (block, first row, stop row)
@@ -204,7 +216,8 @@ class Keys(Sequence[Key]):
 
     def __iter__(self) -> Iterator[Key]:
         for block, start, stop in self._spans:
-            yield from ((block.layer, e, block.name) for e in range(block.first + start, block.first + stop))
+            yield from ((block.layer, e, block.name)
+                        for e in range(block.first + start, block.first + stop))
 
     @overload
     def __getitem__(self, index: int) -> Key: ...
@@ -215,13 +228,14 @@ class Keys(Sequence[Key]):
 
 
 def settle(held: Mapping[Key, Any], reference: Mapping[Key, Any]) -> tuple[Keys, Keys, list[Key]]:
-    """``(keys equal to the reference bit for bit, keys that differ from it, keys left to check one by one)``, a
-    block at a time.
+    """``(keys equal to the reference bit for bit, keys that differ from it, keys left to check one
+    by one)``, a block at a time.
 
-    ``held`` is a :class:`Held` (or a :class:`State`: regions ``None``), ``reference`` whole tensors.  A block's
-    rows are compared when ``reference`` keeps their experts in a whole block of the same shape and dtype (as
-    :func:`conformance.checks.values.equal` compares); every other key -- single tensors, rows the reference does not
-    keep as a block -- is left for the per-key checks.  Anything but these classes: all left.
+    ``held`` is a :class:`Held` (or a :class:`State`: regions ``None``), ``reference`` whole
+    tensors.  A block's rows are compared when ``reference`` keeps their experts in a whole block of
+    the same shape and dtype (as :func:`conformance.checks.values.equal` compares); every other key
+    -- single tensors, rows the reference does not keep as a block -- is left for the per-key
+    checks.  Anything but these classes: all left.
     """
     import torch
 
@@ -246,9 +260,10 @@ def settle(held: Mapping[Key, Any], reference: Mapping[Key, Any]) -> tuple[Keys,
 
 
 def _equal_rows(data: Any, want: Any) -> Any:
-    """Whether each row of ``data`` equals that of ``want`` (same shape, at least one row), as a bool tensor,
-    reading whole rows only where their first elements agree: a block that differs (a load side's own build, before
-    the load) differs in nearly every row, and is told so from one element a row."""
+    """Whether each row of ``data`` equals that of ``want`` (same shape, at least one row), as a
+    bool tensor, reading whole rows only where their first elements agree: a block that differs (a
+    load side's own build, before the load) differs in nearly every row, and is told so from one
+    element a row."""
     import torch
 
     if not data[0].numel():
@@ -262,7 +277,8 @@ def _equal_rows(data: Any, want: Any) -> Any:
 
 
 class HeldTensor(NamedTuple):
-    """One tensor of this rank as the checks read it: its key, its local data and its region (``None``: whole)."""
+    """One tensor of this rank as the checks read it: its key, its local data and its region
+    (``None``: whole)."""
 
     layer: int | None
     expert: int | None
@@ -272,8 +288,8 @@ class HeldTensor(NamedTuple):
 
 
 class HeldBlock(NamedTuple):
-    """An :class:`ExpertBlock` as the checks read it: row ``i`` of ``local`` is expert ``first + i``, each row at
-    ``region`` of its expert's whole tensor (``None``: whole)."""
+    """An :class:`ExpertBlock` as the checks read it: row ``i`` of ``local`` is expert
+    ``first + i``, each row at ``region`` of its expert's whole tensor (``None``: whole)."""
 
     layer: int | None
     first: int
@@ -283,22 +299,25 @@ class HeldBlock(NamedTuple):
 
 
 def held_blocks(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor | HeldBlock]:
-    """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an :class:`ExpertBlock` as one
-    :class:`HeldBlock`: the one place the harness turns what an adapter yields into tensors (the layout check reads
-    only a block's ids, from the same :func:`~reference_impl.regions.block_region`).  ``copy``: each local tensor a
-    detached CPU copy (a block copied once)."""
+    """``expert_tensors`` / ``other_tensors`` entries as :class:`HeldTensor`, an
+    :class:`ExpertBlock` as one :class:`HeldBlock`: the one place the harness turns what an adapter
+    yields into tensors (the layout check reads only a block's ids, from the same
+    :func:`~reference_impl.regions.block_region`).  ``copy``: each local tensor a detached CPU copy
+    (a block copied once)."""
     from reference_impl.regions import block_region
     from reference_impl.regions import local_region as reference_local_region
 
     for entry in entries:
         if isinstance(entry, ExpertBlock):
-            local, first, region = block_region(entry.tensor, entry.first, where=f"{entry.name!r} of layer "
-                                                                                 f"{entry.layer}")
-            yield HeldBlock(entry.layer, first, entry.name, local.detach().cpu().clone() if copy else local, region)
+            local, first, region = block_region(entry.tensor, entry.first,
+                                                where=f"{entry.name!r} of layer {entry.layer}")
+            yield HeldBlock(entry.layer, first, entry.name,
+                            local.detach().cpu().clone() if copy else local, region)
             continue
         layer, expert, name, tensor = entry
         local, region = reference_local_region(tensor)
-        yield HeldTensor(layer, expert, name, local.detach().cpu().clone() if copy else local, region)
+        yield HeldTensor(layer, expert, name, local.detach().cpu().clone() if copy else local,
+                         region)
 
 
 def held_tensors(entries: Iterable[Any], copy: bool = False) -> Iterator[HeldTensor]:

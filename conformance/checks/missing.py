@@ -5,9 +5,9 @@ times its expert-tensor-parallel and, under FSDP2, its dp_shard ranks: see
 :meth:`~conformance.layout.ParallelLayout.replica_groups`).  Each must hold every ``(layer, expert,
 name)`` of the truth -- optimizer moments included -- and, where the ranks hold shards (expert TP,
 FSDP2), every element of it: a replica whose ranks hold only etp shard 0 of an expert holds the name
-but not the expert.  A union over the whole world would not do: an EP split that takes the global rank
-for its EP rank gives one group half of the experts twice and another group the other half, and the
-world as a whole still holds them all.
+but not the expert.  A union over the whole world would not do: an EP split that takes the global
+rank for its EP rank gives one group half of the experts twice and another group the other half, and
+the world as a whole still holds them all.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from conformance.layout import ParallelLayout
 
 SHOWN = 4
 def _held(held: Mapping[Key, Any] | set[Key]) -> list[tuple[Key, Box, int]]:
-    """What this rank holds, as it crosses the ranks: each key with its region (a dict of ``(tensor, region)``), or
-    whole (a set); a packed block as one entry ``(its first row's key, each row's region, its row count)``."""
+    """What this rank holds, as it crosses the ranks: each key with its region (a dict of
+    ``(tensor, region)``), or whole (a set); a packed block as one entry ``(its first row's key,
+    each row's region, its row count)``."""
     if isinstance(held, Held):
         found = [(k, box_of(region), 0) for k, (_, region) in held.singles().items()]
-        found += [((b.layer, b.first, b.name), box_of(b.region), b.stop - b.first) for b in held.blocks()]
+        found += [((b.layer, b.first, b.name), box_of(b.region), b.stop - b.first)
+                  for b in held.blocks()]
         return sorted(found, key=repr)
     if isinstance(held, Mapping):
         return sorted(((k, box_of(v[1]), 0) for k, v in held.items()), key=repr)
@@ -41,7 +43,8 @@ Pieces = dict[tuple[Any, str], list[tuple[int, int, Any]]]
 
 
 def _pieces(found: list[tuple[Key, Box, int]], into: Pieces, dense: dict[Key, list[Box]]) -> None:
-    """:func:`_held`'s entries added to ``into`` per ``(layer, name)`` (expert keys) or to ``dense``."""
+    """:func:`_held`'s entries added to ``into`` per ``(layer, name)`` (expert keys) or to
+    ``dense``."""
     for key, box, rows in found:
         layer, first, name = tuple(key)
         if first is None:
@@ -51,8 +54,9 @@ def _pieces(found: list[tuple[Key, Box, int]], into: Pieces, dense: dict[Key, li
 
 
 def _truth_pieces(truth: Mapping[Key, Any] | set[Key]) -> tuple[Pieces, dict[Key, Any]]:
-    """The truth's experts per ``(layer, name)`` as ``(first, stop, row shape or None)`` (a kept block is one
-    piece), and its dense keys with their shapes (``None`` when ``truth`` is keys only)."""
+    """The truth's experts per ``(layer, name)`` as ``(first, stop, row shape or None)`` (a kept
+    block is one piece), and its dense keys with their shapes (``None`` when ``truth`` is keys
+    only)."""
     experts: Pieces = {}
     dense: dict[Key, Any] = {}
     blocks = getattr(truth, "blocks", None)
@@ -76,9 +80,10 @@ def _truth_pieces(truth: Mapping[Key, Any] | set[Key]) -> tuple[Pieces, dict[Key
 
 def _spans(wanted: list[tuple[int, int, Any]], pieces: list[tuple[int, int, Any]]
            ) -> Iterator[tuple[int, int, Any, list[Box]]]:
-    """The truth's experts (``wanted``: disjoint ``(first, stop, row shape)``) cut where any piece starts or ends:
-    ``(a, b, row shape, the boxes of the pieces covering experts a..b-1)`` -- the experts of a span are held alike,
-    so a span is checked once for all of them (a packed block: one span, not a row each).  One sweep, in order."""
+    """The truth's experts (``wanted``: disjoint ``(first, stop, row shape)``) cut where any piece
+    starts or ends: ``(a, b, row shape, the boxes of the pieces covering experts a..b-1)`` -- the
+    experts of a span are held alike, so a span is checked once for all of them (a packed block: one
+    span, not a row each).  One sweep, in order."""
     starts: dict[int, list[int]] = defaultdict(list)
     stops: dict[int, list[int]] = defaultdict(list)
     for i, (first, stop, _) in enumerate(pieces):
@@ -100,10 +105,12 @@ def _spans(wanted: list[tuple[int, int, Any]], pieces: list[tuple[int, int, Any]
             yield a, b, current[1], list(active.values())
 
 
-def _lacking(found: list[list[tuple[Key, Box, int]]], wanted: tuple[Pieces, dict[Key, Any]], etp: int
+def _lacking(found: list[list[tuple[Key, Box, int]]], wanted: tuple[Pieces, dict[Key, Any]],
+             etp: int
              ) -> tuple[set[Key], dict[Key, str]]:
-    """``(keys of the truth no entry holds, {key: the part of it none holds})`` over one replica group's entries
-    (:func:`_held`'s, a rank each) against the truth's pieces (:func:`_truth_pieces`)."""
+    """``(keys of the truth no entry holds, {key: the part of it none holds})`` over one replica
+    group's entries (:func:`_held`'s, a rank each) against the truth's pieces
+    (:func:`_truth_pieces`)."""
     pieces: Pieces = {}
     dense: dict[Key, list[Box]] = {}
     for entries in found:
@@ -123,12 +130,14 @@ def _lacking(found: list[list[tuple[Key, Box, int]]], wanted: tuple[Pieces, dict
 
 
 def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
-    """What of a ``shape`` tensor the ``boxes`` leave uncovered, in words ("" when they cover it all)."""
+    """What of a ``shape`` tensor the ``boxes`` leave uncovered, in words ("" when they cover it
+    all)."""
     import torch
 
     if any(b is None for b in boxes) or not shape:
         return ""
-    if _disjoint_cover(boxes, shape):  # the usual case (FSDP's and expert TP's shards tile it): arithmetic only
+    # the usual case (FSDP's and expert TP's shards tile it): arithmetic only
+    if _disjoint_cover(boxes, shape):
         return ""
     mask = torch.zeros(shape, dtype=torch.bool)
     for box in boxes:
@@ -139,11 +148,13 @@ def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
     missing = ~mask
     parts = []
     for axis, n in enumerate(shape):
-        hit = missing.any(dim=[d for d in range(len(shape)) if d != axis]) if len(shape) > 1 else missing
+        hit = (missing.any(dim=[d for d in range(len(shape)) if d != axis]) if len(shape) > 1
+               else missing)
         idx = hit.nonzero().flatten().tolist()
         if len(idx) == n:
             continue
-        span = f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else expert_ranges(idx)
+        span = (f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1))
+                else expert_ranges(idx))
         shard = ""
         if etp > 1 and n % etp == 0 and len(idx) == n // etp and idx[0] % (n // etp) == 0:
             shard = f": the expert-TP shard {idx[0] // (n // etp)} of {etp}"
@@ -152,10 +163,12 @@ def _gap(shape: tuple[int, ...], boxes: list[Box], etp: int) -> str:
 
 
 def _disjoint_cover(boxes: list[Box], shape: tuple[int, ...]) -> bool:
-    """Whether ``boxes`` (none ``None``) are pairwise disjoint, inside ``shape``, and fill it by their volume."""
+    """Whether ``boxes`` (none ``None``) are pairwise disjoint, inside ``shape``, and fill it by
+    their volume."""
     fits = [b for b in boxes if b is not None and len(b) == len(shape)
             and all(0 <= lo < hi <= n for (lo, hi), n in zip(b, shape, strict=True))]
-    if len(fits) != len(boxes) or sum(math.prod(hi - lo for lo, hi in b) for b in fits) != math.prod(shape):
+    if len(fits) != len(boxes) or sum(math.prod(hi - lo for lo, hi in b)
+                                      for b in fits) != math.prod(shape):
         return False
     return all(any(a[d][1] <= b[d][0] or b[d][1] <= a[d][0] for d in range(len(shape)))
                for i, a in enumerate(fits) for b in fits[i + 1:])
@@ -167,41 +180,46 @@ def _missing_lines(missing: set[Key], group: list[int]) -> list[str]:
     dense = []
     for layer, expert, name in missing:
         if expert is None:
-            dense.append(f"layer {layer}, tensor {name!r}" if layer is not None else f"tensor {name!r}")
+            dense.append(f"layer {layer}, tensor {name!r}" if layer is not None
+                         else f"tensor {name!r}")
         else:
             by_name[(layer, name)].append(expert)
     ranks = ", ".join(map(str, group))
     lines = [f"after the load the ranks [{ranks}] (one replica) hold no {name!r} of layer {layer}, "
              f"expert{'s' if len(ids) > 1 else ''} {expert_ranges(ids)}"
              for (layer, name), ids in sorted(by_name.items(), key=repr)]
-    lines += [f"after the load the ranks [{ranks}] (one replica) hold no {what}" for what in sorted(dense)]
+    lines += [f"after the load the ranks [{ranks}] (one replica) hold no {what}"
+              for what in sorted(dense)]
     return lines
 
 
 def _partial_lines(gaps: dict[Key, str], group: list[int]) -> list[str]:
-    """One line per (layer, name, gap): the experts of which the group holds only part (shards missing)."""
+    """One line per (layer, name, gap): the experts of which the group holds only part (shards
+    missing)."""
     by_gap: dict[tuple[Any, str, str], list[int]] = defaultdict(list)
     dense = []
     for (layer, expert, name), gap in gaps.items():
         if expert is None:
-            dense.append(f"{name!r}" + (f" of layer {layer}" if layer is not None else "") + f" ({gap})")
+            dense.append(f"{name!r}" + (f" of layer {layer}" if layer is not None else "")
+                         + f" ({gap})")
         else:
             by_gap[(layer, name, gap)].append(expert)
     ranks = ", ".join(map(str, group))
-    lines = [f"after the load the ranks [{ranks}] (one replica) hold only part of {name!r} of layer {layer}, "
-             f"expert{'s' if len(ids) > 1 else ''} {expert_ranges(ids)}: no rank holds {gap}"
-             for (layer, name, gap), ids in sorted(by_gap.items(), key=repr)]
-    lines += [f"after the load the ranks [{ranks}] (one replica) hold only part of {what}" for what in sorted(dense)]
+    lines = [f"after the load the ranks [{ranks}] (one replica) hold only part of {name!r} of "
+             f"layer {layer}, expert{'s' if len(ids) > 1 else ''} {expert_ranges(ids)}: no rank "
+             f"holds {gap}" for (layer, name, gap), ids in sorted(by_gap.items(), key=repr)]
+    lines += [f"after the load the ranks [{ranks}] (one replica) hold only part of {what}"
+              for what in sorted(dense)]
     return lines
 
 
-def check_replicas(rank: int, held: Mapping[Key, Any] | set[Key], truth: Mapping[Key, Any] | set[Key],
-                   layout: ParallelLayout, fsdp: bool, verdict: RankVerdict) -> None:
+def check_replicas(rank: int, held: Mapping[Key, Any] | set[Key], truth: Mapping[Key, Any]
+                   | set[Key], layout: ParallelLayout, fsdp: bool, verdict: RankVerdict) -> None:
     """A collective: rank 0 reports each replica group's missing names and missing shards.
 
-    ``held`` is this rank's ``(tensor, region)`` per key (:func:`conformance.checks.values.canonical`),
-    or only its keys; ``truth`` the ground truth's tensors (for their shapes), or only its keys -- with
-    keys alone, only whole names are checked.
+    ``held`` is this rank's ``(tensor, region)`` per key
+    (:func:`conformance.checks.values.canonical`), or only its keys; ``truth`` the ground truth's
+    tensors (for their shapes), or only its keys -- with keys alone, only whole names are checked.
     """
     import torch.distributed as dist
 

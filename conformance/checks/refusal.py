@@ -1,10 +1,11 @@
-"""A legacy cell's check (``refusal``): the framework refuses a lossy checkpoint instead of loading it.
+"""A legacy cell's check (``refusal``): the framework refuses a lossy checkpoint instead of loading
+it.
 
-The legacy save (``save_legacy``, the framework's own old save) holds each EP rank's experts under local
-names, so a load at another layout gives ranks other experts' values.  The cell passes only on a real
-refusal: the framework's guard ``check_saved`` raising before the load, or the load raising one of the
-adapter's declared ``refusal_errors``.  Any other error is not a refusal (a crash is no guard), and a load
-that succeeds is the silent corruption the cell exists to catch.
+The legacy save (``save_legacy``, the framework's own old save) holds each EP rank's experts under
+local names, so a load at another layout gives ranks other experts' values.  The cell passes only on
+a real refusal: the framework's guard ``check_saved`` raising before the load, or the load raising
+one of the adapter's declared ``refusal_errors``.  Any other error is not a refusal (a crash is no
+guard), and a load that succeeds is the silent corruption the cell exists to catch.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from conformance.members import Built
 
 
 def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: RankVerdict) -> bool:
-    """Try to load the legacy checkpoint at ``path``; ``True`` only when it loaded (not refused: the values
-    show the damage), with ``verdict.refused`` or ``verdict.not_refused`` saying which."""
+    """Try to load the legacy checkpoint at ``path``; ``True`` only when it loaded (not refused: the
+    values show the damage), with ``verdict.refused`` or ``verdict.not_refused`` saying which."""
     members = adapter.members
     if members.has("check_saved"):
         try:
             adapter.check_saved(b.model, path)
-        except load_errors() as exc:  # the framework's own guard refused before loading: that is the point
+        # the framework's own guard refused before loading: that is the point
+        except load_errors() as exc:
             verdict.refused = f"refused by check_saved: {one_line(exc)}"
             return False
     refusals = members.value("refusal_errors")
@@ -34,8 +36,8 @@ def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: Rank
             verdict.refused = f"refused by the load: {one_line(exc)}"
         else:
             declared = ", ".join(t.__name__ for t in refusals) or "none declared"
-            verdict.not_refused = (f"not refused: the load failed with {one_line(exc)} (the adapter's refusal "
-                                   f"errors: {declared})")
+            verdict.not_refused = (f"not refused: the load failed with {one_line(exc)} (the "
+                                   f"adapter's refusal errors: {declared})")
             verdict.load_raised = True
         return False
     verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"

@@ -1,10 +1,10 @@
 """The ``resume`` check: resumed training equals uninterrupted training.
 
 One more step after the load, with the next step index's synthetic gradients, gives every tensor of
-the truth after the same step, bit for bit or within a kernel's rounding (:mod:`conformance.rounding`:
-a fused optimizer steps a shard differently from the whole tensor), and the truth's scalars after it.
-The load side ran one step more than the save, so a moment or a step count left alone shows here.
-Without ``step`` the check is skipped with the reason.
+the truth after the same step, bit for bit or within a kernel's rounding
+(:mod:`conformance.rounding`: a fused optimizer steps a shard differently from the whole tensor),
+and the truth's scalars after it. The load side ran one step more than the save, so a moment or a
+step count left alone shows here. Without ``step`` the check is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from conformance.members import Built
 from conformance.scalars import all_scalars
 
 
-def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Truth, before: Held, rank: int,
-                    verdict: RankVerdict) -> None:
-    """One more step (a collective under FSDP2), then every tensor against the truth's next state."""
+def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Truth, before: Held,
+                    rank: int, verdict: RankVerdict) -> None:
+    """One more step (a collective under FSDP2), then every tensor against the truth's next
+    state."""
     if optimizer is None:
         return
     if not adapter.members.has("step") or truth.next_tensors is None:
@@ -32,7 +33,8 @@ def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Tr
     resumed = RankVerdict(rank)
     compare(rank, after, truth.next_tensors, before, resumed)
     for m in resumed.mismatches:
-        verdict.add(Mismatch(m.rank, m.layer, m.expert, m.name, f"after one more step: {m.problem}", "resume"))
+        verdict.add(Mismatch(m.rank, m.layer, m.expert, m.name, f"after one more step: {m.problem}",
+                             "resume"))
     verdict.mismatch_count += resumed.mismatch_count - len(resumed.mismatches)
     verdict.rounded_count += resumed.rounded_count
     verdict.rounded_ulps = max(verdict.rounded_ulps, resumed.rounded_ulps)

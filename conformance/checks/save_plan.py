@@ -1,4 +1,5 @@
-"""A save DCP refuses, said in expert terms: which ranks offered which rows of which expert's tensor.
+"""A save DCP refuses, said in expert terms: which ranks offered which rows of which expert's
+tensor.
 
 When the ranks' local save plans do not tile each tensor exactly once, DCP's coordinator refuses the
 global plan ("Failed to validate global plan") and every rank raises its ``CheckpointException``,
@@ -56,8 +57,8 @@ def recorded() -> Iterator[list[Offer]]:
         for item in getattr(self, "plan", plan).items:
             data = item.tensor_data
             if data is not None:
-                offers.append(Offer(rank, item.index.fqn, tuple(data.size), tuple(data.chunk.offsets),
-                                    tuple(data.chunk.sizes)))
+                offers.append(Offer(rank, item.index.fqn, tuple(data.size),
+                                    tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
         return plan
 
     DefaultSavePlanner.create_local_plan = create_local_plan  # type: ignore[method-assign]
@@ -77,18 +78,21 @@ def _span(a: int, b: int) -> str:
 
 
 def _rows(offsets: tuple[int, ...], sizes: tuple[int, ...], size: tuple[int, ...]) -> str:
-    """A chunk in words: the axes it does not span whole (``axis 0 rows 0..31 of 64``); an empty one as such (a rank
-    that holds no expert offers one)."""
+    """A chunk in words: the axes it does not span whole (``axis 0 rows 0..31 of 64``); an empty one
+    as such (a rank that holds no expert offers one)."""
     empty = next((axis for axis, n in enumerate(sizes) if n == 0), None)
     if empty is not None:
         return f"nothing (an empty chunk at axis {empty} row {offsets[empty]})"
     parts = [f"axis {axis} rows {_span(o, o + n)} of {full}"
-             for axis, (o, n, full) in enumerate(zip(offsets, sizes, size, strict=True)) if (o, n) != (0, full)]
+             for axis, (o, n, full) in enumerate(zip(offsets, sizes, size, strict=True))
+             if (o, n) != (0, full)]
     return ", ".join(parts) or "the whole tensor"
 
 
-def _uncovered(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[str, list[int]]:
-    """The rows no chunk covers, per axis, in words ("" when covered), and the axis-0 rows with a gap."""
+def _uncovered(size: tuple[int, ...],
+               chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[str, list[int]]:
+    """The rows no chunk covers, per axis, in words ("" when covered), and the axis-0 rows with a
+    gap."""
     import math
 
     import torch
@@ -108,7 +112,8 @@ def _uncovered(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[
     parts: list[str] = []
     first: list[int] = []
     for axis, n in enumerate(size):
-        hit = missing.any(dim=[d for d in range(len(size)) if d != axis]) if len(size) > 1 else missing
+        hit = (missing.any(dim=[d for d in range(len(size)) if d != axis]) if len(size) > 1
+               else missing)
         idx = hit.nonzero().flatten().tolist()
         first = first or idx
         if len(idx) < n:
@@ -139,7 +144,8 @@ def _where(key: str, info: Any, rows: list[int]) -> str:
 
 
 def diagnose(offers: list[Offer]) -> list[str]:
-    """One line per key whose offered chunks DCP cannot accept, in expert terms (the worst first)."""
+    """One line per key whose offered chunks DCP cannot accept, in expert terms (the worst
+    first)."""
     by_key: dict[str, list[Offer]] = defaultdict(list)
     for offer in offers:
         by_key[offer.key].append(offer)
@@ -153,7 +159,8 @@ def diagnose(offers: list[Offer]) -> list[str]:
             sizes[o.size].append(o.rank)
         if len(sizes) > 1:
             claims = "; ".join(f"ranks {sorted(set(r))} say {s}" for s, r in sorted(sizes.items()))
-            lines.append(f"{_where(key, info, [])}: the ranks disagree on its global shape: {claims}")
+            lines.append(f"{_where(key, info, [])}: the ranks disagree on its global shape: "
+                         f"{claims}")
             continue
         size = found[0].size
         chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = defaultdict(list)
@@ -162,30 +169,36 @@ def diagnose(offers: list[Offer]) -> list[str]:
         order = sorted(chunks)
         gap, gap_rows = _uncovered(size, order)
         clashes = _overlaps(order)
-        outside = [c for c in order if any(off + n > s for off, n, s in zip(c[0], c[1], size, strict=False))]
+        outside = [c for c in order
+                   if any(off + n > s for off, n, s in zip(c[0], c[1], size, strict=False))]
         if not gap and not clashes and not outside:
             continue
         rows = gap_rows or sorted({r for i, j in clashes for r in range(
             max(order[i][0][0], order[j][0][0]),
-            min(order[i][0][0] + order[i][1][0], order[j][0][0] + order[j][1][0]))} if size else set())
-        offered = "; ".join(f"ranks {sorted(set(chunks[c]))} offered {_rows(*c, size)}" for c in order)
+            min(order[i][0][0] + order[i][1][0], order[j][0][0] + order[j][1][0]))} if size
+                                  else set())
+        offered = "; ".join(f"ranks {sorted(set(chunks[c]))} offered {_rows(*c, size)}"
+                            for c in order)
         parts = []
         if gap:
             parts.append(f"no rank offered {gap}")
         for i, j in clashes:
-            parts.append(f"ranks {sorted(set(chunks[order[i]]))} and {sorted(set(chunks[order[j]]))} offered "
-                         f"overlapping chunks ({_rows(*order[i], size)} / {_rows(*order[j], size)})")
+            parts.append(
+                f"ranks {sorted(set(chunks[order[i]]))} and {sorted(set(chunks[order[j]]))} "
+                f"offered overlapping chunks ({_rows(*order[i], size)} / {_rows(*order[j], size)})")
         for c in outside:
-            parts.append(f"ranks {sorted(set(chunks[c]))} offered {c} beyond its global shape {size}")
+            parts.append(f"ranks {sorted(set(chunks[c]))} offered {c} beyond its global shape "
+                         f"{size}")
         lines.append(f"{_where(key, info, rows)}: {'; '.join(parts)} ({offered})")
     return lines
 
 
 def explain(exc: BaseException, offers: list[Offer]) -> None:
-    """A collective on DCP's refusal of the global plan: raise :class:`SaveRefused` saying where, on every rank.
+    """A collective on DCP's refusal of the global plan: raise :class:`SaveRefused` saying where, on
+    every rank.
 
-    Returns (for the caller to re-raise ``exc``) when ``exc`` is no such refusal -- then not every rank
-    need be here -- or when the plans show nothing wrong.
+    Returns (for the caller to re-raise ``exc``) when ``exc`` is no such refusal -- then not every
+    rank need be here -- or when the plans show nothing wrong.
     """
     import torch.distributed as dist
 

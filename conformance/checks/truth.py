@@ -23,21 +23,23 @@ from conformance.world_state import nbytes, world_state
 
 SEED_A = 1234
 SEED_B = 5678
-#: the forward check's tolerance, for each output tensor alike (EP sums the experts' parts in another order than
-#: ep=1 does): ``|got - want| <= FORWARD_RTOL * |want| + FORWARD_ATOL * max|want|`` elementwise.  Both terms scale
-#: with the tensor's own values, so an MoE layer's own output (``forward``'s named form) of ~1e-6 is held to its
-#: scale, not to that of the residual stream it is added to (see :func:`forward_tolerance`).
-#: Float32's; an output in a lower precision (bf16 parameters) is held to its own (:func:`forward_rtol_atol`).
+#: the forward check's tolerance, for each output tensor alike (EP sums the experts' parts in
+#: another order than ep=1 does): ``|got - want| <= FORWARD_RTOL * |want| + FORWARD_ATOL *
+#: max|want|`` elementwise.  Both terms scale with the tensor's own values, so an MoE layer's own
+#: output (``forward``'s named form) of ~1e-6 is held to its scale, not to that of the residual
+#: stream it is added to (see :func:`forward_tolerance`). Float32's; an output in a lower precision
+#: (bf16 parameters) is held to its own (:func:`forward_rtol_atol`).
 FORWARD_RTOL, FORWARD_ATOL = 1e-5, 1e-6
 
 
 @dataclass
 class Truth:
-    #: whole tensors by ``(layer, expert, name)``, packed blocks kept whole (:class:`~conformance.checks.held.State`).
+    #: whole tensors by ``(layer, expert, name)``, packed blocks kept whole
+    #: (:class:`~conformance.checks.held.State`).
     tensors: Mapping[Key, Any]
     scalars: dict[str, Any] | None = None
-    #: the forward on the suite's batch by output name (:func:`forward_outputs`), after the extra step when there is
-    #: one (the check runs last).
+    #: the forward on the suite's batch by output name (:func:`forward_outputs`), after the extra
+    #: step when there is one (the check runs last).
     output: dict[str, Any] | None = None
     #: after one more optimizer step (``adapter.step``), for the resume check.
     next_tensors: Mapping[Key, Any] | None = None
@@ -68,23 +70,25 @@ def batch_for(spec: Spec) -> Any:
 
 
 def forward_outputs(result: Any, adapter: str) -> dict[str, Any]:
-    """``forward``'s result as detached CPU copies by name: a tensor is :data:`FORWARD_OUTPUT`; a mapping (the named
-    form, :func:`conformance.adapter.forward_with_layers`) keeps its names and order."""
+    """``forward``'s result as detached CPU copies by name: a tensor is :data:`FORWARD_OUTPUT`; a
+    mapping (the named form, :func:`conformance.adapter.forward_with_layers`) keeps its names and
+    order."""
     import torch
 
     found = {FORWARD_OUTPUT: result} if isinstance(result, torch.Tensor) else result
     if not isinstance(found, Mapping) or not found or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in found.items()):
-        raise AdapterError(f"{adapter}.forward returned {type(result).__name__}; expected a tensor or a non-empty "
-                           "mapping of output names (str) to tensors")
+        raise AdapterError(f"{adapter}.forward returned {type(result).__name__}; expected a tensor "
+                           "or a non-empty mapping of output names (str) to tensors")
     return {name: t.detach().cpu().clone() for name, t in found.items()}
 
 
 def forward_rtol_atol(dtype: Any) -> tuple[float, float]:
-    """``(rtol, atol)`` for an output of ``dtype``: :data:`FORWARD_RTOL` and :data:`FORWARD_ATOL` for float32 and
-    wider; a coarser float gets both at ``ROUNDING_ULPS x eps(dtype)`` (bf16: 0.0625), the rounding rule of the
-    state checks (:mod:`conformance.rounding`): its partial sums (expert TP's, EP's) round to its own precision, and
-    a sum that cancels keeps few of its bits, while a wrong expert's output is off by its whole size."""
+    """``(rtol, atol)`` for an output of ``dtype``: :data:`FORWARD_RTOL` and :data:`FORWARD_ATOL`
+    for float32 and wider; a coarser float gets both at ``ROUNDING_ULPS x eps(dtype)`` (bf16:
+    0.0625), the rounding rule of the state checks (:mod:`conformance.rounding`): its partial sums
+    (expert TP's, EP's) round to its own precision, and a sum that cancels keeps few of its bits,
+    while a wrong expert's output is off by its whole size."""
     import torch
 
     if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
@@ -94,8 +98,8 @@ def forward_rtol_atol(dtype: Any) -> tuple[float, float]:
 
 
 def forward_tolerance(want: Any) -> Any:
-    """The elementwise tolerance :func:`forward_rtol_atol` gives ``want`` (float64): the one rule of the forward
-    check."""
+    """The elementwise tolerance :func:`forward_rtol_atol` gives ``want`` (float64): the one rule of
+    the forward check."""
     rtol, atol = forward_rtol_atol(want.dtype)
     want = want.double().abs()
     scale = want.max() if want.numel() else want.new_zeros(())
@@ -128,7 +132,9 @@ def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
     # last: a forward may leave a framework's model in another state (FSDP2 unsharded)
     if adapter.members.has("forward"):
         try:
-            truth.output = forward_outputs(adapter.forward(model, batch_for(spec)), type(adapter).__name__)
+            truth.output = forward_outputs(adapter.forward(model, batch_for(spec)),
+                                           type(adapter).__name__)
         except NotApplicable as exc:
-            truth.output_not_applicable = f"the framework's forward cannot run on the ep=1 ground truth: {exc}"
+            truth.output_not_applicable = ("the framework's forward cannot run on the ep=1 ground "
+                                           f"truth: {exc}")
     return truth

@@ -1,12 +1,13 @@
-"""Values: every tensor the adapter yields after the load equals what the checkpoint holds, bit for bit.
+"""Values: every tensor the adapter yields after the load equals what the checkpoint holds, bit for
+bit.
 
-What the checkpoint holds is the save side's state (:mod:`conformance.checks.saved`), itself held to the ep=1
-ground truth within a kernel's rounding (:mod:`conformance.rounding`); where it was not kept, the truth within
-rounding is the reference.  A difference is explained, not just counted, by searching the whole reference for
-what the tensor holds instead: another expert's values (the classic bug of local expert names), another
-layer's or another weight's, the two halves of a fused gate/up weight swapped, only one of those
-halves, or its own pre-load (seed B) values -- the load did not write it.  Only when nothing
-matches does it read "values differ".
+What the checkpoint holds is the save side's state (:mod:`conformance.checks.saved`), itself held to
+the ep=1 ground truth within a kernel's rounding (:mod:`conformance.rounding`); where it was not
+kept, the truth within rounding is the reference.  A difference is explained, not just counted, by
+searching the whole reference for what the tensor holds instead: another expert's values (the
+classic bug of local expert names), another layer's or another weight's, the two halves of a fused
+gate/up weight swapped, only one of those halves, or its own pre-load (seed B) values -- the load
+did not write it.  Only when nothing matches does it read "values differ".
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ from conformance.checks.verdict import Key, Mismatch, RankVerdict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 
 
-def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict | None = None, *,
-              copy: bool = True) -> Held:
-    """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields; a packed block
-    kept as one copy (:class:`~conformance.checks.held.Held`).  ``copy=False``: the tensors themselves (on the CPU),
-    for a state checked before anything changes the model again (a copy of 256 experts' state is not free)."""
+def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict
+              | None = None, *, copy: bool = True) -> Held:
+    """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields; a
+    packed block kept as one copy (:class:`~conformance.checks.held.Held`).  ``copy=False``: the
+    tensors themselves (on the CPU), for a state checked before anything changes the model again (a
+    copy of 256 experts' state is not free)."""
     out = Held()
-    for source in (adapter.expert_tensors(model, optimizer), adapter.other_tensors(model, optimizer)):
+    for source in (adapter.expert_tensors(model, optimizer),
+                   adapter.other_tensors(model, optimizer)):
         for entry in held_blocks(source, copy=copy):
             local = entry.local if copy else entry.local.detach().cpu()
             if isinstance(entry, HeldBlock):
-                again = out.put_rows(Rows(entry.layer, entry.first, str(entry.name), local, entry.region))
+                again = out.put_rows(Rows(entry.layer, entry.first, str(entry.name), local,
+                                          entry.region))
             else:
                 key = (entry.layer, entry.expert, str(entry.name))
                 again = [] if out.put(key, local, entry.region) else [key]
@@ -43,7 +47,8 @@ def cut(full: Any, region: Region) -> Any:
     """``full`` cut to ``region`` (``None``: whole); ``None`` when the region does not fit it."""
     if full is None or region is None or not full.dim():
         return full
-    if len(region) != full.dim() or any(r.stop > n for r, n in zip(region, full.shape, strict=True)):
+    if len(region) != full.dim() or any(r.stop > n
+                                        for r, n in zip(region, full.shape, strict=True)):
         return None
     return full[region]
 
@@ -56,7 +61,8 @@ def expected(truth: Mapping[Key, Any], key: Key, region: Region) -> Any:
 def equal(a: Any, b: Any) -> bool:
     import torch
 
-    return a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return (a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a, b))
 
 
 def _describe(key: Key) -> str:
@@ -78,41 +84,49 @@ def _rows(region: tuple[slice, ...]) -> str:
 
 
 def _tiles(full: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
-    """The regions of ``full`` of ``shape`` at offsets that are multiples of it (where shards sit)."""
+    """The regions of ``full`` of ``shape`` at offsets that are multiples of it (where shards
+    sit)."""
     import itertools
 
-    if full.dim() != len(shape) or any(n == 0 or f % n for f, n in zip(full.shape, shape, strict=True)):
+    if full.dim() != len(shape) or any(n == 0 or f % n
+                                       for f, n in zip(full.shape, shape, strict=True)):
         return []
     return [tuple(slice(i * n, (i + 1) * n) for i, n in zip(index, shape, strict=True))
-            for index in itertools.product(*(range(f // n) for f, n in zip(full.shape, shape, strict=True)))]
+            for index in itertools.product(*(range(f // n)
+                                             for f, n in zip(full.shape, shape, strict=True)))]
 
 
 def _shard_of(got: Any, region: Region, full: Any) -> str:
-    """Whether ``got`` (a shard at ``region``) holds another shard of its own tensor, or one of its transpose."""
+    """Whether ``got`` (a shard at ``region``) holds another shard of its own tensor, or one of its
+    transpose."""
     if region is None or full is None or not got.dim():
         return ""
-    split = [a for a, (r, n) in enumerate(zip(region, full.shape, strict=False)) if (r.start, r.stop) != (0, n)]
+    split = [a for a, (r, n) in enumerate(zip(region, full.shape, strict=False))
+             if (r.start, r.stop) != (0, n)]
     for tile in _tiles(full, tuple(got.shape)):
         if tile != region and equal(got, full[tile]):
             moved = [a for a, (t, r) in enumerate(zip(tile, region, strict=True)) if t != r]
             if set(moved) <= set(split):
-                return (f"holds another expert-TP rank's shard ({_rows(tile)}) instead of its own ({_rows(region)})")
-            return (f"holds the shard of the other axis ({_rows(tile)}) instead of its own ({_rows(region)}): "
-                    f"the expert-TP split on the wrong axis")
+                return (f"holds another expert-TP rank's shard ({_rows(tile)}) instead of its own "
+                        f"({_rows(region)})")
+            return (f"holds the shard of the other axis ({_rows(tile)}) instead of its own "
+                    f"({_rows(region)}): the expert-TP split on the wrong axis")
     if full.dim() >= 2:
         flipped = full.transpose(-1, -2)
         for tile in _tiles(flipped, tuple(got.shape)):
             if equal(got, flipped[tile]):
-                own = " (its own shard, transposed)" if tile == (*region[:-2], region[-1], region[-2]) else ""
-                return (f"holds a shard of its transposed weight ({_rows(tile)} of the transpose){own}: the "
-                        f"expert-TP shard taken on the wrong axis of an [in, out] layout")
+                own = (" (its own shard, transposed)"
+                       if tile == (*region[:-2], region[-1], region[-2]) else "")
+                return (f"holds a shard of its transposed weight ({_rows(tile)} of the "
+                        f"transpose){own}: the expert-TP shard taken on the wrong axis of an [in, "
+                        "out] layout")
     return ""
 
 
-def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], before: Mapping[Key, Any],
-             source: str = "the ep=1 ground truth") -> str:
-    """Why ``got`` is not ``truth[key]``: what in ``truth`` (``source``: the ground truth, or what the checkpoint
-    holds) it holds instead."""
+def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any],
+             before: Mapping[Key, Any], source: str = "the ep=1 ground truth") -> str:
+    """Why ``got`` is not ``truth[key]``: what in ``truth`` (``source``: the ground truth, or what
+    the checkpoint holds) it holds instead."""
     layer, expert, name = key
     if key in before and equal(got, before[key][0]):
         return "still holds its pre-load (seed B) values: the load did not write it"
@@ -126,15 +140,18 @@ def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], befor
                 return f"holds expert {other[1]}'s values instead of expert {expert}'s"
             sibling = _sibling(name)
             if sibling is not None and other == (layer, expert, sibling[1]):
-                return (f"holds its {sibling[1]} half's values instead: the fused gate/up weight's halves "
-                        "swapped")
+                return (f"holds its {sibling[1]} half's values instead: the fused gate/up weight's "
+                        "halves swapped")
             return f"holds {_describe(other)} instead"
-    if expert is not None:  # another expert's values as a kernel rounded them (a fused optimizer's shard)
-        for other in sorted((k for k in truth if k != key and k[0] == layer and k[2] == name), key=repr):
+    # another expert's values as a kernel rounded them (a fused optimizer's shard)
+    if expert is not None:
+        for other in sorted((k for k in truth if k != key and k[0] == layer and k[2] == name),
+                            key=repr):
             if within_rounding(got, cut(truth[other], region)):
-                return (f"holds expert {other[1]}'s values (within a kernel's rounding) instead of expert "
-                        f"{expert}'s")
-    shard = _shard_of(got, region, truth.get(key))  # expert TP: another etp rank's shard, or the other axis's
+                return (f"holds expert {other[1]}'s values (within a kernel's rounding) instead of "
+                        f"expert {expert}'s")
+    # expert TP: another etp rank's shard, or the other axis's
+    shard = _shard_of(got, region, truth.get(key))
     if shard:
         return shard
     for other, full in truth.items():  # a fused gate/up weight: halves swapped, or only one of them
@@ -143,7 +160,8 @@ def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], befor
             continue
         theirs = _halves(candidate) if candidate.shape == got.shape else None
         if mine and theirs and equal(mine[0], theirs[1]) and equal(mine[1], theirs[0]):
-            return f"holds {_describe(other)} with its two halves swapped (gate and up in the wrong order?)"
+            return (f"holds {_describe(other)} with its two halves swapped (gate and up in the "
+                    "wrong order?)")
         halves = _halves(candidate)
         for label, half in zip(("first", "second"), halves or (), strict=False):
             if equal(got, half):
@@ -166,7 +184,8 @@ def diagnose(key: Key, got: Any, region: Region, truth: Mapping[Key, Any], befor
                 f"{list(want.shape[-2:][::-1])} layout read by reshaping, not transposing")
     rounded = _rounded_through(got, want)
     if rounded:
-        return f"holds the values of {source} rounded to {rounded}: saved or loaded through {rounded}"
+        return (f"holds the values of {source} rounded to {rounded}: saved or loaded through "
+                f"{rounded}")
     return f"values differ from {source} and match no tensor of it: {describe(got, want)}"
 
 
@@ -201,14 +220,15 @@ def _fused_reading(key: Key, got: Any, region: Region, truth: Mapping[Key, Any])
     woven = torch.stack([gate, up], dim=1).reshape(joined.shape)
     h = gate.shape[0]
     readings = [(joined[index::2], "the interleaved gate/up rows read as concatenated halves"),
-                (woven[index * h:(index + 1) * h], "the concatenated gate/up halves read as interleaved rows")]
+                (woven[index * h:(index + 1) * h],
+                 "the concatenated gate/up halves read as interleaved rows")]
     for full, what in readings:
         if equal(got, cut(full, region)):
             return f"holds rows of both halves of the fused weight: {what}"
     for tile in _tiles(halves[1], tuple(got.shape)):
         if equal(got, halves[1][tile]):
-            return (f"holds its {other} half's {_rows(tile)} instead of its own {HALVES[index]} rows: a "
-                    "shard of the fused gate/up dim cut across its two halves")
+            return (f"holds its {other} half's {_rows(tile)} instead of its own {HALVES[index]} "
+                    "rows: a shard of the fused gate/up dim cut across its two halves")
     return ""
 
 
@@ -219,13 +239,15 @@ def _rounded_through(got: Any, want: Any) -> str:
     if not want.is_floating_point() or not want.numel():
         return ""
     for coarse in (torch.bfloat16, torch.float16):
-        if torch.finfo(coarse).eps > torch.finfo(want.dtype).eps and equal(got, want.to(coarse).to(want.dtype)):
+        if (torch.finfo(coarse).eps > torch.finfo(want.dtype).eps
+            and equal(got, want.to(coarse).to(want.dtype))):
             return str(coarse).removeprefix("torch.")
     return ""
 
 
 def agrees(got: Any, want: Any, verdict: RankVerdict) -> bool:
-    """Whether ``got`` is ``want`` bit for bit, or within a kernel's rounding (counted in ``verdict``)."""
+    """Whether ``got`` is ``want`` bit for bit, or within a kernel's rounding (counted in
+    ``verdict``)."""
     if equal(got, want):
         return True
     found = ulps(got, want) if want is not None else float("inf")
@@ -237,9 +259,10 @@ def agrees(got: Any, want: Any, verdict: RankVerdict) -> bool:
 
 def compare(rank: int, got: Held, truth: Mapping[Key, Any], before: Held, verdict: RankVerdict,
             saved: Mapping[Key, Any] | None = None) -> None:
-    """Every tensor ``got`` holds against ``saved`` (what the checkpoint holds) bit for bit where it holds the key,
-    else against the truth within a kernel's rounding; a name the truth lacks is named too.  Blocks equal to their
-    reference are settled at once (:func:`~conformance.checks.held.settle`); the rest one by one."""
+    """Every tensor ``got`` holds against ``saved`` (what the checkpoint holds) bit for bit where it
+    holds the key, else against the truth within a kernel's rounding; a name the truth lacks is
+    named too.  Blocks equal to their reference are settled at once
+    (:func:`~conformance.checks.held.settle`); the rest one by one."""
     done, differ, rest = settle(got, saved if saved is not None else truth)
     verdict.compared += len(done)
     for key in sorted([*differ, *rest], key=repr):
@@ -247,7 +270,8 @@ def compare(rank: int, got: Held, truth: Mapping[Key, Any], before: Held, verdic
         layer, expert, name = key
         verdict.compared += 1
         if key not in truth:
-            verdict.add(Mismatch(rank, layer, expert, name, "not in the ep=1 ground truth (unexpected name)"))
+            verdict.add(Mismatch(rank, layer, expert, name,
+                                 "not in the ep=1 ground truth (unexpected name)"))
             continue
         if saved is not None and key in saved:
             if not equal(tensor, cut(saved[key], region)):
@@ -257,7 +281,8 @@ def compare(rank: int, got: Held, truth: Mapping[Key, Any], before: Held, verdic
                                    tensor, cut(saved[key], region), truth))
             continue
         if not agrees(tensor, expected(truth, key, region), verdict):
-            verdict.add(_named(Mismatch(rank, layer, expert, name, diagnose(key, tensor, region, truth, before)),
+            verdict.add(_named(Mismatch(rank, layer, expert, name,
+                                        diagnose(key, tensor, region, truth, before)),
                                tensor, expected(truth, key, region), truth))
 
 
@@ -266,13 +291,15 @@ def _named(mismatch: Mismatch, got: Any, want: Any, truth: Mapping[Key, Any]) ->
     rank) named by the first expert whose entry differs, and which entries do."""
     if mismatch.expert is not None or want is None or got.shape != want.shape or got.dim() != 1:
         return mismatch
-    count = 1 + max((k[1] for k in truth if k[0] == mismatch.layer and k[1] is not None), default=-1)
+    count = 1 + max((k[1] for k in truth if k[0] == mismatch.layer and k[1] is not None),
+                    default=-1)
     if got.shape[0] != count or not count:
         return mismatch
     differ = [g for g in range(count) if not equal(got[g], want[g])]
     if not differ:
         return mismatch
-    entries = ", ".join(f"expert {g}: expected {want[g].item():.6g}, got {got[g].item():.6g}" for g in differ[:3])
+    entries = ", ".join(f"expert {g}: expected {want[g].item():.6g}, got {got[g].item():.6g}"
+                        for g in differ[:3])
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     mismatch.expert = differ[0]
     mismatch.problem = f"{mismatch.problem} (per-expert entries differ: {entries}{more})"

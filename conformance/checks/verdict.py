@@ -12,19 +12,21 @@ from typing import Any
 
 #: the checks, in the order a cell's failure lists them: the promises of the matrix.
 CHECKS = {
-    "checkpoint": "the checkpoint is EP-invariant (same keys, shapes, dtypes and values as the ep=1 save)",
-    "values": "every tensor equals what the checkpoint holds after the load, and that the ep=1 ground truth",
+    "checkpoint": "the checkpoint is EP-invariant (same keys, shapes, dtypes and values as the "
+    "ep=1 save)", "values": "every tensor equals what the checkpoint holds after the load, and "
+    "that the ep=1 ground truth",
     "missing": "nothing the ground truth holds goes missing in the load",
     "scalars": "optimizer scalars (step, lr, betas, ...) come back",
     "resume": "the next training step equals uninterrupted training",
     "forward": "the loaded model's forward equals the ground truth's",
-    "refusal": "a lossy legacy checkpoint is refused",
-    "setup": "the experiment itself is sound",
+    "refusal": "a lossy legacy checkpoint is refused", "setup": "the experiment itself is sound",
 }
-#: the checks a passing cell lists as run ("checks: ..."), in that order: the promises a green cell kept.
+#: the checks a passing cell lists as run ("checks: ..."), in that order: the promises a green cell
+#: kept.
 LISTED = ("checkpoint", "values", "missing", "scalars", "resume", "forward")
-#: mismatches a rank keeps (the record holds them all; the terminal shows a few): a bound against a pathological
-#: model, far above any cell's tensor count (E=256 x 2 layers x 3 weights x 3 with moments is 4,608).
+#: mismatches a rank keeps (the record holds them all; the terminal shows a few): a bound against a
+#: pathological model, far above any cell's tensor count (E=256 x 2 layers x 3 weights x 3 with
+#: moments is 4,608).
 KEEP = 100_000
 
 Key = tuple[Any, Any, str]
@@ -57,13 +59,14 @@ class Problem:
 
 @dataclass
 class RankFailure:
-    """Why this rank's part of a cell stopped, as plain facts: which adapter call raised (``member``;
-    ``None`` when the adapter's or the harness's own code did), where (``raised_in``: ``framework``,
-    ``adapter`` or ``harness``; ``raised_at``: ``path:line in function``) and what kind of stop it was
-    (``kind``: ``layout`` -- the framework did not form the cell's layout; ``save-plan`` -- DCP refused
-    the save's global plan; ``adapter`` -- an :class:`~conformance.adapter.AdapterError`;
-    ``checkpoint`` -- a load that raised on a checkpoint that is not EP-invariant; ``""`` otherwise).
-    The controller's :mod:`conformance.outcome` decides the finding from these, nothing else."""
+    """Why this rank's part of a cell stopped, as plain facts: which adapter call raised
+    (``member``; ``None`` when the adapter's or the harness's own code did), where (``raised_in``:
+    ``framework``, ``adapter`` or ``harness``; ``raised_at``: ``path:line in function``) and what
+    kind of stop it was (``kind``: ``layout`` -- the framework did not form the cell's layout;
+    ``save-plan`` -- DCP refused the save's global plan; ``adapter`` -- an
+    :class:`~conformance.adapter.AdapterError`; ``checkpoint`` -- a load that raised on a checkpoint
+    that is not EP-invariant; ``""`` otherwise). The controller's :mod:`conformance.outcome` decides
+    the finding from these, nothing else."""
 
     phase: str
     exception: str
@@ -93,11 +96,13 @@ class RankVerdict:
     findings: tuple[str, ...] = ()
     #: the truth checkpoint's findings, from the cell that wrote it.
     truth_findings: tuple[str, ...] = ()
-    #: tensors that differ from the ep=1 truth by no more than a kernel's rounding (:mod:`conformance.rounding`),
-    #: and the largest such difference in ulps: no finding, but the pass line says so.
+    #: tensors that differ from the ep=1 truth by no more than a kernel's rounding
+    #: (:mod:`conformance.rounding`), and the largest such difference in ulps: no finding, but the
+    #: pass line says so.
     rounded_count: int = 0
     rounded_ulps: float = 0.0
-    #: the checks that ran to their end on this rank, in order (a failing cell lists those that passed).
+    #: the checks that ran to their end on this rank, in order (a failing cell lists those that
+    #: passed).
     ran: list[str] = field(default_factory=list)
     #: set when this rank's part of the cell stopped on an exception.
     failure: RankFailure | None = None

@@ -1,9 +1,11 @@
-"""The calls a functions-suite cell makes: the same arguments, built once per rank, for both modules.
+"""The calls a functions-suite cell makes: the same arguments, built once per rank, for both
+modules.
 
-Inputs are real DTensors made by ``distribute_tensor`` on the cell's mesh (DTensor itself decides which
-rows a rank holds), plain tensors whose every element names its position, and meshes; bad inputs
-(wrong E, ``Partial``, a shard of another dim on the expert dim, the tempting "first E % k ranks get one
-more" split) are there so that a function that quietly accepts them disagrees with the reference.
+Inputs are real DTensors made by ``distribute_tensor`` on the cell's mesh (DTensor itself decides
+which rows a rank holds), plain tensors whose every element names its position, and meshes; bad
+inputs (wrong E, ``Partial``, a shard of another dim on the expert dim, the tempting "first E % k
+ranks get one more" split) are there so that a function that quietly accepts them disagrees with the
+reference.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from conformance.functions.outcomes import Outcome, outcome, storage_of
 
 __all__ = ["INNER", "Case", "expert_cases", "mesh_cases"]
 
-#: trailing dims of every grouped weight; Shard(2) of 6 over 4 ranks is uneven (2, 2, 2, 0) on purpose.
+#: trailing dims of every grouped weight; Shard(2) of 6 over 4 ranks is uneven (2, 2, 2, 0) on
+#: purpose.
 INNER = (4, 6)
 
 
 @dataclass
 class Case:
-    """One call to make on both modules: arguments, how to describe them, and what outputs must alias."""
+    """One call to make on both modules: arguments, how to describe them, and what outputs must
+    alias."""
 
     function: str
     args: tuple[Any, ...]
@@ -40,18 +44,21 @@ def full(num_experts: int) -> Any:
     """A grouped weight whose every element names its position, so a misplaced row cannot pass."""
     import torch
 
-    return torch.arange(num_experts * math.prod(INNER), dtype=torch.float32).reshape(num_experts, *INNER)
+    return torch.arange(num_experts * math.prod(INNER),
+                        dtype=torch.float32).reshape(num_experts, *INNER)
 
 
 def first_ranks_extra(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]:
-    """The tempting split (first E % k ranks get one more); used to build DTensors the rule refuses."""
+    """The tempting split (first E % k ranks get one more); used to build DTensors the rule
+    refuses."""
     base, extra = divmod(num_experts, num_ranks)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
 
 
 def expert_mesh_dim(names: tuple[str, ...], placements: Sequence[Any]) -> int | None:
-    """The mesh dim that partitions experts (``ep``, else the first Shard(0)): where a bad placement goes."""
+    """The mesh dim that partitions experts (``ep``, else the first Shard(0)): where a bad placement
+    goes."""
     from torch.distributed.tensor import Shard
 
     if "ep" in names:
@@ -71,10 +78,12 @@ def mesh_cases(cell: FunctionsCell, mesh: Any) -> list[Case]:
         ((names[0], names[0]), repr((names[0], names[0]))),
         ((), "()"),
     ]
-    return [Case("get_submesh", (mesh, dims), f"get_submesh(mesh, {text})", None) for dims, text in calls]
+    return [Case("get_submesh", (mesh, dims), f"get_submesh(mesh, {text})", None)
+            for dims, text in calls]
 
 
-def expert_cases(cell: FunctionsCell, mesh: Any, placements: list[Any], num_experts: int) -> list[Case]:
+def expert_cases(cell: FunctionsCell, mesh: Any, placements: list[Any],
+                 num_experts: int) -> list[Case]:
     """Every E-dependent call of one cell, built once and shared by both modules."""
     import torch
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
@@ -89,15 +98,18 @@ def expert_cases(cell: FunctionsCell, mesh: Any, placements: list[Any], num_expe
     partial_text = "w = DTensor.from_local(arange, mesh, Partial() on every dim)"
     cases: list[Case] = []
 
-    def add(function: str, args: tuple[Any, ...], call: str, where: str = "", source: Any = None) -> None:
-        cases.append(Case(function, args, f"{function}({call})" + (f"; {where}" if where else ""), E, source))
+    def add(function: str, args: tuple[Any, ...], call: str, where: str = "",
+            source: Any = None) -> None:
+        cases.append(Case(function, args, f"{function}({call})" + (f"; {where}" if where else ""),
+                          E, source))
 
     # A DTensor built from the tempting split: valid only where both splits agree.
     one_dim_rows = cell.shape == (cell.k,) and placements[0] == Shard(0)
     if one_dim_rows:
         lo, hi = first_ranks_extra(E, cell.k, coord[0])
         other = DTensor.from_local(t[lo:hi], mesh, [Shard(0)], shape=t.shape, stride=t.stride())
-        other_text = f"w = DTensor.from_local(arange[{lo}:{hi}], mesh, [Shard(0)], shape={tuple(t.shape)})"
+        other_text = (f"w = DTensor.from_local(arange[{lo}:{hi}], mesh, [Shard(0)], "
+                      f"shape={tuple(t.shape)})")
     expert_dim = expert_mesh_dim(names, placements)
     if expert_dim is not None:
         bad_placements = list(placements)
@@ -144,13 +156,15 @@ def expert_cases(cell: FunctionsCell, mesh: Any, placements: list[Any], num_expe
             local = local[:, a:b]
     local = local.clone()  # its own storage, so a copy cannot pass for a view of ``t``
     fn = "create_dtensor_from_local"
-    add(fn, (local, mesh), "local, mesh", f"local = {tuple(local.shape)} rows by expert_range", local)
+    add(fn, (local, mesh), "local, mesh", f"local = {tuple(local.shape)} rows by expert_range",
+        local)
     add(fn, (t, None), "t, None", "t = arange (plain tensor)", t)
     add(fn, (w, mesh), "w, mesh", w_text)
     if cell.names == ("ep",):
         lo, hi = first_ranks_extra(E, cell.k, coord[0])
         other_local = t[lo:hi].clone()
-        add(fn, (other_local, mesh), "local, mesh", f"local = arange[{lo}:{hi}] (the other split)", other_local)
+        add(fn, (other_local, mesh), "local, mesh", f"local = arange[{lo}:{hi}] (the other split)",
+            other_local)
         add(fn, (torch.zeros(0, *INNER), mesh), "torch.zeros(0, 4, 6), mesh")
 
     fn = "get_expert_range_for_rank_from_mesh"

@@ -13,8 +13,8 @@ from typing import Any
 
 from conformance.layout import ParallelLayout
 
-__all__ = ["FUNCTIONS", "NUM_EXPERTS", "REFERENCE", "FunctionsCell", "functions_cells", "load_functions",
-           "missing_functions", "parse_placements"]
+__all__ = ["FUNCTIONS", "NUM_EXPERTS", "REFERENCE", "FunctionsCell", "functions_cells",
+           "load_functions", "missing_functions", "parse_placements"]
 
 
 #: the module every adapter is compared with.
@@ -42,9 +42,9 @@ NUM_EXPERTS = tuple(range(1, 17))
 class FunctionsCell:
     """One mesh kind at one EP degree: one pytest item, one world call.
 
-    ``k`` is the size of the mesh dim that partitions experts for the mesh-only functions (the ``ep``
-    dim, else the single dim of a 1-D mesh, else the ``Shard(0)`` dim), so "E % k" says whether the
-    case is uneven.
+    ``k`` is the size of the mesh dim that partitions experts for the mesh-only functions (the
+    ``ep`` dim, else the single dim of a 1-D mesh, else the ``Shard(0)`` dim), so "E % k" says
+    whether the case is uneven.
     """
 
     mesh: str
@@ -52,7 +52,8 @@ class FunctionsCell:
     names: tuple[str, ...]
     placements: str
     k: int
-    #: the global ranks in mesh order (nested lists); ``None``: row-major, as init_device_mesh places them.
+    #: the global ranks in mesh order (nested lists); ``None``: row-major, as init_device_mesh
+    #: places them.
     ranks: Any = None
 
     @property
@@ -69,7 +70,8 @@ def functions_cells() -> list[FunctionsCell]:
     cells = [FunctionsCell("ep", (k,), ("ep",), "(Shard(0),)", k) for k in (1, 2, 3, 4)]
     cells += [
         FunctionsCell("dp,ep", (2, 2), ("dp", "ep"), "(Replicate(), Shard(0))", 2),
-        FunctionsCell("ep_replicate,ep", (2, 2), ("ep_replicate", "ep"), "(Replicate(), Shard(0))", 2),
+        FunctionsCell("ep_replicate,ep", (2, 2), ("ep_replicate", "ep"), "(Replicate(), Shard(0))",
+                      2),
         FunctionsCell("ep,dp_shard", (2, 2), ("ep", "dp_shard"), "(Shard(0), Shard(0))", 2),
         FunctionsCell("dp_shard_cp", (3,), ("dp_shard_cp",), "(Shard(0),)", 3),
         FunctionsCell("dp,dp_shard", (2, 2), ("dp", "dp_shard"), "(Replicate(), Shard(0))", 2),
@@ -91,17 +93,20 @@ def functions_cells() -> list[FunctionsCell]:
 
 
 def parse_placements(text: str) -> list[Any]:
-    """``"(Replicate(), Shard(0))"`` -> placement objects; the cell carries text so it stays cheap."""
+    """``"(Replicate(), Shard(0))"`` -> placement objects; the cell carries text so it stays
+    cheap."""
     from torch.distributed.tensor import Replicate, Shard
 
     found = re.findall(r"Shard\((\d+)\)|(Replicate)\(\)", text)
     if not found:
-        raise ValueError(f"no placements in {text!r}; expected e.g. '(Shard(0),)' or '(Replicate(), Shard(0))'")
+        raise ValueError(f"no placements in {text!r}; expected e.g. '(Shard(0),)' or "
+                         "'(Replicate(), Shard(0))'")
     return [Replicate() if rep else Shard(int(dim)) for dim, rep in found]
 
 
 def load_functions(spec: str) -> Any:
-    """``"pkg.module"`` or ``"pkg.module:attr.attr"``: the object whose attributes are the functions."""
+    """``"pkg.module"`` or ``"pkg.module:attr.attr"``: the object whose attributes are the
+    functions."""
     module_name, _, attr = spec.partition(":")
     target: Any = importlib.import_module(module_name)
     for part in filter(None, attr.split(".")):

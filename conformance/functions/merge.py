@@ -8,7 +8,8 @@ __all__ = ["merge_rank_records"]
 
 
 def merge_rank_records(per_rank: list[list[dict]]) -> list[dict]:
-    """One record per function across ranks: failed if any rank failed, its detail from the first such rank."""
+    """One record per function across ranks: failed if any rank failed, its detail from the first
+    such rank."""
     merged: dict[str, dict] = {}
     for records in per_rank:
         for record in records:
@@ -21,11 +22,13 @@ def merge_rank_records(per_rank: list[list[dict]]) -> list[dict]:
             into = merged[name]
             into["count"] += record["count"]
             into["disagreements"] = (into["disagreements"] + record["disagreements"])[:SHOWN]
-            into["failed_num_experts"] = sorted({*into["failed_num_experts"], *record.get("failed_num_experts", [])})
+            into["failed_num_experts"] = sorted({*into["failed_num_experts"],
+                                                 *record.get("failed_num_experts", [])})
             into["ranks"] = sorted({*into["ranks"], *record.get("ranks", [])})
             if record["status"] == "fail" and into["status"] != "fail":
                 into["status"], into["detail"] = "fail", record["detail"]
     for record in merged.values():
         if len(record["ranks"]) > 1:
-            record["detail"] += f" (failing ranks: {record['ranks']}, {record['count']} disagreements)"
+            record["detail"] += (f" (failing ranks: {record['ranks']}, {record['count']} "
+                                 "disagreements)")
     return list(merged.values())

@@ -1,8 +1,9 @@
-"""What a functions-suite cell does on each rank: call the adapter's and the reference's functions on
-the same real DTensors and meshes, and compare the outcomes for meaning.
+"""What a functions-suite cell does on each rank: call the adapter's and the reference's functions
+on the same real DTensors and meshes, and compare the outcomes for meaning.
 
-The calls are :mod:`conformance.functions.cases`, the comparison :mod:`conformance.functions.outcomes`;
-the controller side is :mod:`conformance.functions.merge`; the grid is :mod:`conformance.functions.cells`.
+The calls are :mod:`conformance.functions.cases`, the comparison
+:mod:`conformance.functions.outcomes`; the controller side is :mod:`conformance.functions.merge`;
+the grid is :mod:`conformance.functions.cells`.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ class Tally:
 
 def describe(d: dict[str, Any]) -> str:
     """The one-line story of a disagreement: every input needed to reproduce it."""
-    return short(f"rank {d['rank']} E={d['E']} k={d['k']} mesh={d['mesh']} {d['placements']}: {d['inputs']}: "
-                 f"expected {d['expected']}; got {d['got']}", 3 * TEXT_LIMIT)
+    return short(f"rank {d['rank']} E={d['E']} k={d['k']} mesh={d['mesh']} {d['placements']}: "
+                 f"{d['inputs']}: expected {d['expected']}; got {d['got']}", 3 * TEXT_LIMIT)
 
 
-def check_functions(module: str, cell: FunctionsCell, num_experts: Sequence[int] = NUM_EXPERTS) -> list[dict]:
-    """Runs on every rank of a ``cell.world_size`` world: compare ``module`` with the reference here.
+def check_functions(module: str, cell: FunctionsCell,
+                    num_experts: Sequence[int] = NUM_EXPERTS) -> list[dict]:
+    """Runs on every rank of a ``cell.world_size`` world: compare ``module`` with the reference
+    here.
 
     Returns this rank's nine records (see the module docstring); a function the adapter lacks is one
     failure of that function.  All ranks make the same calls in the same order, so collective
@@ -78,7 +81,8 @@ def check_functions(module: str, cell: FunctionsCell, num_experts: Sequence[int]
         if callable(found):
             pairs[name] = (getattr(reference, name), found)
         elif not tallies[name].missing:
-            why = f" ({name} is a {type(found).__name__}, not callable)" if found is not None else ""
+            why = (f" ({name} is a {type(found).__name__}, not callable)" if found is not None
+                   else "")
             tallies[name].missing = f"missing: {module!r} has no function {name!r}{why}"
 
     common = {"k": cell.k, "mesh": cell.mesh, "placements": cell.placements, "rank": rank}
@@ -90,8 +94,8 @@ def check_functions(module: str, cell: FunctionsCell, num_experts: Sequence[int]
             ref_fn, impl_fn = pairs[case.function]
             expected, got = case.run(ref_fn), case.run(impl_fn)
             if not agree(expected, got):
-                tallies[case.function].add({"function": case.function, "E": case.num_experts, **common,
-                                            "inputs": short(case.inputs, 2 * TEXT_LIMIT),
+                tallies[case.function].add({"function": case.function, "E": case.num_experts,
+                                            **common, "inputs": short(case.inputs, 2 * TEXT_LIMIT),
                                             "expected": expected.text, "got": got.text})
 
     mesh = device_mesh(cell.shape, cell.names, cell.ranks)
@@ -105,16 +109,18 @@ def check_functions(module: str, cell: FunctionsCell, num_experts: Sequence[int]
     records = []
     for name, tally in tallies.items():
         if tally.missing:
-            missing = {"function": name, "E": None, **common, "inputs": "", "expected": "a callable",
-                       "got": tally.missing}
+            missing = {"function": name, "E": None, **common, "inputs": "",
+                       "expected": "a callable", "got": tally.missing}
             tally.shown, tally.count = [missing], 1
             detail = short(f"{name}: rank {rank}: {tally.missing}", 3 * TEXT_LIMIT)
         else:
-            detail = short(f"{name}: {describe(tally.shown[0])}", 3 * TEXT_LIMIT) if tally.count else ""
+            detail = short(f"{name}: {describe(tally.shown[0])}",
+                           3 * TEXT_LIMIT) if tally.count else ""
         records.append({
             "suite": "functions", "function": name, "num_experts": list(num_experts), "ep": cell.k,
-            "mesh": cell.mesh, "placements": cell.placements, "status": "fail" if tally.count else "pass",
-            "detail": detail, "disagreements": tally.shown, "count": tally.count,
-            "failed_num_experts": sorted(tally.failed_num_experts), "ranks": [rank] if tally.count else [],
+            "mesh": cell.mesh, "placements": cell.placements, "status": "fail" if tally.count
+            else "pass", "detail": detail, "disagreements": tally.shown, "count": tally.count,
+            "failed_num_experts": sorted(tally.failed_num_experts),
+            "ranks": [rank] if tally.count else [],
         })
     return records

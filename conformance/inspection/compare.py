@@ -13,27 +13,31 @@ nothing is read again, from both sides, for its max abs difference; peak memory 
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys, field_of
+from conformance.inspection.digests import WHOLE_ONLY, Digest, _fingerprints, _is_digest
+from conformance.inspection.keys import (
+    DEFAULT_PATTERNS,
+    KeyInfo,
+    KeyPattern,
+    classify_keys,
+    field_of,
+)
 from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
 from conformance.inspection.positional import moved_ids, positional
 from conformance.scalars import is_configuration
-from conformance.world_state import world_state
 from pytest_moe_ep.text import shorten
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "compare_indexes"]
 
 DEFAULT_MEMORY_BYTES = 1 << 30
-#: an optimizer param group's parameter-name list: DCP stores one rank's copy of this non-tensor, and
-#: at ep > 1 each rank lists only its own experts, so it is compared as a subset of the other's list.
+#: an optimizer param group's parameter-name list: DCP stores one rank's copy of this non-tensor,
+#: and at ep > 1 each rank lists only its own experts, so it is compared as a subset of the other's
+#: list.
 RANK_LOCAL_NAMES = re.compile(r"(?:^|\.)param_groups\.\d+\.params$")
-Digest = tuple[str, tuple[int, ...], bytes]
 
 
 def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool = False,
@@ -46,14 +50,14 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
 
     ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).  An
     optimizer's configuration (a param group's kernel choice:
-    :func:`conformance.scalars.is_configuration`) is no state and is not compared either.
-    ``names``: what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
-    ``rounding_ulps``: a tensor (or packed row) that matches nothing else but is within this many ulps of its own
-    counterpart (:func:`conformance.rounding.ulps`) is a kernel's rounding, not a finding; 0: bit for bit.
-    ``owners``: ``want``'s keys in model terms (key -> (layer, global expert, name)), to name the
-    parameters whose positional optimizer ids moved (:mod:`conformance.inspection.positional`).
-    Findings come worst first (:data:`ORDER`): ids moved, wrong values, then absent, re-keyed and
-    extra keys.
+    :func:`conformance.scalars.is_configuration`) is no state and is not compared either. ``names``:
+    what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
+    ``rounding_ulps``: a tensor (or packed row) that matches nothing else but is within this many
+    ulps of its own counterpart (:func:`conformance.rounding.ulps`) is a kernel's rounding, not a
+    finding; 0: bit for bit. ``owners``: ``want``'s keys in model terms (key -> (layer, global
+    expert, name)), to name the parameters whose positional optimizer ids moved
+    (:mod:`conformance.inspection.positional`). Findings come worst first (:data:`ORDER`): ids
+    moved, wrong values, then absent, re-keyed and extra keys.
     """
     with paused_gc():
         found = _compare(got, want, values, patterns, ignore, memory_bytes, names, rounding_ulps,
@@ -61,16 +65,17 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
     return sorted(found, key=lambda f: ORDER.get(f.problem, len(ORDER)))
 
 
-#: how bad each comparison finding is, worst first: what a red cell's first line should lead with.  A key whose
-#: values moved under other names (re-keyed) is still no EP-invariant checkpoint, but it says less than a value
-#: that is wrong.
+#: how bad each comparison finding is, worst first: what a red cell's first line should lead with.
+#: A key whose values moved under other names (re-keyed) is still no EP-invariant checkpoint, but it
+#: says less than a value that is wrong.
 ORDER = {code: i for i, code in enumerate((
     "ids_moved", "holds_other_key", "rows_are_other_experts", "values_differ", "value_differs",
     "shape_differs", "dtype_differs", "entry_kind_differs", "key_missing", "key_rekeyed",
     "key_unexpected"))}
 
 
-def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns: Sequence[KeyPattern],
+def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool,
+             patterns: Sequence[KeyPattern],
              ignore: Sequence[str], memory_bytes: int, names: tuple[str, str],
              rounding_ulps: float, owners: Mapping[str, Any]) -> list[Finding]:
     skip: list[Callable[[str], object]] = [*(re.compile(r).search for r in ignore),
@@ -87,11 +92,13 @@ def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns
         a, b, info = got.entries[key], want.entries[key], g_info[key]
         experts = (info.expert,) if info.expert is not None else ()
         if a.is_tensor != b.is_tensor:
-            findings.append(Finding("entry_kind_differs", key, f"a {_kind(a)} here, a {_kind(b)} in the {names[1]}",
+            findings.append(Finding("entry_kind_differs", key,
+                                    f"a {_kind(a)} here, a {_kind(b)} in the {names[1]}",
                                     info.layer, experts))
             continue
         if a.dtype != b.dtype:
-            findings.append(Finding("dtype_differs", key, f"dtype {a.dtype}, the {names[1]}'s is {b.dtype}",
+            findings.append(Finding("dtype_differs", key,
+                                    f"dtype {a.dtype}, the {names[1]}'s is {b.dtype}",
                                     info.layer, experts))
             continue
         if a.shape != b.shape:
@@ -110,21 +117,25 @@ def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool, patterns
         held = [*holds.items(),
                 *((f.key, f.other_key) for f in findings if f.problem == "holds_other_key")]
         findings += [f for f in (moved_ids(held, owners, names),) if f is not None]
-    rekeyed, missing, unexpected = _rekeyed(missing, unexpected, got, want, holds, seen, names, values)
-    findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names, holds) + rekeyed + findings
+    rekeyed, missing, unexpected = _rekeyed(missing, unexpected, got, want, holds, seen, names,
+                                            values)
+    findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names,
+                             holds) + rekeyed + findings
     return findings
 
 
 def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, want: CheckpointIndex,
-             holds: Mapping[str, str], seen: Mapping[str, Mapping[str, Any]], names: tuple[str, str], values: bool
+             holds: Mapping[str, str], seen: Mapping[str, Mapping[str, Any]],
+             names: tuple[str, str], values: bool
              ) -> tuple[list[Finding], list[str], list[str]]:
-    """Non-tensor entries the checkpoint holds under other keys than the other one does (an optimizer's settings
-    per group at ep=1, per parameter at ep>1): one ``key_rekeyed`` finding per parent of the absent keys, saying
-    where their fields went and whether the values agree.  Returns the findings and the keys left unexplained.
+    """Non-tensor entries the checkpoint holds under other keys than the other one does (an
+    optimizer's settings per group at ep=1, per parameter at ep>1): one ``key_rekeyed`` finding per
+    parent of the absent keys, saying where their fields went and whether the values agree.  Returns
+    the findings and the keys left unexplained.
 
     Two keys are the same field re-keyed when they share the top-level name and the last component
-    (``optimizer.param_groups.0.lr``, ``optimizer.param_groups.layers.0.mlp.w1.lr``); the values agree when both
-    sides hold the same set of values for that field."""
+    (``optimizer.param_groups.0.lr``, ``optimizer.param_groups.layers.0.mlp.w1.lr``); the values
+    agree when both sides hold the same set of values for that field."""
     held_elsewhere = set(holds.values())
     gone = [k for k in missing if not want.entries[k].is_tensor and k not in held_elsewhere]
     new = [k for k in unexpected if not got.entries[k].is_tensor and k not in holds]
@@ -133,7 +144,8 @@ def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, wa
         by_field_new[field_of(key)].append(key)
     parents = {key.rsplit(".", 1)[0] for key in gone if field_of(key) in by_field_new}
     by_parent: dict[str, list[str]] = defaultdict(list)
-    for key in gone:  # a re-keyed parent's fields with no counterpart (its group's ``params``) go with it
+    # a re-keyed parent's fields with no counterpart (its group's ``params``) go with it
+    for key in gone:
         if key.rsplit(".", 1)[0] in parents:
             by_parent[key.rsplit(".", 1)[0]].append(key)
     if not by_parent:
@@ -153,19 +165,23 @@ def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, wa
                 mine = {_short(seen["got"].get(t)) for t in by_field_new[f]}
                 theirs = {_short(seen["want"].get(k)) for k in olds}
                 if mine != theirs:
-                    disagree.append(f"{f[1]}: {sorted(mine)} here, {sorted(theirs)} in the {names[1]}")
+                    disagree.append(f"{f[1]}: {sorted(mine)} here, {sorted(theirs)} in the "
+                                    f"{names[1]}")
         explained_old.update(keys)
         explained_new.update(targets)
         leaves = ", ".join(f[1] for f in fields)
         shown = ", ".join(repr(t) for t in targets[:2]) + (", ..." if len(targets) > 2 else "")
         verdict = ("values not compared" if not values else
-                   "the values agree" if not disagree else "the values do not agree: " + "; ".join(disagree[:3])
+                   "the values agree" if not disagree
+                   else "the values do not agree: " + "; ".join(disagree[:3])
                    + (f" and {len(disagree) - 3} more fields" if len(disagree) > 3 else ""))
         rest = f"; absent with no counterpart: {', '.join(alone)}" if alone else ""
-        out.append(Finding("key_rekeyed", f"{parent}.*", f"re-keyed: its {len(fields)} field(s) ({leaves}) are absent "
-                           f"from the {names[0]}, which holds them under {len(targets)} other key(s) ({shown}); "
-                           f"{verdict}{rest}", None, (), targets[0]))
-    return (out, [k for k in missing if k not in explained_old], [k for k in unexpected if k not in explained_new])
+        out.append(Finding("key_rekeyed", f"{parent}.*",
+                           f"re-keyed: its {len(fields)} field(s) ({leaves}) are absent "
+                           f"from the {names[0]}, which holds them under {len(targets)} other "
+                           f"key(s) ({shown}); {verdict}{rest}", None, (), targets[0]))
+    return (out, [k for k in missing if k not in explained_old],
+            [k for k in unexpected if k not in explained_new])
 
 
 def _kind(entry: Entry) -> str:
@@ -181,12 +197,13 @@ def _shape_finding(key: str, a: Entry, b: Entry, info: KeyInfo, names: tuple[str
     return Finding("shape_differs", key, message, info.layer, experts)
 
 
-def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointIndex, want: CheckpointIndex,
-                  g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo], names: tuple[str, str],
-                  holds: Mapping[str, str]) -> list[Finding]:
-    """Absent keys grouped in expert terms: one finding per family, or per layer when all its experts went.  An
-    absent key whose value another key holds (and the other checkpoint does not have) is that key re-keyed: one
-    ``key_rekeyed`` finding names both (Megatron's ``chained_0.optimizer.state.*`` for ``optimizer.state.*``)."""
+def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointIndex,
+                  want: CheckpointIndex, g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo],
+                  names: tuple[str, str], holds: Mapping[str, str]) -> list[Finding]:
+    """Absent keys grouped in expert terms: one finding per family, or per layer when all its
+    experts went.  An absent key whose value another key holds (and the other checkpoint does not
+    have) is that key re-keyed: one ``key_rekeyed`` finding names both (Megatron's
+    ``chained_0.optimizer.state.*`` for ``optimizer.state.*``)."""
     out: list[Finding] = []
     absent = set(missing)
     moved = {target: holder for holder, target in holds.items() if target in absent}
@@ -199,10 +216,12 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
     whole_layers = {layer for layer, keys in by_layer_all.items() if keys and keys <= set(missing)}
     for layer in sorted(whole_layers):
         keys = sorted(by_layer_all[layer])
-        rows = max((shape[0] for k in keys if w_info[k].kind == "packed" and (shape := want.entries[k].shape)),
+        rows = max((shape[0] for k in keys if w_info[k].kind == "packed"
+                    and (shape := want.entries[k].shape)),
                    default=0)
         ids = {w_info[k].expert for k in keys if w_info[k].expert is not None} | set(range(rows))
-        out.append(Finding("key_missing", w_info[keys[0]].family, f"all {len(keys)} expert keys of layer {layer} "
+        out.append(Finding("key_missing", w_info[keys[0]].family,
+                           f"all {len(keys)} expert keys of layer {layer} "
                            f"are absent from the {names[0]} (layer {layer}'s experts)", layer,
                            tuple(sorted(i for i in ids if i is not None))))
     for key in missing:
@@ -215,16 +234,20 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
         entry = want.entries[key]
         row_ids = tuple(range(entry.shape[0])) if info.kind == "packed" and entry.shape else ()
         what = f" (layer {info.layer}'s experts)" if info.role == "expert" else ""
-        out.append(Finding("key_missing", key, f"absent from the {names[0]}{what}", info.layer, row_ids))
-    for (family, family_layer), expert_ids in sorted(gone.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        out.append(Finding("key_missing", family, f"absent from the {names[0]} for {len(expert_ids)} expert(s)",
+        out.append(Finding("key_missing", key, f"absent from the {names[0]}{what}", info.layer,
+                           row_ids))
+    for (family, family_layer), expert_ids in sorted(gone.items(),
+                                                     key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        out.append(Finding("key_missing", family,
+                           f"absent from the {names[0]} for {len(expert_ids)} expert(s)",
                            family_layer, tuple(sorted(expert_ids))))
     for target, key in sorted(moved.items()):
         info = g_info[key]
         expert = info.expert if info.expert is not None else w_info[target].expert
-        out.append(Finding("key_rekeyed", key, f"re-keyed: holds the {names[1]}'s {target!r}, which is absent from "
-                           f"the {names[0]}; the values agree", info.layer, (expert,) if expert is not None else (),
-                           target))
+        out.append(Finding("key_rekeyed", key,
+                           f"re-keyed: holds the {names[1]}'s {target!r}, which is absent from "
+                           f"the {names[0]}; the values agree", info.layer, (expert,) if expert
+                           is not None else (), target))
     for key in unexpected:
         if key in moved.values():
             continue
@@ -236,120 +259,16 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
 
 
 # -- values ---------------------------------------------------------------------------------------
-@functools.cache
-def _element_size(dtype: str | None) -> int:
-    import torch
-
-    t = getattr(torch, dtype or "", None)
-    return torch.empty((), dtype=t).element_size() if isinstance(t, torch.dtype) else 8
-
-
-def _batches(index: CheckpointIndex, keys: Sequence[str], memory_bytes: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for key in keys:
-        entry = index.entries[key]
-        n = entry.nbytes_hint * (_element_size(entry.dtype) if entry.is_tensor else 1)
-        if batch and size + n > memory_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += n
-    if batch:
-        yield batch
-
-
-def _bytes_of(t: Any) -> Any:
-    import torch
-
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy() if t.numel() else b""
-
-
-def digest(t: Any) -> Digest:
-    """A tensor's identity for value matching: dtype, shape and a 128-bit hash of its bytes."""
-    return (str(t.dtype), tuple(t.shape), hashlib.blake2b(memoryview(_bytes_of(t)), digest_size=16).digest())
-
-
-def _row_digests(t: Any) -> list[Digest]:
-    """:func:`digest` of each row of ``t``, hashing each row's bytes from one array (slicing a tensor per row cost
-    more than hashing it: 7,000 rows a packed checkpoint at 256 experts)."""
-    import torch
-
-    if t.dim() == 0:
-        return []
-    flat = t.detach().to("cpu").contiguous()
-    if not flat.numel():
-        return [digest(flat[r]) for r in range(flat.shape[0])]
-    dtype, shape = str(flat.dtype), tuple(flat.shape[1:])
-    rows = flat.reshape(-1).view(torch.uint8).reshape(flat.shape[0], -1).numpy()
-    return [(dtype, shape, hashlib.blake2b(memoryview(row), digest_size=16).digest()) for row in rows]
-
-
-#: infos that read every key as dense: :func:`_fingerprints` then takes whole digests only, no row digests.
-WHOLE_ONLY: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "dense"))
-
-#: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth checkpoint is
-#: compared with every checkpoint saved from its model, and read once, not once per cell.
-_SEEN = world_state().store("checkpoint digests")
-
-
-def _stamp(index: CheckpointIndex) -> tuple[Any, ...] | None:
-    """A DCP checkpoint's files as found (name, inode, size, mtime of each): an unchanged stamp is an unchanged
-    checkpoint, a rewritten or edited file a new one.  ``None`` for other formats (nothing is kept for them)."""
-    import os
-
-    if index.format != "dcp":
-        return None
-    try:
-        with os.scandir(index.path) as entries:
-            found = sorted((e.name, (st := e.stat(follow_symlinks=False)).st_ino, st.st_size, st.st_mtime_ns)
-                           for e in entries)
-    except OSError:
-        return None
-    return tuple(found)
-
-
-def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, KeyInfo], memory_bytes: int
-                  ) -> tuple[dict[str, Any], dict[str, list[Digest]]]:
-    """Each key's digest (or non-tensor value) and the digests of each packed key's rows."""
-    import torch
-
-    if index.reader is None:
-        raise ValueError(f"{index.path}: this index has no reader; values cannot be compared")
-    stamp = _stamp(index)
-    seen: dict[str, tuple[Any, list[Digest] | None]] = {}
-    if stamp is not None:
-        seen = _SEEN.get((index.path, stamp)) or {}
-    wanted = [k for k in keys if k not in seen or (infos[k].kind == "packed" and seen[k][1] is None)]
-    for batch in _batches(index, wanted, memory_bytes):
-        for key, value in index.reader(batch).items():
-            if isinstance(value, torch.Tensor):
-                seen[key] = (digest(value), _row_digests(value) if infos[key].kind == "packed" else None)
-            else:
-                seen[key] = (value, None)
-    if stamp is not None and wanted:
-        count = sum(1 + len(rows or ()) for _, rows in seen.values())
-        _SEEN.put((index.path, stamp), seen, count * 200)  # a digest's tuple, strings, 16 bytes
-    whole = {k: seen[k][0] for k in keys if k in seen}
-    rows = {k: found for k in keys if infos[k].kind == "packed" and k in seen and (found := seen[k][1]) is not None}
-    return whole, rows
-
-
-def _is_digest(value: Any) -> bool:
-    """Whether a :func:`_fingerprints` value is a tensor's :func:`digest` (else it is a non-tensor entry)."""
-    return isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], bytes)
-
-
 def _same_value(a: Any, b: Any) -> bool:
-    """Equal non-tensor entries, compared through containers: a saved object that nests tensors (Megatron's
-    ``dp_zero_gather_scatter`` param state: dicts of buffers) is equal when its structure and every tensor are --
-    ``==`` on such a dict asks a tensor for its truth value and raises."""
+    """Equal non-tensor entries, compared through containers: a saved object that nests tensors
+    (Megatron's ``dp_zero_gather_scatter`` param state: dicts of buffers) is equal when its
+    structure and every tensor are -- ``==`` on such a dict asks a tensor for its truth value and
+    raises."""
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
-            torch.equal(a, b))
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and bool(torch.equal(a, b)))
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
@@ -366,21 +285,25 @@ def _short(value: Any) -> str:
     return shorten(repr(value), 80)
 
 
-def _pick(candidates: list[tuple[str, int | None]], key: str, info: KeyInfo, w_info: dict[str, KeyInfo]
+def _pick(candidates: list[tuple[str, int | None]], key: str, info: KeyInfo,
+          w_info: dict[str, KeyInfo]
           ) -> tuple[str, int | None]:
     """The likeliest source among equal-valued candidates: the same key, family, then layer."""
     def rank(c: tuple[str, int | None]) -> tuple[int, int, int]:
         other = w_info.get(c[0])
-        return (c[0] != key, other is None or other.family != info.family, other is None or other.layer != info.layer)
+        return (c[0] != key, other is None or other.family != info.family,
+                other is None or other.layer != info.layer)
     return min(candidates, key=rank)
 
 
-def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[str], unexpected: list[str],
-                    w_keys: list[str], g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo], memory_bytes: int,
-                    names: tuple[str, str], holds: dict[str, str], rounding_ulps: float,
+def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[str],
+                    unexpected: list[str], w_keys: list[str], g_info: dict[str, KeyInfo],
+                    w_info: dict[str, KeyInfo], memory_bytes: int, names: tuple[str, str],
+                    holds: dict[str, str], rounding_ulps: float,
                     seen: dict[str, dict[str, Any]]) -> list[Finding]:
-    # whole digests first: a packed key's row digests are needed only where some tensor differs (7,000 rows a
-    # checkpoint at 256 experts; an equal checkpoint, the usual cell, then hashes each value once)
+    # whole digests first: a packed key's row digests are needed only where some tensor differs
+    # (7,000 rows a checkpoint at 256 experts; an equal checkpoint, the usual cell, then hashes each
+    # value once)
     g_whole, _ = _fingerprints(got, [*readable, *unexpected], WHOLE_ONLY, memory_bytes)
     w_whole, _ = _fingerprints(want, w_keys, WHOLE_ONLY, memory_bytes)
     g_rows: dict[str, list[Digest]] = {}
@@ -412,16 +335,19 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
             if RANK_LOCAL_NAMES.search(key) and isinstance(a, list) and isinstance(b, list):
                 extra = [n for n in a if n not in set(b)]
                 if extra:
-                    out.append(Finding("value_differs", key, f"lists {len(extra)} parameter name(s) the "
-                                       f"{names[1]}'s group does not, first {_short(extra[:3])}", info.layer))
+                    out.append(Finding(
+                        "value_differs", key, f"lists {len(extra)} parameter name(s) the "
+                        f"{names[1]}'s group does not, first {_short(extra[:3])}", info.layer))
             elif not _same_value(a, b):
-                out.append(Finding("value_differs", key, f"is {_short(a)}, the {names[1]}'s is {_short(b)}",
+                out.append(Finding("value_differs", key,
+                                   f"is {_short(a)}, the {names[1]}'s is {_short(b)}",
                                    info.layer, experts))
             continue
         if a == b:
             continue
         if key in g_rows:
-            found, bad = _row_findings(key, g_rows[key], w_rows.get(key, []), by_row, info, w_info, names)
+            found, bad = _row_findings(key, g_rows[key], w_rows.get(key, []), by_row, info, w_info,
+                                       names)
             out += found
             if bad:
                 unexplained.append((key, bad))
@@ -430,15 +356,17 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
             source, _ = _pick(by_whole[a], key, info, w_info)
             other = w_info[source]
             if other.family == info.family and other.expert is not None and info.expert is not None:
-                text = f"holds expert {other.expert}'s values instead of expert {info.expert}'s (the {names[1]}'s " \
-                       f"{source!r})"
+                text = (f"holds expert {other.expert}'s values instead of expert {info.expert}'s "
+                        f"(the {names[1]}'s {source!r})")
             else:
                 text = f"holds the {names[1]}'s {source!r}" + (
-                    f" (layer {other.layer}, expert {other.expert})" if other.expert is not None else "")
+                    f" (layer {other.layer}, expert {other.expert})" if other.expert is not None
+                    else "")
             out.append(Finding("holds_other_key", key, text, info.layer, experts, source))
         elif a in by_row:
             source, row = _pick(by_row[a], key, info, w_info)
-            out.append(Finding("holds_other_key", key, f"holds row {row} (expert {row}) of the {names[1]}'s {source!r}",
+            out.append(Finding("holds_other_key", key,
+                               f"holds row {row} (expert {row}) of the {names[1]}'s {source!r}",
                                info.layer, experts, source))
         else:
             unexplained.append((key, None))
@@ -447,7 +375,8 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """``[(row, source_row)]`` -> ``[(first row, last row, first source, last source)]`` of steps by one."""
+    """``[(row, source_row)]`` -> ``[(first row, last row, first source, last source)]`` of steps by
+    one."""
     runs: list[list[int]] = []
     for r, s in sorted(pairs):
         if runs and r == runs[-1][1] + 1 and s == runs[-1][3] + 1:
@@ -461,7 +390,8 @@ def _span(a: int, b: int) -> str:
     return str(a) if a == b else f"{a}..{b}"
 
 
-def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest], by_row: Mapping[Digest, list[Any]],
+def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest],
+                  by_row: Mapping[Digest, list[Any]],
                   info: KeyInfo, w_info: dict[str, KeyInfo], names: tuple[str, str]
                   ) -> tuple[list[Finding], list[int]]:
     """Which experts the wrong rows of ``key``'s expert axis hold, one finding per source key."""
@@ -481,15 +411,18 @@ def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest], by_row
         parts = [f"rows {_span(a, b)} are experts {_span(c, d)}" for a, b, c, d in runs[:4]]
         more = f" and {len(runs) - 4} more runs" if len(runs) > 4 else ""
         whose = "" if source == key else f" of the {names[1]}'s {source!r}"
-        out.append(Finding("rows_are_other_experts", key, f"its expert axis holds other experts' values: "
-                           f"{', '.join(parts)}{more}{whose}", info.layer, tuple(r for r, _ in pairs), source))
+        out.append(Finding(
+            "rows_are_other_experts", key, f"its expert axis holds other experts' values: "
+            f"{', '.join(parts)}{more}{whose}", info.layer, tuple(r for r, _ in pairs), source))
     return out, bad
 
 
-def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple[str, list[int] | None]],
-                   g_info: dict[str, KeyInfo], names: tuple[str, str], rounding_ulps: float) -> list[Finding]:
-    """Tensors that match nothing: read both once more, one key at a time, for the max abs diff; those within
-    ``rounding_ulps`` of their counterpart (rows of a packed key one by one) are no finding."""
+def _diff_findings(
+        got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple[str, list[int] | None]],
+        g_info: dict[str, KeyInfo], names: tuple[str, str], rounding_ulps: float) -> list[Finding]:
+    """Tensors that match nothing: read both once more, one key at a time, for the max abs diff;
+    those within ``rounding_ulps`` of their counterpart (rows of a packed key one by one) are no
+    finding."""
     from conformance.rounding import ulps
 
     out = []
@@ -505,7 +438,8 @@ def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple
                 if not rows:
                     continue
         if rows is not None:
-            # a key with rows is a packed tensor in both checkpoints, and _fingerprints required both readers
+            # a key with rows is a packed tensor in both checkpoints, and _fingerprints required
+            # both readers
             assert a is not None and b is not None
             a, b = a[rows], b[[r for r in rows if r < b.shape[0]]] if b.dim() else b
         diff = "n/a"
@@ -513,8 +447,10 @@ def _diff_findings(got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple
             diff = f"{(a.double() - b.double()).abs().max().item():.3g}"
         where = (f"row{'s' if len(rows) > 1 else ''} {expert_ranges(rows)} of its expert axis "
                  if rows is not None else "")
-        experts = tuple(rows) if rows is not None else ((info.expert,) if info.expert is not None else ())
-        out.append(Finding("values_differ", key, f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
+        experts = tuple(rows) if rows is not None else ((info.expert,
+                                                        ) if info.expert is not None else ())
+        out.append(Finding("values_differ", key,
+                           f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
                            f"match no tensor or row of it", info.layer, experts))
     return out
 
@@ -524,10 +460,11 @@ def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any,
                       memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[Finding]:
     """Expert keys (and packed rows) whose value is the model's tensor of *another* expert or layer.
 
-    ``owners`` maps the digest of each of the model's own tensors to ``(layer, global expert, name)``:
-    the ground truth's view of the model.  This catches what no comparison of two checkpoints of the
-    same framework can: experts filed under consistently wrong ids at every EP degree, ep=1 included.
-    A value that matches none of the model's tensors (a fused or transposed form) is left alone.
+    ``owners`` maps the digest of each of the model's own tensors to
+    ``(layer, global expert, name)``: the ground truth's view of the model.  This catches what no
+    comparison of two checkpoints of the same framework can: experts filed under consistently wrong
+    ids at every EP degree, ep=1 included. A value that matches none of the model's tensors (a fused
+    or transposed form) is left alone.
     """
     infos = classify_keys(index.entries, patterns)
     keys = [k for k, i in infos.items() if i.role == "expert" and index.entries[k].is_tensor
@@ -536,15 +473,18 @@ def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any,
     found: list[Finding] = []
     for key in keys:
         info = infos[key]
-        held = [(info.expert, whole[key])] if info.kind == "per_expert" else list(enumerate(rows.get(key, [])))
+        held = ([(info.expert, whole[key])] if info.kind == "per_expert"
+                else list(enumerate(rows.get(key, []))))
         for expert, value in held:
             owner = owners.get(value)
             if owner is None or owner[1] is None:
                 continue
             layer, other, name = owner
-            if other != expert or (info.layer is not None and layer is not None and layer != info.layer):
+            if other != expert or (info.layer is not None and layer is not None
+                                   and layer != info.layer):
                 where = "" if info.kind == "per_expert" else f"row {expert}: "
-                found.append(Finding("holds_other_expert", key, f"{where}holds the model's {name!r} of layer {layer}, "
+                found.append(Finding("holds_other_expert", key,
+                                     f"{where}holds the model's {name!r} of layer {layer}, "
                                      f"expert {other}, not expert {expert}'s", info.layer,
                                      (expert,) if expert is not None else ()))
     return found

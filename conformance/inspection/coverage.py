@@ -39,7 +39,8 @@ class Inspection:
     path: str
     format: str
     num_experts: int | None
-    num_experts_source: str  # "given", "router 'K'", "largest expert id + 1", "largest packed extent"
+    # "given", "router 'K'", "largest expert id + 1", "largest packed extent"
+    num_experts_source: str
     moe_layers: tuple[int, ...]
     groups: tuple[ExpertGroup, ...]
     findings: tuple[Finding, ...]
@@ -54,7 +55,8 @@ class Inspection:
                 "num_experts_source": self.num_experts_source, "moe_layers": list(self.moe_layers),
                 "counts": dict(self.counts), "clean": self.clean,
                 "findings": [f.as_dict() for f in self.findings],
-                "groups": [{"layer": g.layer, "key": g.key, "kind": g.kind, "stat": g.stat, "extent": g.extent,
+                "groups": [{"layer": g.layer, "key": g.key, "kind": g.kind, "stat": g.stat,
+                            "extent": g.extent,
                             "experts": expert_ranges(g.experts)} for g in self.groups]}
 
 
@@ -89,7 +91,8 @@ def _chunk_verdict(shape: tuple[int, ...], chunks: Any) -> tuple[int, int, bool]
     if verdict is None:
         total = math.prod(shape)
         volume = sum(math.prod(s) for _, s in chunks)
-        verdict = _CHUNK_VERDICTS.put((shape, chunks), (total, volume, volume >= total and _overlaps(chunks)),
+        verdict = _CHUNK_VERDICTS.put((shape, chunks),
+                                      (total, volume, volume >= total and _overlaps(chunks)),
                                       200 + 100 * len(chunks))
     return verdict
 
@@ -102,11 +105,13 @@ def _chunk_findings(entry: Entry, info: KeyInfo) -> list[Finding]:
         return []
     out = []
     if volume < total or (volume > total and not overlap):
-        out.append(Finding("chunk_hole", entry.key, f"its {len(entry.chunks)} chunk(s) cover {volume} of "
+        out.append(Finding("chunk_hole", entry.key,
+                           f"its {len(entry.chunks)} chunk(s) cover {volume} of "
                            f"{total} elements of shape {entry.shape}", info.layer,
                            (info.expert,) if info.expert is not None else ()))
     if overlap:
-        out.append(Finding("chunk_overlap", entry.key, f"its {len(entry.chunks)} chunks overlap (they hold "
+        out.append(Finding("chunk_overlap", entry.key,
+                           f"its {len(entry.chunks)} chunks overlap (they hold "
                            f"{volume} elements for {total})", info.layer,
                            (info.expert,) if info.expert is not None else ()))
     return out
@@ -137,7 +142,8 @@ def _rows(entry: Entry) -> tuple[list[int], list[int], list[int]]:
 
 # -- the inspection -------------------------------------------------------------------------------
 def _local_counts(num_experts: int) -> dict[int, int]:
-    """What one EP rank holds under the layout rule (``ceil(E / ep)``), by count: the smallest ep giving it."""
+    """What one EP rank holds under the layout rule (``ceil(E / ep)``), by count: the smallest ep
+    giving it."""
     out: dict[int, int] = {}
     for ep in range(num_experts, 1, -1):
         out[-(-num_experts // ep)] = ep
@@ -151,7 +157,8 @@ def _ep_hint(num_experts: int, held: int) -> str:
 
 def inspect_checkpoint(path: str | os.PathLike[str], num_experts: int | None = None,
                        patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> Inspection:
-    """``inspect_index(read_checkpoint(path), ...)``: the one call the matrix's metadata check makes."""
+    """``inspect_index(read_checkpoint(path), ...)``: the one call the matrix's metadata check
+    makes."""
     from conformance.inspection.readers import read_checkpoint
 
     return inspect_index(read_checkpoint(path), num_experts, patterns)
@@ -164,7 +171,8 @@ def inspect_index(index: CheckpointIndex, num_experts: int | None = None,
         return _inspect(index, num_experts, patterns)
 
 
-def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence[KeyPattern]) -> Inspection:
+def _inspect(index: CheckpointIndex, num_experts: int | None,
+             patterns: Sequence[KeyPattern]) -> Inspection:
     entries = index.entries
     infos = classify_keys(entries, patterns)
     findings: list[Finding] = list(index.problems)
@@ -172,7 +180,8 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
     families: dict[str, dict[int, Entry]] = defaultdict(dict)
     family_info: dict[str, KeyInfo] = {}
     packed: list[tuple[KeyInfo, Entry]] = []
-    counts = {"keys": len(entries), "tensors": 0, "non_tensors": 0, "expert_keys": 0, "optimizer_keys": 0}
+    counts = {"keys": len(entries), "tensors": 0, "non_tensors": 0, "expert_keys": 0,
+              "optimizer_keys": 0}
     for key, info in infos.items():
         entry = entries[key]
         if not entry.is_tensor:
@@ -181,7 +190,8 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
         counts["tensors"] += 1
         counts["optimizer_keys"] += info.stat is not None
         if info.role == "router" and entry.shape:
-            routers[info.layer] = max(routers.get(info.layer, (key, 0)), (key, entry.shape[0]), key=lambda r: r[1])
+            routers[info.layer] = max(routers.get(info.layer, (key, 0)), (key, entry.shape[0]),
+                                      key=lambda r: r[1])
         elif info.role == "expert":
             counts["expert_keys"] += 1
             if info.kind == "per_expert" and info.expert is not None:
@@ -203,12 +213,15 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
         source = "largest expert id + 1" if by_id >= by_rows else "largest packed extent"
     if not families and not packed:
         routed = sorted(k for k in routers if k is not None)
-        why = (f", although layer(s) {expert_ranges(routed)} have a router: their experts are missing, or named "
-               "in a form no pattern knows" if routed else ", so no expert was checked")
-        findings.append(Finding("no_expert_keys", "", f"none of the {len(entries)} keys matched an expert "
+        why = (f", although layer(s) {expert_ranges(routed)} have a router: their experts are "
+               "missing, or named in a form no pattern knows" if routed
+               else ", so no expert was checked")
+        findings.append(Finding("no_expert_keys", "",
+                                f"none of the {len(entries)} keys matched an expert "
                                 f"pattern{why}; name them with --expert-key REGEX"))
-        return Inspection(index.path, index.format, num_experts, source if num_experts else "unknown",
-                          tuple(sorted(k for k in routers if k is not None)), (), tuple(findings), counts)
+        return Inspection(
+            index.path, index.format, num_experts, source if num_experts else "unknown",
+            tuple(sorted(k for k in routers if k is not None)), (), tuple(findings), counts)
     assert num_experts is not None
     every = set(range(num_experts))
     groups: list[ExpertGroup] = []
@@ -217,17 +230,21 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
         info = family_info[family]
         ids = set(held)
         missing, unknown = sorted(every - ids), sorted(ids - every)
-        groups.append(ExpertGroup(info.layer, family, "per_expert", info.stat, len(ids), tuple(sorted(ids))))
+        groups.append(ExpertGroup(info.layer, family, "per_expert", info.stat, len(ids),
+                                  tuple(sorted(ids))))
         if missing and ids == set(range(len(ids))) and len(ids) in _local_counts(num_experts):
-            findings.append(Finding("local_numbering", family, f"per-expert keys are numbered 0..{len(ids) - 1} "
-                                    f"only: {len(ids)} of {num_experts} experts{_ep_hint(num_experts, len(ids))}, "
-                                    "one EP rank's local names; the other experts are not in the checkpoint",
-                                    info.layer, tuple(missing)))
+            findings.append(Finding(
+                "local_numbering", family, f"per-expert keys are numbered 0..{len(ids) - 1} "
+                f"only: {len(ids)} of {num_experts} experts{_ep_hint(num_experts, len(ids))}, "
+                "one EP rank's local names; the other experts are not in the checkpoint",
+                info.layer, tuple(missing)))
         elif missing:
-            findings.append(Finding("missing_experts", family, f"{len(missing)} of {num_experts} experts have no "
+            findings.append(Finding("missing_experts", family,
+                                    f"{len(missing)} of {num_experts} experts have no "
                                     "key", info.layer, tuple(missing)))
         if unknown:
-            findings.append(Finding("unknown_experts", family, f"keys for expert ids >= {num_experts}, the number "
+            findings.append(Finding("unknown_experts", family,
+                                    f"keys for expert ids >= {num_experts}, the number "
                                     "of experts", info.layer, tuple(unknown)))
         kinds: dict[tuple[Any, Any], list[int]] = defaultdict(list)
         for g, e in held.items():
@@ -235,7 +252,8 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
         if len(kinds) > 1:
             common = max(kinds, key=lambda k: len(kinds[k]))
             odd = sorted(g for k, gs in kinds.items() if k != common for g in gs)
-            findings.append(Finding("shape_mismatch", family, f"shape/dtype differ from the other experts' "
+            findings.append(Finding("shape_mismatch", family,
+                                    f"shape/dtype differ from the other experts' "
                                     f"{common[0]} {common[1]}", info.layer, tuple(odd)))
 
     for info, entry in packed:
@@ -243,20 +261,24 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
         full, part, twice = _rows(entry)
         groups.append(ExpertGroup(info.layer, entry.key, "packed", info.stat, rows, tuple(full)))
         if rows < num_experts:
-            findings.append(Finding("local_extent", entry.key, f"its expert axis has {rows} rows, expected "
-                                    f"{num_experts} (the global extent): {rows} is a local count"
-                                    f"{_ep_hint(num_experts, rows)}, so these experts have no row"
-                                    + (f" and rows 0..{rows - 1} hold one EP rank's experts" if rows else ""),
-                                    info.layer, tuple(range(rows, num_experts))))
+            findings.append(
+                Finding("local_extent", entry.key, f"its expert axis has {rows} rows, expected "
+                        f"{num_experts} (the global extent): {rows} is a local count"
+                        f"{_ep_hint(num_experts, rows)}, so these experts have no row"
+                        + (f" and rows 0..{rows - 1} hold one EP rank's experts" if rows else ""),
+                        info.layer, tuple(range(rows, num_experts))))
         elif rows > num_experts:
-            findings.append(Finding("extent_mismatch", entry.key, f"its expert axis has {rows} rows, but the "
-                                    f"model has {num_experts} experts", info.layer, tuple(range(num_experts, rows))))
+            findings.append(Finding(
+                "extent_mismatch", entry.key, f"its expert axis has {rows} rows, but the "
+                f"model has {num_experts} experts", info.layer, tuple(range(num_experts, rows))))
         if part:
-            findings.append(Finding("missing_experts", entry.key, f"no chunk (or only part of one) covers these "
-                                    f"rows of the expert axis: {len(part)} of {rows} experts not stored",
+            findings.append(Finding("missing_experts", entry.key,
+                                    "no chunk (or only part of one) covers these rows of the "
+                                    f"expert axis: {len(part)} of {rows} experts not stored",
                                     info.layer, tuple(part)))
         if twice:
-            findings.append(Finding("duplicate_experts", entry.key, "these rows of the expert axis are stored by "
+            findings.append(Finding("duplicate_experts", entry.key,
+                                    "these rows of the expert axis are stored by "
                                     "more than one chunk", info.layer, tuple(twice)))
         elif _overlaps(entry.chunks):
             findings += [f for f in _chunk_findings(entry, info) if f.problem == "chunk_overlap"]
@@ -265,11 +287,14 @@ def _inspect(index: CheckpointIndex, num_experts: int | None, patterns: Sequence
     findings += _optimizer_findings(infos, entries, num_experts)
     moe_layers = {i.layer for i in infos.values() if i.role == "expert"} | set(routers)
     return Inspection(index.path, index.format, num_experts, source,
-                      tuple(sorted(x for x in moe_layers if x is not None)), tuple(groups), tuple(findings), counts)
+                      tuple(sorted(x for x in moe_layers if x is not None)), tuple(groups),
+                      tuple(findings), counts)
 
 
-def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any], num_experts: int) -> list[Finding]:
-    """An expert tensor the MoE layers hold, absent from one of them: that layer's experts are gone."""
+def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any],
+                    num_experts: int) -> list[Finding]:
+    """An expert tensor the MoE layers hold, absent from one of them: that layer's experts are
+    gone."""
     present: dict[str, set[int]] = defaultdict(set)
     for info in infos.values():
         if info.role == "expert" and info.layer is not None:
@@ -280,19 +305,21 @@ def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any], n
     every = tuple(range(num_experts))
     for layer in sorted(moe_layers - expert_layers):
         example = sorted(present)[0].replace("#", str(layer), 1)
-        out.append(Finding("layer_missing", example, f"the layer has a router but none of the {len(present)} "
-                           "expert tensors the other MoE layers hold: a whole layer's experts are missing", layer,
+        out.append(Finding("layer_missing", example,
+                           f"the layer has a router but none of the {len(present)} expert tensors "
+                           "the other MoE layers hold: a whole layer's experts are missing", layer,
                            every))
-    # A layer whose tensor a class with another prefix holds is not missing from this one: stage-prefixed names
-    # (``stage1.layers.0`` for layer 2) or a second stack (``mtp.layers.0``) number their own layers.
+    # A layer whose tensor a class with another prefix holds is not missing from this one:
+    # stage-prefixed names (``stage1.layers.0`` for layer 2) or a second stack (``mtp.layers.0``)
+    # number their own layers.
     held_as: dict[str, set[int]] = defaultdict(set)  # by what follows the layer index
     for cls, layers in present.items():
         held_as[cls.split("#", 1)[-1]] |= layers
     for cls, layers in sorted(present.items()):
         for layer in sorted(expert_layers - held_as[cls.split("#", 1)[-1]]):
-            out.append(Finding("layer_missing", cls.replace("#", str(layer), 1), f"absent, but layers "
-                               f"{expert_ranges(sorted(layers))} hold it: this layer's experts are missing from it",
-                               layer, every))
+            out.append(Finding("layer_missing", cls.replace("#", str(layer), 1),
+                               f"absent, but layers {expert_ranges(sorted(layers))} hold it: this "
+                               "layer's experts are missing from it", layer, every))
     return out
 
 
@@ -309,7 +336,8 @@ def _optimizer_findings(infos: dict[str, KeyInfo], entries: Any, num_experts: in
         weight = info.param if info.param in weights else f"model.{info.param}"
         if weight not in weights:
             if weights and not info.param.isdigit():  # a positional id names no weight: no orphan
-                orphans[(info.family, info.stat)].append(info.expert if info.expert is not None else -1)
+                orphans[(info.family, info.stat)].append(info.expert if info.expert is not None
+                                                         else -1)
                 orphan_layer[(info.family, info.stat)] = info.layer
             continue
         stats_of[weight].add(info.stat)
@@ -321,11 +349,13 @@ def _optimizer_findings(infos: dict[str, KeyInfo], entries: Any, num_experts: in
             experts = [info.expert] if info.kind == "per_expert" else list(range(num_experts))
             missing[(info.family, stat)] += [e for e in experts if e is not None]
             where[(info.family, stat)] = info.layer
-    out = [Finding("optimizer_missing", family, f"no optimizer state {stat!r} for these experts, although other "
-                   "experts' weights of this kind have it", where[(family, stat)], tuple(sorted(experts)))
+    out = [Finding("optimizer_missing", family,
+                   f"no optimizer state {stat!r} for these experts, although other experts' "
+                   "weights of this kind have it", where[(family, stat)], tuple(sorted(experts)))
            for (family, stat), experts in sorted(missing.items())]
-    out += [Finding("optimizer_orphan", f"{family} [{stat}]", "optimizer state for an expert weight the "
-                    "checkpoint does not hold (saved under another name?)", orphan_layer[(family, stat)],
+    out += [Finding("optimizer_orphan", f"{family} [{stat}]",
+                    "optimizer state for an expert weight the checkpoint does not hold (saved "
+                    "under another name?)", orphan_layer[(family, stat)],
                     tuple(sorted(e for e in experts if e >= 0)))
             for (family, stat), experts in sorted(orphans.items())]
     return out

@@ -64,42 +64,53 @@ def pattern(regex: str, source: str = "user") -> KeyPattern:
     try:
         compiled = re.compile(regex)
     except re.error as exc:
-        raise ValueError(f"expert key pattern {regex!r} is not a valid regular expression: {exc}") from None
-    return KeyPattern(compiled, "per_expert" if "expert" in compiled.groupindex else "packed", source)
+        raise ValueError(f"expert key pattern {regex!r} is not a valid regular expression: "
+                         f"{exc}") from None
+    return KeyPattern(compiled, "per_expert" if "expert" in compiled.groupindex else "packed",
+                      source)
 
 
 DEFAULT_PATTERNS: tuple[KeyPattern, ...] = (
     pattern(r"(?:^|\.)\w*experts\.(?P<expert>\d+)(?:\.|$)",
             "reference, Hugging Face, Megatron local_experts, DeepSpeed deepspeed_experts"),
-    pattern(r"(?:^|\.)experts\.linear_fc[12]\.(?:weight|bias)(?P<expert>\d+)$", "Megatron TEGroupedMLP"),
+    pattern(r"(?:^|\.)experts\.linear_fc[12]\.(?:weight|bias)(?P<expert>\d+)$",
+            "Megatron TEGroupedMLP"),
     pattern(r"(?:^|\.)moe\.(?:gate|up|down)_w$", "reference packed"),
-    pattern(r"(?:^|\.)(?:inner_)?experts\.w[123](?:_[A-Z]{3})?$", "torchtitan (experts.w1, inner_experts.w1_EFD)"),
+    pattern(r"(?:^|\.)(?:inner_)?experts\.w[123](?:_[A-Z]{3})?$",
+            "torchtitan (experts.w1, inner_experts.w1_EFD)"),
     pattern(r"(?:^|\.)experts\.(?:gate_and_up_projs|down_projs)$", "NeMo Automodel"),
-    pattern(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)(?:_bias)?$", "DeepSpeed AutoEP, Hugging Face"),
+    pattern(r"(?:^|\.)experts\.(?:gate_up_proj|down_proj)(?:_bias)?$",
+            "DeepSpeed AutoEP, Hugging Face"),
     pattern(r"(?:^|\.)experts\.experts\.linear_fc[12]\.(?:weight|bias)$", "Megatron distributed"),
     pattern(r"(?:^|\.)experts\.mlp\.w[123]$", "OLMo-core (experts.mlp.w1: E * rows flattened)"),
     pattern(r"(?:^|\.)\w*experts\.[A-Za-z_]\w*$", "a parameter of an '...experts' module"),
 )
 SHARED = re.compile(r"(?:^|\.)shared_?experts?(?:\.|$)", re.IGNORECASE)
-ROUTER = re.compile(r"(?:^|\.)(?:\w*moe|mlp|feed_forward)\.(?:router(?:\.gate)?|gate(?:\.wg)?)\.weight$")
+ROUTER = re.compile(
+    r"(?:^|\.)(?:\w*moe|mlp|feed_forward)\.(?:router(?:\.gate)?|gate(?:\.wg)?)\.weight$")
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(?P<layer>\d+)(?:\.|$)")
-OPTIMIZER = re.compile(r"^(?:optimizer|optim|optimizers)(?:\.\d+)?\.state\.(?P<param>.+)\.(?P<stat>[A-Za-z_]\w*)$")
-#: Megatron-Core's dist-checkpointing form names the state first: ``[chained_N.]optimizer.state.<stat>.<param>``
-#: (its distributed optimizer's ``fully_reshardable`` format calls the fp32 main parameter ``param``).
-STAT_FIRST = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|param|"
-                        r"momentum_buffer|max_exp_avg_sq)\.(?P<param>.+)$")
+OPTIMIZER = re.compile(
+    r"^(?:optimizer|optim|optimizers)(?:\.\d+)?\.state\.(?P<param>.+)\.(?P<stat>[A-Za-z_]\w*)$")
+#: Megatron-Core's dist-checkpointing form names the state first:
+#: ``[chained_N.]optimizer.state.<stat>.<param>`` (its distributed optimizer's ``fully_reshardable``
+#: format calls the fp32 main parameter ``param``).
+STAT_FIRST = re.compile(
+    r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|param|"
+    r"momentum_buffer|max_exp_avg_sq)\.(?P<param>.+)$")
 
 
 def field_of(key: str) -> tuple[str, str]:
-    """``(top-level name, last component)`` of a dotted key: what a non-tensor field keeps when a framework re-keys
-    its state with EP (an optimizer's settings per group at ep=1, per parameter at ep>1; one LR scheduler at ep=1,
-    a dict of them at ep>1).  The one rule the checkpoint comparison and the scalars check read re-keying by."""
+    """``(top-level name, last component)`` of a dotted key: what a non-tensor field keeps when a
+    framework re-keys its state with EP (an optimizer's settings per group at ep=1, per parameter at
+    ep>1; one LR scheduler at ep=1, a dict of them at ep>1).  The one rule the checkpoint comparison
+    and the scalars check read re-keying by."""
     parts = key.split(".")
     return parts[0], parts[-1]
 
 
 def optimizer_parts(key: str) -> tuple[int, str, str] | None:
-    """``(where the parameter's name starts, the parameter, the state name)`` of an optimizer-state key."""
+    """``(where the parameter's name starts, the parameter, the state name)`` of an optimizer-state
+    key."""
     found = STAT_FIRST.match(key) or OPTIMIZER.match(key)
     return (found.start("param"), found["param"], found["stat"]) if found else None
 
@@ -154,7 +165,8 @@ def _recipe(key: str, patterns: Sequence[KeyPattern]) -> _Recipe:
     if not SHARED.search(param):
         for p in patterns:
             m = p.regex.search(param)
-            if m and p.kind == "flattened":  # learned from content: experts flattened, no expert axis to read
+            # learned from content: experts flattened, no expert axis to read
+            if m and p.kind == "flattened":
                 break
             if m:
                 role, kind, matched = "expert", p.kind, m
@@ -164,7 +176,8 @@ def _recipe(key: str, patterns: Sequence[KeyPattern]) -> _Recipe:
         else:
             if not opt and ROUTER.search(param):
                 role = "router"
-    layer = matched if matched is not None and "layer" in matched.re.groupindex else LAYER.search(param)
+    layer = (matched if matched is not None and "layer" in matched.re.groupindex
+             else LAYER.search(param))
     layer_span = (layer.start("layer") + start, layer.end("layer") + start) if layer else None
     return _Recipe(role, kind, opt is not None, _where(key, expert_span), _where(key, layer_span))
 
@@ -177,7 +190,8 @@ def _put(parts: list[str], where: Where, text: str) -> None:
     parts[i] = parts[i][:a] + text + parts[i][b:]
 
 
-def classify_keys(keys: Iterable[str], patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> dict[str, KeyInfo]:
+def classify_keys(keys: Iterable[str],
+                  patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS) -> dict[str, KeyInfo]:
     """:class:`KeyInfo` of every key, matching the patterns once per key template."""
     with paused_gc():
         return _classify(keys, patterns)

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.inspection.compare import (
-    DEFAULT_MEMORY_BYTES,
+from conformance.inspection.compare import DEFAULT_MEMORY_BYTES
+from conformance.inspection.digests import (
     WHOLE_ONLY,
     Digest,
     _batches,

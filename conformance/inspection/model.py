@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["CheckpointError", "CheckpointIndex", "Entry", "Finding", "Reader", "expert_ranges", "paused_gc"]
+__all__ = ["CheckpointError", "CheckpointIndex", "Entry", "Finding", "Reader", "expert_ranges",
+           "paused_gc"]
 
 #: ``reader(keys) -> {key: value}``: tensors in global form (torch.Tensor), other entries as the
 #: Python values they hold.  One call may hold every value it returns in memory at once.
@@ -69,11 +70,13 @@ class CheckpointIndex:
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection inside: building 10^6 small objects (a 180,000-key index) runs
-    5x faster without the collector rescanning them every 700 allocations; nothing made here is cyclic.
+    5x faster without the collector rescanning them every 700 allocations; nothing made here is
+    cyclic.
 
-    On the way out what was made goes straight to the oldest generation (``gc.freeze()`` then ``gc.unfreeze()``):
-    re-enabled with a million young objects, the collector's next young collection would scan them all (0.8 s of a
-    3.4 s read of the 179k-key metadata); in the oldest generation only the next full collection looks at them."""
+    On the way out what was made goes straight to the oldest generation (``gc.freeze()`` then
+    ``gc.unfreeze()``): re-enabled with a million young objects, the collector's next young
+    collection would scan them all (0.8 s of a 3.4 s read of the 179k-key metadata); in the oldest
+    generation only the next full collection looks at them."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -118,25 +121,27 @@ class Finding:
         if self.key:
             where.append(f"key {self.key!r}")
         if self.experts:
-            where.append(f"expert{'s' if len(self.experts) > 1 else ''} {expert_ranges(self.experts)}")
+            where.append(f"expert{'s' if len(self.experts) > 1 else ''} "
+                         f"{expert_ranges(self.experts)}")
         return f"{', '.join(where)}: {self.message}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"problem": self.problem, "key": self.key, "layer": self.layer, "experts": list(self.experts),
+        return {"problem": self.problem, "key": self.key, "layer": self.layer,
+                "experts": list(self.experts),
                 "other_key": self.other_key, "message": self.message, "text": str(self)}
 
 
 #: every problem code, with what it means; the CLI's --json and the README list them.
 PROBLEMS: dict[str, str] = {
     "no_expert_keys": "no key matched an expert pattern: nothing was checked (add --expert-key)",
-    "local_extent": "a packed key's expert axis has fewer rows than experts: one EP rank's local count",
-    "extent_mismatch": "a packed key's expert axis has more rows than experts",
-    "local_numbering": "per-expert keys are numbered 0..k-1 only (k < E): one EP rank's local names",
+    "local_extent": "a packed key's expert axis has fewer rows than experts: one EP rank's local "
+    "count", "extent_mismatch": "a packed key's expert axis has more rows than experts",
+    "local_numbering": "per-expert keys are numbered 0..k-1 only (k < E): one EP rank's local "
+    "names",
     "missing_experts": "experts absent from a per-expert family, or expert rows no chunk covers",
     "unknown_experts": "per-expert keys with ids >= E",
     "duplicate_experts": "expert rows stored by more than one chunk",
-    "chunk_hole": "a tensor's chunks do not cover it",
-    "chunk_overlap": "a tensor's chunks overlap",
+    "chunk_hole": "a tensor's chunks do not cover it", "chunk_overlap": "a tensor's chunks overlap",
     "shape_mismatch": "per-expert tensors of one family differ in shape or dtype",
     "layer_missing": "an expert key present for some MoE layers and not others",
     "optimizer_missing": "optimizer state present for some experts' weights but not for these",
@@ -144,8 +149,8 @@ PROBLEMS: dict[str, str] = {
     "index_mismatch": "a safetensors index and its files disagree",
     "key_missing": "compare: a key of the other checkpoint is absent",
     "key_unexpected": "compare: a key the other checkpoint does not have",
-    "key_rekeyed": "compare: non-tensor fields the other checkpoint holds under other keys (whether values agree)",
-    "shape_differs": "compare: global shapes differ",
+    "key_rekeyed": "compare: non-tensor fields the other checkpoint holds under other keys "
+    "(whether values agree)", "shape_differs": "compare: global shapes differ",
     "dtype_differs": "compare: dtypes differ",
     "entry_kind_differs": "compare: a tensor in one checkpoint, a non-tensor entry in the other",
     "holds_other_key": "compare: the key holds the other checkpoint's value of another key",
@@ -153,6 +158,6 @@ PROBLEMS: dict[str, str] = {
                  "parameters' state",
     "rows_are_other_experts": "compare: rows of a key's expert axis hold other experts' values",
     "values_differ": "compare: values differ and match nothing in the other checkpoint",
-    "holds_other_expert": "an expert key (or packed row) holds the model's tensor of another expert or layer",
-    "value_differs": "compare: a non-tensor entry (step, lr, ...) differs",
+    "holds_other_expert": "an expert key (or packed row) holds the model's tensor of another "
+    "expert or layer", "value_differs": "compare: a non-tensor entry (step, lr, ...) differs",
 }

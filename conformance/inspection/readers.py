@@ -8,10 +8,7 @@
   world; a tensor item is decoded by an unpickler that allows only a plain tensor's rebuild
   (:class:`_TensorUnpickler`), anything else with ``torch.load(weights_only=True)``, never with
   DCP's unrestricted unpickling.
-* Hugging Face safetensors: ``model.safetensors.index.json`` and each file's header, parsed here
-  (8-byte little-endian length + JSON) rather than with the ``safetensors`` package: it is twenty
-  lines, needs no extra dependency, and lets every malformed header be a :class:`CheckpointError`
-  naming the file and the byte it failed at.
+* Hugging Face safetensors: :mod:`conformance.inspection.safetensors_reader`.
 
 Nothing here writes to the checkpoint directory, and nothing outside it is read: every file is
 opened only after its path, links resolved, is found inside the checkpoint directory
@@ -22,47 +19,44 @@ opened only after its path, links resolved, is found inside the checkpoint direc
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
-import struct
 import types
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding, paused_gc
+from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, paused_gc
 from conformance.inspection.roots import ROOT_DEPTH, dcp_dir, find_checkpoint, is_checkpoint
 from pytest_moe_ep.text import shorten
 
-__all__ = ["find_checkpoint", "index_state_dict", "read_checkpoint", "read_dcp", "read_safetensors"]
+__all__ = ["find_checkpoint", "index_state_dict", "read_checkpoint", "read_dcp"]
 
 WHAT = "a DCP checkpoint directory (with .metadata) or a Hugging Face safetensors directory"
-SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
-}
-MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 OUTSIDE = "only files inside the checkpoint directory (after resolving links)"
 
 
 def _inside(root: Path, file: Path, named: str = "") -> Path:
-    """``file`` with its links resolved, refused unless it lies inside ``root`` (itself resolved)."""
+    """``file`` with its links resolved, refused unless it lies inside ``root`` (itself
+    resolved)."""
     real = file.resolve()
     if real != root and root not in real.parents:
         what = f"{named}, which resolves" if named else "resolves"
-        raise CheckpointError(str(file), f"{what} to {real}, outside the checkpoint directory {root}", OUTSIDE)
+        raise CheckpointError(str(file),
+                              f"{what} to {real}, outside the checkpoint directory {root}", OUTSIDE)
     return real
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
     """The index of the checkpoint at (or below: :func:`find_checkpoint`) ``path``."""
+    from conformance.inspection.safetensors_reader import read_safetensors
+
     p = Path(path)
     if p.is_file() and p.name == ".metadata":
         p = p.parent
-    if p.is_file() and (p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")):
+    if p.is_file() and (p.name.endswith(".safetensors")
+                        or p.name.endswith(".safetensors.index.json")):
         return read_safetensors(p)
     if not p.exists():
         raise CheckpointError(str(p), "does not exist", WHAT)
@@ -81,8 +75,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
 class _Record:
     """Stands for a DCP metadata class while unpickling: its fields land in ``__dict__``.
 
-    An enum (``WriteItemType``, which Megatron's metadata holds) pickles as a call with its value: kept in
-    ``args``.
+    An enum (``WriteItemType``, which Megatron's metadata holds) pickles as a call with its value:
+    kept in ``args``.
     """
 
     def __init__(self, *args: Any) -> None:
@@ -97,14 +91,17 @@ class _Properties:
 
 
 _RECORDS: dict[str, type] = {}
-_SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict, "int": int,
+_SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict,
+                  "int": int,
                   "float": float, "str": str, "bytes": bytes, "bool": bool, "complex": complex}
 
 
-#: storage-layer records that frameworks' own DCP storage writers put in ``Metadata.storage_data`` (where DCP's
-#: FileSystemWriter puts its ``_StorageInfo``): dataclasses of plain fields, read as plain records.
+#: storage-layer records that frameworks' own DCP storage writers put in ``Metadata.storage_data``
+#: (where DCP's FileSystemWriter puts its ``_StorageInfo``): dataclasses of plain fields, read as
+#: plain records.
 _STORAGE_INFO = {
-    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"),  # OLMo-core's RemoteFileSystemWriter
+    # OLMo-core's RemoteFileSystemWriter
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"),
 }
 
 
@@ -131,7 +128,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return str
         if module == "pathlib":  # StorageMeta.checkpoint_id: a path pickled as its parts
             return _path
-        if (module, name) in _STORAGE_INFO:  # a storage writer's own per-item record (storage_data): never read
+        # a storage writer's own per-item record (storage_data): never read
+        if (module, name) in _STORAGE_INFO:
             return _RECORDS.setdefault(f"{module}.{name}", type(name, (_Record,), {}))
         if module == "builtins" and name in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[name]
@@ -171,7 +169,8 @@ def read_dcp(path: str | os.PathLike[str]) -> CheckpointIndex:
 def _read_dcp(p: Path) -> CheckpointIndex:
     meta_path = p / ".metadata"
     if not p.is_dir():
-        raise CheckpointError(str(p), "is not a directory" if p.exists() else "does not exist", WHAT)
+        raise CheckpointError(str(p), "is not a directory" if p.exists() else "does not exist",
+                              WHAT)
     expected = "a pickled torch.distributed.checkpoint Metadata, as dcp.save writes it"
     if meta_path.is_symlink():
         _inside(p.resolve(), meta_path)
@@ -181,13 +180,16 @@ def _read_dcp(p: Path) -> CheckpointIndex:
     except FileNotFoundError:
         raise CheckpointError(str(meta_path), "does not exist", expected) from None
     except OSError as exc:
-        raise CheckpointError(str(meta_path), f"cannot be read ({type(exc).__name__}: {exc})", expected) from None
+        raise CheckpointError(str(meta_path), f"cannot be read ({type(exc).__name__}: {exc})",
+                              expected) from None
     except Exception as exc:  # whatever a corrupt pickle raises
         what = "truncated" if isinstance(exc, EOFError) or "truncated" in str(exc) else "corrupt"
-        raise CheckpointError(str(meta_path), f"is {what} ({type(exc).__name__}: {exc})", expected) from None
+        raise CheckpointError(str(meta_path), f"is {what} ({type(exc).__name__}: {exc})",
+                              expected) from None
     sdm = getattr(metadata, "state_dict_metadata", None)
     if type(metadata).__name__ != "Metadata" or not isinstance(sdm, dict):
-        raise CheckpointError(str(meta_path), f"holds a {type(metadata).__name__}, not a DCP Metadata", expected)
+        raise CheckpointError(str(meta_path),
+                              f"holds a {type(metadata).__name__}, not a DCP Metadata", expected)
     entries: dict[str, Entry] = {}
     try:
         for key, md in sdm.items():
@@ -201,13 +203,15 @@ def _read_dcp(p: Path) -> CheckpointIndex:
                 raise TypeError(f"key {key!r} has metadata of type {kind}")
     except (TypeError, AttributeError) as exc:
         raise CheckpointError(str(meta_path), f"is not DCP metadata as expected ({exc})",
-                              "TensorStorageMetadata or BytesStorageMetadata for every key") from None
+                              "TensorStorageMetadata or BytesStorageMetadata for every "
+                              "key") from None
     _storage_inside(p, metadata, str(meta_path))
     return CheckpointIndex(str(p), "dcp", entries, reader=_DcpReader(str(p)))
 
 
 def _storage_inside(p: Path, metadata: Any, meta_path: str) -> None:
-    """Every data file ``.metadata`` names lies inside the checkpoint directory (DCP opens ``p / name``)."""
+    """Every data file ``.metadata`` names lies inside the checkpoint directory (DCP opens
+    ``p / name``)."""
     root = p.resolve()
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
@@ -277,24 +281,32 @@ class _DcpReader:
         return state
 
     def _direct(self, keys: Sequence[str], metadata: Any) -> dict[str, Any]:
-        """``keys`` read straight from the data files: each item's bytes where ``storage_data`` puts them, a
-        tensor decoded by :func:`_tensor` and placed at its chunk's offsets, as DCP's own reader does.
+        """``keys`` read straight from the data files: each item's bytes where ``storage_data`` puts
+        them, a tensor decoded by :func:`_tensor` and placed at its chunk's offsets, as DCP's own
+        reader does.
 
-        Why not ``dcp.load(no_dist=True)``: its planning and its ``torch.load(weights_only=True)`` per item (a
-        pure-Python unpickler) cost about 3 ms an item, and a checkpoint in one key per expert, weight and moment
-        has thousands of items; reading the truth and every saved checkpoint was most of the inspection.
+        Why not ``dcp.load(no_dist=True)``: its planning and its ``torch.load(weights_only=True)``
+        per item (a pure-Python unpickler) cost about 3 ms an item, and a checkpoint in one key per
+        expert, weight and moment has thousands of items; reading the truth and every saved
+        checkpoint was most of the inspection.
         """
         import torch
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorStorageMetadata,
+        )
 
-        wanted: dict[str, list[tuple[Any, Any]]] = {}  # data file -> [(item's storage info, where it goes)]
+        # data file -> [(item's storage info, where it goes)]
+        wanted: dict[str, list[tuple[Any, Any]]] = {}
         state: dict[str, Any] = {}
         root = Path(self.path)
         for key in keys:
             md = metadata.state_dict_metadata[key]
             pieces: list[tuple[MetadataIndex, tuple[str, ChunkStorageMetadata | None]]]
             if isinstance(md, TensorStorageMetadata):
-                # one chunk that is the whole tensor: its decoded item is the value (None keeps its place in the order)
+                # one chunk that is the whole tensor: its decoded item is the value (None keeps its
+                # place in the order)
                 whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
                 state[key] = None if whole else torch.empty(md.size, dtype=md.properties.dtype)
                 pieces = [(MetadataIndex(key, chunk.offsets), (key, chunk)) for chunk in md.chunks]
@@ -303,7 +315,8 @@ class _DcpReader:
             for index, where in pieces:
                 info = metadata.storage_data.get(index)
                 if info is None:
-                    raise CheckpointError(self.path, f"{key!r}: .metadata names no data for its chunk at "
+                    raise CheckpointError(self.path,
+                                          f"{key!r}: .metadata names no data for its chunk at "
                                           f"{index.offset}", "data for every chunk .metadata lists")
                 wanted.setdefault(info.relative_path, []).append((info, where))
         for name, items in wanted.items():
@@ -313,34 +326,39 @@ class _DcpReader:
                         f.seek(info.offset)
                         raw = f.read(info.length)
                         if len(raw) != info.length:
-                            raise CheckpointError(str(root / name), f"{key!r}: {len(raw)} of {info.length} bytes at "
-                                                  f"{info.offset} (truncated)", "data files that match .metadata")
+                            raise CheckpointError(
+                                str(root / name), f"{key!r}: {len(raw)} of {info.length} bytes at "
+                                f"{info.offset} (truncated)", "data files that match .metadata")
                         if chunk is None:
                             state[key] = _decode(raw)
                             continue
                         value = _tensor(raw)
                         dtype = metadata.state_dict_metadata[key].properties.dtype
                         if tuple(value.shape) != tuple(chunk.sizes) or value.dtype != dtype:
-                            raise CheckpointError(str(root / name), f"{key!r}: its chunk at {tuple(chunk.offsets)} "
-                                                  f"holds {tuple(value.shape)} {value.dtype}", f"{tuple(chunk.sizes)} "
-                                                  f"{dtype} as .metadata says")
+                            raise CheckpointError(str(root / name),
+                                                  f"{key!r}: its chunk at {tuple(chunk.offsets)} "
+                                                  f"holds {tuple(value.shape)} {value.dtype}",
+                                                  f"{tuple(chunk.sizes)} {dtype} as .metadata says")
                         target = state[key]
                         if target is None:  # the whole tensor, no copy
                             state[key] = value
                             continue
-                        for axis, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                        for axis, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes,
+                                                                 strict=True)):
                             target = target.narrow(axis, start, size)
                         target.copy_(value)
             except OSError as exc:
-                raise CheckpointError(self.path, f"reading {len(keys)} key(s) from {keys[0]!r} failed "
+                raise CheckpointError(self.path,
+                                      f"reading {len(keys)} key(s) from {keys[0]!r} failed "
                                       f"({type(exc).__name__}: {shorten(str(exc), 300)})",
                                       "data files that match .metadata") from None
         return state
 
 
 def _direct(metadata: Any) -> bool:
-    """Whether every item is plain bytes at an offset of a file in the directory (DCP's own ``_StorageInfo``
-    with no stream transform such as compression), which :meth:`_DcpReader._direct` reads."""
+    """Whether every item is plain bytes at an offset of a file in the directory (DCP's own
+    ``_StorageInfo`` with no stream transform such as compression), which :meth:`_DcpReader._direct`
+    reads."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     storage = getattr(metadata, "storage_data", None)
@@ -349,9 +367,9 @@ def _direct(metadata: Any) -> bool:
 
 
 class _TensorUnpickler(pickle.Unpickler):
-    """The C unpickler allowing only what ``torch.save`` writes for one plain tensor: its rebuild function and
-    storage types (``torch.load`` resolves those itself); any other global refuses the item, which is then read
-    with ``torch.load(weights_only=True)``."""
+    """The C unpickler allowing only what ``torch.save`` writes for one plain tensor: its rebuild
+    function and storage types (``torch.load`` resolves those itself); any other global refuses the
+    item, which is then read with ``torch.load(weights_only=True)``."""
 
     ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
                ("collections", "OrderedDict")}
@@ -362,18 +380,21 @@ class _TensorUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-#: the ``pickle_module`` ``torch.load`` takes: a module whose ``Unpickler`` is :class:`_TensorUnpickler`.
+#: the ``pickle_module`` ``torch.load`` takes: a module whose ``Unpickler`` is
+#: :class:`_TensorUnpickler`.
 _TENSOR_PICKLE = types.ModuleType("conformance_tensor_pickle")
 _TENSOR_PICKLE.Unpickler = _TensorUnpickler  # type: ignore[attr-defined]
 
 
 def _tensor(raw: bytes) -> Any:
-    """One DCP tensor item (a ``torch.save`` archive), decoded by :class:`_TensorUnpickler` (about 5x faster than
-    ``torch.load(weights_only=True)``, which it falls back to for anything but a plain tensor)."""
+    """One DCP tensor item (a ``torch.save`` archive), decoded by :class:`_TensorUnpickler` (about
+    5x faster than ``torch.load(weights_only=True)``, which it falls back to for anything but a
+    plain tensor)."""
     import torch
 
     try:
-        value = torch.load(io.BytesIO(raw), map_location="cpu", pickle_module=_TENSOR_PICKLE, weights_only=False)
+        value = torch.load(io.BytesIO(raw), map_location="cpu", pickle_module=_TENSOR_PICKLE,
+                           weights_only=False)
     except Exception:
         value = None
     if not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, torch.nn.Parameter):
@@ -382,11 +403,13 @@ def _tensor(raw: bytes) -> Any:
 
 
 def _with_dcp_storage_info(metadata: Any) -> Any:
-    """``metadata`` with a framework storage writer's per-item records (:data:`_STORAGE_INFO`) as DCP's own.
+    """``metadata`` with a framework storage writer's per-item records (:data:`_STORAGE_INFO`) as
+    DCP's own.
 
-    OLMo-core's writer pickles its own ``_StorageInfo(relative_path, offset, length)``, which torch 2.13's
-    ``FileSystemReader`` cannot read (it lacks ``transform_descriptors``); the same three fields say where the
-    bytes are, so the values are read exactly as DCP's reader reads its own checkpoints.
+    OLMo-core's writer pickles its own ``_StorageInfo(relative_path, offset, length)``, which torch
+    2.13's ``FileSystemReader`` cannot read (it lacks ``transform_descriptors``); the same three
+    fields say where the bytes are, so the values are read exactly as DCP's reader reads its own
+    checkpoints.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -411,131 +434,12 @@ def _decode(raw: bytes) -> Any:
         return Opaque(raw)
 
 
-# -- safetensors ----------------------------------------------------------------------------------
-def _header(file: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a .safetensors file and the offset its data starts at."""
-    expected = "a .safetensors file: an 8-byte little-endian header length, then that many bytes of JSON"
-    try:
-        size = file.stat().st_size
-        with file.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(str(file), f"is truncated: {len(head)} bytes, no header length", expected)
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(str(file), f"is truncated or corrupt: header length {n}, file size {size}",
-                                      expected)
-            text = f.read(n)
-    except OSError as exc:
-        raise CheckpointError(str(file), f"cannot be read ({type(exc).__name__}: {exc})", expected) from None
-    try:
-        header = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(str(file), f"has a corrupt JSON header ({exc})", expected) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(str(file), f"has a header of type {type(header).__name__}", expected)
-    return header, 8 + n
-
-
-def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """Every key of a Hugging Face checkpoint from its index and its files' headers."""
-    p = Path(path)
-    directory = p if p.is_dir() else p.parent
-    root = directory.resolve()
-    problems: list[Finding] = []
-    listed: dict[str, str] = {}
-    indexes = sorted(directory.glob("*.safetensors.index.json")) if p.is_dir() else (
-        [p] if p.name.endswith(".index.json") else [])
-    for index_file in indexes:
-        _inside(root, index_file)
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
-        except OSError as exc:
-            raise CheckpointError(str(index_file), f"cannot be read ({type(exc).__name__}: {exc})",
-                                  "a readable JSON index") from None
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(str(index_file), f"is corrupt ({type(exc).__name__}: {exc})",
-                                  'JSON with a "weight_map" object of key -> file name') from None
-        for key, name in weight_map.items():
-            _inside(root, directory / str(name), f"named by {index_file} for key {key!r} as {str(name)!r}")
-        listed.update({str(k): str(v) for k, v in weight_map.items()})
-    if listed:
-        files = sorted({directory / name for name in listed.values()})
-    elif p.is_file():
-        files = [p]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(str(p), "holds no *.safetensors files", WHAT)
-    entries: dict[str, Entry] = {}
-    where: dict[str, tuple[Path, int, int, int]] = {}
-    for file in files:
-        _inside(root, file)
-        if not file.exists():
-            keys = sorted(k for k, v in listed.items() if directory / v == file)
-            raise CheckpointError(str(file), f"does not exist, but the index lists {len(keys)} key(s) in it "
-                                  f"(first {keys[0]!r})", "every file the index names")
-        header, start = _header(file)
-        size = file.stat().st_size
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-            except (TypeError, KeyError, ValueError) as exc:
-                raise CheckpointError(str(file), f"header entry {key!r} is malformed ({exc!r})",
-                                      'each entry {"dtype", "shape", "data_offsets": [begin, end]}') from None
-            if key in entries:
-                problems.append(Finding("index_mismatch", key, f"stored twice: in {where[key][0].name} and "
-                                        f"{file.name}"))
-            if start + end > size:
-                problems.append(Finding("index_mismatch", key, f"its data ends at byte {start + end} of "
-                                        f"{file.name}, which has {size}: the file is truncated"))
-            if listed and listed.get(key) != file.name:
-                problems.append(Finding("index_mismatch", key, f"in {file.name}, but the index says "
-                                        f"{listed.get(key)!r}"))
-            entries[key] = Entry(key, shape, SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
-                                 ((tuple(0 for _ in shape), shape),))
-            where[key] = (file, start, begin, end)
-    for key in sorted(set(listed) - set(entries)):
-        problems.append(Finding("index_mismatch", key, f"listed by the index in {listed[key]}, but that "
-                                "file's header does not have it"))
-    return CheckpointIndex(str(p), "safetensors", entries, tuple(problems), reader=_SafetensorsReader(where, entries))
-
-
-class _SafetensorsReader:
-    def __init__(self, where: Mapping[str, tuple[Path, int, int, int]], entries: Mapping[str, Entry]) -> None:
-        self.where, self.entries = where, entries
-
-    def __call__(self, keys: Sequence[str]) -> dict[str, Any]:
-        import torch
-
-        out: dict[str, Any] = {}
-        for key in keys:
-            file, start, begin, end = self.where[key]
-            entry = self.entries[key]
-            try:
-                with file.open("rb") as f:
-                    f.seek(start + begin)
-                    data = bytearray(f.read(end - begin))
-            except OSError as exc:
-                raise CheckpointError(str(file), f"reading {key!r} failed ({exc})", "a readable file") from None
-            dtype = getattr(torch, entry.dtype or "", None)
-            if not isinstance(dtype, torch.dtype) or len(data) != end - begin:
-                raise CheckpointError(str(file), f"{key!r}: dtype {entry.dtype} or {len(data)} data bytes",
-                                      f"a torch dtype and {end - begin} bytes")
-            assert entry.shape is not None  # read_safetensors makes every entry a tensor
-            out[key] = torch.frombuffer(data, dtype=dtype).reshape(entry.shape) if data else torch.empty(
-                entry.shape or (), dtype=dtype)
-        return out
-
-
 # -- in memory ------------------------------------------------------------------------------------
-def index_state_dict(state: Mapping[str, Any], path: str = "<state dict>", format: str = "state_dict"
+def index_state_dict(state: Mapping[str, Any], path: str = "<state dict>",
+                     format: str = "state_dict"
                      ) -> CheckpointIndex:
-    """An index of a flat ``key -> global tensor | value`` dict (an adapter's ``read_checkpoint``)."""
+    """An index of a flat ``key -> global tensor | value`` dict (an adapter's
+    ``read_checkpoint``)."""
     import torch
 
     entries = {}

@@ -27,15 +27,16 @@ def check_backend_name(backend: str) -> str:
     return backend
 
 
-#: present wherever the NVIDIA kernel driver is loaded; without it no torch build can see a CUDA device.
+#: present wherever the NVIDIA kernel driver is loaded; without it no torch build can see a CUDA
+#: device.
 NVIDIA_DRIVER = "/proc/driver/nvidia/version"
 
 
 def cuda_devices() -> int:
     """How many CUDA devices this process sees (0 without CUDA); never initialises a context.
 
-    On a machine without the NVIDIA driver the answer is 0 without importing torch: the controller then
-    never imports it (a few seconds of every run, paid before the first world could start).
+    On a machine without the NVIDIA driver the answer is 0 without importing torch: the controller
+    then never imports it (a few seconds of every run, paid before the first world could start).
     """
     import os
 
@@ -47,7 +48,8 @@ def cuda_devices() -> int:
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """The concrete backend for ``backend`` at ``world_size``; ``BackendUnavailable`` for NCCL without GPUs."""
+    """The concrete backend for ``backend`` at ``world_size``; ``BackendUnavailable`` for NCCL
+    without GPUs."""
     check_backend_name(backend)
     if backend == "gloo":
         return "gloo"
@@ -74,7 +76,8 @@ class GpuLease:
 
 
 def lease_gpus(count: int, timeout_s: float = 600.0) -> GpuLease:
-    """Take ``count`` free GPUs, waiting up to ``timeout_s`` for other processes to release theirs."""
+    """Take ``count`` free GPUs, waiting up to ``timeout_s`` for other processes to release
+    theirs."""
     from filelock import FileLock, Timeout
 
     total = cuda_devices()
@@ -97,5 +100,6 @@ def lease_gpus(count: int, timeout_s: float = 600.0) -> GpuLease:
                 return lease
         lease.release()  # all or nothing, so two processes never deadlock on half a lease each
         if time.monotonic() > deadline:
-            raise TimeoutError(f"could not lease {count} GPUs within {timeout_s:.0f}s: other processes hold them")
+            raise TimeoutError(f"could not lease {count} GPUs within {timeout_s:.0f}s: other "
+                               "processes hold them")
         time.sleep(0.2)

@@ -1,12 +1,13 @@
-"""Why a call failed: each rank's state, the ranks at fault, and the :class:`WorldError` that says so.
+"""Why a call failed: each rank's state, the ranks at fault, and the :class:`WorldError` that says
+so.
 
 On a deadline the supervisor sends every live rank ``STACK_SIGNAL``; ``faulthandler`` writes all
 threads' stacks into the rank's stack file, whose first line names the main thread.  A rank whose
 main thread is inside ``torch.distributed`` is a *victim*, blocked in a collective waiting for
 someone; a rank running anything else, or a dead one, is a *suspect*.
 
-A hang is not always seen as a deadline: the process group's own timeout may fire first on the
-ranks waiting in a collective, so they *raise* while the stuck rank still runs its own code.  That is
+A hang is not always seen as a deadline: the process group's own timeout may fire first on the ranks
+waiting in a collective, so they *raise* while the stuck rank still runs its own code.  That is
 still a hang, and it is reported as one, with the stuck rank's ``file:line``.
 """
 
@@ -28,7 +29,8 @@ _HEADER = re.compile(r"^main thread (0x[0-9a-f]+)$", re.MULTILINE)
 
 
 def main_thread_stack(header: str, dump: str) -> str:
-    """The block of ``dump`` for the main thread named in ``header``; all of ``dump`` if not found."""
+    """The block of ``dump`` for the main thread named in ``header``; all of ``dump`` if not
+    found."""
     found = _HEADER.search(header)
     if not found:
         return dump
@@ -46,7 +48,8 @@ def _frames(text: str) -> list[str]:
 
 
 def _signature(error: RankError) -> tuple[str, ...]:
-    """What makes two ranks' errors the same: the exception type and the frames it was raised through."""
+    """What makes two ranks' errors the same: the exception type and the frames it was raised
+    through."""
     return (error.type_name, *_frames(error.traceback))
 
 
@@ -77,7 +80,8 @@ class RankStatus(str, Enum):
         return format(self.value, spec)
 
 
-#: the ranks that waited for others: in a collective, or in one when the process group's timeout fired.
+#: the ranks that waited for others: in a collective, or in one when the process group's timeout
+#: fired.
 _WAITING = (RankStatus.IN_COLLECTIVE, RankStatus.RAISED_IN_COLLECTIVE)
 
 
@@ -110,7 +114,8 @@ _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func
 
 
 def location(stack: str) -> str:
-    """``file:line in function`` of the innermost frame of a faulthandler dump ("" when it has none)."""
+    """``file:line in function`` of the innermost frame of a faulthandler dump ("" when it has
+    none)."""
     for line in stack.splitlines():
         found = _FRAME.match(line)
         if found:
@@ -136,7 +141,8 @@ def _ranks(ranks: list[int]) -> str:
 
 def _grouped_details(states: list[RankState], at_fault: list[int], errors: dict[int, RankError],
                      locations: dict[int, str]) -> str:
-    """What the ranks at fault did, ranks with the same story named once: "ranks 0, 1 raised X: m"."""
+    """What the ranks at fault did, ranks with the same story named once: "ranks 0, 1 raised X:
+    m"."""
     groups: dict[str, list[int]] = {}
     for s in states:
         if s.rank not in at_fault:
@@ -171,24 +177,27 @@ class Observed:
 
 
 def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str]) -> WorldError:
-    """The :class:`WorldError` for a failed call: who is at fault, a hang or a failure, every rank's story."""
+    """The :class:`WorldError` for a failed call: who is at fault, a hang or a failure, every rank's
+    story."""
     states: list[RankState] = []
     for r in range(seen.world_size):
         if r in seen.errors:
-            raised = (RankStatus.RAISED_IN_COLLECTIVE if raised_in_collective(seen.errors[r].traceback)
-                      else RankStatus.RAISED)
+            raised = (RankStatus.RAISED_IN_COLLECTIVE
+                      if raised_in_collective(seen.errors[r].traceback) else RankStatus.RAISED)
             states.append(RankState(r, raised, seen.errors[r].headline()))
         elif r in seen.dead:
             states.append(RankState(r, RankStatus.DEAD, describe_exit(seen.dead[r])))
         elif r in seen.returned:
             states.append(RankState(r, RankStatus.RETURNED))
         elif r in seen.stacks:
-            where = RankStatus.IN_COLLECTIVE if in_collective(seen.stacks[r]) else RankStatus.OUTSIDE_COLLECTIVE
+            where = (RankStatus.IN_COLLECTIVE if in_collective(seen.stacks[r])
+                     else RankStatus.OUTSIDE_COLLECTIVE)
             states.append(RankState(r, where))
     at_fault = suspects(states)
     locations = {r: location(seen.stacks[r]) for r in at_fault if r in seen.stacks}
     stuck = [s.rank for s in states if s.state is RankStatus.OUTSIDE_COLLECTIVE]
-    # The process group's timeout fired on the ranks waiting for a rank stuck in its own code: a hang.
+    # The process group's timeout fired on the ranks waiting for a rank stuck in its own code: a
+    # hang.
     pg_timeout_hang = bool(stuck) and all(
         s.state in (*_WAITING, RankStatus.OUTSIDE_COLLECTIVE, RankStatus.RETURNED) for s in states
     ) and any(s.state is RankStatus.RAISED_IN_COLLECTIVE for s in states)
@@ -204,40 +213,47 @@ def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str])
         cause = f"failed on rank(s) {', '.join(map(str, at_fault))}: " \
                 f"{_grouped_details(states, at_fault, seen.errors, locations)}"
     cls = WorldTimeout if hung else RankFailure
-    return cls(fn=seen.fn, world_size=seen.world_size, backend=seen.backend, cause=cause, at_fault=at_fault,
-               waiting=waiting, locations=locations, errors=dict(seen.errors),
-               states={s.rank: s.state.value for s in states}, sections=_sections(seen, states, at_fault, crashes),
-               outputs=outputs)
+    return cls(fn=seen.fn, world_size=seen.world_size, backend=seen.backend, cause=cause,
+               at_fault=at_fault, waiting=waiting, locations=locations, errors=dict(seen.errors),
+               states={s.rank: s.state.value for s in states},
+               sections=_sections(seen, states, at_fault, crashes), outputs=outputs)
 
 
-def _sections(seen: Observed, states: list[RankState], at_fault: list[int], crashes: dict[int, str]) -> list[Section]:
-    """Every rank's state, then one full traceback per distinct error of the ranks at fault, and only their
-    stacks; the rest -- victims, and ranks that raised the same error at the same place -- in a line each."""
+def _sections(seen: Observed, states: list[RankState], at_fault: list[int],
+              crashes: dict[int, str]) -> list[Section]:
+    """Every rank's state, then one full traceback per distinct error of the ranks at fault, and
+    only their stacks; the rest -- victims, and ranks that raised the same error at the same place
+    -- in a line each."""
     first_with: dict[tuple[str, ...], int] = {}
-    same: dict[int, list[int]] = {}  # the first rank at fault with an error -> later ranks with that error
+    # the first rank at fault with an error -> later ranks with that error
+    same: dict[int, list[int]] = {}
     for r in sorted(set(seen.errors) & set(at_fault)):
         first = first_with.setdefault(_signature(seen.errors[r]), r)
         if first != r:
             same.setdefault(first, []).append(r)
     folded = {r for ranks in same.values() for r in ranks}
-    listing = [f"rank {s.rank}: {s.state.value}" + (" <- suspect" if s.rank in at_fault else "") for s in states]
+    listing = [f"rank {s.rank}: {s.state.value}" + (" <- suspect" if s.rank in at_fault else "")
+               for s in states]
     sections = [Section("ranks", "\n".join(listing), tuple(s.rank for s in states))]
     for r in range(seen.world_size):
         if r in seen.errors and r in at_fault:
             if r not in folded:
-                sections.append(Section(f"rank {r} traceback", seen.errors[r].traceback or seen.errors[r].headline(),
-                                        (r,)))
+                sections.append(Section(f"rank {r} traceback", seen.errors[r].traceback
+                                        or seen.errors[r].headline(), (r,)))
             if r in same:
-                sections.append(Section(f"{_ranks(same[r])}: the same error at the same place as rank {r}",
-                                        "\n".join(seen.errors[o].headline() for o in same[r]), tuple(same[r])))
+                sections.append(
+                    Section(f"{_ranks(same[r])}: the same error at the same place as rank {r}",
+                            "\n".join(seen.errors[o].headline() for o in same[r]), tuple(same[r])))
         elif r in seen.errors:
             sections.append(Section(f"rank {r} (victim)", seen.errors[r].headline(), (r,)))
         if r in seen.dead:
             sections.append(Section(f"rank {r} {describe_exit(seen.dead[r])}",
                                     crashes.get(r) or "(no Python stack recorded)", (r,)))
         if r in seen.stacks and r in at_fault:
-            sections.append(Section(f"rank {r} stack when given up (suspect)", seen.stacks[r], (r,)))
+            sections.append(Section(f"rank {r} stack when given up (suspect)", seen.stacks[r], (r,
+                                    )))
         elif r in seen.stacks:
             where = "waiting in a collective" if in_collective(seen.stacks[r]) else "running"
-            sections.append(Section(f"rank {r} (victim)", f"{where} at {location(seen.stacks[r])}", (r,)))
+            sections.append(Section(f"rank {r} (victim)", f"{where} at {location(seen.stacks[r])}",
+                                    (r,)))
     return sections

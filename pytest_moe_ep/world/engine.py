@@ -1,10 +1,11 @@
 """The interface both world engines implement, and what a call returns or raises.
 
-Two engines run functions on every rank of a world: the :class:`~pytest_moe_ep.world.supervisor.Supervisor`
-(local worlds it starts and supervises) and :class:`~pytest_moe_ep.world.torchrun.TorchrunWorld` (pytest
-itself runs on every rank of a torchrun launch).  Callers -- marked tests, the conformance matrix -- see
-only :class:`Engine`, :class:`CallResult` and :class:`WorldError`, whose fields say what happened, so
-nobody parses an English message.  Importing this module does not import torch.
+Two engines run functions on every rank of a world: the
+:class:`~pytest_moe_ep.world.supervisor.Supervisor` (local worlds it starts and supervises) and
+:class:`~pytest_moe_ep.world.torchrun.TorchrunWorld` (pytest itself runs on every rank of a torchrun
+launch).  Callers -- marked tests, the conformance matrix -- see only :class:`Engine`,
+:class:`CallResult` and :class:`WorldError`, whose fields say what happened, so nobody parses an
+English message.  Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -29,20 +30,22 @@ __all__ = [
     "collective_timeout_s",
 ]
 
-#: the seconds ranks need, after their process group's timeout fires on a stuck rank, to raise, record where they
-#: were and report before the call's deadline (a tenth of a long deadline, half a very short one).
+#: the seconds ranks need, after their process group's timeout fires on a stuck rank, to raise,
+#: record where they were and report before the call's deadline (a tenth of a long deadline, half a
+#: very short one).
 REPORT_MARGIN_S = 3.0
 
 
 def collective_timeout_s(deadline_s: float) -> float:
-    """The process group's timeout for calls with a deadline of ``deadline_s``: early enough that ranks waiting on a
-    stuck rank raise and report in time, so the hang is diagnosed as one ("timed out in a collective waiting for a
-    stuck rank", the stuck rank named).  With 0.9 x a 6 s deadline the margin was 0.6 s, and on a slow host the
-    deadline cut the waiting ranks off mid-report."""
+    """The process group's timeout for calls with a deadline of ``deadline_s``: early enough that
+    ranks waiting on a stuck rank raise and report in time, so the hang is diagnosed as one ("timed
+    out in a collective waiting for a stuck rank", the stuck rank named).  With 0.9 x a 6 s deadline
+    the margin was 0.6 s, and on a slow host the deadline cut the waiting ranks off mid-report."""
     return deadline_s - max(0.1 * deadline_s, min(REPORT_MARGIN_S, 0.5 * deadline_s))
 
-#: what DCP and FSDP2 import on their first use, ``torch._dynamo`` above all (1-2 s in every rank): a caller
-#: whose ranks checkpoint or shard hands these to :meth:`Engine.add_preload` before its first world.
+#: what DCP and FSDP2 import on their first use, ``torch._dynamo`` above all (1-2 s in every rank):
+#: a caller whose ranks checkpoint or shard hands these to :meth:`Engine.add_preload` before its
+#: first world.
 CHECKPOINT_PRELOAD = (
     "torch._dynamo",
     "torch.distributed.tensor",
@@ -68,7 +71,8 @@ class CallResult:
 
 @dataclass(frozen=True)
 class Section:
-    """One titled block of :meth:`WorldError.report`, and the ranks it is about (none: the whole world's).
+    """One titled block of :meth:`WorldError.report`, and the ranks it is about (none: the whole
+    world's).
 
     It unpacks as ``(title, body)``, so code
     that reads the ranks finds them here instead of in the title.
@@ -90,8 +94,9 @@ class WorldError(Exception):
     ValueError: ..."), what a caller that names the call itself shows.  ``at_fault`` are the ranks
     to blame, most direct first; ``waiting`` the ranks that were only blocked in a collective by
     them; ``locations`` where a rank at fault was stuck (``file:line in function``) when the call
-    hung; ``errors`` the exception each rank raised; ``states`` what each rank was doing (the value of
-    a :class:`~pytest_moe_ep.world.diagnosis.RankStatus`); ``sections`` the report's titled blocks.
+    hung; ``errors`` the exception each rank raised; ``states`` what each rank was doing (the value
+    of a :class:`~pytest_moe_ep.world.diagnosis.RankStatus`); ``sections`` the report's titled
+    blocks.
     """
 
     fn: str
@@ -117,7 +122,8 @@ class WorldError(Exception):
 
     @property
     def skipped_everywhere(self) -> str | None:
-        """The reason when every rank called ``pytest.skip()`` (a skip, not a failure), else ``None``."""
+        """The reason when every rank called ``pytest.skip()`` (a skip, not a failure), else
+        ``None``."""
         skips = [e for e in self.errors.values() if e.type_name == "Skipped"]
         if skips and len(skips) == len(self.errors) == self.world_size:
             return skips[0].message
@@ -149,7 +155,8 @@ class RankFailure(WorldError):
 
 
 class WorldTimeout(WorldError):
-    """The call hung: it passed its deadline, or ranks timed out in a collective waiting for one stuck rank."""
+    """The call hung: it passed its deadline, or ranks timed out in a collective waiting for one
+    stuck rank."""
 
     kind = "hang"
 
@@ -164,16 +171,18 @@ class OutOfStep(WorldError):
 class Engine(Protocol):
     """What runs functions on every rank of a world.  Both engines implement all of it."""
 
-    #: this process's rank among the launch's ranks (0 for the supervisor, which alone writes reports).
+    #: this process's rank among the launch's ranks (0 for the supervisor, which alone writes
+    #: reports).
     rank: int
 
     def describe(self) -> str:
         """One line for pytest's header: where worlds come from."""
         ...
 
-    def call(self, fn: FunctionRef, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
-             world_size: int, backend: str = "auto", timeout: float | None = None) -> CallResult:
-        """Run ``fn`` on every rank; raise :class:`WorldError` (or ``BackendUnavailable``) when it cannot."""
+    def call(self, fn: FunctionRef, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+             *, world_size: int, backend: str = "auto", timeout: float | None = None) -> CallResult:
+        """Run ``fn`` on every rank; raise :class:`WorldError` (or ``BackendUnavailable``) when it
+        cannot."""
         ...
 
     def run(self, fn: Callable[..., Any], *args: Any, world_size: int, backend: str = "auto",

@@ -34,11 +34,13 @@ def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...], ranks: str | No
     for dim in shape:
         size *= dim
     if size != dist.get_world_size():
-        raise ValueError(f"a mesh of shape {shape} needs {size} ranks, this world has {dist.get_world_size()}")
+        raise ValueError(f"a mesh of shape {shape} needs {size} ranks, this world has "
+                         f"{dist.get_world_size()}")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if ranks is None:
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
     grid = torch.tensor(json.loads(ranks), dtype=torch.int)
     if tuple(grid.shape) != shape or sorted(grid.flatten().tolist()) != list(range(size)):
-        raise ValueError(f"rank grid {grid.tolist()} is not a permutation of the world's ranks of shape {shape}")
+        raise ValueError(f"rank grid {grid.tolist()} is not a permutation of the world's ranks of "
+                         f"shape {shape}")
     return DeviceMesh(device_type, grid, mesh_dim_names=names)

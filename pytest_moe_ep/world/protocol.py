@@ -28,14 +28,15 @@ __all__ = [
     "function_ref",
 ]
 
-#: the attribute of an exception whose dict of plain data crosses the pipe as :attr:`RankError.fields`.
+#: the attribute of an exception whose dict of plain data crosses the pipe as
+#: :attr:`RankError.fields`.
 FIELDS_ATTR = "structured_fields"
 
 
 class StructuredError(Exception):
-    """An exception whose :attr:`structured_fields` (plain data: str, int, float, bool, lists, dicts) reach the
-    controller as :attr:`RankError.fields`, so a caller reads what happened without parsing the message.  Any
-    exception may carry the attribute; this class only declares it."""
+    """An exception whose :attr:`structured_fields` (plain data: str, int, float, bool, lists,
+    dicts) reach the controller as :attr:`RankError.fields`, so a caller reads what happened without
+    parsing the message.  Any exception may carry the attribute; this class only declares it."""
 
     structured_fields: dict[str, Any]
 
@@ -45,7 +46,8 @@ class StructuredError(Exception):
 
 
 def error_fields(exc: BaseException) -> dict[str, Any]:
-    """What ``exc`` carries under :data:`FIELDS_ATTR` (a copy; ``{}`` when it carries nothing usable)."""
+    """What ``exc`` carries under :data:`FIELDS_ATTR` (a copy; ``{}`` when it carries nothing
+    usable)."""
     found = getattr(exc, FIELDS_ATTR, None)
     return dict(found) if isinstance(found, dict) else {}
 
@@ -79,11 +81,12 @@ def function_ref(fn: Any) -> FunctionRef:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
     if not callable(fn) or module is None or qualname is None:
-        raise TypeError(f"{fn!r} is not a module-level function: ranks find functions by module and name")
+        raise TypeError(f"{fn!r} is not a module-level function: ranks find functions by module "
+                        "and name")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(
-            f"{module}:{qualname} cannot run on ranks: lambdas, closures and functions defined inside "
-            "other functions cannot be imported by a rank process; define it at module level"
+            f"{module}:{qualname} cannot run on ranks: lambdas, closures and functions defined "
+            "inside other functions cannot be imported by a rank process; define it at module level"
         )
     if module == "__main__":
         raise TypeError(
@@ -129,7 +132,8 @@ class RankError:
     type_name: str
     message: str
     traceback: str
-    #: the exception's :data:`FIELDS_ATTR` dict (see :class:`StructuredError`): what the caller reads.
+    #: the exception's :data:`FIELDS_ATTR` dict (see :class:`StructuredError`): what the caller
+    #: reads.
     fields: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def headline(self) -> str:

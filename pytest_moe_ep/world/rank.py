@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from pytest_moe_ep.world.protocol import Call, FunctionRef, RankError, Ready, Result, Stop, error_fields
+from pytest_moe_ep.world.protocol import (
+    Call,
+    FunctionRef,
+    RankError,
+    Ready,
+    Result,
+    Stop,
+    error_fields,
+)
 from pytest_moe_ep.world.workdir import abandon, record_self
 
 #: environment a rank must not inherit: they would point the process group at another world.
@@ -36,9 +44,10 @@ INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOC
 STACK_SIGNAL = signal.SIGUSR1
 #: exit status of a rank that saw its supervisor die.
 ORPHAN_EXIT = 70
-#: a rank's collector thresholds.  A cell allocates millions of short-lived objects; at Python's (700, 10, 10) a
-#: rank spent ~0.85 s of the default tier collecting (874 young collections), at these 0.03-0.4 s.  Together with
-#: ``gc.freeze()`` of what the fork server preloaded (torch: ~300k objects no collection needs to scan again).
+#: a rank's collector thresholds.  A cell allocates millions of short-lived objects; at Python's
+#: (700, 10, 10) a rank spent ~0.85 s of the default tier collecting (874 young collections), at
+#: these 0.03-0.4 s.  Together with ``gc.freeze()`` of what the fork server preloaded (torch: ~300k
+#: objects no collection needs to scan again).
 GC_THRESHOLDS = (20_000, 20, 20)
 
 
@@ -64,7 +73,8 @@ class RankSpec:
 
 
 def _lifeline(supervisor_pid: int, workdir: str) -> None:
-    """Exit when the supervisor dies, removing the session's work directory: a pidfd watched by a thread.
+    """Exit when the supervisor dies, removing the session's work directory: a pidfd watched by a
+    thread.
 
     Under forkserver the parent is the fork server, which outlives every rank (each holds its
     "alive" pipe), so PR_SET_PDEATHSIG is only a backstop for the day it dies first; under spawn the
@@ -150,8 +160,10 @@ def _message(exc: BaseException) -> str:
         causes = []
         for failed_rank, failure in sorted(failures.items()):
             cause = failure[0] if isinstance(failure, tuple) and failure else failure
-            causes.append(f"rank {failed_rank}: {type(cause).__name__}: {' '.join(str(cause).split())}")
-        message = f"{type(exc).__name__} on rank(s) {sorted(failures)}: " + "; ".join(causes) + f"\n{message}"
+            causes.append(f"rank {failed_rank}: {type(cause).__name__}: "
+                          f"{' '.join(str(cause).split())}")
+        message = (f"{type(exc).__name__} on rank(s) {sorted(failures)}: " + "; ".join(causes)
+                   + f"\n{message}")
     return message
 
 
@@ -180,8 +192,8 @@ def _init_process_group(spec: RankSpec) -> Any:
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(spec.backend, store=store, rank=spec.rank,
-                            world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s),
-                            **kwargs)
+                            world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.pg_timeout_s), **kwargs)
     return device
 
 
@@ -237,8 +249,9 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
             conn.send(result)
         except Exception as exc:
             message = f"the return value of {msg.fn} could not be sent to the supervisor: {exc}"
-            conn.send(Result(msg.call_id, spec.rank, error=RankError(spec.rank, type(exc).__qualname__,
-                                                                     message, "")))
+            conn.send(Result(msg.call_id, spec.rank,
+                             error=RankError(spec.rank, type(exc).__qualname__,
+                                             message, "")))
     _flush()
     os._exit(0)
 

@@ -36,12 +36,18 @@ from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, mai
 from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
-from pytest_moe_ep.world.workdir import make_workdir, note_leftover, remove, start_reaper, stop_reaper
+from pytest_moe_ep.world.workdir import (
+    make_workdir,
+    note_leftover,
+    remove,
+    start_reaper,
+    stop_reaper,
+)
 
-#: modules the forkserver imports once, so every rank starts with them loaded.  Only what every world
-#: needs: a caller that needs more says so (``add_preload``, ini ``moe_ep_preload``), as the conformance
-#: matrix does with :data:`~pytest_moe_ep.world.engine.CHECKPOINT_PRELOAD` (DCP and FSDP2, whose first use
-#: imports ``torch._dynamo``: 1-2 s in every rank).
+#: modules the forkserver imports once, so every rank starts with them loaded.  Only what every
+#: world needs: a caller that needs more says so (``add_preload``, ini ``moe_ep_preload``), as the
+#: conformance matrix does with :data:`~pytest_moe_ep.world.engine.CHECKPOINT_PRELOAD` (DCP and
+#: FSDP2, whose first use imports ``torch._dynamo``: 1-2 s in every rank).
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -54,15 +60,17 @@ START_TIMEOUT_S = 180.0
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 #: how long shutdown waits for the fork server and resource tracker to exit before killing them.
 HELPER_EXIT_S = 10.0
-#: how long the fork server may take to notice its pipe closed before it is sent SIGTERM.  It holds no state
-#: (its socket is unlinked here), but exiting normally finalizes the torch it preloaded: about 1.5 s.
+#: how long the fork server may take to notice its pipe closed before it is sent SIGTERM.  It holds
+#: no state (its socket is unlinked here), but exiting normally finalizes the torch it preloaded:
+#: about 1.5 s.
 FORKSERVER_EXIT_S = 0.05
 #: how long the other ranks may still report once one rank failed, before they are stopped.
 FAILURE_GRACE_S = 2.0
-#: the longest path an AF_UNIX socket address may have on Linux (``sun_path`` is 108 bytes with its NUL).
+#: the longest path an AF_UNIX socket address may have on Linux (``sun_path`` is 108 bytes with its
+#: NUL).
 SUN_PATH_MAX = 107
-#: what multiprocessing adds to its temporary base for the fork server's socket: ``/pymp-XXXXXXXX/listener-XXXXXXXX``
-#: is 32 characters; a margin for other Python versions' names.
+#: what multiprocessing adds to its temporary base for the fork server's socket:
+#: ``/pymp-XXXXXXXX/listener-XXXXXXXX`` is 32 characters; a margin for other Python versions' names.
 MP_SOCKET_SUFFIX = 40
 #: shorter bases for multiprocessing's directory when ``TMPDIR`` is too long for a socket under it.
 SHORT_TEMP_BASES = ("/tmp", "/var/tmp", "/dev/shm")
@@ -162,7 +170,8 @@ class Supervisor:
         self.default_timeout_s = default_timeout_s
         self.preload = tuple(PRELOAD) + tuple(preload)
         self._workdir = workdir
-        #: removes the work directory if this process is killed before :meth:`shutdown` (see ``workdir.py``).
+        #: removes the work directory if this process is killed before :meth:`shutdown` (see
+        #: ``workdir.py``).
         self._reaper: Any = None
         self._mp_tempdir: str | None = None
         self._ctx: Any = None
@@ -187,22 +196,26 @@ class Supervisor:
             import multiprocessing as mp
             from multiprocessing import forkserver, resource_tracker
 
-            helpers: list[tuple[Any, str, str]] = [(resource_tracker._resource_tracker, "_fd", "_pid")]
+            helpers: list[tuple[Any, str, str]] = [(resource_tracker._resource_tracker, "_fd",
+                                                    "_pid")]
             if self.start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
                 self._ctx = mp.get_context("forkserver")
                 self._ctx.set_forkserver_preload(list(self.preload))
                 helpers.append((forkserver._forkserver, "_forkserver_alive_fd", "_forkserver_pid"))
             else:
                 self._ctx = mp.get_context("spawn")
-            # Ours to stop at shutdown only if not running yet: another user of multiprocessing may need them.
+            # Ours to stop at shutdown only if not running yet: another user of multiprocessing may
+            # need them.
             self._helpers = [h for h in reversed(helpers) if getattr(h[0], h[2], 0) is None]
             self._mp_tempdir = _mp_tempdir()
             if self._mp_tempdir is None and self.start_method == "forkserver":
-                _short_mp_tempdir()  # noted for the reaper with the fork server's own, after the first start
+                # noted for the reaper with the fork server's own, after the first start
+                _short_mp_tempdir()
         return self._ctx
 
     def add_preload(self, modules: Sequence[str]) -> None:
-        """More modules for the fork server to import; only effective before the first world starts."""
+        """More modules for the fork server to import; only effective before the first world
+        starts."""
         if self._ctx is None:
             self.preload += tuple(m for m in modules if m not in self.preload)
 
@@ -235,10 +248,10 @@ class Supervisor:
             if world.lease:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, world.lease.devices))
             spec = RankSpec(
-                rank=rank, world_size=world_size, backend=backend, store_path=os.path.join(base, "store"),
-                workdir=self.workdir, record_path=os.path.join(base, f"rank{rank}.pid"),
-                supervisor_pid=os.getpid(), stack_path=os.path.join(base, f"rank{rank}.stacks"),
-                pg_timeout_s=self.pg_timeout_s,
+                rank=rank, world_size=world_size, backend=backend,
+                store_path=os.path.join(base, "store"), workdir=self.workdir,
+                record_path=os.path.join(base, f"rank{rank}.pid"), supervisor_pid=os.getpid(),
+                stack_path=os.path.join(base, f"rank{rank}.stacks"), pg_timeout_s=self.pg_timeout_s,
                 stdout_path=os.path.join(base, f"rank{rank}.stdout") if self.capture else None,
                 stderr_path=os.path.join(base, f"rank{rank}.stderr") if self.capture else None,
                 cuda_device=rank if backend == "nccl" else None, env=env,
@@ -251,7 +264,8 @@ class Supervisor:
             world.conns.append(parent)
             world.specs.append(spec)
         created = _mp_tempdir()
-        if created and created != self._mp_tempdir:  # our fork server made it: the reaper removes it after a kill -9
+        # our fork server made it: the reaper removes it after a kill -9
+        if created and created != self._mp_tempdir:
             note_leftover(self.workdir, created)
             self._mp_tempdir = created
         self._await_ready(world)
@@ -264,10 +278,12 @@ class Supervisor:
         pending = set(range(world.world_size))
         problems: list[Section] = []
         while pending and not problems:
-            ready = wait([world.conns[r] for r in pending] + [world.processes[r].sentinel for r in pending],
+            ready = wait([world.conns[r] for r in pending]
+                         + [world.processes[r].sentinel for r in pending],
                          timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                problems.append(Section("start-up", f"ranks {sorted(pending)} not ready after {START_TIMEOUT_S:.0f}s"))
+                problems.append(Section("start-up", f"ranks {sorted(pending)} not ready after "
+                                        f"{START_TIMEOUT_S:.0f}s"))
             for r in list(pending):
                 if world.conns[r] in ready or world.conns[r].poll():
                     try:
@@ -282,7 +298,8 @@ class Supervisor:
                         continue
                 if world.processes[r].sentinel in ready:
                     world.processes[r].join(1.0)
-                    problems.append(Section(f"rank {r}", describe_exit(world.processes[r].exitcode), (r,)))
+                    problems.append(Section(f"rank {r}", describe_exit(world.processes[r].exitcode),
+                                            (r,)))
         if problems:
             outputs = []
             for spec in world.specs:
@@ -293,7 +310,8 @@ class Supervisor:
             at_fault = sorted({r for problem in problems for r in problem.ranks})
             first = problems[0]
             raise WorldStartError(fn="start-up", world_size=world.world_size, backend=world.backend,
-                                  cause=f"failed to start: {first.title}: {first.body.strip().splitlines()[-1]}",
+                                  cause=f"failed to start: {first.title}: "
+                                  f"{first.body.strip().splitlines()[-1]}",
                                   at_fault=at_fault, sections=problems, outputs=outputs)
 
     # -- calls ----------------------------------------------------------------------------------
@@ -303,8 +321,8 @@ class Supervisor:
         return self.call(function_ref(fn), args, kwargs, world_size=world_size, backend=backend,
                          timeout=timeout).values
 
-    def call(self, fn: FunctionRef, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
-             world_size: int, backend: str = "auto", timeout: float | None = None) -> CallResult:
+    def call(self, fn: FunctionRef, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+             *, world_size: int, backend: str = "auto", timeout: float | None = None) -> CallResult:
         """Like :meth:`run` with a ready :class:`FunctionRef`; also returns each rank's output."""
         import pickle
 
@@ -342,8 +360,8 @@ class Supervisor:
             limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
             if now >= limit:
                 break
-            ready = wait([world.conns[r] for r in pending] + [world.processes[r].sentinel for r in pending],
-                         timeout=limit - now)
+            ready = wait([world.conns[r] for r in pending]
+                         + [world.processes[r].sentinel for r in pending], timeout=limit - now)
             for r in list(pending):
                 conn, proc = world.conns[r], world.processes[r]
                 if conn in ready or (proc.sentinel in ready and conn.poll()):
@@ -366,9 +384,11 @@ class Supervisor:
             return CallResult([results[r].value for r in range(n)], outputs)
         stacks = self._collect_stacks(world, sorted(pending), files)
         timed_out = bool(pending) and failed_at is None
-        raise self._failure(world, call, timeout_s, results, dead, stacks, outputs, files, timed_out)
+        raise self._failure(world, call, timeout_s, results, dead, stacks, outputs, files,
+                            timed_out)
 
-    def _collect_stacks(self, world: World, ranks: list[int], files: list[_Files]) -> dict[int, str]:
+    def _collect_stacks(self, world: World, ranks: list[int],
+                        files: list[_Files]) -> dict[int, str]:
         """Signal each rank to dump its stacks, and read them back once the files stop growing."""
         for r in ranks:
             with contextlib.suppress(ProcessLookupError):
@@ -396,8 +416,8 @@ class Supervisor:
                  files: list[_Files], timed_out: bool) -> WorldError:
         errors = {r: res.error for r, res in results.items() if res.error is not None}
         seen = Observed(str(call.fn), world.world_size, world.backend, timeout_s,
-                        returned={r for r, res in results.items() if res.error is None}, errors=errors, dead=dead,
-                        stacks=stacks, timed_out=timed_out)
+                        returned={r for r, res in results.items() if res.error is None},
+                        errors=errors, dead=dead, stacks=stacks, timed_out=timed_out)
         return diagnose(seen, outputs, crashes={r: files[r].read(2).strip() for r in dead})
 
     # -- shutdown -------------------------------------------------------------------------------
@@ -437,22 +457,26 @@ class Supervisor:
 
 
 def _mp_tempdir() -> str | None:
-    """multiprocessing's own temporary directory in this process (``pymp-*``), if it made one yet."""
+    """multiprocessing's own temporary directory in this process (``pymp-*``), if it made one
+    yet."""
     from multiprocessing import process
 
-    found = getattr(process.current_process(), "_config", {}).get("tempdir")  # where multiprocessing.util caches it
+    # where multiprocessing.util caches it
+    found = getattr(process.current_process(), "_config", {}).get("tempdir")
     return found if isinstance(found, str) else None
 
 
 def _short_mp_tempdir() -> str | None:
-    """Give multiprocessing a temporary directory short enough for the fork server's socket, when ``TMPDIR`` is not.
+    """Give multiprocessing a temporary directory short enough for the fork server's socket, when
+    ``TMPDIR`` is not.
 
     The fork server listens on an AF_UNIX socket in multiprocessing's ``pymp-*`` directory under
-    :func:`tempfile.gettempdir`; under a long ``TMPDIR`` (a CI workspace, pytest-xdist's ``popen-gwN`` basetemp)
-    its address passes Linux's 107 characters and every world fails to start with ``OSError: AF_UNIX path too
-    long``.  CPython falls back to a short system directory by itself since gh-132124 (3.13); this does the same on
-    older ones, before multiprocessing makes its own.  Returns the directory made, or ``None`` when ``TMPDIR`` is short
-    enough (or no short base is writable: the start's error then names the path).
+    :func:`tempfile.gettempdir`; under a long ``TMPDIR`` (a CI workspace, pytest-xdist's
+    ``popen-gwN`` basetemp) its address passes Linux's 107 characters and every world fails to start
+    with ``OSError: AF_UNIX path too long``.  CPython falls back to a short system directory by
+    itself since gh-132124 (3.13); this does the same on older ones, before multiprocessing makes
+    its own.  Returns the directory made, or ``None`` when ``TMPDIR`` is short enough (or no short
+    base is writable: the start's error then names the path).
     """
     from multiprocessing import process, util
 
@@ -469,7 +493,8 @@ def _short_mp_tempdir() -> str | None:
 
 
 def _stop_helper(owner: Any, fd_attr: str, pid_attr: str, timeout_s: float = HELPER_EXIT_S) -> None:
-    """Stop multiprocessing's fork server or resource tracker and reap it, killing it after ``timeout_s``.
+    """Stop multiprocessing's fork server or resource tracker and reap it, killing it after
+    ``timeout_s``.
 
     Both exit once every holder closed their "alive" pipe (the ranks held it too, so they go first);
     multiprocessing would leave them to exit on their own after pytest.  Resetting the attributes

@@ -47,7 +47,8 @@ PREFIX = "pytest-moe-ep/"
 
 
 class _CallFields(TypedDict):
-    """The :class:`~pytest_moe_ep.world.engine.WorldError` fields every failure of one call shares."""
+    """The :class:`~pytest_moe_ep.world.engine.WorldError` fields every failure of one call
+    shares."""
 
     fn: str
     world_size: int
@@ -56,7 +57,8 @@ class _CallFields(TypedDict):
 
 
 class TorchrunWorld:
-    """The engine when pytest runs under torchrun; implements :class:`~pytest_moe_ep.world.engine.Engine`."""
+    """The engine when pytest runs under torchrun; implements
+    :class:`~pytest_moe_ep.world.engine.Engine`."""
 
     def __init__(self, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -70,7 +72,8 @@ class TorchrunWorld:
                 import torch
 
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(concrete, timeout=timedelta(seconds=collective_timeout_s(timeout_s)))
+            dist.init_process_group(concrete,
+                                    timeout=timedelta(seconds=collective_timeout_s(timeout_s)))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.backend = dist.get_backend()
@@ -103,8 +106,8 @@ class TorchrunWorld:
                 try:
                     found[r] = loads(self.store.get(k))
                 except ValueError as exc:
-                    raise ValueError(f"rank {r} published a value under {PREFIX}{k} that is {exc}; is something "
-                                     "else writing to this launch's store?") from None
+                    raise ValueError(f"rank {r} published a value under {PREFIX}{k} that is {exc}; "
+                                     "is something else writing to this launch's store?") from None
         return found, [r for r, ok in enumerate(present) if not ok]
 
     # -- the engine contract --------------------------------------------------------------------
@@ -118,11 +121,11 @@ class TorchrunWorld:
         timeout_s = timeout or self.timeout_s
         seq = next(self.seq)
         names, missing = self._exchange(f"call{seq}/name", str(fn), timeout_s)
-        world = _CallFields(fn=str(fn), world_size=self.world_size, backend=f"torchrun {self.backend}",
-                            outputs=self._no_output())
+        world = _CallFields(fn=str(fn), world_size=self.world_size,
+                            backend=f"torchrun {self.backend}", outputs=self._no_output())
         if missing:
-            raise WorldTimeout(cause=f"hung: rank(s) {', '.join(map(str, missing))} never reached call {seq}",
-                               at_fault=missing, waiting=sorted(names), **world)
+            raise WorldTimeout(cause=f"hung: rank(s) {', '.join(map(str, missing))} never reached "
+                               f"call {seq}", at_fault=missing, waiting=sorted(names), **world)
         if len(set(names.values())) != 1:
             listing = "\n".join(f"rank {r}: {n}" for r, n in sorted(names.items()))
             raise OutOfStep(cause=f"ranks are out of step at call {seq}", at_fault=sorted(names),
@@ -131,21 +134,23 @@ class TorchrunWorld:
             value, error = fn.resolve()(*args, **(kwargs or {})), None
             dumps(value)
         except Exception as exc:
-            value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc), traceback.format_exc(),
-                                           error_fields(exc))
+            value, error = None, RankError(self.rank, type(exc).__qualname__, str(exc),
+                                           traceback.format_exc(), error_fields(exc))
         try:
             outcomes, missing = self._exchange(f"call{seq}/outcome", (value, error), timeout_s)
         except ValueError as exc:
             raise RankFailure(cause=f"failed: {exc}", **world) from None
         errors = {r: e for r, (_, e) in outcomes.items() if e is not None}
-        sections = [Section(f"rank {r} traceback", e.traceback, (r,)) for r, e in sorted(errors.items())]
+        sections = [Section(f"rank {r} traceback", e.traceback, (r,))
+                    for r, e in sorted(errors.items())]
         if missing:
             raise WorldTimeout(cause=f"hung: passed its {timeout_s:g}s deadline; suspect rank(s) "
-                               f"{', '.join(map(str, missing))} (no outcome reported)", at_fault=missing,
-                               errors=errors, sections=sections, **world)
+                               f"{', '.join(map(str, missing))} (no outcome reported)",
+                               at_fault=missing, errors=errors, sections=sections, **world)
         if errors:
             heads = "; ".join(e.headline() for _, e in sorted(errors.items()))
-            raise RankFailure(cause=f"failed on rank(s) {', '.join(map(str, sorted(errors)))}: {heads}",
+            raise RankFailure(cause=f"failed on rank(s) {', '.join(map(str, sorted(errors)))}: "
+                              f"{heads}",
                               at_fault=sorted(errors), errors=errors, sections=sections, **world)
         return CallResult([outcomes[r][0] for r in range(self.world_size)], self._no_output())
 
@@ -161,23 +166,25 @@ class TorchrunWorld:
         return [RankOutput() for _ in range(self.world_size)]  # each rank's pytest shows its own
 
     def shared_dir(self, nodeid: str) -> Path:
-        """A directory made by rank 0 whose path every rank reads (needs a shared filesystem across nodes)."""
+        """A directory made by rank 0 whose path every rank reads (needs a shared filesystem across
+        nodes)."""
         seq = next(self.seq)
         made = tempfile.mkdtemp(prefix="moe-ep-shared-") if self.rank == 0 else None
         if made:
             self.made.append(made)
         paths, _ = self._exchange(f"dir{seq}", made, self.timeout_s)
         if 0 not in paths:
-            raise RuntimeError(f"{nodeid}: rank 0 did not share a directory within {self.timeout_s:g}s")
+            raise RuntimeError(f"{nodeid}: rank 0 did not share a directory within "
+                               f"{self.timeout_s:g}s")
         return _checked_shared_dir(nodeid, paths[0])
 
     def agree_on_exit(self, status: int) -> int:
         """Every rank ends with the worst status of all; a bounded barrier, never a hang.
 
-        From here on this rank ignores SIGTERM: torchrun stops the ranks still running as soon as one
-        exits non-zero, and a rank that agreed on a failing status and is only writing its summary
-        must end with that status, not as a rank killed by SIGTERM.  torchrun escalates to SIGKILL
-        after its close timeout (30 s), so this cannot keep a rank alive.
+        From here on this rank ignores SIGTERM: torchrun stops the ranks still running as soon as
+        one exits non-zero, and a rank that agreed on a failing status and is only writing its
+        summary must end with that status, not as a rank killed by SIGTERM.  torchrun escalates to
+        SIGKILL after its close timeout (30 s), so this cannot keep a rank alive.
         """
         with contextlib.suppress(ValueError):  # not the main thread: nothing to protect
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -189,7 +196,8 @@ class TorchrunWorld:
         return max(worst, 1) if missing else worst
 
     def shutdown(self) -> None:
-        """Remove the shared directories this rank made; the process group is the launcher's business.
+        """Remove the shared directories this rank made; the process group is the launcher's
+        business.
 
         Called after :meth:`agree_on_exit`, whose barrier every rank passed once done with them.
         """
@@ -199,16 +207,18 @@ class TorchrunWorld:
 
 
 def _checked_shared_dir(nodeid: str, given: Any) -> Path:
-    """The path rank 0 published, if it is what rank 0 makes: one of this user's private ``moe-ep-shared-*``
-    directories.  Whoever can write to the launch's store must not choose where checkpoints are written."""
+    """The path rank 0 published, if it is what rank 0 makes: one of this user's private
+    ``moe-ep-shared-*`` directories.  Whoever can write to the launch's store must not choose where
+    checkpoints are written."""
     path = Path(given) if isinstance(given, str) else None
     try:
         info = os.lstat(path) if path is not None and path.is_absolute() else None
     except OSError:
         info = None
-    if (path is None or info is None or not path.name.startswith("moe-ep-shared-") or not stat.S_ISDIR(info.st_mode)
+    if (path is None or info is None or not path.name.startswith("moe-ep-shared-")
+        or not stat.S_ISDIR(info.st_mode)
             or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077):
-        raise RuntimeError(f"{nodeid}: rank 0 shared {given!r}, which is not a private moe-ep-shared-* directory of "
-                           "this user (a shared filesystem across nodes is needed; is something else writing to "
-                           "this launch's store?)")
+        raise RuntimeError(f"{nodeid}: rank 0 shared {given!r}, which is not a private "
+                           "moe-ep-shared-* directory of this user (a shared filesystem across "
+                           "nodes is needed; is something else writing to this launch's store?)")
     return path

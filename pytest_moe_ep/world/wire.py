@@ -3,9 +3,10 @@
 The store of a torchrun launch is a TCPStore without authentication that anything reaching its port
 can write to; unpickling what it holds would run whatever a writer chose.  So call names, outcomes,
 directory paths and exit statuses travel as JSON.  A call's return value is the test's own and
-travels as Python data: ``None``, bool, int, float, str, bytes, list, tuple, dict, set, frozenset, and
-instances of dataclasses holding them.  A dataclass is rebuilt only from a class already imported in
-the reading process (it ran the same call), never by importing a module a stored value names.
+travels as Python data: ``None``, bool, int, float, str, bytes, list, tuple, dict, set, frozenset,
+and instances of dataclasses holding them.  A dataclass is rebuilt only from a class already
+imported in the reading process (it ran the same call), never by importing a module a stored value
+names.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def _encode(value: Any, path: str) -> Any:
         fields = {f.name: _encode(getattr(value, f.name), f"{path}.{f.name}")
                   for f in dataclasses.fields(value) if f.init}
         return {TAG: "dataclass", "type": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
-    raise TypeError(f"{path} is a {type(value).__qualname__}: under torchrun, values travel between ranks as "
-                    "JSON-like data (None, bool, int, float, str, bytes, list, tuple, dict, set, dataclasses of "
-                    "them)")
+    raise TypeError(f"{path} is a {type(value).__qualname__}: under torchrun, values travel "
+                    "between ranks as JSON-like data (None, bool, int, float, str, bytes, list, "
+                    "tuple, dict, set, dataclasses of them)")
 
 
 def dumps(value: Any) -> bytes:
@@ -64,7 +65,8 @@ def _decode(value: Any) -> Any:
         return value
     tag = value.get(TAG)
     if tag in ("tuple", "set", "frozenset"):
-        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](_decode(v) for v in value["items"])
+        return {"tuple": tuple, "set": set,
+                "frozenset": frozenset}[tag](_decode(v) for v in value["items"])
     if tag == "dict":
         return {_decode(k): _decode(v) for k, v in value["items"]}
     if tag == "bytes":
@@ -75,8 +77,10 @@ def _decode(value: Any) -> Any:
 
 
 def loads(data: bytes) -> Any:
-    """The value :func:`dumps` wrote; ``ValueError`` for anything else (never runs code a writer chose)."""
+    """The value :func:`dumps` wrote; ``ValueError`` for anything else (never runs code a writer
+    chose)."""
     try:
         return _decode(json.loads(data))
     except Exception as exc:  # whatever a writer put there, it is refused, never run
-        raise ValueError(f"not JSON written by pytest-moe-ep ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"not JSON written by pytest-moe-ep ({type(exc).__name__}: "
+                         f"{exc})") from exc

@@ -5,11 +5,12 @@ checkpoints -- lives in one directory ``pytest-moe-ep-*`` in the temp directory,
 ``owner`` file names the pytest process by pid, start time and boot, and each rank records itself
 the same way (``gen*/rank*.pid``): a pid alone may have been reused, all three together prove the
 process is gone.  After a ``kill -9`` of pytest, the session's reaper (:func:`start_reaper`, a small
-process of its own that only waits for pytest to die) stops the ranks and removes the directory;
-the ranks' own lifeline tries the same (:func:`abandon`), and whatever neither could remove, the next
-session sweeps (:func:`sweep`).  The reaper is needed because the ranks cannot be relied on to do it:
-when pytest dies its fork server dies too, and the kernel may kill the ranks before their lifeline
-runs.  Nothing here imports torch, so the reaper runs this file alone, in a bare interpreter.
+process of its own that only waits for pytest to die) stops the ranks and removes the directory; the
+ranks' own lifeline tries the same (:func:`abandon`), and whatever neither could remove, the next
+session sweeps (:func:`sweep`).  The reaper is needed because the ranks cannot be relied on to do
+it: when pytest dies its fork server dies too, and the kernel may kill the ranks before their
+lifeline runs.  Nothing here imports torch, so the reaper runs this file alone, in a bare
+interpreter.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _boot_id() -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """A process as it cannot be confused with a later one: pid, start time (clock ticks after boot), boot."""
+    """A process as it cannot be confused with a later one: pid, start time (clock ticks after
+    boot), boot."""
 
     pid: int
     start: int
@@ -51,7 +53,8 @@ class Identity:
 
     @classmethod
     def of(cls, pid: int) -> Identity | None:
-        """The identity of a running (not zombie) process; ``None`` when there is none, or no ``/proc``."""
+        """The identity of a running (not zombie) process; ``None`` when there is none, or no
+        ``/proc``."""
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -81,14 +84,16 @@ class Identity:
 
 
 def record_self(path: str) -> None:
-    """Write this process's identity to ``path`` (nothing without ``/proc``: then nobody can prove it gone)."""
+    """Write this process's identity to ``path`` (nothing without ``/proc``: then nobody can prove
+    it gone)."""
     me = Identity.of(os.getpid())
     if me is not None:
         me.write(path)
 
 
 def make_workdir(tmpdir: str | None = None) -> str:
-    """A new private work directory owned by this process, after sweeping dead sessions' leftovers."""
+    """A new private work directory owned by this process, after sweeping dead sessions'
+    leftovers."""
     sweep(tmpdir)
     path = tempfile.mkdtemp(prefix=PREFIX, dir=tmpdir)  # mode 0700
     record_self(os.path.join(path, OWNER))
@@ -129,14 +134,16 @@ def abandon(workdir: str) -> None:
     if owner is None or owner.alive():
         return
     try:
-        os.close(os.open(os.path.join(workdir, ABANDONED), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.close(os.open(os.path.join(workdir, ABANDONED), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                         0o600))
     except OSError:  # another rank is removing it, or it is gone
         return
     remove_session(workdir)
 
 
 def sweep(tmpdir: str | None = None) -> list[str]:
-    """Remove this user's session directories in ``tmpdir`` whose owner is provably gone; the removed paths.
+    """Remove this user's session directories in ``tmpdir`` whose owner is provably gone; the
+    removed paths.
 
     A directory without a readable owner record (another version's, or one being created this very
     moment) is left alone.
@@ -151,7 +158,8 @@ def sweep(tmpdir: str | None = None) -> list[str]:
         if not entry.name.startswith(PREFIX):
             continue
         try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+            if (not entry.is_dir(follow_symlinks=False)
+                or entry.stat(follow_symlinks=False).st_uid != os.getuid()):
                 continue
         except OSError:
             continue
@@ -162,18 +170,20 @@ def sweep(tmpdir: str | None = None) -> list[str]:
 
 
 def start_reaper(workdir: str) -> subprocess.Popen[bytes]:
-    """A process that removes ``workdir`` (stopping its ranks first) once this process dies without doing so.
+    """A process that removes ``workdir`` (stopping its ranks first) once this process dies without
+    doing so.
 
     The owner stops it (:func:`stop_reaper`) after removing the directory itself; if the owner is
     killed, the reaper outlives it by the moment ``remove`` takes, then exits.
     """
-    return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--reap", str(os.getpid()),
-                             workdir], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, close_fds=True)
+    return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--reap",
+                             str(os.getpid()), workdir], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 
 
 def stop_reaper(reaper: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
-    """Stop and reap the reaper (the owner removed the directory itself); killed if it does not exit."""
+    """Stop and reap the reaper (the owner removed the directory itself); killed if it does not
+    exit."""
     if reaper is None or reaper.poll() is not None:
         return
     reaper.terminate()
@@ -185,7 +195,8 @@ def stop_reaper(reaper: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) 
 
 
 def _wait_for_exit(pid: int) -> None:
-    """Return once process ``pid`` is gone: a pidfd where the kernel has them, else polling its identity."""
+    """Return once process ``pid`` is gone: a pidfd where the kernel has them, else polling its
+    identity."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -199,8 +210,9 @@ def _wait_for_exit(pid: int) -> None:
     os.close(fd)
 
 
-#: in the work directory: other temporary directories the session created (multiprocessing's ``pymp-*``, which
-#: holds the fork server's socket), removed with it after a kill -9; multiprocessing removes them at a normal exit.
+#: in the work directory: other temporary directories the session created (multiprocessing's
+#: ``pymp-*``, which holds the fork server's socket), removed with it after a kill -9;
+#: multiprocessing removes them at a normal exit.
 LEFTOVERS = "leftovers"
 
 
@@ -211,7 +223,8 @@ def note_leftover(workdir: str, path: str) -> None:
 
 
 def _noted_leftovers(workdir: str) -> list[str]:
-    """The noted paths that are still this user's ``pymp-*`` directories (nothing else is ever removed)."""
+    """The noted paths that are still this user's ``pymp-*`` directories (nothing else is ever
+    removed)."""
     try:
         with open(os.path.join(workdir, LEFTOVERS)) as f:
             paths = [line.strip() for line in f if line.strip()]
@@ -222,8 +235,8 @@ def _noted_leftovers(workdir: str) -> list[str]:
 
 
 def _reap(owner_pid: int, workdir: str) -> None:
-    # Ctrl-C reaches the whole foreground process group: it is the owner's to handle, and the owner's
-    # shutdown then stops this process.  SIGTERM (the owner's stop_reaper) ends it at once.
+    # Ctrl-C reaches the whole foreground process group: it is the owner's to handle, and the
+    # owner's shutdown then stops this process.  SIGTERM (the owner's stop_reaper) ends it at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _wait_for_exit(owner_pid)
     if os.path.isdir(workdir):
@@ -231,7 +244,8 @@ def _reap(owner_pid: int, workdir: str) -> None:
 
 
 def remove_session(workdir: str) -> None:
-    """What is left of a dead owner's session: the work directory (ranks stopped first) and the noted leftovers."""
+    """What is left of a dead owner's session: the work directory (ranks stopped first) and the
+    noted leftovers."""
     extra = _noted_leftovers(workdir)
     remove(workdir)
     for path in extra:
