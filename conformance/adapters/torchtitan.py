@@ -40,8 +40,9 @@ class TorchtitanAdapter(TorchNativeAdapter):
                                 format="dcp", ep_orders=("consecutive",), pp=(1, 2))
     preload = ("torchtitan.models.qwen3", "torchtitan.components.checkpoint", "torchtitan.components.optimizer")
     distribution = "torchtitan"
-    #: the expert bias, a weight's synthetic values (std 0.02): of the order of the router's own score
-    #: differences, it changes the top-2 of about half the forward batch's tokens (a wrong bias shows).
+    #: the expert bias, a weight's synthetic values (std 0.02): of the order of the router's own
+    #: score differences, it changes the top-2 of about half the forward batch's tokens (a wrong
+    #: bias shows).
     synthetic_buffers = (objects.EXPERT_BIAS,)
 
     def build_model(self, spec: Spec, mesh: Any) -> Any:
