@@ -294,6 +294,28 @@ def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(pyteste
                                                    "ground truth's") for r, line in enumerate(lines)), lines
 
 
+def test_nemo_automodel_expert_bias_zeroed_after_the_load_is_named(
+        pytester: pytest.Pytester) -> None:
+    """The negative control of the expert bias on NeMo: NeMo's own load, then every router's bias
+    zeroed (``seeded_nemo``).  ``values`` names ``mlp.gate.e_score_correction_bias`` as zeroed by
+    the load on every rank and layer, and nothing but the bias (and the forward it routes) is
+    wrong: a model cell that passes as found fails only because the bias is compared."""
+    pytester.makepyfile(seeded_nemo=(Path(__file__).parent / "seeded_nemo.py").read_text())
+    _, doc = run(pytester, "--moe-ep-matrix=1,2,4",
+                 "--moe-ep-adapter=seeded_nemo:NemoExpertBiasZeroedAfterLoad",
+                 "-k", "save_ep1 and load_ep2 and not fsdp and not optim")
+    cells, statuses, _ = by_status(doc)
+    cell_id = ID.format(state="model", mode="ep-only", pair="ep1->ep2c")
+    assert statuses == {"fail": {cell_id}, "n/a": statuses.get("n/a", set())}, statuses
+    cell = cells[cell_id]
+    assert cell["findings"] == ["silent"], cell["detail"][:500]
+    assert {p["check"] for p in cell["problems"]} <= {"values", "forward"}, cell["problems"]
+    values = [p for p in cell["problems"] if p["check"] == "values"]
+    assert {(p["rank"], p["layer"], p["tensor"]) for p in values} == {
+        (r, i, "mlp.gate.e_score_correction_bias") for r in range(4) for i in range(2)}, values
+    assert all("the load left it zeroed" in p["text"] for p in values), values
+
+
 @pytest.mark.slow
 def test_nemo_automodel_functions_suite_outcome(pytester: pytest.Pytester) -> None:
     result, doc = run(pytester, "--moe-ep-functions=nemo_automodel")
