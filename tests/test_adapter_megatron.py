@@ -389,6 +389,27 @@ def test_the_expert_bias_is_stepped_by_megatrons_update_on_synthetic_loads() -> 
         assert not model.moe_layers()[layer].router.local_tokens_per_expert.any()  # reset after use
 
 
+def test_an_expert_bias_left_at_its_pre_load_values_is_named(pytester: pytest.Pytester) -> None:
+    """The negative control of the expert bias's views: a load that leaves every router's bias at
+    the load side's values fails ``values`` on the bias alone (its pre-load values, on every rank
+    and layer), and ``forward``; every other tensor comes back."""
+    pytester.makepyfile(seeded_megatron=(Path(__file__).parent / "seeded_megatron.py").read_text())
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4",
+                        "--moe-ep-adapter=seeded_megatron:ExpertBiasLeftAtLoad",
+                        "-k", "kind_unpacked and not cross and not optim and not legacy and not fsdp"
+                        " and save_ep2 and load_ep4")
+    cells, statuses, _ = by_status(doc)
+    cell_id = ID.format(kind="unpacked", state="model", mode="ep-only", pair=pair(2, 4))
+    assert statuses == {"fail": {cell_id}}, statuses
+    cell = cells[cell_id]
+    assert cell["findings"] == ["silent"], cell["detail"][:500]
+    assert {p["check"] for p in cell["problems"]} == {"values", "forward"}, cell["problems"]
+    values = [p for p in cell["problems"] if p["check"] == "values"]
+    assert {(p["rank"], p["layer"], p["tensor"]) for p in values} == {
+        (r, i, "router.expert_bias") for r in range(4) for i in range(2)}, values
+    assert all("pre-load (seed B) values" in p["text"] for p in values), values
+
+
 def test_a_swapped_router_after_the_load_is_caught_by_megatrons_forward(pytester: pytest.Pytester) -> None:
     """The forward check's negative control on Megatron: experts 0 and 1 swap router rows while a loaded model's
     forward runs (the stored tensors stay right).  Every unpacked model cell of the slice fails on ``forward``
