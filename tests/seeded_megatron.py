@@ -1,4 +1,5 @@
-"""A seeded bug on Megatron's distributed optimizer: an expert's fp32 main weight filed under another expert.
+"""Seeded bugs on Megatron: an expert's fp32 main weight filed under another expert (the distributed
+optimizer), and an expert bias the load leaves alone.
 
 :class:`MainWeightMisfiledOnSave` is ``megatron-distopt-fully_reshardable`` (the format whose checkpoint is
 EP-invariant) with layer 0's experts 0 and 1 trading places (the expert axis's offset) for their fp32 main
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from conformance.adapters.megatron import MegatronAdapter
 from conformance.adapters.megatron_distopt import MegatronDistOptFullyReshardableAdapter
 
 #: the fully_reshardable optimizer key of layer 0's experts' fp32 main ``linear_fc2`` weights.
@@ -42,3 +44,18 @@ class MainWeightMisfiledOnSave(MegatronDistOptFullyReshardableAdapter):
                 if expert == 0 and second is not None:
                     first.global_offset, second.global_offset = second.global_offset, first.global_offset
         return out
+
+
+class ExpertBiasLeftAtLoad(MegatronAdapter):
+    """The load restores every tensor but each router's ``expert_bias``, which keeps the load
+    side's own values: what a load that restores parameters only leaves (the reference's
+    ``seeded-expert-bias-not-loaded``), here on Megatron's layers and ``dist_checkpointing``."""
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        import torch
+
+        kept = [moe.router.expert_bias.clone() for moe in model.moe_layers()]
+        super().load(model, optimizer, path)
+        with torch.no_grad():
+            for moe, bias in zip(model.moe_layers(), kept, strict=True):
+                moe.router.expert_bias.copy_(bias)

@@ -24,7 +24,13 @@ about 40 s is importing megatron-core into the pytest process and a fresh world 
   in every unpacked cell that reaches it and equals the ep=1 truth's, at every EP degree and under expert TP; for
   the packed kind (``GroupedMLP``) it is n/a (``grouped_gemm`` is CUDA-only).  Its negative control
   (``seeded_forward.MegatronSwappedRouter``: the router rows of experts 0 and 1 swapped while a loaded model's
-  forward runs) is caught by ``forward`` alone.
+  forward runs) is caught by ``forward`` alone;
+* the router is DeepSeek-V3's (sigmoid scores, ``moe_router_enable_expert_bias``): each
+  router's fp32 ``expert_bias``, given synthetic values and stepped by Megatron's
+  ``_update_router_expert_bias`` on synthetic loads, comes back right in every cell -- saved, loaded
+  at another EP degree and stepped again; its negative control
+  (``seeded_megatron.ExpertBiasLeftAtLoad``: a load that leaves the bias at the load side's values)
+  is named by ``values``.
 
 The same run checks process hygiene: a distributed test before and after the passing cells counts the
 live process groups in each rank process (those of the harness's device meshes aside) and must find
@@ -352,9 +358,56 @@ def test_ground_truth_is_built_without_parallel_state() -> None:
         assert adapter.scalars(model, optimizer) == {"step": [2.0], "lr": [0.01], "betas": [(0.9, 0.999)],
                                                      "weight_decay": [0.01], "eps": [1e-08]}
     unpacked, packed = views["unpacked"], views["packed"]
-    assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 3 * 3 + 3 * 3)
+    # per layer: 4 experts x 3 views x (weight, 2 moments), 3 dense weights x 3, the expert bias
+    assert set(unpacked) == set(packed) and len(unpacked) == 2 * (4 * 3 * 3 + 3 * 3 + 1)
     assert all(torch.equal(unpacked[key], packed[key]) for key in unpacked)
     assert {g for _, g, _ in unpacked if g is not None} == {0, 1, 2, 3}
+
+
+def test_the_expert_bias_is_stepped_by_megatrons_update_on_synthetic_loads() -> None:
+    """The truth's expert bias after two steps is its synthetic start plus Megatron's rule
+    (``bias += rate * sign(mean(load) - load)``) on each step's synthetic load: the adapter's counts
+    reach ``_update_router_expert_bias``, and the bias is what ``other_tensors`` yields."""
+    import torch
+
+    from conformance import synthetic_load, synthetic_weight
+    from conformance.adapter import Spec
+    from conformance.adapters.megatron import BIAS_SCALE, BIAS_UPDATE_RATE, MegatronAdapter
+
+    adapter = MegatronAdapter()
+    model, optimizer = adapter.build(Spec(kind="unpacked", optimizer_steps=2), None, 1234)
+    biases = {layer: t for layer, _, name, t in adapter.other_tensors(model, optimizer)
+              if name == "router.expert_bias"}
+    routers = [moe.router for moe in model.moe_layers()]
+    assert all(biases[layer] is router.expert_bias for layer, router in enumerate(routers))
+    for layer, bias in biases.items():
+        want = synthetic_weight(1234, layer, None, "router.expert_bias", (4,), scale=BIAS_SCALE)
+        for step in range(2):
+            load = synthetic_load(1234, step, layer, 4)
+            want = want + torch.sign(load.sum() / 4 - load) * BIAS_UPDATE_RATE
+        assert bias.dtype == torch.float32 and torch.equal(bias, want), (layer, bias, want)
+        assert not model.moe_layers()[layer].router.local_tokens_per_expert.any()  # reset after use
+
+
+def test_an_expert_bias_left_at_its_pre_load_values_is_named(pytester: pytest.Pytester) -> None:
+    """The negative control of the expert bias's views: a load that leaves every router's bias at
+    the load side's values fails ``values`` on the bias alone (its pre-load values, on every rank
+    and layer), and ``forward``; every other tensor comes back."""
+    pytester.makepyfile(seeded_megatron=(Path(__file__).parent / "seeded_megatron.py").read_text())
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4",
+                        "--moe-ep-adapter=seeded_megatron:ExpertBiasLeftAtLoad",
+                        "-k", "kind_unpacked and not cross and not optim and not legacy and not fsdp"
+                        " and save_ep2 and load_ep4")
+    cells, statuses, _ = by_status(doc)
+    cell_id = ID.format(kind="unpacked", state="model", mode="ep-only", pair=pair(2, 4))
+    assert statuses == {"fail": {cell_id}}, statuses
+    cell = cells[cell_id]
+    assert cell["findings"] == ["silent"], cell["detail"][:500]
+    assert {p["check"] for p in cell["problems"]} == {"values", "forward"}, cell["problems"]
+    values = [p for p in cell["problems"] if p["check"] == "values"]
+    assert {(p["rank"], p["layer"], p["tensor"]) for p in values} == {
+        (r, i, "router.expert_bias") for r in range(4) for i in range(2)}, values
+    assert all("pre-load (seed B) values" in p["text"] for p in values), values
 
 
 def test_a_swapped_router_after_the_load_is_caught_by_megatrons_forward(pytester: pytest.Pytester) -> None:

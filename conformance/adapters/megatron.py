@@ -14,6 +14,15 @@ and ``linear_fc2`` (under expert TP a rank holds rows of the first two and colum
 over the ``etp`` mesh dim, see :func:`_expert_views`).  The ground truth is built without ``parallel_state``,
 through ``pg_collection`` with a private single-rank ``ProcessGroupGloo`` (never registered).
 
+The router is DeepSeek-V3's as Megatron-LM configures it: sigmoid scores, fp32 routing, and the
+auxiliary-loss-free expert bias (``moe_router_enable_expert_bias``): each ``TopKRouter`` holds a
+persistent fp32 ``expert_bias`` ``[E]`` (in ``other_tensors`` as ``router.expert_bias``), given
+synthetic values from the seed (:data:`BIAS_SCALE`), and a non-persistent token counter.  Each step
+writes :func:`conformance.synthetic_load`'s counts into the counters and runs Megatron's own update,
+``_update_router_expert_bias`` (:func:`update_expert_biases`).  Multi-token prediction is out of
+reach: its block needs a ``GPTModel``'s embedding and output layer, and these are bare MoE layers
+(docs/frameworks/megatron.md).
+
 Workarounds, none of which changes what is checked:
 
 * CUDA hard-wires on Megatron's CPU path are bypassed, and process groups cleaned up, by
@@ -45,6 +54,7 @@ from typing import Any, cast
 
 from conformance.adapter import ADAM_MOMENTS, Capabilities, Spec, local_region
 from conformance.adapters.megatron_cpu import (
+    expert_bias_update_over,
     megatron_forward_on_cpu,
     megatron_on_cpu,
     one_rank_view,
@@ -52,11 +62,19 @@ from conformance.adapters.megatron_cpu import (
     set_up,
     tear_down,
 )
-from conformance.synthetic import synthetic_grad, synthetic_weight
+from conformance.synthetic import synthetic_grad, synthetic_load, synthetic_weight
 
 #: why the packed kind's forward does not run here.
 GROUPED_MLP_NOT_RUN = "GroupedMLP.forward calls grouped_gemm's gg.ops.gmm (a CUDA-only package, not installed)"
 WEIGHT_DECAY = 0.01
+#: the router's expert-bias step per update (``moe_router_bias_update_rate``, Megatron's default and
+#: DeepSeek-V3's).
+BIAS_UPDATE_RATE = 1e-3
+#: the synthetic expert bias's scale (:func:`conformance.synthetic_weight`'s).  The router's sigmoid
+#: scores of the forward check's batch spread ~0.04-0.06 between a token's experts.  Measured at E=4
+#: and 5, after 0 and 2 steps (seed 1234): a bias of this scale chooses other experts than a zero
+#: bias for 31-50% of the tokens in each layer, and every expert is still chosen.
+BIAS_SCALE = 0.01
 # -- the model -----------------------------------------------------------------------------------------
 @cache
 def _model_class() -> type:
@@ -93,7 +111,11 @@ def _config(spec: Spec, ep: int, etp: int = 1, *, bf16: bool = False) -> Any:
         add_bias_linear=False, moe_shared_expert_intermediate_size=spec.hidden if spec.shared_expert else None,
         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         use_cpu_initialization=True, params_dtype=torch.bfloat16 if bf16 else getattr(torch, spec.dtype), bf16=bf16,
-        fp16=False)
+        fp16=False,
+        # DeepSeek-V3's router as Megatron-LM's recipes configure it: sigmoid scores (the
+        # expert bias requires them), the auxiliary-loss-free expert bias, fp32 routing
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=BIAS_UPDATE_RATE, moe_router_dtype="fp32")
 
 
 def _build_model(spec: Spec, ep: int, view: Any, etp_mesh: Any = None, *, bf16: bool = False) -> Any:
@@ -105,11 +127,15 @@ def _build_model(spec: Spec, ep: int, view: Any, etp_mesh: Any = None, *, bf16: 
     config = _config(spec, ep, 1 if etp_mesh is None else etp_mesh.size(), bf16=bf16)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=packed,
                                           moe_use_legacy_grouped_gemm=packed).submodules.mlp
-    with megatron_on_cpu():
+    with megatron_on_cpu(), megatron_forward_on_cpu():  # the router allocates its bias on "cuda"
         layers = [build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=view)
                   for i in range(spec.num_layers)]
     model = _model_class()(layers, config, DistributedDataParallelConfig())
     model.etp_mesh = etp_mesh
+    # the group the expert-bias update sums token counts over: parallel_state's (None), or the
+    # truth's own one-rank group (its view's: a ground truth built outside any world has no
+    # default group to register one with)
+    model.bias_group = None if view is None else view.tp
     return model
 
 
@@ -167,6 +193,17 @@ def _dense(model: Any) -> Iterator[tuple[int, str, Any]]:
                 yield layer, name, p
 
 
+def _buffers(model: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(layer, name within the layer, buffer)`` of every persistent floating-point buffer of the
+    MoE layers: the router's ``expert_bias`` (its token counter is not persistent)."""
+    from conformance.adapters.torch_native import persistent_buffers
+
+    for layer, moe in enumerate(model.moe_layers()):
+        for name, buffer in persistent_buffers(moe):
+            if buffer.is_floating_point():
+                yield layer, name, buffer
+
+
 def _fill(model: Any, seed: int) -> None:
     import torch
 
@@ -177,6 +214,37 @@ def _fill(model: Any, seed: int) -> None:
                 _assign(target, synthetic_weight(seed, layer, g, name, target.shape, dtype=p.dtype))
         for layer, name, p in _dense(model):
             p.copy_(synthetic_weight(seed, layer, None, name, p.shape, dtype=p.dtype))
+        for layer, name, buffer in _buffers(model):
+            buffer.copy_(synthetic_weight(seed, layer, None, name, buffer.shape, dtype=buffer.dtype,
+                                          scale=BIAS_SCALE))
+
+
+def update_expert_biases(model: Any, seed: int, step: int) -> None:
+    """Megatron's expert-bias update on :func:`conformance.synthetic_load`'s counts for ``step``:
+    written into each router's ``local_tokens_per_expert`` (on the first rank of the group Megatron
+    sums them over, zeros elsewhere, so the sum is the synthetic load), then the two calls
+    ``finalize_model_grads`` makes, ``_update_router_expert_bias`` (a collective over TP x DP x CP)
+    and ``reset_model_temporary_tensors``.  ``model`` is the stack of layers or its DDP wrapper."""
+    import contextlib
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+
+    stack = getattr(model, "module", model)
+    group = stack.bias_group
+    counts = group is not None or parallel_state.get_tensor_and_data_parallel_group(
+        with_context_parallel=True).rank() == 0
+    with torch.no_grad():
+        for layer, moe in enumerate(stack.moe_layers()):
+            load = synthetic_load(seed, step, layer, stack.config.num_moe_experts)
+            moe.router.local_tokens_per_expert.copy_(load if counts else torch.zeros_like(load))
+    with expert_bias_update_over(group) if group is not None else contextlib.nullcontext():
+        _update_router_expert_bias([model], stack.config)
+    reset_model_temporary_tensors(stack.config, [model])
 
 
 def _set_grads(model: Any, seed: int, step: int) -> None:
@@ -306,15 +374,21 @@ class MegatronAdapter:
         return model, optimizer
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
-        """One step of Megatron's optimizer on synthetic_grad gradients."""
+        """One step of Megatron's optimizer on synthetic_grad gradients, after the expert-bias
+        update on synthetic loads (Megatron's order: ``finalize_model_grads`` updates the bias
+        before ``optimizer.step()``)."""
         _set_grads(model, seed, step)
+        update_expert_biases(model, seed, step)
         _step(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
         """Megatron's own ``MoELayer.forward``, layer after layer, on ``[tokens, 1, dim]``: the output and each MoE
         layer's own (:func:`forward_with_layers`).  Every rank feeds the same batch; the ``allgather`` dispatcher
         gathers every EP rank's tokens, each rank runs its experts, and a reduce-scatter gives each rank the sum
-        for its own tokens.  The packed kind (GroupedMLP) is n/a: ``grouped_gemm`` is CUDA-only."""
+        for its own tokens.  Each layer's output is added to its input, as a decoder layer's
+        residual stream does (no attention, no norms): a layer's own output is ~1e-4 of its input,
+        so without it the next router would see scores that differ by ~1e-5 and choose by its
+        expert bias alone.  The packed kind (GroupedMLP) is n/a: ``grouped_gemm`` is CUDA-only."""
         import torch
 
         from conformance.adapter import NotApplicable, forward_with_layers
@@ -326,7 +400,7 @@ class MegatronAdapter:
         def run() -> Any:
             hidden = batch.to(layers[0].router.weight.dtype).unsqueeze(1)  # [sequence, micro-batch, hidden]
             for moe in layers:
-                hidden = moe(hidden)[0]
+                hidden = hidden + moe(hidden)[0]
             return hidden.squeeze(1)
 
         with torch.no_grad(), megatron_forward_on_cpu():
@@ -399,6 +473,8 @@ class MegatronAdapter:
             for moment in ADAM_MOMENTS:
                 if moment in state.get(p, {}):
                     yield layer, None, f"{name}.{moment}", state[p][moment]
+        for layer, name, buffer in _buffers(model):
+            yield layer, None, name, buffer
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, object]:
         """Step counts and param-group hyperparameters, as sorted distinct values over all param groups.

@@ -32,6 +32,10 @@ process that runs many cells at several EP degrees holds no Megatron group betwe
 ``initialize_model_parallel`` runs with ``create_gloo_process_groups=False``: the world is gloo already, and the
 extra gloo groups serve only the distributed optimizer.
 
+The ground truth's expert-bias update runs under :func:`expert_bias_update_over` its one-rank
+group: ``moe_utils.get_updated_expert_bias`` reduces over ``parallel_state``'s group whatever groups
+the layers were built with.
+
 The ground truth's optimizer set-up runs under :func:`one_rank_world`: ``optimizer/__init__.py``,
 ``_get_param_groups``, aligns param-group keys with an ``all_gather_object`` over the *world*, which the
 truth (built on each rank alone) must not do; that module sees a one-rank ``torch.distributed`` while it
@@ -190,7 +194,9 @@ def megatron_forward_on_cpu() -> Iterator[None]:
       which the module defines only when Transformer Engine imports (a ``NameError`` without it, megatron-core
       0.16.0): set to ``None``, its own "no TE" branch (a plain matmul) runs;
     * ``transformer/moe/router.py``, ``Router.gating``: moves its weight to ``torch.cuda.current_device()`` at the
-      first forward -- the CPU here, so the weight stays the tensor the adapter wrote;
+      first forward -- the CPU here, so the weight stays the tensor the adapter wrote
+      (``TopKRouter.__init__`` allocates its expert bias and token counter there too: the adapter
+      builds its layers in this context);
     * ``core/utils.py``, ``GlobalMemoryBuffer.get_tensor`` (the dispatcher's token gather at ep * etp > 1) and
       ``tensor_parallel/mappings.py`` (its gathers' and reduce-scatters' buffers): allocate on
       ``torch.cuda.current_device()``, the CPU here.
@@ -202,6 +208,39 @@ def megatron_forward_on_cpu() -> Iterator[None]:
     patches: list[tuple[Any, str, Any]] = [(m, "torch", _CpuTorch()) for m in (router, megatron_utils, mappings)]
     patches.append((moe_utils, "te_general_gemm", None))
     with _patched(patches):
+        yield
+
+
+class _ParallelStateOver:
+    """``parallel_state`` as ``moe_utils.get_updated_expert_bias`` sees it: its
+    tensor-and-data-parallel group is ``group``; everything else is ``parallel_state``."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def get_tensor_and_data_parallel_group(self, check_initialized: bool = True,
+                                           with_context_parallel: bool = False) -> Any:
+        return self._group
+
+    def __getattr__(self, name: str) -> Any:
+        from megatron.core import parallel_state
+
+        return getattr(parallel_state, name)
+
+
+@contextlib.contextmanager
+def expert_bias_update_over(group: Any) -> Iterator[None]:
+    """The expert-bias update's all-reduce over ``group`` (the ground truth's one-rank group).
+
+    ``transformer/moe/moe_utils.py``, ``get_updated_expert_bias``: sums the token counts over
+    ``parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)`` whatever
+    process groups the layers were built with (its own TODO says so); the ground truth, built
+    through a ``pg_collection`` without ``parallel_state``, would fail its assertion that the
+    group is initialised.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    with _patched([(moe_utils, "parallel_state", _ParallelStateOver(group))]):
         yield
 
 
@@ -260,14 +299,15 @@ def one_rank_view(*, registered: bool = False) -> Any:
     """A ``ProcessGroupCollection`` whose every group is one single-rank gloo group (ground truth).
 
     By default a private ``ProcessGroupGloo`` (never registered with c10d).  ``registered=True`` gives a registered
-    one instead (:func:`_one_rank_group`): Megatron's ``DistributedDataParallel`` reduces gradients through c10d's
-    coalescing manager, which needs a ``ProcessGroup`` (the private backend lacks
+    one instead (:func:`_one_rank_group`): Megatron's ``DistributedDataParallel`` reduces gradients
+    through c10d's coalescing manager, which needs a ``ProcessGroup`` (the private backend lacks
     ``reduce_scatter_single_coalesced``)."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # torch's stub omits the default of ProcessGroupGloo's timeout (30 minutes), which the binding has
-    group = _one_rank_group() if registered else dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # type: ignore[call-arg]
+    group = (_one_rank_group() if registered
+             else dist.ProcessGroupGloo(dist.HashStore(), 0, 1))  # type: ignore[call-arg]
     view = ProcessGroupCollection()
     for name in _PG_FIELDS:
         setattr(view, name, group)

@@ -66,12 +66,14 @@ from conformance.adapters.megatron import (
     WEIGHT_DECAY,
     MegatronAdapter,
     _assign,
+    _buffers,
     _build_model,
     _dense,
     _expert_tp_mesh,
     _expert_views,
     _fill,
     _step,
+    update_expert_biases,
 )
 from conformance.adapters.megatron_cpu import (
     _CpuTorch,
@@ -273,6 +275,7 @@ class MegatronDistOptAdapter(MegatronAdapter):
         """One step: synthetic gradients reduce-scattered by Megatron's DDP, the distributed optimizer's step (its
         parameter all-gather included)."""
         _set_main_grads(model, seed, step)
+        update_expert_biases(model, seed, step)
         _step(optimizer)
 
     #: what Megatron-LM's trainer passes to ``sharded_state_dict`` (``megatron/training/checkpointing.py``).
@@ -299,6 +302,8 @@ class MegatronDistOptAdapter(MegatronAdapter):
             yield layer, None, name, p.data
             for state, tensor in states.get(p, {}).items():
                 yield layer, None, f"{name}.{state}", tensor
+        for layer, name, buffer in _buffers(model):
+            yield layer, None, name, buffer
 
 
 class MegatronDistOptFullyReshardableAdapter(MegatronDistOptAdapter):

@@ -1,13 +1,28 @@
 """The built-in ``nemo_automodel`` adapter: NeMo Automodel 0.7.0 end to end.
 
 It drives NeMo's own code (nothing of the EP split or of the checkpoint conversion is re-implemented):
-NeMo ``MoE`` layers (``Gate``, ``GroupedExperts`` with packed ``gate_and_up_projs`` / ``down_projs``,
-the shared-expert ``MLP``; ``BackendConfig`` all ``"torch"``, the backend without TE/DeepEP) at
-``model.layers.<i>.mlp``, filled with synthetic weights by global expert id on the whole ep=1 model
-before the split; ``parallelizer.apply_ep`` on NeMo's ``("ep_shard", "ep")`` MoE mesh and
-``apply_fsdp`` as ``parallelize_model`` calls it; ``torch.optim.AdamW``; and NeMo's ``Checkpointer``
-(``save_model`` / ``load_model`` through ``Qwen3MoeStateDictAdapter``'s per-expert HF keys, DCP, and
-``save_optimizer`` / ``load_optimizer``).  Packed SwiGLU only; run on CPU/gloo, not yet with NCCL.
+NeMo ``MoE`` layers (``Gate``, ``GroupedExperts`` with the fused ``gate_and_up_projs`` and
+``down_projs``, the shared-expert ``MLP``; ``BackendConfig`` all ``"torch"``, the backend without
+TE/DeepEP) at ``model.layers.<i>.mlp``, configured as NeMo's own DeepSeek-V3 builds them
+(``models/deepseek_v3/model.py``: sigmoid scores, top-k weights normalised, the auxiliary-loss-free
+balancing bias ``mlp.gate.e_score_correction_bias`` updated at ``gate_bias_update_factor=1e-3``, no
+auxiliary loss), filled with synthetic weights by global expert id on the whole ep=1 model before
+the split; ``parallelizer.apply_ep`` on NeMo's ``("ep_shard", "ep")`` MoE mesh and ``apply_fsdp`` as
+``parallelize_model`` calls it; ``torch.optim.AdamW``; and NeMo's ``Checkpointer`` (``save_model`` /
+``load_model`` through ``DeepSeekV3StateDictAdapter``'s per-expert HF keys, DCP, and
+``save_optimizer`` / ``load_optimizer``).  SwiGLU only; run on CPU/gloo, not yet with NCCL.
+
+The expert bias: a persistent fp32 ``[E]`` buffer (a Replicate DTensor over every rank after
+``apply_fsdp``), given synthetic values from the seed (:data:`BIAS_SCALE`) and stepped after each
+optimizer step by NeMo's own ``Gate.update_bias`` on :func:`conformance.synthetic_load` counts
+written into ``Gate._cumulative_expert_load`` (:func:`_update_biases`), as NeMo's recipe calls
+``update_moe_gate_bias()`` after ``optimizer.step()``.
+
+The experts' canonical views (:func:`_expert_views`): each expert's ``gate_and_up_projs`` row
+``[dim, 2 * hidden]`` is ``[gate | up]`` along its last axis (NeMo's SwiGLU ``chunk(2, -1)``),
+given as its halves ``gate`` and ``up`` transposed to ``[hidden, dim]``, and ``down_projs``' row as
+``down`` ``[dim, hidden]``: the HF linears' orientation, so each view is the tensor the checkpoint
+holds under ``experts.<g>.{gate,up,down}_proj.weight``.
 
 Workarounds (none changes what is checked):
 
@@ -22,8 +37,14 @@ Workarounds (none changes what is checked):
   every build.
 * FSDP's mixed-precision policy is fp32 throughout (NeMo's default casts parameters to bf16 for
   compute; storage is unchanged).
-* ``forward`` runs NeMo's ``@torch.compile``d SwiGLU eagerly (``set_stance("force_eager")``): on CPU inductor
-  compiles each variant in each rank process (the first forward took 126 s on 2 cores).
+* ``forward`` runs NeMo's ``@torch.compile``d SwiGLU eagerly (``set_stance("force_eager")``): on CPU
+  inductor compiles each variant in each rank process (the first forward took 126 s on 2 cores).
+* The bias update's loads: ``update_bias`` sums ``_cumulative_expert_load`` over the bias's mesh
+  when ``apply_fsdp`` made the bias a DTensor (every rank), and uses the rank's own load when it did
+  not (the EP-only cells; NeMo's ``parallelize_model`` always applies FSDP over a data-parallel
+  mesh of more than one rank).  So the first rank of the bias's mesh is given the step's counts and
+  the others zeros, and a plain bias is given the counts on every rank: in each case the sum NeMo
+  takes is :func:`conformance.synthetic_load`'s.
 
 What the matrix finds: docs/frameworks/nemo_automodel.md.
 """
@@ -37,23 +58,43 @@ from typing import Any
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    ExpertBlock,
     NotApplicable,
     Spec,
+    TensorEntry,
     local_region,
     run_steps,
     torch_optimizer_scalars,
     world_device,
 )
-from conformance.synthetic import synthetic_grad, synthetic_weight
-from reference_impl.regions import contiguous_stride
+from conformance.synthetic import (
+    synthetic_grad,
+    synthetic_grad_rows,
+    synthetic_load,
+    synthetic_weight,
+)
 
-EXPERT_WEIGHTS = ("gate_and_up_projs", "down_projs")
+#: each expert weight's canonical views, each the HF linear of that name (``[out, in]``): the
+#: ``gate`` and ``up`` halves of ``gate_and_up_projs`` (``[E, dim, 2 * hidden]``, ``[gate | up]``
+#: along the last axis) and ``down_projs`` (``[E, hidden, dim]``), transposed.
+EXPERT_VIEWS = {"gate_and_up_projs": ("gate", "up"), "down_projs": ("down",)}
+#: the name of the router's expert bias in ``other_tensors`` (its state-dict name within the layer).
+BIAS = "mlp.gate.e_score_correction_bias"
+#: NeMo's DeepSeek-V3 bias step per update (``models/deepseek_v3/model.py``).
+BIAS_UPDATE_FACTOR = 1e-3
+#: the synthetic bias's scale (:func:`conformance.synthetic_weight`'s).  The sigmoid scores of the
+#: forward check's batch spread ~0.04-0.06 between a token's experts.  Measured at E=4 and 5, after
+#: 0 and 2 steps (seed 1234): a bias of this scale chooses other experts than a zero bias for 31-56%
+#: of the tokens in each layer, and every expert is still chosen; twice this scale leaves an expert
+#: of some layers unchosen.
+BIAS_SCALE = 0.01
 #: attributes set on the built model: NeMo's MoE mesh (or None) and its dense FSDP mesh (or None).
 _MOE_MESH = "_conformance_moe_mesh"
 
 
 class NemoAutomodelAdapter:
-    """NeMo Automodel 0.7.0: ``GroupedExperts`` split by ``apply_ep``, saved by ``Checkpointer``."""
+    """NeMo Automodel 0.7.0: a DeepSeek-V3 MoE (sigmoid router with its expert bias),
+    ``GroupedExperts`` split by ``apply_ep``, saved by ``Checkpointer``."""
 
     name = "nemo_automodel"
     version = "0.7.0"
@@ -61,7 +102,7 @@ class NemoAutomodelAdapter:
                                 format="dcp", ep_orders=("consecutive",))
     preload = ("nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
                "nemo_automodel.components.checkpoint.checkpointing",
-               "nemo_automodel.components.models.qwen3_moe.state_dict_adapter")
+               "nemo_automodel.components.models.deepseek_v3.state_dict_adapter")
 
     # -- building ----------------------------------------------------------------------------------
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
@@ -70,7 +111,8 @@ class NemoAutomodelAdapter:
         if spec.kind != "packed":
             raise ValueError(f"NeMo's GroupedExperts is packed; cannot build kind {spec.kind!r}")
         if spec.activation != "swiglu":
-            raise ValueError(f"this adapter builds NeMo's SwiGLU experts; cannot build activation {spec.activation!r}")
+            raise ValueError(f"this adapter builds NeMo's SwiGLU experts; cannot build activation "
+                             f"{spec.activation!r}")
         model = _model_class()(spec)
         _overwrite(model, seed)
         model.to(world_device(mesh))
@@ -85,23 +127,28 @@ class NemoAutomodelAdapter:
         return model, optimizer
 
     def step(self, model: Any, optimizer: Any, seed: int, step: int) -> None:
+        """An AdamW step on synthetic gradients, then NeMo's expert-bias update on synthetic loads
+        (the order of NeMo's recipe: ``update_moe_gate_bias()`` after ``optimizer.step()``)."""
         _set_grads(model, seed, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _update_biases(model, seed, step)
 
     def scalars(self, model: Any, optimizer: Any) -> dict[str, Any]:
         return torch_optimizer_scalars(optimizer)
 
     def forward(self, model: Any, batch: Any) -> Any:
-        """NeMo's own ``MoE.forward`` in every block (``Gate``, ``GroupedExperts`` -- at ep > 1 its all-gather of
-        the tokens over the EP group and an all-reduce of the outputs -- and the shared expert) on ``batch``;
-        FSDP2's parameters resharded after it (NeMo's ``apply_fsdp`` keeps them unsharded after a forward).
+        """NeMo's own ``MoE.forward`` in every block (``Gate``, ``GroupedExperts`` -- at ep > 1
+        its all-gather of the tokens over the EP group and an all-reduce of the outputs -- and the
+        shared expert) on ``batch``; FSDP2's parameters resharded after it (NeMo's ``apply_fsdp``
+        keeps them unsharded after a forward).
 
-        ``GroupedExperts.forward`` asserts ``n_routed_experts % ep_size == 0`` on every rank before any
-        exchange: there the check is n/a with NeMo's assertion.  NeMo's ``@torch.compile``d SwiGLU
-        (``moe/megatron/moe_utils.py``, ``weighted_swiglu``) runs eagerly (``set_stance("force_eager")``): the same
-        function, without inductor's CPU compile of each variant in each rank process (about a minute each on
-        2 cores).
+        ``GroupedExperts.forward`` asserts ``n_routed_experts % ep_size == 0`` on every rank before
+        any exchange: there the check is n/a with NeMo's assertion.  NeMo's ``@torch.compile``d
+        SwiGLU (``moe/megatron/moe_utils.py``, ``weighted_swiglu``) runs eagerly
+        (``set_stance("force_eager")``): the same function, without inductor's CPU compile of each
+        variant in each rank process (about a minute each on 2 cores).  The model stays in train
+        mode, as a training step's forward is; the load it counts is overwritten before any update.
         """
         import torch
         from torch.distributed.fsdp import FSDPModule
@@ -115,8 +162,8 @@ class NemoAutomodelAdapter:
         except AssertionError as exc:
             if num_experts % ep_size == 0:
                 raise
-            raise NotApplicable(f"NeMo's GroupedExperts.forward cannot run E={num_experts} experts at ep={ep_size}: "
-                                f"AssertionError: {exc}") from exc
+            raise NotApplicable(f"NeMo's GroupedExperts.forward cannot run E={num_experts} experts "
+                                f"at ep={ep_size}: AssertionError: {exc}") from exc
         finally:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
@@ -129,9 +176,10 @@ class NemoAutomodelAdapter:
         import tempfile
 
         checkpointer = _checkpointer(model)
-        # Workaround: save_model writes <weights_path>/model; point that at the cell's directory.  The link lives next
-        # to the cell's directory (in the session's work directory, removed with it), not in /tmp: a rank killed
-        # mid-save (a world replaced after another rank's failure) never runs the clean-up of its context.
+        # Workaround: save_model writes <weights_path>/model; point that at the cell's directory.
+        # The link lives next to the cell's directory (in the session's work directory, removed
+        # with it), not in /tmp: a rank killed mid-save (a world replaced after another rank's
+        # failure) never runs the clean-up of its context.
         beside = os.path.dirname(os.path.abspath(path))
         with tempfile.TemporaryDirectory(prefix="nemo-weights-", dir=beside) as weights_path:
             os.symlink(os.path.abspath(path), os.path.join(weights_path, "model"))
@@ -146,43 +194,46 @@ class NemoAutomodelAdapter:
             checkpointer.load_optimizer(optimizer, model, path)
 
     # -- canonical views ---------------------------------------------------------------------------
-    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
+    def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry | ExpertBlock]:
+        """Each expert weight's views (:data:`EXPERT_VIEWS`) and the same cuts of its Adam moments,
+        as blocks of expert rows (row 0 is expert 0 of a DTensor, this rank's first of a plain
+        tensor: the truth's, expert 0)."""
         state = optimizer.state if optimizer is not None else {}
         for layer, moe in _moe_layers(model):
-            for weight_name in EXPERT_WEIGHTS:
+            for weight_name in EXPERT_VIEWS:
                 weight = getattr(moe.experts, weight_name)
-                tensors = {weight_name: weight} | {f"{weight_name}.{m}": state[weight][m]
-                                                   for m in ADAM_MOMENTS if m in state.get(weight, {})}
-                for name, tensor in tensors.items():
-                    for expert, row in _rows(tensor):
-                        yield layer, expert, name, row
+                tensors = {"": weight} | {f".{m}": state[weight][m] for m in ADAM_MOMENTS
+                                          if m in state.get(weight, {})}
+                for suffix, tensor in tensors.items():
+                    for label, view in _expert_views(weight_name, tensor):
+                        yield ExpertBlock(layer, 0, f"{label}{suffix}", view)
 
-    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int | None, None, str, Any]]:
+    def other_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
+        """The router and shared-expert parameters with their moments, and the router's expert bias
+        (whole on every rank: a Replicate DTensor under FSDP2, a plain tensor otherwise)."""
         state = optimizer.state if optimizer is not None else {}
         for layer, moe in _moe_layers(model):
-            experts = {id(p) for p in moe.experts.parameters()}
-            for name, p in moe.named_parameters():
-                if id(p) in experts:
-                    continue
-                yield layer, None, f"mlp.{name}", p
+            for name, p in _dense(moe):
+                yield TensorEntry(layer, None, f"mlp.{name}", p)
                 for moment in ADAM_MOMENTS:
                     if moment in state.get(p, {}):
-                        yield layer, None, f"mlp.{name}.{moment}", state[p][moment]
+                        yield TensorEntry(layer, None, f"mlp.{name}.{moment}", state[p][moment])
+            yield TensorEntry(layer, None, BIAS, moe.gate.e_score_correction_bias)
 
 
 # -- the model -------------------------------------------------------------------------------------
 @functools.cache
 def _model_class() -> type:
-    """``Model(spec)``: ``model.layers.<i>.mlp`` NeMo MoE layers plus Qwen3-MoE's state-dict adapter.
+    """``Model(spec)``: ``model.layers.<i>.mlp`` NeMo MoE layers and DeepSeek-V3's state-dict
+    adapter.
 
     Defined on first use so that importing this module imports neither torch nor NeMo.
     """
     import torch
     from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.qwen3_moe.state_dict_adapter import (
-        Qwen3MoeStateDictAdapter,
+    from nemo_automodel.components.models.deepseek_v3.state_dict_adapter import (
+        DeepSeekV3StateDictAdapter,
     )
-    from nemo_automodel.components.moe.config import MoEConfig
     from nemo_automodel.components.moe.layers import MoE
     from torch import nn
 
@@ -199,7 +250,8 @@ def _model_class() -> type:
     class Decoder(nn.Module):
         def __init__(self, spec: Spec, config: Any, backend: Any) -> None:
             super().__init__()
-            self.layers = nn.ModuleDict({str(i): Block(config, backend) for i in range(spec.num_layers)})
+            self.layers = nn.ModuleDict({str(i): Block(config, backend)
+                                         for i in range(spec.num_layers)})
 
         def forward(self, x: Any) -> Any:
             for block in self.layers.values():
@@ -212,22 +264,35 @@ def _model_class() -> type:
             dtype = getattr(torch, spec.dtype)
             # NeMo's default experts/dispatcher without TE or DeepEP (the only CPU-capable backend).
             backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", experts="torch",
-                                    dispatcher="torch", rope_fusion=False, enable_hf_state_dict_adapter=True)
-            # Qwen3-MoE's routing settings (see models/qwen3_moe/model.py), the suite's sizes.
-            config = MoEConfig(
-                n_routed_experts=spec.num_experts, n_shared_experts=1 if spec.shared_expert else 0,
-                n_activated_experts=min(spec.top_k, spec.num_experts), n_expert_groups=0, n_limited_groups=0,
-                train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0, score_func="softmax",
-                route_scale=1.0, dim=spec.dim, inter_dim=spec.hidden, moe_inter_dim=spec.hidden,
-                norm_topk_prob=False, expert_bias=False, router_bias=False, expert_activation="swiglu",
-                softmax_before_topk=True, dtype=dtype)
+                                    dispatcher="torch", rope_fusion=False,
+                                    enable_hf_state_dict_adapter=True)
+            config = moe_config(spec)
             self.model = Decoder(spec, config, backend)
-            self.state_dict_adapter = Qwen3MoeStateDictAdapter(None, config, backend, dtype=dtype)
+            self.state_dict_adapter = DeepSeekV3StateDictAdapter(None, config, backend, dtype=dtype)
 
-        def forward(self, x: Any) -> Any:  # through the modules NeMo's apply_fsdp wraps, so its hooks run
+        def forward(self, x: Any) -> Any:  # through the modules apply_fsdp wraps, so its hooks run
             return self.model(x)
 
     return Model
+
+
+def moe_config(spec: Spec) -> Any:
+    """NeMo's ``MoEConfig`` as its DeepSeek-V3 model builds it (``models/deepseek_v3/model.py``:
+    ``gate_bias_update_factor=1e-3``, sigmoid scores, no auxiliary loss, top-k weights normalised
+    and returned in fp32) at the suite's sizes: one expert group (the grouping is skipped), a route
+    scale of 1, no linear biases (``expert_bias`` is GPT-OSS's per-expert linear bias, not the
+    router's)."""
+    import torch
+    from nemo_automodel.components.moe.config import MoEConfig
+
+    return MoEConfig(
+        n_routed_experts=spec.num_experts, n_shared_experts=1 if spec.shared_expert else 0,
+        n_activated_experts=min(spec.top_k, spec.num_experts), n_expert_groups=1,
+        n_limited_groups=1, train_gate=True, gate_bias_update_factor=BIAS_UPDATE_FACTOR,
+        aux_loss_coeff=0.0, score_func="sigmoid", route_scale=1.0, dim=spec.dim,
+        inter_dim=spec.hidden, moe_inter_dim=spec.hidden, norm_topk_prob=True, expert_bias=False,
+        router_bias=False, expert_activation="swiglu", router_weights_fp32=True,
+        dtype=getattr(torch, spec.dtype))
 
 
 def _moe_layers(model: Any) -> Iterator[tuple[int, Any]]:
@@ -235,20 +300,31 @@ def _moe_layers(model: Any) -> Iterator[tuple[int, Any]]:
         yield int(key), block.mlp
 
 
+def _dense(moe: Any) -> Iterator[tuple[str, Any]]:
+    """``(name within the MoE, parameter)`` of the router and the shared expert."""
+    experts = {id(p) for p in moe.experts.parameters()}
+    for name, p in moe.named_parameters():
+        if id(p) not in experts:
+            yield name, p
+
+
 def _overwrite(model: Any, seed: int) -> None:
-    """Synthetic weights on the unsplit model: expert rows by global id, the rest by name."""
+    """Synthetic values on the unsplit model: expert weights by global id and view, the rest and
+    the expert bias by name."""
     import torch
 
     with torch.no_grad():
         for layer, moe in _moe_layers(model):
-            experts = {id(p) for p in moe.experts.parameters()}
-            for name in EXPERT_WEIGHTS:
+            for name in EXPERT_VIEWS:
                 weight = getattr(moe.experts, name)
-                for g in range(weight.shape[0]):
-                    weight[g].copy_(synthetic_weight(seed, layer, g, name, weight.shape[1:], dtype=weight.dtype))
-            for name, p in moe.named_parameters():
-                if id(p) not in experts:
-                    p.copy_(synthetic_weight(seed, layer, None, f"mlp.{name}", p.shape, dtype=p.dtype))
+                experts = range(weight.shape[0])
+                weight.copy_(_whole(name, weight.shape, lambda label, shape, _l=layer, _e=experts:
+                                    torch.stack([synthetic_weight(seed, _l, g, label, shape)
+                                                 for g in _e])))
+            for name, p in _dense(moe):
+                p.copy_(synthetic_weight(seed, layer, None, f"mlp.{name}", p.shape, dtype=p.dtype))
+            bias = moe.gate.e_score_correction_bias
+            bias.copy_(synthetic_weight(seed, layer, None, BIAS, bias.shape, scale=BIAS_SCALE))
 
 
 def _parallelize(model: Any, spec: Spec, mesh: Any) -> Any:
@@ -286,50 +362,67 @@ def _checkpointer(model: Any) -> Any:
     return config.build(dp_rank=dist.get_rank(), tp_rank=0, pp_rank=0, moe_mesh=getattr(model, _MOE_MESH))
 
 
-# -- gradients and canonical rows ------------------------------------------------------------------
-def _region(tensor: Any) -> tuple[Any, tuple[int, ...]]:
-    """A tensor's local data and the global offset of its first element (zeros for a plain tensor)."""
-
-    local, region = local_region(tensor)
-    return local, tuple(r.start for r in region) if region is not None else (0,) * tensor.dim()
-
-
-def _rows(tensor: Any) -> Iterator[tuple[int, Any]]:
-    """``(global expert id, row)`` for each expert row this rank holds (a part of a row as a DTensor)."""
+# -- the expert views, gradients and bias updates ------------------------------------------------
+def _whole(weight_name: str, shape: Any, make: Any) -> Any:
+    """The whole ``[E, ...]`` NeMo weight from its views: ``make(label, view shape)`` gives each
+    view's ``[E, out, in]`` rows (:data:`EXPERT_VIEWS`), transposed into NeMo's ``[E, in, out]`` and
+    concatenated along the last axis."""
     import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    local, offset = _region(tensor)
-    row_shape = tuple(tensor.shape[1:])
-    for i in range(local.shape[0]):
-        row = local[i]
-        if tuple(row.shape) != row_shape:  # FSDP sharded the rows too: keep the row's region
-            placements = [Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > 0 else Replicate()
-                          for p in tensor.placements]
-            row = DTensor.from_local(row, tensor.device_mesh, placements, run_check=False, shape=torch.Size(row_shape),
-                                     stride=contiguous_stride(row_shape))
-        yield offset[0] + i, row
+    labels = EXPERT_VIEWS[weight_name]
+    view_shape = (shape[-1] // len(labels), shape[-2])
+    return torch.cat([make(label, view_shape).transpose(-2, -1) for label in labels], dim=-1)
+
+
+def _expert_views(weight_name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+    """``(label, view)`` of a NeMo expert weight (or moment), plain or DTensor: the columns of each
+    view, transposed (a DTensor's slice of an axis no placement shards, and its transpose, are local
+    operations: each rank keeps its rows, FSDP's shard of them moves to the view's last axis)."""
+    labels = EXPERT_VIEWS[weight_name]
+    width = tensor.shape[-1] // len(labels)
+    for i, label in enumerate(labels):
+        yield label, tensor[..., i * width:(i + 1) * width].transpose(-2, -1)
 
 
 def _set_grads(model: Any, seed: int, step: int) -> None:
-    """Gradients from synthetic_grad by global identity, cut to the region each parameter holds."""
+    """Gradients from synthetic_grad by global identity and view, cut to the region each parameter
+    holds."""
+    from torch.distributed.tensor import DTensor
+
+    for layer, moe in _moe_layers(model):
+        params = [(name, getattr(moe.experts, name)) for name in EXPERT_VIEWS]
+        params += [(f"mlp.{name}", p) for name, p in _dense(moe)]
+        for name, p in params:
+            if name in EXPERT_VIEWS:
+                experts = range(p.shape[0])
+                full = _whole(name, p.shape, lambda label, shape, _l=layer, _e=experts:
+                              synthetic_grad_rows(seed, step, _l, _e, label, shape))
+            else:
+                full = synthetic_grad(seed, step, layer, None, name, p.shape)
+            local, region = local_region(p)
+            grad = (full if region is None else full[region]).to(device=local.device, dtype=p.dtype,
+                                                                  copy=True)
+            if isinstance(p, DTensor):
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+            p.grad = grad
+
+
+def _update_biases(model: Any, seed: int, step: int) -> None:
+    """NeMo's ``Gate.update_bias`` in every layer on :func:`conformance.synthetic_load`'s counts for
+    ``step``, written where its forward would have counted them (``_cumulative_expert_load``): on
+    the first rank of the bias's mesh when the bias is a DTensor (NeMo sums the counts over that
+    mesh), on every rank when it is a plain tensor (NeMo takes the rank's own); a collective under
+    FSDP2."""
     import torch
     from torch.distributed.tensor import DTensor
 
     for layer, moe in _moe_layers(model):
-        experts = {id(p) for p in moe.experts.parameters()}
-        params = [(name, getattr(moe.experts, name), True) for name in EXPERT_WEIGHTS]
-        params += [(f"mlp.{name}", p, False) for name, p in moe.named_parameters() if id(p) not in experts]
-        for name, p, is_expert in params:
-            if is_expert:
-                full = torch.stack([synthetic_grad(seed, step, layer, g, name, p.shape[1:])
-                                    for g in range(p.shape[0])])
-            else:
-                full = synthetic_grad(seed, step, layer, None, name, p.shape)
-            local, offset = _region(p)
-            region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
-            grad = full[region].to(device=local.device, dtype=p.dtype, copy=True)
-            if isinstance(p, DTensor):
-                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
-            p.grad = grad
+        gate = moe.gate
+        bias = gate.e_score_correction_bias
+        load = synthetic_load(seed, step, layer, gate.n_experts)
+        if isinstance(bias, DTensor) and any(bias.device_mesh.get_coordinate() or ()):
+            load = torch.zeros_like(load)
+        gate._cumulative_expert_load = load.to(local_region(bias)[0].device)
+        with torch.no_grad():
+            gate.update_bias()
