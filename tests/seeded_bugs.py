@@ -291,8 +291,8 @@ class RenamedExpertKeys(ReferencePerExpertAdapter):
 
 
 def _packed_state(model: Any, global_rows: bool) -> dict[str, Any]:
-    """The model's state (parameters and persistent buffers: the router's expert bias) under ``mlp.``
-    names (no pattern knows them); packed expert weights as DTensors of their global rows
+    """The model's state (parameters and persistent buffers: the router's expert bias) under
+    ``mlp.`` names (no pattern knows them); packed expert weights as DTensors of their global rows
     (``Shard(0)`` over EP) when ``global_rows``, else as this rank's plain local rows."""
     from torch.distributed.tensor import DTensor, Shard
 

@@ -1,13 +1,13 @@
 """Seeded bugs on Megatron: an expert's fp32 main weight filed under another expert (the distributed
 optimizer), and an expert bias the load leaves alone.
 
-:class:`MainWeightMisfiledOnSave` is ``megatron-distopt-fully_reshardable`` (the format whose checkpoint is
-EP-invariant) with layer 0's experts 0 and 1 trading places (the expert axis's offset) for their fp32 main
-``linear_fc2`` weights in the optimizer's sharded state dict, on the save and on the load alike -- the bf16 weights
-and the moments stay where they belong.  It is the class of
-bug issue 35 names: a main weight under the wrong (a local) identity while the bf16 copy is global.  A rank holds
-both experts at ep 1 and 2 (E=4), so those saves misfile and load their own mistake back (a round trip); at ep=4
-they sit on two ranks and the save is right.
+:class:`MainWeightMisfiledOnSave` is ``megatron-distopt-fully_reshardable`` (the format whose
+checkpoint is EP-invariant) with layer 0's experts 0 and 1 trading places (the expert axis's offset)
+for their fp32 main ``linear_fc2`` weights in the optimizer's sharded state dict, on the save and on
+the load alike -- the bf16 weights and the moments stay where they belong.  It is the class of bug
+issue 35 names: a main weight under the wrong (a local) identity while the bf16 copy is global.  A
+rank holds both experts at ep 1 and 2 (E=4), so those saves misfile and load their own mistake back
+(a round trip); at ep=4 they sit on two ranks and the save is right.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class MainWeightMisfiledOnSave(MegatronDistOptFullyReshardableAdapter):
             for (expert, rest), first in shards.items():
                 second = shards.get((1, rest))
                 if expert == 0 and second is not None:
-                    first.global_offset, second.global_offset = second.global_offset, first.global_offset
+                    first.global_offset, second.global_offset = (
+                        second.global_offset, first.global_offset)
         return out
 
 

@@ -1,10 +1,11 @@
-"""The ``nemo_automodel`` adapter end to end: NeMo Automodel 0.7.0 through the matrix and the functions suite.
+"""The ``nemo_automodel`` adapter end to end: NeMo Automodel 0.7.0 through the matrix and the
+functions suite.
 
-Skipped unless NeMo Automodel is installed (``ci/install_nemo_automodel.sh`` installs the pinned 0.7.0 and
-transformers 5.18.0).  The model is NeMo's DeepSeek-V3 MoE: a sigmoid router whose expert bias
-``mlp.gate.e_score_correction_bias`` NeMo's ``Gate.update_bias`` steps on synthetic loads.  Both
-runs happen in pytester subprocesses and their outcome is asserted *as found*, cell by cell, so a
-change in the harness or in NeMo that flips one is noticed:
+Skipped unless NeMo Automodel is installed (``ci/install_nemo_automodel.sh`` installs the pinned
+0.7.0 and transformers 5.18.0).  The model is NeMo's DeepSeek-V3 MoE: a sigmoid router whose expert
+bias ``mlp.gate.e_score_correction_bias`` NeMo's ``Gate.update_bias`` steps on synthetic loads.
+Both runs happen in pytester subprocesses and their outcome is asserted *as found*, cell by cell, so
+a change in the harness or in NeMo that flips one is noticed:
 
 * checkpoint matrix (``--moe-ep-adapter=nemo_automodel``): every packed E=4 model cell passes --
   EP-only and FSDP, every EP pair of 1, 2, 4, the expert bias included.  Every model+optimizer cell
@@ -12,18 +13,19 @@ change in the harness or in NeMo that flips one is noticed:
   (``e_score_correction_bias_master``), which the load leaves at the load side's values, and the
   first update after the load writes that copy plus one step over the loaded bias (``resume`` names
   the bias on every rank and layer, and ``forward`` differs after it; every other tensor resumes
-  exactly).  Every E=5 cell that involves ep=4 errors on ranks 1
-  and 3 in NeMo's ``split_experts_weights_dtensor_aware`` ("Expected local tensor first dimension to be 1
-  (experts 2:3), got 2" / "(experts 4:5), got 0"): its "first E % k ranks get one more" split disagrees with
+  exactly).  Every E=5 cell that involves ep=4 errors on ranks 1 and 3 in NeMo's
+  ``split_experts_weights_dtensor_aware`` ("Expected local tensor first dimension to be 1 (experts
+  2:3), got 2" / "(experts 4:5), got 0"): its "first E % k ranks get one more" split disagrees with
   the ``Shard(0)`` rows its own ``ExpertParallel`` gave the ranks; E=5 at ep=2 (3, 2 under both
   splits) loads -- its model+optimizer cells have the bias's finding, its forward is n/a
   (``GroupedExperts.forward`` asserts E % ep == 0); unpacked, cross-kind and legacy cells are n/a
   (``GroupedExperts`` is packed; NeMo has no legacy save);
-* functions suite (``--moe-ep-functions=nemo_automodel``): 17 of 108 records pass (``is_dtensor`` everywhere,
-  ``validate_dtensor_expert_sharding`` on five meshes); the rest disagree with the reference, each for the
-  reason asserted below (``create_dtensor_from_local`` gives DTensors a global shape of k times the local
-  rows; ``validate_dtensor_expert_sharding`` accepts DTensors built from the other split, exactly at the E
-  where the splits differ; wrong inputs are accepted or refused with other error types).
+* functions suite (``--moe-ep-functions=nemo_automodel``): 17 of 108 records pass (``is_dtensor``
+  everywhere, ``validate_dtensor_expert_sharding`` on five meshes); the rest disagree with the
+  reference, each for the reason asserted below (``create_dtensor_from_local`` gives DTensors a
+  global shape of k times the local rows; ``validate_dtensor_expert_sharding`` accepts DTensors
+  built from the other split, exactly at the E where the splits differ; wrong inputs are accepted or
+  refused with other error types).
 
 The ``forward`` check (NeMo's own ``MoE.forward`` in every block, through the FSDP-wrapped modules)
 equals the ep=1 truth in every E=4 model cell; its negative control (``seeded_forward``: the gate
@@ -59,98 +61,108 @@ pytest.importorskip("nemo_automodel.components.moe.state_dict_utils",
                     reason="nemo_automodel is not installed (ci/install_nemo_automodel.sh installs "
                            "nemo-automodel==0.7.0)")
 pytest.importorskip("nemo_automodel.components.models.qwen3_moe.state_dict_adapter",
-                    reason="NeMo's Qwen3-MoE state-dict adapter cannot be imported (it needs transformers; "
-                           "ci/install_nemo_automodel.sh installs transformers==5.18.0)")
+                    reason="NeMo's Qwen3-MoE state-dict adapter cannot be imported (it needs "
+                    "transformers; ci/install_nemo_automodel.sh installs transformers==5.18.0)")
 
 #: NeMo's split puts experts 4:5 on rank 2 and 5:6 on rank 3; Shard(0) gave them rows 4:6 and none.
-#: E=5 at ep=4: the balanced split gives ranks 1 and 3 one row each, Shard(0) two and none (rank 2's rows agree in
-#: count, expert 4 against the balanced 3: NeMo raises on ranks 1 and 3 before that mislabel lands).
+#: E=5 at ep=4: the balanced split gives ranks 1 and 3 one row each, Shard(0) two and none (rank 2's
+#: rows agree in count, expert 4 against the balanced 3: NeMo raises on ranks 1 and 3 before that
+#: mislabel lands).
 E5_DIAGNOSIS = (
-    "failed on rank(s) 1, 3: rank 1 raised ValueError: Expected local tensor first dimension to be 1 "
-    "(experts 2:3), got 2; rank 3 raised ValueError: Expected local tensor first dimension to be 1 "
-    "(experts 4:5), got 0"
+    "failed on rank(s) 1, 3: rank 1 raised ValueError: Expected local tensor first dimension to be "
+    "1 (experts 2:3), got 2; rank 3 raised ValueError: Expected local tensor first dimension to be "
+    "1 (experts 4:5), got 0"
 )
 
-FUNCTION_CELLS = ("ep::k1", "ep::k2", "ep::k3", "ep::k4", "dp,ep::k2", "ep_replicate,ep::k2", "ep,dp_shard::k2",
-                  "dp_shard_cp::k3", "dp,dp_shard::k2", "ep+Shard(1)::k2", "tp+Shard(2)::k4", "ep+Replicate::k3",
-                  "layout:ep2::k2", "layout:ep2c::k2", "layout:ep2.etp2::k2")
+FUNCTION_CELLS = ("ep::k1", "ep::k2", "ep::k3", "ep::k4", "dp,ep::k2", "ep_replicate,ep::k2",
+                  "ep,dp_shard::k2", "dp_shard_cp::k3", "dp,dp_shard::k2", "ep+Shard(1)::k2",
+                  "tp+Shard(2)::k4", "ep+Replicate::k3", "layout:ep2::k2", "layout:ep2c::k2",
+                  "layout:ep2.etp2::k2")
 FUNCTIONS = ("is_dtensor", "get_submesh", "_get_expert_mesh_dim_index", "get_expert_slice_for_rank",
-             "split_experts_weights_dtensor_aware", "validate_dtensor_expert_sharding", "create_dtensor_from_local",
+             "split_experts_weights_dtensor_aware", "validate_dtensor_expert_sharding",
+             "create_dtensor_from_local",
              "get_expert_range_for_rank_from_mesh", "should_load_expert_for_rank")
 FUNCTIONS_PASSING = {(cell, "is_dtensor") for cell in FUNCTION_CELLS} | {
     (cell, "validate_dtensor_expert_sharding")
     for cell in ("ep::k1", "ep::k2", "dp,ep::k2", "ep_replicate,ep::k2", "ep+Replicate::k3")}
 #: the first disagreement of each failing function, as found (a phrase of the record's detail).
-#: meshes with a dim create_dtensor_from_local does not know (NeMo asserts; the reference raises ValueError)
-FOREIGN_MESH_DIMS = ("dp_shard_cp::k3", "dp,dp_shard::k2", "ep,dp_shard::k2", "tp+Shard(2)::k4", "dp,ep::k2",
-                     "layout:ep2::k2", "layout:ep2c::k2", "layout:ep2.etp2::k2")
+#: meshes with a dim create_dtensor_from_local does not know (NeMo asserts; the reference raises
+#: ValueError)
+FOREIGN_MESH_DIMS = ("dp_shard_cp::k3", "dp,dp_shard::k2", "ep,dp_shard::k2", "tp+Shard(2)::k4",
+                     "dp,ep::k2", "layout:ep2::k2", "layout:ep2c::k2", "layout:ep2.etp2::k2")
 WHY_FUNCTIONS_FAIL: dict[str, str | tuple[str, ...]] = {
-    "get_submesh": "get_submesh(mesh, ('no_such_dim',)): expected raises ValueError: mesh has no dim named "
-                   "'no_such_dim'",
-    "_get_expert_mesh_dim_index": "_get_expert_mesh_dim_index(plain tensor): expected raises TypeError: expected a "
-                                  "DTensor, got Tensor; got raises AttributeError: 'Tensor' object has no attribute "
-                                  "'device_mesh'",
+    "get_submesh": "get_submesh(mesh, ('no_such_dim',)): expected raises ValueError: mesh has no "
+    "dim named 'no_such_dim'",
+    "_get_expert_mesh_dim_index": "_get_expert_mesh_dim_index(plain tensor): expected raises "
+    "TypeError: expected a DTensor, got Tensor; got raises AttributeError: 'Tensor' object has no "
+    "attribute 'device_mesh'",
     # a DTensor of 1 expert with n_experts=2 is not refused
-    "get_expert_slice_for_rank": ("get_expert_slice_for_rank(w, 2); w = distribute_tensor(arange(1, 4, 6), mesh, ",
+    "get_expert_slice_for_rank": ("get_expert_slice_for_rank(w, 2); w = "
+                                  "distribute_tensor(arange(1, 4, 6), mesh, ",
                                   "expected n_experts=2; got returns (Tensor("),
-    "split_experts_weights_dtensor_aware": "expected raises ValueError: experts_tensor has global shape (1, 4, 6): "
-                                           "dim 0 holds 1 experts, expected n_experts=2; got returns ([",
-    "get_expert_range_for_rank_from_mesh": "get_expert_range_for_rank_from_mesh(mesh, 0): expected raises ValueError: "
-                                           "n_experts must be an int >= 1, got 0; got returns (0, 0)",
-    "should_load_expert_for_rank": "should_load_expert_for_rank(1, mesh, 1): expected raises ValueError: expert_id "
-                                   "must be an int in [0, 1), got 1; got returns False",
+    "split_experts_weights_dtensor_aware": "expected raises ValueError: experts_tensor has global "
+    "shape (1, 4, 6): dim 0 holds 1 experts, expected n_experts=2; got returns ([",
+    "get_expert_range_for_rank_from_mesh": "get_expert_range_for_rank_from_mesh(mesh, 0): expected "
+    "raises ValueError: n_experts must be an int >= 1, got 0; got returns (0, 0)",
+    "should_load_expert_for_rank": "should_load_expert_for_rank(1, mesh, 1): expected raises "
+    "ValueError: expert_id must be an int in [0, 1), got 1; got returns False",
     # E=1 on k ranks: the DTensor claims k experts (from_local without shape=)
-    "create_dtensor_from_local": ("create_dtensor_from_local(local, mesh); local = (1, {rows}, 6) rows by "
-                                  "expert_range: expected returns DTensor(shape=(1, 4, 6), {placements}",
+    "create_dtensor_from_local": ("create_dtensor_from_local(local, mesh); local = (1, {rows}, 6) "
+                                  "rows by expert_range: expected returns DTensor(shape=(1, 4, 6), "
+                                  "{placements}",
                                   "got returns DTensor(shape=({k}, 4, 6), {placements}"),
-    "validate_dtensor_expert_sharding": "w has unsupported DTensor placement: S(1). Expected Shard(dim=0) or "
-                                        "Replicate for expert parallelism.",
+    "validate_dtensor_expert_sharding": "w has unsupported DTensor placement: S(1). Expected "
+    "Shard(dim=0) or Replicate for expert parallelism.",
 }
 WHY_FUNCTIONS_FAIL_HERE: dict[tuple[str, str], str] = {
-    ("dp,dp_shard::k2", "get_expert_range_for_rank_from_mesh"): "no 'ep' dim: cannot tell which dim partitions the "
-                                                                "experts; pass a mesh with an 'ep' dim or a 1-D mesh; "
+    ("dp,dp_shard::k2", "get_expert_range_for_rank_from_mesh"): "no 'ep' dim: cannot tell which "
+    "dim partitions the experts; pass a mesh with an 'ep' dim or a 1-D mesh; "
                                                                 "got raises RuntimeError",
-    ("dp,dp_shard::k2", "should_load_expert_for_rank"): "no 'ep' dim: cannot tell which dim partitions the experts; "
-                                                        "pass a mesh with an 'ep' dim or a 1-D mesh; got raises "
+    ("dp,dp_shard::k2", "should_load_expert_for_rank"): "no 'ep' dim: cannot tell which dim "
+    "partitions the experts; pass a mesh with an 'ep' dim or a 1-D mesh; got raises "
                                                         "RuntimeError",
-    ("ep::k1", "create_dtensor_from_local"): "expected raises TypeError: local_tensor is already a DTensor; pass this "
-                                             "rank's local torch.Tensor; got raises RuntimeError",
-    ("ep::k1", "split_experts_weights_dtensor_aware"): "experts_tensor has unsupported DTensor placement: "
-                                                       "Partial(sum).",
-    ("ep+Replicate::k3", "split_experts_weights_dtensor_aware"): "expected returns ([DTensor(shape=(4, 6), "
-                                                                 "('Replicate()',), mesh=('ep',), local=(4, 6) first=0 "
-                                                                 "sum=276, view)], [0]); got returns ([Tensor((4, 6)",
-    ("ep,dp_shard::k2", "split_experts_weights_dtensor_aware"): "expected returns ([Tensor((4, 6) first=0 sum=276, "
-                                                                "view)], [0]); got returns ([DTensor(shape=(4, 6), "
-                                                                "('Replicate()',), mesh=('dp_shard',)",
-    ("tp+Shard(2)::k4", "split_experts_weights_dtensor_aware"): "got returns ([DTensor(shape=(4, 8), "
-                                                                "('Shard(dim=1)',), mesh=('tp',)",
-    ("ep,dp_shard::k2", "validate_dtensor_expert_sharding"): "(Shard(dim=1), Shard(dim=0))): expected raises "
-                                                             "ValueError: w has unsupported DTensor placement: "
-                                                             "Shard(dim=1). The expert mesh dim 0 must use Shard(0) "
-                                                             "or Replicate(); got returns True",
-    ("tp+Shard(2)::k4", "validate_dtensor_expert_sharding"): "w has unsupported DTensor placement: S(2).",
+    ("ep::k1", "create_dtensor_from_local"): "expected raises TypeError: local_tensor is already a "
+    "DTensor; pass this rank's local torch.Tensor; got raises RuntimeError",
+    ("ep::k1", "split_experts_weights_dtensor_aware"): "experts_tensor has unsupported DTensor "
+    "placement: Partial(sum).",
+    ("ep+Replicate::k3", "split_experts_weights_dtensor_aware"): "expected returns "
+    "([DTensor(shape=(4, 6), ('Replicate()',), mesh=('ep',), local=(4, 6) first=0 "
+                                                                 "sum=276, view)], [0]); got "
+    "returns ([Tensor((4, 6)", ("ep,dp_shard::k2",
+                                "split_experts_weights_dtensor_aware"): "expected returns "
+    "([Tensor((4, 6) first=0 sum=276, view)], [0]); got returns ([DTensor(shape=(4, 6), "
+                                                                "('Replicate()',), "
+    "mesh=('dp_shard',)", ("tp+Shard(2)::k4", "split_experts_weights_dtensor_aware"): "got returns "
+    "([DTensor(shape=(4, 8), ('Shard(dim=1)',), mesh=('tp',)",
+    ("ep,dp_shard::k2", "validate_dtensor_expert_sharding"): "(Shard(dim=1), Shard(dim=0))): "
+    "expected raises ValueError: w has unsupported DTensor placement: "
+                                                             "Shard(dim=1). The expert mesh dim 0 "
+    "must use Shard(0) or Replicate(); got returns True",
+    ("tp+Shard(2)::k4", "validate_dtensor_expert_sharding"): "w has unsupported DTensor placement: "
+    "S(2).",
     # the matrix's 4-D layout meshes: an inner-axis shard on the ep dim is accepted
-    **{(cell, "validate_dtensor_expert_sharding"): "expected raises ValueError: w has unsupported DTensor placement: "
-                                                   "Shard(dim=1). The expert mesh dim 1 must use Shard(0) or "
+    **{(cell, "validate_dtensor_expert_sharding"): "expected raises ValueError: w has unsupported "
+       "DTensor placement: Shard(dim=1). The expert mesh dim 1 must use Shard(0) or "
                                                    "Replicate(); got returns True"
        for cell in ("layout:ep2::k2", "layout:ep2c::k2")},
-    # the reference refuses a DTensor built from the "first E % k ranks get one more" split; NeMo accepts it
-    ("ep::k3", "validate_dtensor_expert_sharding"): "validate_dtensor_expert_sharding(w, 4, 'w'); w = "
-                                                    "DTensor.from_local(arange[2:3], mesh, [Shard(0)], "
-                                                    "shape=(4, 4, 6)): expected raises ValueError: w: the local "
-                                                    "tensor holds 1 expert rows but its placements (Shard(dim=0),) "
+    # the reference refuses a DTensor built from the "first E % k ranks get one more" split; NeMo
+    # accepts it
+    ("ep::k3", "validate_dtensor_expert_sharding"): "validate_dtensor_expert_sharding(w, 4, 'w'); "
+    "w = DTensor.from_local(arange[2:3], mesh, [Shard(0)], "
+                                                    "shape=(4, 4, 6)): expected raises ValueError: "
+    "w: the local tensor holds 1 expert rows but its placements (Shard(dim=0),) "
                                                     "give this rank 2 (rows 2:4 of 4)",
-    ("ep::k4", "validate_dtensor_expert_sharding"): "validate_dtensor_expert_sharding(w, 5, 'w'); w = "
-                                                    "DTensor.from_local(arange[2:3], mesh, [Shard(0)], "
-                                                    "shape=(5, 4, 6)): expected raises ValueError: w: the local "
-                                                    "tensor holds 1 expert rows but its placements (Shard(dim=0),) "
+    ("ep::k4", "validate_dtensor_expert_sharding"): "validate_dtensor_expert_sharding(w, 5, 'w'); "
+    "w = DTensor.from_local(arange[2:3], mesh, [Shard(0)], "
+                                                    "shape=(5, 4, 6)): expected raises ValueError: "
+    "w: the local tensor holds 1 expert rows but its placements (Shard(dim=0),) "
                                                     "give this rank 2 (rows 2:4 of 5)",
 }
-#: the expert counts where validate_dtensor_expert_sharding disagrees on 1-D ep meshes: exactly the E
-#: where the two splits give some rank different rows.
+#: the expert counts where validate_dtensor_expert_sharding disagrees on 1-D ep meshes: exactly the
+#: E where the two splits give some rank different rows.
 VALIDATE_FAILS_AT = {"ep::k3": [4, 7, 10, 13, 16], "ep::k4": [5, 6, 9, 10, 13, 14]}
-CREATE_DTENSOR_SHAPES = {  # cell -> (local rows of dim 1, placements text, global rows NeMo claims for E=1)
+# cell -> (local rows of dim 1, placements text, global rows NeMo claims for E=1)
+CREATE_DTENSOR_SHAPES = {
     "ep::k2": (4, "('Shard(dim=0)',), mesh=('ep',)", 2),
     "ep::k3": (4, "('Shard(dim=0)',), mesh=('ep',)", 3),
     "ep::k4": (4, "('Shard(dim=0)',), mesh=('ep',)", 4),
@@ -177,18 +189,21 @@ def test_nemo_automodel_matrix_as_found(pytester: pytest.Pytester) -> None:
                                                   for i in model ^ statuses["pass"]}
     assert statuses.get("fail", set()) == silent, {i: cells[i]["detail"]
                                                    for i in silent ^ statuses["fail"]}
-    assert statuses.get("error", set()) == at_ep4, {i: cells[i]["detail"] for i in at_ep4 ^ statuses["error"]}
+    assert statuses.get("error", set()) == at_ep4, {i: cells[i]["detail"]
+                                                    for i in at_ep4 ^ statuses["error"]}
     assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 18, "fail": 21, "error": 5, "n/a": 68}
     result.assert_outcomes(passed=18, xfailed=26, skipped=68)
 
     for cell_id in model:  # NeMo's forward after the load equals the truth's, with and without FSDP
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
-        assert FORWARD_RAN.search(cells[cell_id]["detail"]) and not cells[cell_id]["skipped_checks"], cells[cell_id]
+        assert (FORWARD_RAN.search(cells[cell_id]["detail"])
+                and not cells[cell_id]["skipped_checks"]), cells[cell_id]
     for cell_id in silent:
         assert_only_the_bias_resumes_wrong(cells[cell_id])
         forward = cells[cell_id]["skipped_checks"].get("forward", "")  # asserts E % ep == 0
-        assert ("NeMo's GroupedExperts.forward cannot run E=5 experts at ep=2: AssertionError" in forward) == \
+        assert ("NeMo's GroupedExperts.forward cannot run E=5 experts at ep=2: AssertionError"
+                in forward) == \
             (cell_id in E5 and E5[cell_id][1] == 2), cells[cell_id]
     for cell_id in at_ep4:
         cell = cells[cell_id]
@@ -197,10 +212,11 @@ def test_nemo_automodel_matrix_as_found(pytester: pytest.Pytester) -> None:
         if s == 4:  # NeMo's own split fails the save at ep=4
             assert E5_DIAGNOSIS in cell["detail"], cell["detail"]
         else:  # an EP-invariant save; the load at ep=4 is blamed, with NeMo's message
-            assert "raised LoadFailed: the load at ep=4, etp=1, dp_shard=1, dp_replicate=1 raised: ValueError: " \
-                   "Expected local tensor first dimension to be 1 (experts 2:3), got 2 (the checkpoint is " \
-                   "EP-invariant, so the load is wrong; raised at nemo_automodel/components/moe/state_dict_utils.py" \
-                   ":138 in split_experts_weights_dtensor_aware)" in cell["detail"], cell["detail"]
+            assert ("raised LoadFailed: the load at ep=4, etp=1, dp_shard=1, dp_replicate=1 "
+                    "raised: ValueError: Expected local tensor first dimension to be 1 (experts "
+                    "2:3), got 2 (the checkpoint is EP-invariant, so the load is wrong; raised at "
+                    "nemo_automodel/components/moe/state_dict_utils.py:138 in "
+                    "split_experts_weights_dtensor_aware)" in cell["detail"]), cell["detail"]
 
 
 def assert_only_the_bias_resumes_wrong(cell: dict[str, Any]) -> None:
@@ -279,10 +295,13 @@ def test_a_bias_update_after_a_load_starts_from_nemos_own_copy() -> None:
     assert {name for *_, name, _ in adapter.other_tensors(saved, None)} >= {BIAS}
 
 
-def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(pytester: pytest.Pytester) -> None:
-    """The forward check's negative control: only ``forward`` sees it (the stored tensors are right)."""
+def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(
+        pytester: pytest.Pytester) -> None:
+    """The forward check's negative control: only ``forward`` sees it (the stored tensors are
+    right)."""
     pytester.makepyfile(seeded_forward=(Path(__file__).parent / "seeded_forward.py").read_text())
-    _, doc = run(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_forward:NemoSwappedRouter",
+    _, doc = run(pytester, "--moe-ep-matrix=1,2,4",
+                 "--moe-ep-adapter=seeded_forward:NemoSwappedRouter",
                  "-k", "save_ep1 and load_ep2 and not fsdp and not optim")
     cells, statuses, _ = by_status(doc)
     cell_id = "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2c"
@@ -290,8 +309,9 @@ def test_nemo_automodel_forward_catches_gate_rows_swapped_after_the_load(pyteste
     assert cells[cell_id]["findings"] == ["silent"], cells[cell_id]  # the forward alone sees it
     *lines, passed = cells[cell_id]["detail"].removeprefix("silent: ").splitlines()
     assert passed == "checks that passed: checkpoint, values, missing", passed
-    assert len(lines) == 4 and all(line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
-                                                   "ground truth's") for r, line in enumerate(lines)), lines
+    assert len(lines) == 4 and all(
+        line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
+                        "ground truth's") for r, line in enumerate(lines)), lines
 
 
 def test_nemo_automodel_expert_bias_zeroed_after_the_load_is_named(
@@ -327,7 +347,8 @@ def test_nemo_automodel_functions_suite_outcome(pytester: pytest.Pytester) -> No
         records[(f"{mesh}::{k}", function)] = record
     assert set(records) == {(cell, f) for cell in FUNCTION_CELLS for f in FUNCTIONS}
     passing = {key for key, record in records.items() if record["status"] == "pass"}
-    assert passing == FUNCTIONS_PASSING, {key: records[key]["detail"] for key in passing ^ FUNCTIONS_PASSING}
+    assert passing == FUNCTIONS_PASSING, {key: records[key]["detail"]
+                                          for key in passing ^ FUNCTIONS_PASSING}
     assert {r["status"] for key, r in records.items() if key not in passing} == {"fail"}
     assert doc["summary"] == {"pass": 20, "fail": 115, "error": 0, "n/a": 0}
     result.assert_outcomes(failed=15)
@@ -339,10 +360,12 @@ def test_nemo_automodel_functions_suite_outcome(pytester: pytest.Pytester) -> No
         if (cell, function) in WHY_FUNCTIONS_FAIL_HERE:
             phrase = WHY_FUNCTIONS_FAIL_HERE[(cell, function)]
         elif function == "create_dtensor_from_local" and cell in FOREIGN_MESH_DIMS:
-            phrase = "got raises AssertionError: Expected mesh dimension names to contain only 'ep', 'ep_shard'"
+            phrase = ("got raises AssertionError: Expected mesh dimension names to contain only "
+                      "'ep', 'ep_shard'")
         elif function == "create_dtensor_from_local":
             rows, placements, k = CREATE_DTENSOR_SHAPES[cell]
-            phrase = tuple(p.format(rows=rows, placements=placements, k=k) for p in WHY_FUNCTIONS_FAIL[function])
+            phrase = tuple(p.format(rows=rows, placements=placements, k=k)
+                           for p in WHY_FUNCTIONS_FAIL[function])
         else:
             phrase = WHY_FUNCTIONS_FAIL[function]
         for part in (phrase,) if isinstance(phrase, str) else phrase:

@@ -1,24 +1,26 @@
-"""The ``torchtitan`` and ``torchtitan-local`` adapters end to end: torchtitan 0.3.0 through the whole matrix.
+"""The ``torchtitan`` and ``torchtitan-local`` adapters end to end: torchtitan 0.3.0 through the
+whole matrix.
 
-Skipped unless torchtitan is installed (``ci/install_torchtitan.sh`` installs the pinned 0.3.0).  Each
-matrix runs in a pytester subprocess and its outcome is asserted *as found*, cell by cell, so a
+Skipped unless torchtitan is installed (``ci/install_torchtitan.sh`` installs the pinned 0.3.0).
+Each matrix runs in a pytester subprocess and its outcome is asserted *as found*, cell by cell, so a
 change in the harness or in torchtitan that flips one is noticed:
 
 * ``torchtitan`` (``spmd_backend="partial_dtensor"``): every packed cell passes -- EP-only and
   FSDP, model and model+optimizer, every EP pair, and E=5 at ep=2 and ep=4;
 * ``torchtitan-local`` (``"spmd_types"``, torchtitan's default): EP-only passes only at ep=1 ->
-  ep=1; a save at ep > 1 reloaded at the same ep silently gives ranks another rank's experts
-  (fail); between different EP degrees DCP refuses the local shapes (error); E=5 at ep=2 or 4 cannot be
-  built (error); every FSDP cell errors in ``parallelize_qwen3`` (torch 2.13's ``fully_shard``
-  wants DTensors there);
+  ep=1; a save at ep > 1 reloaded at the same ep silently gives ranks another rank's experts (fail);
+  between different EP degrees DCP refuses the local shapes (error); E=5 at ep=2 or 4 cannot be
+  built (error); every FSDP cell errors in ``parallelize_qwen3`` (torch 2.13's ``fully_shard`` wants
+  DTensors there);
 * both: unpacked and cross-kind cells and legacy cells are n/a (``GroupedExperts`` is packed;
   torchtitan has no legacy save).
 
 The ``forward`` check (torchtitan's own MoE forward with its token dispatcher): passes in every
 ``torchtitan`` cell that runs it; n/a where E=5 is loaded at ep=2 or 4 (the all-to-all dispatcher's
-``view(ep, -1)`` of the token counts) and, for ``torchtitan-local``, at every ep > 1 (spmd_types' list
-all_to_all of uneven chunks, which gloo refuses).  Its negative control: ``seeded_forward``'s router rows
-of experts 0 and 1 swapped in the forward after a load fail only ``forward``, in one cell.
+``view(ep, -1)`` of the token counts) and, for ``torchtitan-local``, at every ep > 1 (spmd_types'
+list all_to_all of uneven chunks, which gloo refuses).  Its negative control: ``seeded_forward``'s
+router rows of experts 0 and 1 swapped in the forward after a load fail only ``forward``, in one
+cell.
 
 Each run takes about 50-80 s on 2 cores (the whole module about 2.5 min on a loaded machine).
 """
@@ -42,7 +44,8 @@ from matrix_expectations import (
     run_report,
 )
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (ci/install_torchtitan.sh installs "
+pytest.importorskip("torchtitan",
+                    reason="torchtitan is not installed (ci/install_torchtitan.sh installs "
                                          "torchtitan==0.3.0)")
 
 
@@ -50,15 +53,16 @@ def run_matrix(pytester: pytest.Pytester, adapter: str) -> tuple[pytest.RunResul
     result, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", f"--moe-ep-adapter={adapter}",
                              *expectations_args(adapter))
     assert doc["adapter"] == {"name": adapter, "version": "0.3.0"}
-    assert_as_expected(result, doc)  # held against ci/expectations/<adapter>.toml: what is red there is expected
+    # held against ci/expectations/<adapter>.toml: what is red there is expected
+    assert_as_expected(result, doc)
     return result, doc
 
 
 #: the forward check's n/a reasons, as found.
-DISPATCHER_E5 = ("the framework's forward cannot run in this cell: torchtitan's AllToAllTokenDispatcher cannot split "
-                 "the token counts of E=5 experts over ep={ep} (_token_count_exchange: "
-                 "num_local_tokens_per_expert_E.view(ep, -1)): RuntimeError: shape '[{ep}, -1]' is invalid for input "
-                 "of size 5")
+DISPATCHER_E5 = ("the framework's forward cannot run in this cell: torchtitan's "
+                 "AllToAllTokenDispatcher cannot split the token counts of E=5 experts over "
+                 "ep={ep} (_token_count_exchange: num_local_tokens_per_expert_E.view(ep, -1)): "
+                 "RuntimeError: shape '[{ep}, -1]' is invalid for input of size 5")
 GLOO_LIST_ALL_TO_ALL = "list all_to_all of uneven per-rank chunks, which ProcessGroupGloo refuses"
 FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
 
@@ -68,33 +72,42 @@ def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Py
     _, doc = run_matrix(pytester, "torchtitan")
     cells, statuses, na = by_status(doc)
     passing = set(EVEN) | set(E5)
-    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing - statuses["pass"]}
+    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"]
+                                                    for i in passing - statuses["pass"]}
     assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 36 + 8, "fail": 0, "error": 0, "n/a": 68}
     assert_even_cells_pass(cells)
     for cell_id, (s, t) in E5.items():
-        assert (cells[cell_id]["save_ep"], cells[cell_id]["load_ep"], cells[cell_id]["num_experts"]) == (s, t, 5)
+        assert (cells[cell_id]["save_ep"], cells[cell_id]["load_ep"],
+                cells[cell_id]["num_experts"]) == (s, t, 5)
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
         if t > 1:  # the all-to-all dispatcher cannot split E=5 token counts over 2 or 4 ranks
-            assert cells[cell_id]["skipped_checks"] == {"forward": DISPATCHER_E5.format(ep=t)}, cells[cell_id]
+            assert (cells[cell_id]["skipped_checks"]
+                    == {"forward": DISPATCHER_E5.format(ep=t)}), cells[cell_id]
         else:
             assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
-    for cell_id in EVEN:  # torchtitan's forward after the load equals the ep=1 truth's, with and without FSDP
-        assert FORWARD_RAN.search(cells[cell_id]["detail"]) and not cells[cell_id]["skipped_checks"], cells[cell_id]
+    # torchtitan's forward after the load equals the ep=1 truth's, with and without FSDP
+    for cell_id in EVEN:
+        assert (FORWARD_RAN.search(cells[cell_id]["detail"])
+                and not cells[cell_id]["skipped_checks"]), cells[cell_id]
 
 
-def test_torchtitan_forward_catches_router_rows_swapped_after_the_load(pytester: pytest.Pytester) -> None:
-    """The forward check's negative control: only ``forward`` sees it (the stored tensors are right)."""
+def test_torchtitan_forward_catches_router_rows_swapped_after_the_load(
+        pytester: pytest.Pytester) -> None:
+    """The forward check's negative control: only ``forward`` sees it (the stored tensors are
+    right)."""
     pytester.makepyfile(seeded_forward=(Path(__file__).parent / "seeded_forward.py").read_text())
-    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4", "--moe-ep-adapter=seeded_forward:TorchtitanSwappedRouter",
+    _, doc = run_report(pytester, "--moe-ep-matrix=1,2,4",
+                        "--moe-ep-adapter=seeded_forward:TorchtitanSwappedRouter",
                         "-k", "save_ep1 and load_ep2 and not fsdp and not optim")
     cells, statuses, _ = by_status(doc)
     cell_id = "moe-ep-matrix::checkpoint::packed::model::ep-only::ep1->ep2c"
     assert statuses == {"fail": {cell_id}, "n/a": statuses.get("n/a", set())}, statuses
     assert cells[cell_id]["findings"] == ["silent"], cells[cell_id]  # the forward alone sees it
     *lines, passed = cells[cell_id]["detail"].removeprefix("silent: ").splitlines()
-    assert len(lines) == 4 and all(line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
-                                                   "ground truth's") for r, line in enumerate(lines)), lines
+    assert len(lines) == 4 and all(
+        line.startswith(f"[forward] rank {r}: the forward after the load differs from the "
+                        "ground truth's") for r, line in enumerate(lines)), lines
     assert passed == "checks that passed: checkpoint, values, missing", passed
 
 
@@ -107,8 +120,10 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     silent = {i for i, (_, _, s, t) in ep_only.items() if s == t > 1}
     reshard = {i for i, (_, _, s, t) in ep_only.items() if s != t}
     fsdp = {i for i, v in EVEN.items() if v[1]}
-    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in passing ^ statuses["pass"]}
-    assert statuses.get("fail", set()) == silent, {i: cells[i]["detail"] for i in silent ^ statuses["fail"]}
+    assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"]
+                                                    for i in passing ^ statuses["pass"]}
+    assert statuses.get("fail", set()) == silent, {i: cells[i]["detail"]
+                                                   for i in silent ^ statuses["fail"]}
     assert statuses.get("error", set()) == reshard | fsdp | set(E5)
     assert na == PACKED_ONLY_NOT_APPLICABLE
     assert doc["summary"] == {"pass": 2, "fail": 4, "error": 6 * 2 + 18 + 8, "n/a": 68}
@@ -116,9 +131,10 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     for cell_id in passing:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]
         assert FORWARD_RAN.search(cells[cell_id]["detail"]), cells[cell_id]
-    # How bad each red cell is: the same-EP reload hands ranks each other's experts without a word (silent, and the
-    # save is lossy: on-disk); between EP degrees DCP refuses the local shapes (refused, after on-disk where the save
-    # was at ep > 1); E=5 at ep=2 and 4 is torchtitan's own split refusing; FSDP under spmd_types fails in torchtitan.
+    # How bad each red cell is: the same-EP reload hands ranks each other's experts without a word
+    # (silent, and the save is lossy: on-disk); between EP degrees DCP refuses the local shapes
+    # (refused, after on-disk where the save was at ep > 1); E=5 at ep=2 and 4 is torchtitan's own
+    # split refusing; FSDP under spmd_types fails in torchtitan.
     assert {cells[i]["finding"] for i in silent} == {"silent"}
     assert all(cells[i]["findings"] == ["silent", "on-disk"] for i in silent)
     assert {cells[i]["finding"] for i in reshard if EVEN[i][2] > 1} == {"on-disk"}
@@ -126,46 +142,58 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
     assert {cells[i]["finding"] for i in reshard if EVEN[i][2] == 1} == {"refused"}
     assert {cells[i]["finding"] for i in fsdp} == {"refused"}
     assert all("refused" in cells[i]["findings"] for i in E5)
-    for cell_id in silent:  # the forward at ep > 1 cannot run on gloo under spmd_types: the values finding stays
+    # the forward at ep > 1 cannot run on gloo under spmd_types: the values finding stays
+    for cell_id in silent:
         assert GLOO_LIST_ALL_TO_ALL in cells[cell_id]["skipped_checks"]["forward"], cells[cell_id]
         # DCP kept one rank's E/ep rows of each expert tensor; the other ranks got them on reload.
         detail = cells[cell_id]["detail"]
-        assert re.search(r"first difference: rank \d, layer \d, expert \d, tensor 'w[123]_E[FD][FD]': "
+        assert re.search(r"first difference: rank \d, layer \d, expert \d, tensor "
+                         r"'w[123]_E[FD][FD]': "
                          r"holds expert \d's values instead of expert \d's", detail), detail
     for cell_id in reshard:
         detail = cells[cell_id]["detail"]
-        if EVEN[cell_id][2] > 1:  # a lossy save: the checkpoint's own problem leads, in expert terms
-            assert "raised LoadFailed: the checkpoint differs from an EP-invariant one: layer " in detail
+        # a lossy save: the checkpoint's own problem leads, in expert terms
+        if EVEN[cell_id][2] > 1:
+            assert ("raised LoadFailed: the checkpoint differs from an EP-invariant one: layer "
+                    in detail)
             assert "is a local count (what one of ep=" in detail, detail
-        else:  # a sound ep=1 save that DCP refuses to load into local tensors: the load is blamed, in expert terms
+        # a sound ep=1 save that DCP refuses to load into local tensors: the load is blamed, in
+        # expert terms
+        else:
             assert re.search(r"raised LoadFailed: the load at ep=\d.* raised: rank \d, layer \d, "
-                             r"'layers\.\d\.moe\.routed_experts\.inner_experts\.w[123]_E[FD][FD]': the model offers "
-                             r"\d rows for the checkpoint's 4 experts: the load does not map the saved global rows to "
-                             r"this rank's experts? \d.*\(the checkpoint is EP-invariant, so the load is wrong",
+                             r"'layers\.\d\.moe\.routed_experts\.inner_experts\.w[123]_E[FD][FD]': "
+                             r"the model offers \d rows for the checkpoint's 4 experts: the load "
+                             r"does not map the saved global rows to this rank's experts? "
+                             r"\d.*\(the checkpoint is EP-invariant, so the load is wrong",
                              detail), detail
     for cell_id in fsdp:
         detail = cells[cell_id]["detail"]
         assert "torchtitan parallelize_qwen3 failed (spmd_backend='spmd_types'" in detail, detail
-        assert "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh" in detail, detail
+        assert ("When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+                "mesh" in detail), detail
     for cell_id, (s, t) in E5.items():
-        detail, ep = cells[cell_id]["detail"], s if s > 1 else t  # the save side's build refuses first
+        # the save side's build refuses first
+        detail, ep = cells[cell_id]["detail"], s if s > 1 else t
         rank, experts = (1, r"\[3, 5\)") if ep == 2 else (2, r"\[4, 5\)")
-        assert re.search(rf"raised BuildFailed: the framework refused the (save|load) side's build at ep={ep}\b.*"
-                         rf"FrameworkRefusal: 'w[123]_E[FD][FD]' of layer \d: ep rank {rank} of {ep} holds a plain "
-                         rf"expert tensor of \d rows where Shard\(0\)'s chunk rule \(ceil\(E/ep\) per rank\) gives it "
-                         rf"experts {experts} of E=5", detail), detail
+        assert re.search(r"raised BuildFailed: the framework refused the (save|load) side's build "
+                         rf"at ep={ep}\b.*FrameworkRefusal: 'w[123]_E[FD][FD]' of layer \d: ep "
+                         rf"rank {rank} of {ep} holds a plain expert tensor of \d rows where "
+                         r"Shard\(0\)'s chunk rule \(ceil\(E/ep\) per rank\) gives it experts "
+                         rf"{experts} of E=5", detail), detail
 
 
 def test_torchtitan_pipeline_stages_keep_their_layers_names(pytester: pytest.Pytester) -> None:
-    """Issue 34, as found: torchtitan's own pipeline split (``_generate_llm_fqn_per_model_part``'s default stage
-    names, ``_pipeline_module_split``: a ``ModuleDict`` keeps its keys) names each stage's layers globally, so every
-    pipeline cell of the default tier passes -- stages changing alone and with the EP degree (pp2.ep1 -> ep2c and
-    back), with FSDP2 and the optimizer; its forward runs stage by stage (n/a only where E=5 is loaded at ep > 1)."""
-    _, doc = run_report(pytester, "--moe-ep-matrix", "--moe-ep-adapter=torchtitan", "-k", "pipeline",
-                        *expectations_args("torchtitan"), stages=True)
+    """Issue 34, as found: torchtitan's own pipeline split (``_generate_llm_fqn_per_model_part``'s
+    default stage names, ``_pipeline_module_split``: a ``ModuleDict`` keeps its keys) names each
+    stage's layers globally, so every pipeline cell of the default tier passes -- stages changing
+    alone and with the EP degree (pp2.ep1 -> ep2c and back), with FSDP2 and the optimizer; its
+    forward runs stage by stage (n/a only where E=5 is loaded at ep > 1)."""
+    _, doc = run_report(pytester, "--moe-ep-matrix", "--moe-ep-adapter=torchtitan", "-k",
+                        "pipeline", *expectations_args("torchtitan"), stages=True)
     cells, statuses, _ = by_status(doc)
     assert set(statuses) == {"pass"} and len(statuses["pass"]) >= 10, statuses
-    assert {c["save_layout"] + "->" + c["load_layout"] for c in cells.values()} >= {"pp2.ep1->ep2c", "ep2c->pp2.ep1"}
+    assert {c["save_layout"] + "->" + c["load_layout"]
+            for c in cells.values()} >= {"pp2.ep1->ep2c", "ep2c->pp2.ep1"}
     for cell in cells.values():
         if cell["num_experts"] == 5 and cell["load_layout"] in ("pp2.ep2", "ep2c", "ep4"):
             assert "forward" in cell["skipped_checks"], cell

@@ -1,5 +1,6 @@
-"""Unit tests of the contract's pieces: expert keys learned from content, the layout rule for reported experts, the
-blame translation of DCP's load errors, the framework's view of a layout, and the training state's scalars."""
+"""Unit tests of the contract's pieces: expert keys learned from content, the layout rule for
+reported experts, the blame translation of DCP's load errors, the framework's view of a layout, and
+the training state's scalars."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ def _truth() -> dict[tuple[int | None, int | None, str], torch.Tensor]:
 
 
 def _packed(state: dict, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """A checkpoint in a trainer's own naming: ``blk.N.ffn.<name>_w`` packed, ``blk.N.ffn.route`` dense."""
+    """A checkpoint in a trainer's own naming: ``blk.N.ffn.<name>_w`` packed, ``blk.N.ffn.route``
+    dense."""
     out = {}
     for layer in range(2):
         for name in ("gate", "up", "down"):
-            out[f"blk.{layer}.ffn.{name}_w"] = torch.stack([state[(layer, e, name)] for e in (rows or range(E))])
+            out[f"blk.{layer}.ffn.{name}_w"] = torch.stack([state[(layer, e, name)]
+                                                            for e in (rows or range(E))])
         out[f"blk.{layer}.ffn.route"] = state[(layer, None, "router.weight")]
     return out
 
@@ -47,11 +50,13 @@ def _packed(state: dict, rows: list[int] | None = None) -> dict[str, torch.Tenso
 def test_packed_keys_no_pattern_knows_are_learned_from_their_rows() -> None:
     state = _truth()
     index = index_state_dict(_packed(state), "truth")
-    assert any(f.problem == "no_expert_keys" for f in inspect_index(index).findings)  # the names alone: nothing
+    # the names alone: nothing
+    assert any(f.problem == "no_expert_keys" for f in inspect_index(index).findings)
     owners, _ = owners_of(state)
     learned = learn_expert_keys(index, owners)
     assert set(learned) == {f"blk.{i}.ffn.{n}_w" for i in range(2) for n in ("gate", "up", "down")}
-    assert learned["blk.1.ffn.up_w"].kind == "packed" and learned["blk.1.ffn.up_w"].experts == (0, 1, 2, 3)
+    assert (learned["blk.1.ffn.up_w"].kind == "packed"
+            and learned["blk.1.ffn.up_w"].experts == (0, 1, 2, 3))
     patterns = (*learned_patterns(learned), *DEFAULT_PATTERNS)
     result = inspect_index(index, num_experts=E, patterns=patterns)
     assert result.clean, result.findings
@@ -66,8 +71,8 @@ def test_packed_keys_no_pattern_knows_are_learned_from_their_rows() -> None:
 
 def test_per_expert_keys_learn_which_digits_are_the_expert_and_the_layer() -> None:
     state = _truth()
-    flat = {f"net.{layer}.bank.{e}.{name}": state[(layer, e, name)] for layer in range(2) for e in range(E)
-            for name in ("gate", "up", "down")}
+    flat = {f"net.{layer}.bank.{e}.{name}": state[(layer, e, name)] for layer in range(2)
+            for e in range(E) for name in ("gate", "up", "down")}
     index = index_state_dict(flat, "truth")
     patterns = learned_patterns(learn_expert_keys(index, owners_of(state)[0]))
     assert patterns[0].regex.pattern.startswith("^net\\.(?P<layer>\\d+)\\.bank\\.(?P<expert>\\d+)")
@@ -93,7 +98,8 @@ def test_ids_that_disagree_with_the_content_learn_nothing() -> None:
     state = _truth()
     flat = {f"net.{layer}.bank.{(e + 1) % E}.{name}": state[(layer, e, name)] for layer in range(2)
             for e in range(E) for name in ("gate", "up", "down")}
-    assert learned_patterns(learn_expert_keys(index_state_dict(flat, "t"), owners_of(state)[0])) == ()
+    assert (learned_patterns(learn_expert_keys(index_state_dict(flat, "t"), owners_of(state)[0]))
+            == ())
 
 
 def test_equal_tensors_identify_no_owner() -> None:
@@ -106,7 +112,8 @@ def test_reported_experts_fit_their_own_layout_and_not_the_other(order: str) -> 
     layout = ParallelLayout.for_world(4, 2, ep_order=order)
     held = [tuple(range(*layout.experts_of(r, E))) for r in range(4)]
     assert problem(layout, E, held) == ""
-    other = ParallelLayout.for_world(4, 2, ep_order="consecutive" if order == "strided" else "strided")
+    other = ParallelLayout.for_world(4, 2,
+                                     ep_order="consecutive" if order == "strided" else "strided")
     assert problem(other, E, held)
     assert formed_groups(other, E, held).startswith(f"the framework formed {order} EP groups")
 
@@ -116,7 +123,8 @@ def test_an_uneven_split_other_than_the_rule_is_left_to_the_other_checks() -> No
     balanced = [(0, 1), (2, 3), (4,), (5,)]  # "the first E % k ranks get one more" at E=6
     assert problem(layout, 6, balanced) == ""
     assert "not the contiguous range" in problem(layout, 6, [(0, 1), (4,), (2, 3), (5,)])
-    assert problem(layout, 6, [(0, 1), (2, 3), (4,), ()]) == ""  # expert 5 missing: for missing/values to name
+    # expert 5 missing: for missing/values to name
+    assert problem(layout, 6, [(0, 1), (2, 3), (4,), ()]) == ""
     assert problem(layout, 6, [(), (), (), ()]).startswith("no rank reports any expert")
 
 
@@ -128,17 +136,20 @@ def test_fsdp_row_shards_of_one_ep_coordinate_count_together() -> None:
 
 def test_dcp_size_mismatch_on_a_packed_key_reads_in_expert_terms() -> None:
     layout = ParallelLayout.for_world(4, 2)
-    error = RuntimeError("Size mismatch between saved torch.Size([4, 3, 2]) and current: torch.Size([2, 3, 2]) "
-                         "for model.layers.0.moe.up_w")
+    error = RuntimeError("Size mismatch between saved torch.Size([4, 3, 2]) and current: "
+                         "torch.Size([2, 3, 2]) for model.layers.0.moe.up_w")
     text = translate(error, layout, E, (), rank=2)
-    assert text == ("rank 2, layer 0, 'model.layers.0.moe.up_w': the model offers 2 rows for the checkpoint's 4 "
-                    "experts: the load does not map the saved global rows to this rank's experts 2..3")
-    blamed = load_failed(error, findings=(), checked="", layout=layout, num_experts=E, patterns=(), rank=2)
+    assert text == (
+        "rank 2, layer 0, 'model.layers.0.moe.up_w': the model offers 2 rows for the checkpoint's "
+        "4 experts: the load does not map the saved global rows to this rank's experts 2..3")
+    blamed = load_failed(error, findings=(), checked="", layout=layout, num_experts=E, patterns=(),
+                         rank=2)
     assert blamed.side == "load" and str(blamed).splitlines()[0].endswith("so the load is wrong)")
     assert "Size mismatch between saved" in str(blamed).splitlines()[1]
-    saved_wrong = load_failed(error, findings=("layer 0, key 'x': absent",), checked="", layout=layout,
-                              num_experts=E, patterns=(), rank=2)
-    assert saved_wrong.side == "checkpoint" and str(saved_wrong).startswith("the checkpoint differs")
+    saved_wrong = load_failed(error, findings=("layer 0, key 'x': absent",), checked="",
+                              layout=layout, num_experts=E, patterns=(), rank=2)
+    assert (saved_wrong.side == "checkpoint"
+            and str(saved_wrong).startswith("the checkpoint differs"))
 
 
 def test_framework_dims_keep_the_dims_a_framework_branches_on() -> None:
@@ -157,7 +168,8 @@ def test_training_state_scalars_and_build_results() -> None:
     found = state_scalars({"scheduler": sched, "train": {"tokens": 5, "blob": torch.zeros(100)}})
     assert found["state.scheduler.last_epoch"] == 0 and found["state.scheduler.base_lrs"] == [0.1]
     assert found["state.train.tokens"] == 5 and "state.train.blob" not in found
-    assert built((1, None)).training_state is None and built((1, None, {"s": 1})).extra == {"state": {"s": 1}}
+    assert (built((1, None)).training_state is None
+            and built((1, None, {"s": 1})).extra == {"state": {"s": 1}})
     with pytest.raises(AdapterError, match="expected \\(model, optimizer\\) or"):
         built([1, 2])
     with pytest.raises(AdapterError, match="mapping"):
@@ -165,24 +177,28 @@ def test_training_state_scalars_and_build_results() -> None:
 
 
 def test_experts_flattened_into_one_axis_are_read_as_plain_tensors() -> None:
-    """OLMo-core's form: ``w1`` of shape ``[E * rows, hidden]``; no false 'expert axis has E*rows rows' finding."""
+    """OLMo-core's form: ``w1`` of shape ``[E * rows, hidden]``; no false 'expert axis has E*rows
+    rows' finding."""
     state = _truth()
     flat = {f"blocks.{layer}.experts.mlp.w1": torch.cat([state[(layer, e, "up")] for e in range(E)])
             for layer in range(2)}
     index = index_state_dict(flat, "truth")
-    assert any(f.problem == "extent_mismatch" for f in inspect_index(index, num_experts=E).findings)  # by name
+    # by name
+    assert any(f.problem == "extent_mismatch" for f in inspect_index(index, num_experts=E).findings)
     learned = learn_expert_keys(index, owners_of(state)[0])
     assert learned["blocks.0.experts.mlp.w1"].kind == "blocks"
     patterns = (*learned_patterns(learned), *DEFAULT_PATTERNS)
     found = {f.problem for f in inspect_index(index, num_experts=E, patterns=patterns).findings}
-    assert found == {"no_expert_keys"}  # no expert axis to read; the matrix compares these keys by value
+    # no expert axis to read; the matrix compares these keys by value
+    assert found == {"no_expert_keys"}
     swapped = dict(flat, **{"blocks.1.experts.mlp.w1": flat["blocks.0.experts.mlp.w1"]})
     assert compare_indexes(index_state_dict(swapped, "ep2"), index, values=True, patterns=patterns)
 
 
 def test_check_adapter_resolves_the_optional_members_once_and_refuses_a_bare_value() -> None:
-    """``check_adapter`` gives the checks one :class:`Members`; a bare string or class where a sequence belongs
-    (``refusal_errors = ValueError``) is refused naming the member, not a crash on a rank later."""
+    """``check_adapter`` gives the checks one :class:`Members`; a bare string or class where a
+    sequence belongs (``refusal_errors = ValueError``) is refused naming the member, not a crash on
+    a rank later."""
     from conformance.adapters.reference import ReferenceAdapter
     from conformance.members import check_adapter
 
@@ -201,24 +217,26 @@ def test_check_adapter_resolves_the_optional_members_once_and_refuses_a_bare_val
 
 
 def test_cell_record_keeps_the_report_schema_and_its_key_order() -> None:
-    """The record the README documents, built by one type: the keys (and order) the report always had."""
+    """The record the README documents, built by one type: the keys (and order) the report always
+    had."""
     from conformance.record import CellRecord, environment
 
-    record = CellRecord("moe-ep-matrix::checkpoint::x", "checkpoint", "reference", "0.1.0", {"kind": "packed"})
+    record = CellRecord("moe-ep-matrix::checkpoint::x", "checkpoint", "reference", "0.1.0",
+                        {"kind": "packed"})
     record.timings, record.shared_save, record.skipped_checks = {"total": 1.0}, True, {}
     record.finish("pass", "ok", 1.23456)
     record.environment = environment("2.13.0", 4, "gloo")
-    assert list(record.to_dict()) == ["id", "suite", "adapter", "adapter_version", "kind", "timings", "shared_save",
-                                      "skipped_checks", "status", "detail", "duration_s", "torch", "world_size",
-                                      "backend"]
+    assert list(record.to_dict()) == ["id", "suite", "adapter", "adapter_version", "kind",
+                                      "timings", "shared_save", "skipped_checks", "status",
+                                      "detail", "duration_s", "torch", "world_size", "backend"]
     assert record.to_dict()["duration_s"] == 1.235
     errored = CellRecord("i", "checkpoint", "a", "1", {}, errors={"1": "boom"})
     assert "timings" not in errored.to_dict() and errored.to_dict()["errors"] == {"1": "boom"}
 
 
 def test_the_guide_names_the_members_the_protocols_declare() -> None:
-    """docs/adapters.md's table and the contract's Protocols name the same members, required and optional
-    alike, and mark the same framework calls: the contract is written once."""
+    """docs/adapters.md's table and the contract's Protocols name the same members, required and
+    optional alike, and mark the same framework calls: the contract is written once."""
     import re
     from pathlib import Path
 

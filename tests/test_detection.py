@@ -708,7 +708,7 @@ def test_an_expert_weight_read_as_its_transpose_is_named(pytester: pytest.Pytest
     for cell_id, first in failing(cells).items():
         assert re.match(r"first difference: rank \d, layer \d, expert \d, tensor 'down': holds "
                         r"(its transpose's elements in its own shape \(16, 32\)|a shard of its "
-                        r"transposed weight \(axis 0 rows)", first), (cell_id, first)  # etp: a shard
+                        r"transposed weight \(axis 0 rows)", first), (cell_id, first)
 
 
 def test_a_token_counter_in_the_checkpoint_is_named(pytester: pytest.Pytester) -> None:

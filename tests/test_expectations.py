@@ -1,5 +1,5 @@
-"""The expectations file on its own (no world): parsing and its errors, which entry a cell gets, how an outcome is
-judged, and how an update rewrites the file while keeping what a person wrote."""
+"""The expectations file on its own (no world): parsing and its errors, which entry a cell gets, how
+an outcome is judged, and how an update rewrites the file while keeping what a person wrote."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_findings_order_is_the_one_place_that_says_which_is_worse() -> None:
     assert FINDINGS == ("silent", "on-disk", "refused", "error")
     assert ordered(["error", "silent", "refused", "silent"]) == ["silent", "refused", "error"]
     assert worst([]) == "pass" and worst(["refused", "on-disk"]) == "on-disk"
-    assert severity("pass") < severity("error") < severity("refused") < severity("on-disk") < severity("silent")
+    assert (severity("pass") < severity("error") < severity("refused") < severity("on-disk")
+            < severity("silent"))
     assert ordered(["made-up"]) == ["error"]  # never dropped silently
 
 
@@ -69,19 +70,22 @@ reason = "a later, broader line"
     assert found.expected(A).outcome == "silent" and found.expected(A).by == A
     assert found.expected(B).outcome == "error"  # the later pattern
     assert found.expected(B).reason == "a later, broader line"
-    assert found.expected("moe-ep-matrix::checkpoint::unpacked::model::ep-only::ep1->ep1").outcome == "pass"
+    assert (found.expected("moe-ep-matrix::checkpoint::unpacked::model::ep-only::ep1->ep1").outcome
+            == "pass")
 
 
 @pytest.mark.parametrize(("text", "problem"), [
     ("[[cell]\nid=", "not valid TOML"),
-    ('[[cell]]\nid = "x"\nfinding = "lost"\n', "unknown finding 'lost'; expected one of pass, silent, on-disk"),
+    ('[[cell]]\nid = "x"\nfinding = "lost"\n',
+     "unknown finding 'lost'; expected one of pass, silent, on-disk"),
     ('[[cell]]\nfinding = "silent"\n', "no 'id'"),
     ('[[cell]]\nid = "x"\nfinding = "silent"\nwhy = "?"\n', "unknown key(s) 'why'"),
     ('cells = 1\n', "unknown key(s) 'cells'"),
     ('[[cell]]\nid = "x"\nfinding = 3\n', "'finding' must be a string"),
     (f'[[cell]]\nid = "{A}"\nfinding = "silent"\n[[cell]]\nid = "{A}"\nfinding = "refused"\n',
      "the same id as entry 1"),
-    ('adapter = "acme"\n[[cell]]\nid = "x"\nfinding = "silent"\nadapter = "other"\n', "names adapter 'other'"),
+    ('adapter = "acme"\n[[cell]]\nid = "x"\nfinding = "silent"\nadapter = "other"\n',
+     "names adapter 'other'"),
 ])
 def test_a_broken_file_says_what_is_wrong(text: str, problem: str) -> None:
     with pytest.raises(ExpectationsError) as info:
@@ -92,12 +96,14 @@ def test_a_broken_file_says_what_is_wrong(text: str, problem: str) -> None:
 def test_read_checks_the_ids_against_every_cell_and_the_adapter_pin(tmp_path: Path) -> None:
     path = tmp_path / "e.toml"
     path.write_text('[[cell]]\nid = "checkpoint::nope::*"\nfinding = "silent"\n')
-    with pytest.raises(ExpectationsError, match=r"the pattern 'moe-ep-matrix::checkpoint::nope::\*' names no cell "
+    with pytest.raises(ExpectationsError,
+                       match=r"the pattern 'moe-ep-matrix::checkpoint::nope::\*' names no cell "
                                                 r"of any tier \(world size 4\)"):
         read(path, universe=UNIVERSE, universe_note=" (world size 4)")
     path.write_text(f'adapter = "acme_fw"\n[[cell]]\nid = "{A}"\nfinding = "silent"\n')
     assert read(path, adapter="acme-fw", universe=UNIVERSE).entries  # - and _ alike
-    with pytest.raises(ExpectationsError, match="is for adapter 'acme_fw'; this session checks 'reference'"):
+    with pytest.raises(ExpectationsError,
+                       match="is for adapter 'acme_fw'; this session checks 'reference'"):
         read(path, adapter="reference")
     with pytest.raises(ExpectationsError, match="no such file"):
         read(tmp_path / "absent.toml")
@@ -118,16 +124,19 @@ def test_judging_names_what_was_expected_and_what_came_back() -> None:
     found = parse("x.toml", FILE)
     assert judge(found.expected(A), "silent").state == MET
     now = judge(found.expected(A), "pass")
-    assert now.state == UNMET and now.text.startswith("now passes (expected silent by ") and "update" in now.text
+    assert now.state == UNMET and now.text.startswith("now passes (expected silent "
+                                                      "by ") and "update" in now.text
     worse = judge(found.expected(B), "silent")
-    assert worse.state == UNMET and worse.text.startswith("worse than expected: expected refused") and \
-        worse.text.endswith("got silent")
+    assert (worse.state == UNMET and worse.text.startswith("worse than expected: expected refused")
+            and worse.text.endswith("got silent"))
     better = judge(found.expected(C), "refused")
     assert better.state == UNMET and better.text.startswith("better than expected")
     unnamed = judge(found.expected("moe-ep-matrix::checkpoint::x"), "refused")
     assert unnamed.state == UNMET and "(not in the expectations file)" in unnamed.text
-    assert judge(found.expected("moe-ep-matrix::checkpoint::x"), "refused", ("refused",)).state == TOLERATED
-    assert judge(found.expected(A), "refused", ("refused",)).state == UNMET  # the file's silent is not tolerated
+    assert judge(found.expected("moe-ep-matrix::checkpoint::x"), "refused", ("refused",
+                 )).state == TOLERATED
+    # the file's silent is not tolerated
+    assert judge(found.expected(A), "refused", ("refused",)).state == UNMET
     assert Baseline(found, update=True).judge(A, "pass").state == UPDATED
 
 
@@ -146,20 +155,25 @@ def test_an_update_keeps_unchanged_entries_verbatim_and_marks_what_it_wrote() ->
     same = updated_text(current, outcomes, adapter="acme", by="me")
     assert same.text == FILE and same.changes == 0
     new = "moe-ep-matrix::checkpoint::packed::model::ep-only::E6::ep2->ep4"
-    update = updated_text(current, {A: "pass", C: "silent", new: "error"}, adapter="acme", by="me today")
+    update = updated_text(current, {A: "pass", C: "silent", new: "error"}, adapter="acme",
+                          by="me today")
     assert (update.added, update.changed, update.removed) == ([new], [C], [A])
     text = update.text
-    assert "acme#12" not in text and "# the same-EP reload" not in text  # A passes now: its entry and comment go
+    # A passes now: its entry and comment go
+    assert "acme#12" not in text and "# the same-EP reload" not in text
     assert "# a team's comment at the top" in text and "# the prefix may be left off" in text
-    assert "# this one is kept verbatim when nothing changes" in text  # a changed entry keeps its comments
+    # a changed entry keeps its comments
+    assert "# this one is kept verbatim when nothing changes" in text
     again = parse("x.toml", text)
     assert again.expected(C).outcome == "silent" and "was on-disk" in again.expected(C).reason
     assert "written by me today" in again.expected(C).reason
-    assert again.expected(new).outcome == "error" and again.expected(new).reason.startswith("TODO: error")
-    assert again.expected(B).outcome == "refused"  # the pattern: untouched, and cells that ran did not touch it
+    assert (again.expected(new).outcome == "error"
+            and again.expected(new).reason.startswith("TODO: error"))
+    # the pattern: untouched, and cells that ran did not touch it
+    assert again.expected(B).outcome == "refused"
 
 
-def test_an_update_overrides_a_pattern_with_an_exact_entry_and_drops_an_exact_entry_the_pattern_covers() -> None:
+def test_an_update_overrides_a_pattern_and_drops_exact_entries_the_pattern_covers() -> None:
     current = parse("x.toml", FILE)
     update = updated_text(current, {B: "pass"}, adapter="acme", by="me")
     assert update.added == [B]
@@ -169,7 +183,8 @@ def test_an_update_overrides_a_pattern_with_an_exact_entry_and_drops_an_exact_en
 
 
 def test_a_first_update_writes_a_file_that_names_its_adapter_in_a_comment() -> None:
-    update = updated_text(Expectations(Path("new.toml")), {A: "on-disk", C: "pass"}, adapter="legacy", by="me")
+    update = updated_text(Expectations(Path("new.toml")), {A: "on-disk", C: "pass"},
+                          adapter="legacy", by="me")
     assert update.added == [A]
     assert "# Written for adapter legacy." in update.text and "adapter =" not in update.text
     assert parse("new.toml", update.text).expected(A).outcome == "on-disk"
@@ -180,4 +195,5 @@ def test_an_inline_table_file_is_updated_without_its_layout() -> None:
     update = updated_text(parse("x.toml", text), {C: "refused"}, adapter="acme", by="me")
     assert not update.kept_comments and "comments not kept" in update.summary("x.toml")
     again = parse("x.toml", update.text)
-    assert again.adapter == "acme" and again.expected(A).outcome == "silent" and again.expected(C).outcome == "refused"
+    assert (again.adapter == "acme" and again.expected(A).outcome == "silent"
+            and again.expected(C).outcome == "refused")

@@ -1,6 +1,7 @@
-"""torchtitan's objects for the ``torchtitan`` adapters, built inside rank processes only: its ParallelDims and mesh,
-the MoE decoder from its config builders, its pipeline split, its parallelize function and CheckpointManager -- each
-as torchtitan's ``Trainer`` makes it (:mod:`conformance.adapters.torchtitan` says what is changed for CPU)."""
+"""torchtitan's objects for the ``torchtitan`` adapters, built inside rank processes only: its
+ParallelDims and mesh, the MoE decoder from its config builders, its pipeline split, its parallelize
+function and CheckpointManager -- each as torchtitan's ``Trainer`` makes it
+(:mod:`conformance.adapters.torchtitan` says what is changed for CPU)."""
 
 from __future__ import annotations
 
@@ -24,30 +25,34 @@ STAGE = "_conformance_stage"
 
 @functools.cache
 def parallel_dims(backend: str, ep: int, device_type: str, pp: int = 1) -> Any:
-    """torchtitan's ParallelDims over the whole world at EP degree ``ep`` (and ``pp`` stages), its mesh built once."""
+    """torchtitan's ParallelDims over the whole world at EP degree ``ep`` (and ``pp`` stages), its
+    mesh built once."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     parallel_dims_module.device_type = device_type  # workaround: torchtitan picked "cuda" at import
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp, spmd_backend=backend)
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, pipeline_parallel_degree=pp,
+                                    spmd_backend=backend)
     parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
     return parallel_dims
 
 
 def stage(model: Any, parallel_dims: Any, num_layers: int, device: Any) -> Any:
-    """This rank's model part, as ``pipeline_llm`` makes it: torchtitan's default module names per stage
-    (``_generate_llm_fqn_per_model_part``, embeddings and output weighed as one layer each, as its
-    ``pipeline_parallel_first/last_stage_less_layers`` defaults do) and its ``_pipeline_module_split`` (a
-    ``PipelineStage`` per part, schedule 1F1B: one stage per pp rank)."""
+    """This rank's model part, as ``pipeline_llm`` makes it: torchtitan's default module names per
+    stage (``_generate_llm_fqn_per_model_part``, embeddings and output weighed as one layer each, as
+    its ``pipeline_parallel_first/last_stage_less_layers`` defaults do) and its
+    ``_pipeline_module_split`` (a ``PipelineStage`` per part, schedule 1F1B: one stage per pp
+    rank)."""
     from torchtitan.distributed import pipeline_parallel as pipelining
 
     pp_mesh = parallel_dims.get_mesh("pp")
     names = pipelining._generate_llm_fqn_per_model_part(pp_mesh.size(), num_layers, 1, 1)
     _, parts = pipelining._pipeline_module_split(model, pp_mesh, "1F1B", device, names,
-                                                 get_mesh=pipelining._build_get_mesh_callback(parallel_dims))
+                                                 get_mesh=pipelining._build_get_mesh_callback(
+                                                     parallel_dims))
     (part,) = parts
     object.__setattr__(part, STAGE, pp_mesh.get_local_rank())
     return part
@@ -66,15 +71,19 @@ def build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
     top_k = min(spec.top_k, spec.num_experts)
     config = make.make_moe_config(
         num_experts=spec.num_experts,
-        router=make.make_router_config(dim=spec.dim, num_experts=spec.num_experts, gate_param_init=linear_init,
+        router=make.make_router_config(dim=spec.dim, num_experts=spec.num_experts,
+                                       gate_param_init=linear_init,
                                        top_k=top_k, score_func="softmax", route_norm=True),
         routed_experts=make.make_routed_experts_config(dim=spec.dim, hidden_dim=spec.hidden,
                                                        num_experts=spec.num_experts, top_k=top_k,
-                                                       param_init=experts_init, comm_backend="standard"),
-        shared_experts=(make.make_ffn_config(dim=spec.dim, hidden_dim=spec.hidden, w1_param_init=linear_init,
-                                             w2w3_param_init=linear_init) if spec.shared_expert else None),
+                                                       param_init=experts_init,
+                                                       comm_backend="standard"),
+        shared_experts=(
+            make.make_ffn_config(dim=spec.dim, hidden_dim=spec.hidden, w1_param_init=linear_init,
+                                 w2w3_param_init=linear_init) if spec.shared_expert else None),
     )
-    set_moe_sharding_config(config, enable_ep=enable_ep, enable_sp=parallelism.enable_sequence_parallel,
+    set_moe_sharding_config(config, enable_ep=enable_ep,
+                            enable_sp=parallelism.enable_sequence_parallel,
                             expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
     block_class, stack_class = model_classes()
     layers = ModuleDict({str(i): block_class(config.build()) for i in range(spec.num_layers)})
@@ -83,7 +92,8 @@ def build_model(spec: Spec, parallelism: Any, *, enable_ep: bool) -> Any:
 
 @functools.cache
 def model_classes() -> tuple[type, type]:
-    """A block reduced to ``x + moe(x)`` and a decoder to its layers: what ``apply_fsdp_to_decoder`` reads of them."""
+    """A block reduced to ``x + moe(x)`` and a decoder to its layers: what ``apply_fsdp_to_decoder``
+    reads of them."""
     from torchtitan.protocols.module import Module
 
     class MoEBlock(Module):
@@ -112,7 +122,8 @@ def model_classes() -> tuple[type, type]:
     return MoEBlock, MoEStack
 
 
-def parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool, dtype: str) -> None:
+def parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool,
+                dtype: str) -> None:
     """The trainer's parallelize_fn (Qwen3's, shared by torchtitan's MoE decoders)."""
     import tempfile
 
@@ -121,14 +132,19 @@ def parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool,
 
     with tempfile.TemporaryDirectory(prefix="torchtitan-dump-") as dump_folder:
         try:
-            # FSDP computes in the cell's dtype (the default bf16 is a compute cast), as the truth does
-            training = TrainingConfig(mixed_precision_param="bfloat16" if dtype == "bfloat16" else "float32")
-            parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder=dump_folder,
-                              skip_dp=not fsdp)
-        except Exception as exc:  # the framework's own failure, named with the configuration it failed in
-            raise RuntimeError(f"torchtitan parallelize_qwen3 failed (spmd_backend={parallelism.spmd_backend!r}, ep="
-                               f"{parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): {type(exc).__name__}: {exc}"
+            # FSDP computes in the cell's dtype (the default bf16 is a compute cast), as the truth
+            # does
+            training = TrainingConfig(mixed_precision_param="bfloat16" if dtype == "bfloat16"
+                                      else "float32")
+            parallelize_qwen3(model, parallel_dims=parallel_dims, training=training,
+                              parallelism=parallelism, compile_config=CompileConfig(),
+                              ac_config=None, dump_folder=dump_folder, skip_dp=not fsdp)
+        # the framework's own failure, named with the configuration it failed in
+        except Exception as exc:
+            raise RuntimeError("torchtitan parallelize_qwen3 failed "
+                               f"(spmd_backend={parallelism.spmd_backend!r}, ep="
+                               f"{parallel_dims.ep}, {'FSDP' if fsdp else 'skip_dp=True'}): "
+                               f"{type(exc).__name__}: {exc}"
                                ) from exc
 
 

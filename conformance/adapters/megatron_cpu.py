@@ -1,4 +1,5 @@
-"""Megatron-Core on CPU for the ``megatron`` adapter: scoped CUDA bypasses and process-group hygiene.
+"""Megatron-Core on CPU for the ``megatron`` adapter: scoped CUDA bypasses and process-group
+hygiene.
 
 CUDA hard-wires on Megatron's CPU path, each bypassed only inside this adapter's own calls by
 :func:`megatron_on_cpu` (patches module attributes and restores them on exit):
@@ -16,31 +17,33 @@ CUDA hard-wires on Megatron's CPU path, each bypassed only inside this adapter's
 In those three modules the ``torch`` global is swapped for a proxy whose ``cuda.synchronize`` does
 nothing, whose ``cuda.current_device()`` is the CPU and whose ``tensor(..., device='cuda')``
 allocates on the CPU; everything else is torch.  :func:`megatron_forward_on_cpu` does the same for
-``MoELayer.forward`` (each bypass named there).  Not bypassed because never run here: the ``alltoall``
-dispatcher (a ``torch.cuda.Stream`` at construction).
+``MoELayer.forward`` (each bypass named there).  Not bypassed because never run here: the
+``alltoall`` dispatcher (a ``torch.cuda.Stream`` at construction).
 
 Process hygiene.  The save path's writer results go through a module-global queue that Megatron
-creates as a ``multiprocessing`` *spawn* ``Manager`` (``filesystem_async._get_write_results_queue``):
-it starts a server process that re-imports the main module and costs 4-6 s at a process's first
-save.  The save here is synchronous and runs in this process, so the bypass context puts a plain
-``queue.Queue`` there (restored afterwards): no Manager is ever started.  Megatron still forks its
-writer processes (``write_preloaded_data_multiproc``), as in training.  ``destroy_model_parallel()``
-leaves most of the groups ``initialize_model_parallel`` created alive; the adapter destroys every
-one of them at the end of each ``save`` and at the end of each cell (``end_cell``: the layers keep their EP
-groups, which the checks after a load -- the forward -- still use), and before a new set-up, so a rank
-process that runs many cells at several EP degrees holds no Megatron group between cells.
-``initialize_model_parallel`` runs with ``create_gloo_process_groups=False``: the world is gloo already, and the
-extra gloo groups serve only the distributed optimizer.
+creates as a ``multiprocessing`` *spawn* ``Manager``
+(``filesystem_async._get_write_results_queue``): it starts a server process that re-imports the main
+module and costs 4-6 s at a process's first save.  The save here is synchronous and runs in this
+process, so the bypass context puts a plain ``queue.Queue`` there (restored afterwards): no Manager
+is ever started.  Megatron still forks its writer processes (``write_preloaded_data_multiproc``), as
+in training.  ``destroy_model_parallel()`` leaves most of the groups ``initialize_model_parallel``
+created alive; the adapter destroys every one of them at the end of each ``save`` and at the end of
+each cell (``end_cell``: the layers keep their EP groups, which the checks after a load -- the
+forward -- still use), and before a new set-up, so a rank process that runs many cells at several EP
+degrees holds no Megatron group between cells. ``initialize_model_parallel`` runs with
+``create_gloo_process_groups=False``: the world is gloo already, and the extra gloo groups serve
+only the distributed optimizer.
 
 The ground truth's expert-bias update runs under :func:`expert_bias_update_over` its one-rank
 group: ``moe_utils.get_updated_expert_bias`` reduces over ``parallel_state``'s group whatever groups
 the layers were built with.
 
 The ground truth's optimizer set-up runs under :func:`one_rank_world`: ``optimizer/__init__.py``,
-``_get_param_groups``, aligns param-group keys with an ``all_gather_object`` over the *world*, which the
-truth (built on each rank alone) must not do; that module sees a one-rank ``torch.distributed`` while it
-builds.  :func:`tear_down` destroys exactly the groups ``initialize_model_parallel`` created (those
-that appeared during the call), never a group the harness or anyone else made meanwhile.
+``_get_param_groups``, aligns param-group keys with an ``all_gather_object`` over the *world*, which
+the truth (built on each rank alone) must not do; that module sees a one-rank ``torch.distributed``
+while it builds.  :func:`tear_down` destroys exactly the groups ``initialize_model_parallel``
+created (those that appeared during the call), never a group the harness or anyone else made
+meanwhile.
 """
 
 from __future__ import annotations
@@ -50,16 +53,18 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
-#: ProcessGroupCollection fields the layers and the optimizer read (the ground truth's one-rank view).
-_PG_FIELDS = ("ep", "tp", "cp", "pp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "mp",
-              "tp_ep_pp", "intra_dist_opt")
+#: ProcessGroupCollection fields the layers and the optimizer read (the ground truth's one-rank
+#: view).
+_PG_FIELDS = ("ep", "tp", "cp", "pp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp", "dp",
+              "dp_cp", "mp", "tp_ep_pp", "intra_dist_opt")
 #: the process groups this process's current Megatron set-up created (None: no set-up).
 _CREATED: set[Any] | None = None
 
 
-# -- CUDA bypasses, scoped to the adapter's calls ------------------------------------------------------
+# -- CUDA bypasses, scoped to the adapter's calls --------------------------------------------------
 class _CpuCuda:
-    """``torch.cuda`` as the three patched Megatron modules see it: the current device is the CPU."""
+    """``torch.cuda`` as the three patched Megatron modules see it: the current device is the
+    CPU."""
 
     @staticmethod
     def current_device() -> str:
@@ -96,7 +101,8 @@ class _CpuTorch:
 
 
 class _OneRankDistributed:
-    """``torch.distributed`` as a world of one rank: what the ground truth's optimizer set-up sees."""
+    """``torch.distributed`` as a world of one rank: what the ground truth's optimizer set-up
+    sees."""
 
     @staticmethod
     def get_world_size(group: Any = None) -> int:
@@ -127,8 +133,8 @@ _ABSENT = object()
 
 
 def _own(owner: Any, name: str) -> Any:
-    """``owner.name`` as ``owner`` itself holds it; :data:`_ABSENT` for a class attribute it only inherits (restored
-    by deleting, so the base class's stays the one found)."""
+    """``owner.name`` as ``owner`` itself holds it; :data:`_ABSENT` for a class attribute it only
+    inherits (restored by deleting, so the base class's stays the one found)."""
     if isinstance(owner, type):
         return vars(owner).get(name, _ABSENT)
     return getattr(owner, name, _ABSENT)
@@ -136,8 +142,8 @@ def _own(owner: Any, name: str) -> Any:
 
 @contextlib.contextmanager
 def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set module attributes for the duration of the block; restore them on exit, also on error (an attribute the
-    module did not have is deleted again)."""
+    """Set module attributes for the duration of the block; restore them on exit, also on error (an
+    attribute the module did not have is deleted again)."""
     saved = [(module, name, _own(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
@@ -167,7 +173,8 @@ def one_rank_world() -> Iterator[None]:
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Megatron's save, load, GroupedMLP and FP32Optimizer on CPU, for the duration of one adapter call.
+    """Megatron's save, load, GroupedMLP and FP32Optimizer on CPU, for the duration of one adapter
+    call.
 
     Patches (see the module docstring for why each): the ``torch`` global of
     ``filesystem_async``, ``state_dict_saver`` and ``optimizer.optimizer``; ``filesystem_async``'s
@@ -179,7 +186,8 @@ def megatron_on_cpu() -> Iterator[None]:
     from megatron.core.transformer.moe import grouped_gemm_util
 
     patches: list[tuple[Any, str, Any]] = [(m, "torch", _CpuTorch())
-                                           for m in (filesystem_async, state_dict_saver, megatron_optimizer)]
+                                           for m in (filesystem_async, state_dict_saver,
+                                                     megatron_optimizer)]
     patches += [(filesystem_async, "_results_queue", queue.Queue()),
                 (grouped_gemm_util, "assert_grouped_gemm_is_available", lambda: None)]
     with _patched(patches):
@@ -188,24 +196,27 @@ def megatron_on_cpu() -> Iterator[None]:
 
 @contextlib.contextmanager
 def megatron_forward_on_cpu() -> Iterator[None]:
-    """``MoELayer.forward`` (SequentialMLP, the ``allgather`` dispatcher) on CPU, for one adapter ``forward`` call.
+    """``MoELayer.forward`` (SequentialMLP, the ``allgather`` dispatcher) on CPU, for one adapter
+    ``forward`` call.
 
-    * ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction.forward`` reads the name ``te_general_gemm``,
-      which the module defines only when Transformer Engine imports (a ``NameError`` without it, megatron-core
-      0.16.0): set to ``None``, its own "no TE" branch (a plain matmul) runs;
-    * ``transformer/moe/router.py``, ``Router.gating``: moves its weight to ``torch.cuda.current_device()`` at the
-      first forward -- the CPU here, so the weight stays the tensor the adapter wrote
-      (``TopKRouter.__init__`` allocates its expert bias and token counter there too: the adapter
-      builds its layers in this context);
-    * ``core/utils.py``, ``GlobalMemoryBuffer.get_tensor`` (the dispatcher's token gather at ep * etp > 1) and
-      ``tensor_parallel/mappings.py`` (its gathers' and reduce-scatters' buffers): allocate on
-      ``torch.cuda.current_device()``, the CPU here.
+    * ``transformer/moe/moe_utils.py``, ``RouterGatingLinearFunction.forward`` reads the name
+      ``te_general_gemm``, which the module defines only when Transformer Engine imports (a
+      ``NameError`` without it, megatron-core 0.16.0): set to ``None``, its own "no TE" branch (a
+      plain matmul) runs;
+    * ``transformer/moe/router.py``, ``Router.gating``: moves its weight to
+      ``torch.cuda.current_device()`` at the first forward -- the CPU here, so the weight stays the
+      tensor the adapter wrote (``TopKRouter.__init__`` allocates its expert bias and token counter
+      there too: the adapter builds its layers in this context);
+    * ``core/utils.py``, ``GlobalMemoryBuffer.get_tensor`` (the dispatcher's token gather at ep *
+      etp > 1) and ``tensor_parallel/mappings.py`` (its gathers' and reduce-scatters' buffers):
+      allocate on ``torch.cuda.current_device()``, the CPU here.
     """
     from megatron.core import utils as megatron_utils
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, router
 
-    patches: list[tuple[Any, str, Any]] = [(m, "torch", _CpuTorch()) for m in (router, megatron_utils, mappings)]
+    patches: list[tuple[Any, str, Any]] = [(m, "torch", _CpuTorch())
+                                           for m in (router, megatron_utils, mappings)]
     patches.append((moe_utils, "te_general_gemm", None))
     with _patched(patches):
         yield
@@ -244,7 +255,7 @@ def expert_bias_update_over(group: Any) -> Iterator[None]:
         yield
 
 
-# -- process groups ------------------------------------------------------------------------------------
+# -- process groups --------------------------------------------------------------------------------
 def _live_groups() -> set[Any]:
     from torch.distributed.distributed_c10d import _world
 
@@ -252,23 +263,25 @@ def _live_groups() -> set[Any]:
 
 
 def set_up(ep: int, etp: int = 1, *, gloo_groups: bool = False) -> None:
-    """Megatron's parallel state at EP degree ``ep`` and expert-TP degree ``etp`` over the world's default group (a
-    collective); ``gloo_groups``: also Megatron's gloo copies of the data-parallel groups, which only the distributed
-    optimizer's gather/scatter formats use."""
+    """Megatron's parallel state at EP degree ``ep`` and expert-TP degree ``etp`` over the world's
+    default group (a collective); ``gloo_groups``: also Megatron's gloo copies of the data-parallel
+    groups, which only the distributed optimizer's gather/scatter formats use."""
     global _CREATED
     from megatron.core import parallel_state
 
     tear_down()
     before = _live_groups()
     try:
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp,
                                                  create_gloo_process_groups=gloo_groups)
     finally:
         _CREATED = _live_groups() - before
 
 
 def tear_down() -> None:
-    """``destroy_model_parallel()``, then every group :func:`set_up` created that it left alive (most)."""
+    """``destroy_model_parallel()``, then every group :func:`set_up` created that it left alive
+    (most)."""
     global _CREATED
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -285,27 +298,29 @@ _ONE_RANK_GROUP: Any = None
 
 
 def _one_rank_group() -> Any:
-    """This rank alone as a c10d-registered gloo group: made by this rank only (``use_local_synchronization``), once
-    per world, and never in a collective with another rank."""
+    """This rank alone as a c10d-registered gloo group: made by this rank only
+    (``use_local_synchronization``), once per world, and never in a collective with another rank."""
     global _ONE_RANK_GROUP
     import torch.distributed as dist
 
     if _ONE_RANK_GROUP is None or _ONE_RANK_GROUP not in _live_groups():
-        _ONE_RANK_GROUP = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        _ONE_RANK_GROUP = dist.new_group([dist.get_rank()], backend="gloo",
+                                         use_local_synchronization=True)
     return _ONE_RANK_GROUP
 
 
 def one_rank_view(*, registered: bool = False) -> Any:
     """A ``ProcessGroupCollection`` whose every group is one single-rank gloo group (ground truth).
 
-    By default a private ``ProcessGroupGloo`` (never registered with c10d).  ``registered=True`` gives a registered
-    one instead (:func:`_one_rank_group`): Megatron's ``DistributedDataParallel`` reduces gradients
-    through c10d's coalescing manager, which needs a ``ProcessGroup`` (the private backend lacks
-    ``reduce_scatter_single_coalesced``)."""
+    By default a private ``ProcessGroupGloo`` (never registered with c10d).  ``registered=True``
+    gives a registered one instead (:func:`_one_rank_group`): Megatron's ``DistributedDataParallel``
+    reduces gradients through c10d's coalescing manager, which needs a ``ProcessGroup`` (the private
+    backend lacks ``reduce_scatter_single_coalesced``)."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    # torch's stub omits the default of ProcessGroupGloo's timeout (30 minutes), which the binding has
+    # torch's stub omits the default of ProcessGroupGloo's timeout (30 minutes), which the binding
+    # has
     group = (_one_rank_group() if registered
              else dist.ProcessGroupGloo(dist.HashStore(), 0, 1))  # type: ignore[call-arg]
     view = ProcessGroupCollection()

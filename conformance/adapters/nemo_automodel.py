@@ -1,16 +1,17 @@
 """The built-in ``nemo_automodel`` adapter: NeMo Automodel 0.7.0 end to end.
 
-It drives NeMo's own code (nothing of the EP split or of the checkpoint conversion is re-implemented):
-NeMo ``MoE`` layers (``Gate``, ``GroupedExperts`` with the fused ``gate_and_up_projs`` and
-``down_projs``, the shared-expert ``MLP``; ``BackendConfig`` all ``"torch"``, the backend without
-TE/DeepEP) at ``model.layers.<i>.mlp``, configured as NeMo's own DeepSeek-V3 builds them
-(``models/deepseek_v3/model.py``: sigmoid scores, top-k weights normalised, the auxiliary-loss-free
-balancing bias ``mlp.gate.e_score_correction_bias`` updated at ``gate_bias_update_factor=1e-3``, no
-auxiliary loss), filled with synthetic weights by global expert id on the whole ep=1 model before
-the split; ``parallelizer.apply_ep`` on NeMo's ``("ep_shard", "ep")`` MoE mesh and ``apply_fsdp`` as
-``parallelize_model`` calls it; ``torch.optim.AdamW``; and NeMo's ``Checkpointer`` (``save_model`` /
-``load_model`` through ``DeepSeekV3StateDictAdapter``'s per-expert HF keys, DCP, and
-``save_optimizer`` / ``load_optimizer``).  SwiGLU only; run on CPU/gloo, not yet with NCCL.
+It drives NeMo's own code (nothing of the EP split or of the checkpoint conversion is
+re-implemented): NeMo ``MoE`` layers (``Gate``, ``GroupedExperts`` with the fused
+``gate_and_up_projs`` and ``down_projs``, the shared-expert ``MLP``; ``BackendConfig`` all
+``"torch"``, the backend without TE/DeepEP) at ``model.layers.<i>.mlp``, configured as NeMo's own
+DeepSeek-V3 builds them (``models/deepseek_v3/model.py``: sigmoid scores, top-k weights normalised,
+the auxiliary-loss-free balancing bias ``mlp.gate.e_score_correction_bias`` updated at
+``gate_bias_update_factor=1e-3``, no auxiliary loss), filled with synthetic weights by global expert
+id on the whole ep=1 model before the split; ``parallelizer.apply_ep`` on NeMo's
+``("ep_shard", "ep")`` MoE mesh and ``apply_fsdp`` as ``parallelize_model`` calls it;
+``torch.optim.AdamW``; and NeMo's ``Checkpointer`` (``save_model`` / ``load_model`` through
+``DeepSeekV3StateDictAdapter``'s per-expert HF keys, DCP, and ``save_optimizer`` /
+``load_optimizer``).  SwiGLU only; run on CPU/gloo, not yet with NCCL.
 
 The expert bias: a persistent fp32 ``[E]`` buffer (a Replicate DTensor over every rank after
 ``apply_fsdp``), given synthetic values from the seed (:data:`BIAS_SCALE`) and stepped after each
@@ -27,8 +28,8 @@ holds under ``experts.<g>.{gate,up,down}_proj.weight``.
 Workarounds (none changes what is checked):
 
 * ``apply_ep`` is called directly: NeMo's top-level ``parallelize_model`` asserts
-  ``n_routed_experts % ep == 0``, while ``apply_ep``, the state-dict adapter and ``state_dict_utils``
-  accept any E, so the uneven cells show what those layers do with E % ep != 0.
+  ``n_routed_experts % ep == 0``, while ``apply_ep``, the state-dict adapter and
+  ``state_dict_utils`` accept any E, so the uneven cells show what those layers do with E % ep != 0.
 * ``save_model(model, weights_path)`` always writes ``weights_path/model``; the suite reads the DCP
   metadata at the cell's directory, so each rank passes a private temporary ``weights_path`` whose
   ``model`` entry is a symlink to the cell's directory.  The optimizer goes to ``<cell dir>/optim``.
@@ -98,8 +99,8 @@ class NemoAutomodelAdapter:
 
     name = "nemo_automodel"
     version = "0.7.0"
-    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True, max_ep=64,
-                                format="dcp", ep_orders=("consecutive",))
+    capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True,
+                                max_ep=64, format="dcp", ep_orders=("consecutive",))
     preload = ("nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
                "nemo_automodel.components.checkpoint.checkpointing",
                "nemo_automodel.components.models.deepseek_v3.state_dict_adapter")
@@ -349,8 +350,8 @@ def _parallelize(model: Any, spec: Spec, mesh: Any) -> Any:
         apply_fsdp(model, device_mesh((world,), ("dp_shard_cp",)), ep_enabled=moe_mesh is not None,
                    ep_shard_enabled=ep_shard_mesh is not None and ep_shard_mesh.size() > 1,
                    ep_shard_mesh=ep_shard_mesh,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=None,
-                                                  cast_forward_inputs=False))
+                   mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype,
+                                                  output_dtype=None, cast_forward_inputs=False))
     return moe_mesh
 
 
@@ -358,8 +359,10 @@ def _checkpointer(model: Any) -> Any:
     import torch.distributed as dist
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
-    config = CheckpointingConfig(checkpoint_dir="unused", model_save_format="torch_save", save_consolidated=False)
-    return config.build(dp_rank=dist.get_rank(), tp_rank=0, pp_rank=0, moe_mesh=getattr(model, _MOE_MESH))
+    config = CheckpointingConfig(checkpoint_dir="unused", model_save_format="torch_save",
+                                 save_consolidated=False)
+    return config.build(dp_rank=dist.get_rank(), tp_rank=0, pp_rank=0,
+                        moe_mesh=getattr(model, _MOE_MESH))
 
 
 # -- the expert views, gradients and bias updates ------------------------------------------------

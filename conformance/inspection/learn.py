@@ -1,19 +1,20 @@
-"""Which checkpoint keys hold which experts, learned from a checkpoint's *content* rather than its names.
+"""Which checkpoint keys hold which experts, learned from a checkpoint's *content* rather than its
+names.
 
-The matrix knows the model it saved: each expert tensor (weights and moments) with its layer and global
-expert id, from the ep=1 build.  :func:`learn_expert_keys` reads the ep=1 (truth) checkpoint once and
-matches values: a key whose whole value is one expert's tensor is a per-expert key of that expert; a key
-whose rows (along the first axis) are experts' tensors is a packed key.  :func:`learned_patterns` turns
-that into :class:`~conformance.inspection.keys.KeyPattern` s -- anchored regexes, the digit run that
-is the expert id (and, where one is, the layer) as named groups, every other digit run literal (a
-positional optimizer id names one parameter) -- which the metadata inspection and the comparison
-then use for every checkpoint of that model.  So a framework passes
-whatever it names its keys; name patterns stay as hints for what values cannot show (fused or transposed
-expert weights) and for ``moe-ep-inspect`` on a checkpoint without a model.
+The matrix knows the model it saved: each expert tensor (weights and moments) with its layer and
+global expert id, from the ep=1 build.  :func:`learn_expert_keys` reads the ep=1 (truth) checkpoint
+once and matches values: a key whose whole value is one expert's tensor is a per-expert key of that
+expert; a key whose rows (along the first axis) are experts' tensors is a packed key.
+:func:`learned_patterns` turns that into :class:`~conformance.inspection.keys.KeyPattern` s --
+anchored regexes, the digit run that is the expert id (and, where one is, the layer) as named
+groups, every other digit run literal (a positional optimizer id names one parameter) -- which the
+metadata inspection and the comparison then use for every checkpoint of that model.  So a framework
+passes whatever it names its keys; name patterns stay as hints for what values cannot show (fused or
+transposed expert weights) and for ``moe-ep-inspect`` on a checkpoint without a model.
 
-A template is learned only when *every* key of it agrees (the same digit run is the expert id in each):
-experts filed under consistently wrong ids learn nothing and are left to the name hints and the
-attribution, which then say so.
+A template is learned only when *every* key of it agrees (the same digit run is the expert id in
+each): experts filed under consistently wrong ids learn nothing and are left to the name hints and
+the attribution, which then say so.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ Owner = tuple[Any, Any, str]
 @dataclass(frozen=True)
 class LearnedKey:
     """A key the content shows to hold experts: ``kind`` "per_expert" (``experts`` one id), "packed"
-    (``experts[r]`` the expert row ``r`` holds) or "blocks" (experts flattened into the first axis, ``experts[b]``
-    the expert block ``b`` holds); ``layer`` the model's layer index."""
+    (``experts[r]`` the expert row ``r`` holds) or "blocks" (experts flattened into the first axis,
+    ``experts[b]`` the expert block ``b`` holds); ``layer`` the model's layer index."""
 
     key: str
     kind: str
@@ -58,7 +59,8 @@ class LearnedKey:
 
 def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
                       memory_bytes: int = DEFAULT_MEMORY_BYTES) -> dict[str, LearnedKey]:
-    """Every tensor key of ``index`` whose value, or each of whose rows, is one of the model's expert tensors."""
+    """Every tensor key of ``index`` whose value, or each of whose rows, is one of the model's
+    expert tensors."""
     import torch
 
     if index.reader is None:
@@ -67,9 +69,9 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
     shapes = {shape for _, (_, expert, _), shape in _owner_shapes(owners) if expert is not None}
     found: dict[str, LearnedKey] = {}
     with paused_gc():
-        # The whole-tensor digests come from (and stay in) the comparison's per-checkpoint cache: the attribution
-        # and the comparison with this checkpoint then read it no more.  Only a key whose whole value is no
-        # tensor of the model is read again, for its rows or blocks.
+        # The whole-tensor digests come from (and stay in) the comparison's per-checkpoint cache:
+        # the attribution and the comparison with this checkpoint then read it no more.  Only a key
+        # whose whole value is no tensor of the model is read again, for its rows or blocks.
         whole, _ = _fingerprints(index, keys, WHOLE_ONLY, memory_bytes)
         rest = []
         for key in keys:
@@ -78,18 +80,21 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
                 rest.append(key)
             elif owner[1] is not None:
                 found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
-        # a key read for its rows keeps them in the same cache: the attribution (rows of every packed key) reads
-        # the checkpoint no more
+        # a key read for its rows keeps them in the same cache: the attribution (rows of every
+        # packed key) reads the checkpoint no more
         multi = [k for k in rest if len(index.entries[k].shape or ()) > 1]
         _, rows_of = _fingerprints(index, multi, _AS_PACKED, memory_bytes)
-        blocky = [k for k in rest if _block_shape(tuple(index.entries[k].shape or ()), shapes) is not None]
+        blocky = [k for k in rest
+                  if _block_shape(tuple(index.entries[k].shape or ()), shapes) is not None]
         for key in rest:
             if _learn_rows(found, key, "packed", rows_of.get(key), owners):
                 continue
-            if key in blocky:  # experts flattened into the first axis (OLMo-core): read for its blocks
+            # experts flattened into the first axis (OLMo-core): read for its blocks
+            if key in blocky:
                 for value in index.reader([key]).values():
                     if isinstance(value, torch.Tensor):
-                        _learn_rows(found, key, "blocks", _row_digests(_blocks(value, shapes)), owners)
+                        _learn_rows(found, key, "blocks", _row_digests(_blocks(value, shapes)),
+                                    owners)
     return found
 
 
@@ -99,7 +104,8 @@ _AS_PACKED: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "expert"
 
 def _learn_rows(found: dict[str, LearnedKey], key: str, kind: str, rows: list[Digest] | None,
                 owners: Mapping[Digest, Owner]) -> bool:
-    """Whether every row of ``key`` (their digests) is an expert tensor of the model; if so it is learned."""
+    """Whether every row of ``key`` (their digests) is an expert tensor of the model; if so it is
+    learned."""
     held = [owners.get(d) for d in rows or ()]
     if not held or not all(o is not None and o[1] is not None for o in held):
         return False
@@ -114,11 +120,11 @@ def _owner_shapes(owners: Mapping[Digest, Owner]) -> list[tuple[Digest, Owner, t
 
 
 def _block_shape(shape: tuple[int, ...], shapes: set[tuple[int, ...]]) -> tuple[int, ...] | None:
-    """The expert tensor shape whose blocks tile a ``shape`` tensor along its first axis (experts stored flattened,
-    ``[E * rows, ...]``, as OLMo-core does), if one does."""
+    """The expert tensor shape whose blocks tile a ``shape`` tensor along its first axis (experts
+    stored flattened, ``[E * rows, ...]``, as OLMo-core does), if one does."""
     for found in sorted(shapes):
-        if len(shape) == len(found) and shape[1:] == found[1:] and found[0] and shape[0] % found[0] == 0 and \
-                shape[0] > found[0]:
+        if (len(shape) == len(found) and shape[1:] == found[1:] and found[0] and shape[0] % found[0]
+            == 0 and shape[0] > found[0]):
             return found
     return None
 
@@ -132,7 +138,8 @@ def _blocks(value: Any, shapes: set[tuple[int, ...]]) -> Any:
 
 
 def _param(key: str) -> str:
-    """The parameter part of a key (an optimizer state's parameter), which patterns are matched against."""
+    """The parameter part of a key (an optimizer state's parameter), which patterns are matched
+    against."""
     parts = optimizer_parts(key)
     return parts[1] if parts else key
 
@@ -140,7 +147,8 @@ def _param(key: str) -> str:
 def _run_index(runs: list[list[int]], values: list[Any]) -> list[int]:
     """Indices of the digit runs equal to ``values`` in every key."""
     width = min(len(r) for r in runs)
-    return [i for i in range(width) if all(v is not None and r[i] == v for r, v in zip(runs, values, strict=True))]
+    return [i for i in range(width)
+            if all(v is not None and r[i] == v for r, v in zip(runs, values, strict=True))]
 
 
 def learned_patterns(learned: Mapping[str, LearnedKey],
@@ -174,11 +182,13 @@ def learned_patterns(learned: Mapping[str, LearnedKey],
     out: list[KeyPattern] = []
     seen: set[str] = set()
     for (template, kind), members in sorted(templates.items()):
-        if kind == "blocks":  # experts flattened into one axis: compared by value, never read as an expert axis
+        # experts flattened into one axis: compared by value, never read as an expert axis
+        if kind == "blocks":
             regex = "^" + "\\d+".join(re.escape(p) for p in template.split("#")) + "$"
             if regex not in seen:
                 seen.add(regex)
-                out.append(KeyPattern(re.compile(regex), "flattened", "learned: experts flattened into one axis"))
+                out.append(KeyPattern(re.compile(regex), "flattened",
+                                      "learned: experts flattened into one axis"))
             continue
         for regex in _template_regexes(template, kind, members, others[template]):
             if regex not in seen:
@@ -254,20 +264,22 @@ def key_owners(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Seq
 
 
 def owners_of(state: Mapping[Any, Any]) -> tuple[dict[Digest, Owner], int]:
-    """``(digest -> (layer, expert, name) of every non-scalar tensor of a ground-truth state, the experts'
-    element count)``; a value two tensors share (zeros) identifies neither and is left out."""
+    """``(digest -> (layer, expert, name) of every non-scalar tensor of a ground-truth state, the
+    experts' element count)``; a value two tensors share (zeros) identifies neither and is left
+    out."""
     owners: dict[Digest, Owner | None] = {}
     volume = 0
     for (layer, expert, name), d, numel in _digests(state):
-        owners[d] = (layer, expert, name) if d not in owners else None  # two tensors alike: say nothing
+        # two tensors alike: say nothing
+        owners[d] = (layer, expert, name) if d not in owners else None
         volume += numel if expert is not None else 0
     return {d: o for d, o in owners.items() if o is not None}, volume
 
 
 def _digests(state: Mapping[Any, Any]) -> Iterator[tuple[Owner, Digest, int]]:
-    """``(key, digest, element count)`` of each non-scalar tensor of ``state``; a state that keeps packed rows as
-    blocks (``blocks()`` and ``singles()``: :class:`conformance.checks.held.State`) has each block's rows hashed
-    from one array (256 experts: thousands of row views otherwise)."""
+    """``(key, digest, element count)`` of each non-scalar tensor of ``state``; a state that keeps
+    packed rows as blocks (``blocks()`` and ``singles()``: :class:`conformance.checks.held.State`)
+    has each block's rows hashed from one array (256 experts: thousands of row views otherwise)."""
     blocks = getattr(state, "blocks", None)
     if blocks is None:
         yield from ((key, digest(t), t.numel()) for key, t in state.items() if t.dim())
@@ -281,8 +293,10 @@ def _digests(state: Mapping[Any, Any]) -> Iterator[tuple[Owner, Digest, int]]:
             yield (block.layer, block.first + i, block.name), d, numel
 
 
-def unexplained_volume(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Sequence[str]) -> int:
-    """Elements of ``keys`` (tensors) whose value is none of the model's dense tensors: room for experts."""
+def unexplained_volume(index: CheckpointIndex, owners: Mapping[Digest, Owner],
+                       keys: Sequence[str]) -> int:
+    """Elements of ``keys`` (tensors) whose value is none of the model's dense tensors: room for
+    experts."""
     import torch
 
     total = 0
