@@ -50,8 +50,8 @@ NATIVE_EP_DEPENDENT = (r"^optimizer\.param_groups\.[1-9]\d*\.name$",
 #: with strided groups, the same ranks as consecutive ones at ep=1).
 AUTOEP_EP_DEPENDENT = (
     r"^optimizer\.param_groups\.[1-9]\d*\.name$", r"^ds_config\.expert_parallel\.autoep_size$",
-    r"^ds_autoep_layers\.\d+\.(?:num_local_experts|ep_size|ep_group_name|expert_placement|affine_maps|"
-    r"expert_data_parallel_world_size|global_expert_end)$",
+    r"^ds_autoep_layers\.\d+\.(?:num_local_experts|ep_size|ep_group_name|expert_placement|"
+    r"affine_maps|expert_data_parallel_world_size|global_expert_end)$",
     r"^param_shapes\.[1-9]\d*$", r"^ds_config\.use_data_before_expert_parallelism$")
 #: model-states entries compared as values (the rest: the module, the optimizer, ZeRO's partition
 #: layout).
