@@ -51,6 +51,7 @@ __all__ = [
     "CheckpointAdapter",
     "ExpertBlock",
     "FrameworkRefusal",
+    "HFModel",
     "NotApplicable",
     "OptionalMembers",
     "Spec",
@@ -187,6 +188,25 @@ class ExpertBlock(NamedTuple):
     tensor: Any
 
 
+@dataclass(frozen=True)
+class HFModel:
+    """The Hugging Face model an adapter's export is for (``hf_model``): what ``from_pretrained``
+    loads it as."""
+
+    #: the transformers class, by its name in ``transformers`` (``"Qwen3MoeForCausalLM"``).
+    cls: str
+    #: the config's fields, ``model_type`` among them: the export's ``config.json`` need not exist
+    #: (torchtitan writes none), the check passes this config to ``from_pretrained``.
+    config: Mapping[str, Any]
+    #: regexes of keys the family's checkpoints carry that the class does not load (DeepSeek-V3's
+    #: multi-token-prediction layer, filed as one more layer): not an unexpected key.
+    extra_keys: tuple[str, ...] = ()
+    #: the forward tolerance of :func:`conformance.checks.truth.forward_tolerance` times this: for a
+    #: family whose transformers code computes a part another way (another attention kernel), by
+    #: what the adapter measured; 1 for the same kernels.
+    tolerance_scale: float = 1.0
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 _FRAMEWORK_CALL = "__moe_ep_framework_call__"
 
@@ -311,6 +331,32 @@ class OptionalMembers(Protocol):
     @framework_call
     def save_legacy(self, model: Any, optimizer: Any, path: str) -> None:
         """The framework's own old, lossy save, for the legacy cells (absent: they are ``n/a``)."""
+        ...
+
+    def hf_model(self, spec: Spec) -> HFModel:
+        """The transformers class and config the framework's Hugging Face export of ``spec``'s model
+        is for (``Qwen3MoeForCausalLM``, ...): the ``hf_export`` and ``hf_import`` checks load it
+        with them.  Raise :class:`NotApplicable` for a model the framework cannot export."""
+        ...
+
+    @framework_call
+    def export_hf(self, model: Any, path: str) -> None:
+        """The framework's own Hugging Face export of ``model`` (at the cell's layout, a collective
+        on every rank) into the directory ``path``: safetensors files and their index, as the
+        framework writes them for a release (``config.json`` optional)."""
+        ...
+
+    @framework_call
+    def import_hf(self, model: Any, path: str) -> None:
+        """The framework's own load of a Hugging Face checkpoint (the ep=1 export) into ``model``,
+        built at the cell's layout with another seed: every tensor the export holds, the expert
+        bias included."""
+        ...
+
+    def hf_forward(self, hf_model: Any, batch: Any) -> Any:
+        """What ``forward`` computes, by the transformers model loaded from the export (on one
+        process, no mesh): the outputs of ``forward``'s that the family's model has, under the same
+        names (``"output"`` among them)."""
         ...
 
     def end_cell(self) -> None:

@@ -47,6 +47,8 @@ CHECK_FINDING = {
     "scalars": SILENT,
     "resume": SILENT,
     "forward": SILENT,
+    "hf_export": ON_DISK,
+    "hf_import": SILENT,
     "setup": ERROR,
 }
 

@@ -106,8 +106,27 @@ def disk_problem(error: Any, plan: CellPlan) -> str | None:
             f"{space}; failed on rank(s) {ranks}")
 
 
+def export_dir(checkpoint: str) -> str:
+    """Where the Hugging Face export of the save in ``checkpoint`` goes
+    (:mod:`conformance.checks.hf`): beside it, so a framework's checkpoint root never holds it."""
+    return checkpoint.rstrip("/") + "-hf"
+
+
+def export_root(directory: str) -> str:
+    """The directory of a Hugging Face export's index: ``directory``, or the one subdirectory a
+    framework writes it to (torchtitan's last save: ``step-N/``) when ``directory`` holds no
+    ``*.safetensors`` itself."""
+    top = Path(directory)
+    if any(top.glob("*.safetensors")) or any(top.glob("*.safetensors.index.json")):
+        return directory
+    found = sorted(p.parent for p in top.glob("*/*.safetensors.index.json"))
+    return str(found[-1]) if found else directory
+
+
 def _empty(path: str) -> None:
-    """Remove what a failed save wrote, keeping the directory the next writer is given."""
+    """Remove what a failed save wrote (and its export), keeping the directory the next writer is
+    given."""
+    shutil.rmtree(export_dir(path), ignore_errors=True)
     with contextlib.suppress(OSError):
         for child in Path(path).iterdir():
             if child.is_dir() and not child.is_symlink():
@@ -232,6 +251,7 @@ class Saves:
             del self.saves[_key(cell, self.share)]
 
     def _remove(self, path: str) -> None:
-        # under torchrun the ranks share rank 0's directory
+        # under torchrun the ranks share rank 0's directory; the Hugging Face export goes with it
         if getattr(self.engine, "rank", 0) == 0:
             shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(export_dir(path), ignore_errors=True)

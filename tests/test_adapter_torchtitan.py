@@ -64,7 +64,7 @@ DISPATCHER_E5 = ("the framework's forward cannot run in this cell: torchtitan's 
                  "ep={ep} (_token_count_exchange: num_local_tokens_per_expert_E.view(ep, -1)): "
                  "RuntimeError: shape '[{ep}, -1]' is invalid for input of size 5")
 GLOO_LIST_ALL_TO_ALL = "list all_to_all of uneven per-rank chunks, which ProcessGroupGloo refuses"
-FORWARD_RAN = re.compile(r"\(checks: [a-z, ]*\bforward\)")
+FORWARD_RAN = re.compile(r"\(checks: [a-z_, ]*\bforward\b[a-z_, ]*\)")
 
 
 @pytest.mark.slow

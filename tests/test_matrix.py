@@ -107,6 +107,14 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     legacy = [c for c in cells if c.get("legacy") and c["status"] != "n/a"]
     assert legacy and all(c["status"] == "pass" and "refused on every rank" in c["detail"]
                           for c in legacy)
+    # the Hugging Face checks: the export where a model cell writes its save, the import in every
+    # model cell
+    model = [c for c in cells if c["state"] == "model" and not c.get("legacy")
+             and c["status"] == "pass"]
+    assert model and all("hf_import)" in c["detail"] for c in model)
+    exported = [c for c in model if "hf_export" in c["detail"]]
+    assert len(exported) >= 10 and not any(c.get("shared_save") for c in exported)
+    assert not any("hf_" in c["detail"] for c in cells if c["state"] == "model+optim")
     md = (out / "moe-ep-conformance.md").read_text()
     assert "](moe-ep-conformance-grid-packed-model.svg)" in md and "## Environment" in md
     assert "Tier `default`" in md

@@ -31,6 +31,8 @@ from conformance.adapter import (
     FORWARD_OUTPUT,
     Capabilities,
     ExpertBlock,
+    HFModel,
+    NotApplicable,
     Spec,
     TensorEntry,
     local_region,
@@ -56,29 +58,35 @@ class ReferenceAdapter:
     bias_rate = 1e-3
 
     # -- building ----------------------------------------------------------------------------------
+    def moe_config(self, spec: Spec) -> Any:
+        """The :class:`~reference_impl.moe.MoEConfig` of ``spec``'s model."""
+        import torch
+
+        from reference_impl.moe import MoEConfig
+
+        # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside
+        # its Literal
+        return MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden,
+                         kind=cast(Literal["packed", "unpacked", "fused"], spec.kind),
+                         activation=cast(Literal["swiglu", "gelu"], spec.activation),
+                         top_k=min(spec.top_k, spec.num_experts),
+                         shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype),
+                         fused_order=cast(Literal["concatenated", "interleaved"],
+                                          self.fused_order),
+                         expert_bias=True, mtp_layers=spec.mtp_layers)
+
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
         from reference_impl.meshes import sliced
         from reference_impl.moe import (
-            MoEConfig,
             apply_expert_parallel,
             apply_fsdp,
             apply_pipeline,
             build_model,
         )
 
-        # Spec's kind and activation are plain str; MoEConfig.__post_init__ rejects a value outside
-        # its Literal
-        config = MoEConfig(num_experts=spec.num_experts, dim=spec.dim, hidden=spec.hidden,
-                           kind=cast(Literal["packed", "unpacked", "fused"], spec.kind),
-                           activation=cast(Literal["swiglu", "gelu"], spec.activation),
-                           top_k=min(spec.top_k, spec.num_experts),
-                           shared_expert=spec.shared_expert, dtype=getattr(torch, spec.dtype),
-                           fused_order=cast(Literal["concatenated", "interleaved"],
-                                            self.fused_order),
-                           expert_bias=True, mtp_layers=spec.mtp_layers)
-        model = build_model(config, spec.num_layers, seed).to(world_device(mesh))
+        model = build_model(self.moe_config(spec), spec.num_layers, seed).to(world_device(mesh))
         if mesh is not None:
             # this rank's stage first: its layers keep their global names
             if "pp" in (mesh.mesh_dim_names or ()):
@@ -196,6 +204,34 @@ class ReferenceAdapter:
         from reference_impl.checkpoint import save_legacy
 
         save_legacy(model, optimizer, path)
+
+    # -- Hugging Face export (reference_impl.hf: Ernie4_5_MoeForCausalLM) --------------------------
+    def hf_model(self, spec: Spec) -> HFModel:
+        """The family whose forward is the reference's (:mod:`reference_impl.hf`)."""
+        from reference_impl.hf import HF_CLASS, hf_config
+
+        try:
+            return HFModel(HF_CLASS, hf_config(self.moe_config(spec), spec.num_layers))
+        except ValueError as exc:
+            raise NotApplicable(str(exc)) from exc
+
+    def export_hf(self, model: Any, path: str) -> None:
+        from reference_impl.hf import export_hf
+
+        try:
+            export_hf(model, path)
+        except ValueError as exc:  # a model the family cannot hold (refused before any collective)
+            raise NotApplicable(str(exc)) from exc
+
+    def import_hf(self, model: Any, path: str) -> None:
+        from reference_impl.hf import import_hf
+
+        import_hf(model, path)
+
+    def hf_forward(self, hf_model: Any, batch: Any) -> Any:
+        """The base model's last hidden state on ``inputs_embeds``: the reference's output (its
+        attention adds nothing, reference_impl.hf)."""
+        return hf_model.model(inputs_embeds=batch[None]).last_hidden_state[0]
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry | ExpertBlock]:

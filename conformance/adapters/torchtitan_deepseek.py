@@ -24,14 +24,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapter import Capabilities, NotApplicable, Spec, forward_with_layers, world_device
+from conformance.adapter import (
+    Capabilities,
+    HFModel,
+    NotApplicable,
+    Spec,
+    forward_with_layers,
+    world_device,
+)
 from conformance.adapters import _torchtitan_objects as objects
 from conformance.adapters.torch_native import Param, reshard
 from conformance.adapters.torchtitan import TorchtitanAdapter
+from conformance.saves import export_root
 
 _EXPERTS = "routed_experts.inner_experts."
 _VOCAB = 32
 _MAX_SEQ = 64
+#: torchtitan's RMSNorm eps (``RMSNorm.Config.eps``), every norm's.
+_NORM_EPS = 1e-5
+#: the attribute a built model keeps its spec under (the Hugging Face path converts by it).
+_SPEC = "_moe_ep_spec"
+#: transformers' DeepSeek-V3 on torchtitan's export computes torchtitan's forward only roughly:
+#: measured on the suite's model (E=4 and 5, fp32), the logits need 74x the forward check's
+#: tolerance and each MoE layer's own output 2,300x (3e-3 of its scale; sdpa against flex attention
+#: accounts for the logits, not for all of that).  Widened to 5,000x: rtol 5e-2, atol 5e-3 of the
+#: output's scale -- a swapped or transposed expert still moves a layer's output by its whole size.
+HF_TOLERANCE_SCALE = 5000.0
 
 
 class TorchtitanDeepSeekAdapter(TorchtitanAdapter):
@@ -67,10 +85,70 @@ class TorchtitanDeepSeekAdapter(TorchtitanAdapter):
             parallel_dims = objects.parallel_dims(self.spmd_backend, ep, world_device(mesh).type)
             parallelize(model, parallel_dims, parallelism, fsdp=spec.fsdp, dtype=spec.dtype)
         object.__setattr__(model, objects.PARALLEL_DIMS, parallel_dims)
+        object.__setattr__(model, _SPEC, spec)  # what the Hugging Face path converts by
         model.to_empty(device=world_device(mesh))
         with torch.no_grad():
             model.init_states(buffer_device=None)
         return model
+
+    # -- Hugging Face export: the checkpointer's last_save_in_hf and initial_load_in_hf ------------
+    def hf_model(self, spec: Spec) -> HFModel:
+        """``DeepseekV3ForCausalLM`` at torchtitan's sizes and norms (RMSNorm eps 1e-5): its
+        MTP layer is one more layer in the export, which the class does not load."""
+        return HFModel("DeepseekV3ForCausalLM", hf_config(spec),
+                       extra_keys=(rf"^model\.layers\.{spec.num_layers}\.",),
+                       tolerance_scale=HF_TOLERANCE_SCALE)
+
+    def export_hf(self, model: Any, path: str) -> None:
+        """``CheckpointManager._save_last_step`` with ``last_save_in_hf``: the consolidated
+        safetensors under ``path/step-0/``, as a training run's last save writes them."""
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+        spec: Spec = getattr(model, _SPEC)
+        self._even_or_not_applicable(model, "export")
+        manager = objects.manager(model, None, path)
+        manager.sd_adapter = DeepSeekV3StateDictAdapter(deepseek_config(spec), None)
+        manager.last_save_in_hf = manager.last_save_model_only = True
+        manager._save_last_step(curr_step=0)
+
+    def import_hf(self, model: Any, path: str) -> None:
+        """``dcp_load(..., from_hf=True)``: what ``initial_load_in_hf`` runs (``to_hf`` of this
+        model's state as the read targets, the HF storage reader, ``from_hf``)."""
+        from torchtitan.components.checkpoint import MODEL
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+        spec: Spec = getattr(model, _SPEC)
+        self._even_or_not_applicable(model, "import")
+        manager = objects.manager(model, None, path)
+        manager.sd_adapter = DeepSeekV3StateDictAdapter(deepseek_config(spec), None)
+        manager.dcp_load(manager.states[MODEL].state_dict(), checkpoint_id=export_root(path),
+                         from_hf=True, from_quantized=False)
+
+    def hf_forward(self, hf_model: Any, batch: Any) -> Any:
+        """transformers' forward on the same tokens, its norms at torchtitan's eps (the export
+        carries no config, and ``kv_a_layernorm`` takes no eps from one): the logits and each MoE
+        layer's own output under ``forward``'s names."""
+        import torch
+
+        for module in hf_model.modules():
+            if hasattr(module, "variance_epsilon"):
+                module.variance_epsilon = _NORM_EPS
+        tokens = tokens_of(batch)[None]
+        moes = {f"moe.{i}": layer.mlp for i, layer in enumerate(hf_model.model.layers)}
+        with torch.no_grad():
+            return forward_with_layers(lambda: hf_model(input_ids=tokens).logits[0], moes)
+
+    @staticmethod
+    def _even_or_not_applicable(model: Any, what: str) -> None:
+        """torchtitan's ``to_hf`` splits each expert weight into E even chunks of the EP shard:
+        E % ep != 0 stops it on every rank alike (``ValueError: Dim 0 size (5) cannot be evenly
+        divided by shard degree (2)``)."""
+        parallel_dims = getattr(model, objects.PARALLEL_DIMS)
+        experts = model.layers["0"].moe.routed_experts.inner_experts.num_experts
+        ep = 1 if parallel_dims is None else parallel_dims.ep
+        if experts % ep:
+            raise NotApplicable(f"torchtitan's Hugging Face {what} (MoEStateDictAdapter.to_hf) "
+                                f"cannot split E={experts} experts over ep={ep}")
 
     def fill(self, model: Any, make: Any) -> None:
         """The base's fill, with every RMSNorm's weight about 1 (1 + a synthetic weight), as
@@ -186,3 +264,22 @@ def parallelize(model: Any, parallel_dims: Any, parallelism: Any, *, fsdp: bool,
         raise RuntimeError(f"torchtitan parallelize_deepseekv3 failed (ep={parallel_dims.ep}, "
                            f"{'FSDP' if fsdp else 'EP-only'}): {type(exc).__name__}: {exc}"
                            ) from exc
+
+
+def hf_config(spec: Spec) -> dict[str, Any]:
+    """``DeepseekV3Config``'s fields for :func:`deepseek_config`'s model: the same sizes, a sigmoid
+    router with its top-k renormalised and one expert group, torchtitan's norm eps, interleaved
+    (complex) RoPE at theta 1e4, no query LoRA, an untied head."""
+    return {"model_type": "deepseek_v3", "vocab_size": _VOCAB, "hidden_size": spec.dim,
+            "intermediate_size": spec.hidden, "moe_intermediate_size": spec.hidden,
+            "num_hidden_layers": spec.num_layers, "first_k_dense_replace": 0,
+            "n_routed_experts": spec.num_experts,
+            "num_experts_per_tok": min(spec.top_k, spec.num_experts), "n_group": 1,
+            "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True, "num_nextn_predict_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "q_lora_rank": None, "kv_lora_rank": 8,
+            "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+            "max_position_embeddings": _MAX_SEQ, "rms_norm_eps": _NORM_EPS,
+            "rope_interleave": True, "tie_word_embeddings": False, "attention_dropout": 0.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "hidden_act": "silu"}

@@ -43,6 +43,7 @@ from typing import Any
 from conformance.adapter import (
     ADAM_MOMENTS,
     Capabilities,
+    HFModel,
     Spec,
     forward_with_layers,
     installed_version,
@@ -61,6 +62,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 #: the expert parameters of layer N, as transformers names them
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 OPTIM_DIR = "optim"
+#: the attribute a built model keeps its spec under (import_hf builds its load at its layout).
+_SPEC = "_moe_ep_spec"
 VOCAB = 32
 
 
@@ -107,6 +110,7 @@ class TransformersAdapter:
             kwargs["distributed_config"] = _distributed_config(spec)
         with _reused_meshes():
             model = getattr(transformers, self.model_class).from_pretrained(None, **kwargs)
+        object.__setattr__(model, _SPEC, spec)  # what import_hf builds its load at
         _fill(model,
               lambda layer, expert, name, shape: synthetic_weight(seed, layer, expert, name, shape))
         _fill_buffers(model, self.synthetic_buffers,
@@ -138,6 +142,41 @@ class TransformersAdapter:
         with torch.no_grad():
             return forward_with_layers(lambda: model(inputs_embeds=batch.unsqueeze(0)).logits[0],
                                        layers)
+
+    # -- Hugging Face export: the model is the transformers class itself ---------------------------
+    def hf_model(self, spec: Spec) -> HFModel:
+        return HFModel(self.model_class, self.config(spec).to_dict())
+
+    def export_hf(self, model: Any, path: str) -> None:
+        """``save_pretrained(path)``: the whole model, gathered over FSDP and EP, written by rank
+        0."""
+        import torch.distributed as dist
+
+        model.save_pretrained(path)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def import_hf(self, model: Any, path: str) -> None:
+        """``from_pretrained(path, distributed_config=...)`` at the cell's layout (the framework's
+        load of a Hugging Face checkpoint makes a new model), its state then copied into
+        ``model``: every parameter and persistent buffer, shard by shard."""
+        import torch
+        import transformers
+
+        spec: Spec = getattr(model, _SPEC)
+        kwargs: dict[str, Any] = {"config": self.config(spec), "dtype": getattr(torch, spec.dtype)}
+        if spec.layout is not None:
+            kwargs["distributed_config"] = _distributed_config(spec)
+        with _reused_meshes():
+            loaded = getattr(transformers, self.model_class).from_pretrained(path, **kwargs)
+        found = loaded.state_dict()
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(found[name])
+
+    def hf_forward(self, hf_model: Any, batch: Any) -> Any:
+        """The same forward on the model loaded from the export (one process, no mesh)."""
+        return self.forward(hf_model, batch)
 
     # -- checkpoint path ---------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, path: str) -> None:

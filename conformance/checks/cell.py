@@ -25,6 +25,7 @@ from typing import Any
 
 import conformance.checks.checkpoint as checkpoint
 import conformance.checks.forward as forward
+import conformance.checks.hf as hf
 import conformance.checks.load_plan as load_plan
 import conformance.checks.missing as missing
 import conformance.checks.refusal as refusal
@@ -140,17 +141,21 @@ def _truth_state(adapter: Any, spec: Spec, rank: int) -> Any:
     return lambda: ground_truth(adapter, spec, rank).tensors
 
 
-def _save_truth(adapter: Any, spec: Spec, optim: bool, plan: CellPlan,
+def _save_truth(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan,
                 rank: int) -> tuple[str, ...]:
-    """Write the truth checkpoint; rank 0 learns its expert keys from its content and checks that
-    they hold the model's own tensors."""
+    """Write the truth checkpoint (and the ep=1 Hugging Face export, where the cell checks one);
+    rank 0 learns its expert keys from its content and checks that they hold the model's own
+    tensors."""
     import torch.distributed as dist
 
     assert plan.truth_path is not None
     layout = ParallelLayout.for_world(dist.get_world_size(), 1)
     b = _build(adapter, replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A,
                "truth")
+    optim = cell.state == "model+optim"
     adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.truth_path, **b.extra)
+    if hf.applies(adapter, cell) is None:
+        hf.export_truth(adapter, b.model, plan.truth_path)
     transient = checkpoint.non_persistent_buffers(b.model)
     del b
     dist.barrier()
@@ -195,6 +200,12 @@ def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan,
             save_plan.explain(exc, offered)
             raise
     verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
+    if hf.applies(adapter, cell) is None and plan.truth_path:
+        t2 = time.perf_counter()
+        hf.check_export(adapter, cell, spec, b.model, plan.path, plan.truth_path,
+                        lambda: ground_truth(adapter, spec, dist.get_rank()), dist.get_rank(),
+                        verdict)
+        verdict.timings["hf_export"] = time.perf_counter() - t2
     del b
     dist.barrier()
     found: list[Any] = [()]
@@ -318,7 +329,7 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int,
     save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
     truth_findings = plan.truth_findings
     if plan.save_truth and plan.truth_path:
-        truth_findings = _save_truth(adapter, save_spec, optim, plan, rank)
+        truth_findings = _save_truth(adapter, cell, save_spec, plan, rank)
     verdict.truth_findings = truth_findings
     findings = _save(adapter, cell, save_spec, plan, verdict) if plan.save else plan.findings
     verdict.findings = findings
@@ -392,6 +403,16 @@ def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int,
         _done_unless_skipped(verdict, "resume")
     forward.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
     _done_unless_skipped(verdict, "forward")
+    why_not = hf.applies(adapter, cell)
+    if why_not is None and plan.truth_path:
+        del b, model, got
+        t4 = time.perf_counter()
+        hf.check_import(adapter, cell,
+                        lambda: _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load"),
+                        plan.truth_path, truth, rank, verdict)
+        verdict.timings["hf_import"] = time.perf_counter() - t4
+    elif why_not:
+        verdict.skipped.update(dict.fromkeys((hf.EXPORT, hf.IMPORT), why_not))
     return verdict
 
 

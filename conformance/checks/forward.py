@@ -22,16 +22,16 @@ from conformance.checks.truth import (
 from conformance.checks.verdict import RankVerdict
 
 
-def _outside(name: str, got: Any, want: Any) -> str:
-    """Why output ``name`` leaves the tolerance ("" when it does not): its worst element, expected
-    vs got."""
+def _outside(name: str, got: Any, want: Any, scale: float = 1.0) -> str:
+    """Why output ``name`` leaves the tolerance (times ``scale``; "" when it does not): its worst
+    element, expected vs got."""
     import torch
 
     where = "" if name == FORWARD_OUTPUT else f" in output {name!r}"
     if got.shape != want.shape:
         return f"the forward{where} gives shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    tolerance = forward_tolerance(want).flatten()
-    rtol, atol = forward_rtol_atol(want.dtype)
+    tolerance = forward_tolerance(want).flatten() * scale
+    rtol, atol = (scale * t for t in forward_rtol_atol(want.dtype))
     diff = (got.double() - want.double()).abs().flatten()
     outside = ~(diff <= tolerance)  # NaN is outside
     if not outside.any():
@@ -47,13 +47,14 @@ def _outside(name: str, got: Any, want: Any) -> str:
             f"{int(outside.sum())} of {outside.numel()} elements outside)")
 
 
-def forward_problems(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+def forward_problems(got: dict[str, Any], want: dict[str, Any], scale: float = 1.0) -> list[str]:
     """Where the forward's outputs (by name, :func:`~conformance.checks.truth.forward_outputs`)
-    leave the tolerance (:func:`~conformance.checks.truth.forward_tolerance`): one line, the first
-    such output in detail and the names of any others; empty when all match."""
+    leave the tolerance (:func:`~conformance.checks.truth.forward_tolerance`, times ``scale``): one
+    line, the first such output in detail and the names of any others; empty when all match."""
     if list(got) != list(want):
         return [f"the forward gives outputs {list(got)}, expected {list(want)}"]
-    found = [(name, line) for name in got if (line := _outside(name, got[name], want[name]))]
+    found = [(name, line) for name in got
+             if (line := _outside(name, got[name], want[name], scale))]
     if not found:
         return []
     others = (f"; also outside: {', '.join(repr(name) for name, _ in found[1:])}" if len(found) > 1

@@ -19,11 +19,18 @@ CHECKS = {
     "scalars": "optimizer scalars (step, lr, betas, ...) come back",
     "resume": "the next training step equals uninterrupted training",
     "forward": "the loaded model's forward equals the ground truth's",
+    "hf_export": "the Hugging Face export at every layout is the ep=1 export, complete for its "
+    "model class, and computes the framework's forward",
+    "hf_import": "the ep=1 Hugging Face export loaded at every layout gives the ep=1 state",
     "refusal": "a lossy legacy checkpoint is refused", "setup": "the experiment itself is sound",
 }
 #: the checks a passing cell lists as run ("checks: ..."), in that order: the promises a green cell
 #: kept.
-LISTED = ("checkpoint", "values", "missing", "scalars", "resume", "forward")
+LISTED = ("checkpoint", "values", "missing", "scalars", "resume", "forward", "hf_export",
+          "hf_import")
+#: checks listed only where a rank ran them: the Hugging Face checks run in the cells that write
+#: an export or load one (model-only cells), not in every cell.
+WHERE_RUN = ("hf_export", "hf_import")
 #: mismatches a rank keeps (the record holds them all; the terminal shows a few): a bound against a
 #: pathological model, far above any cell's tensor count (E=256 x 2 layers x 3 weights x 3 with
 #: moments is 4,608).

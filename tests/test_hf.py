@@ -1,0 +1,162 @@
+"""The Hugging Face export and import: the reference's converter, and the ``hf_export`` and
+``hf_import`` checks against the seeded bugs of ``tests/seeded_hf.py``.
+
+The held-out plant of the steering bar is :class:`~seeded_hf.HFExpertsSwapped`: complete, the same
+at every layout, read back right by its own import; only the transformers model's forward shows it,
+in every cell that writes an export.  The rest of each slice is the no-false-alarm control.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from matrix_expectations import run_inline
+
+from reference_impl.hf import export_hf, from_hf, hf_config, import_hf, read_safetensors, to_hf
+from reference_impl.moe import MoEConfig, build_model
+
+pytestmark = pytest.mark.usefixtures("shared_fork_server")
+SEEDED = (Path(__file__).parent / "seeded_hf.py").read_text()
+MODEL_CELLS = "model and not optim and not legacy"
+EXPORT_LINE = re.compile(r"^\[hf_export\] Ernie4_5_MoeForCausalLM loaded from the export at "
+                         r"(pp=\d, )?ep=\d[^:]*, dp_replicate=\d: the forward differs from the "
+                         r"ground truth's: element \[\d+, \d+\] expected ")
+
+
+def _config(kind: str, order: str = "concatenated") -> MoEConfig:
+    return MoEConfig(num_experts=4, dim=16, hidden=32, kind=kind,  # type: ignore[arg-type]
+                     fused_order=order, expert_bias=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kind", "order"), [("unpacked", "concatenated"),
+                                             ("packed", "concatenated"),
+                                             ("fused", "concatenated"), ("fused", "interleaved")])
+def test_the_reference_export_is_its_model_to_transformers_and_imports_back(
+        tmp_path: Path, kind: str, order: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from conformance.checks.hf import load_hf_model
+
+    config = _config(kind, order)
+    model = build_model(config, 2, seed=1)
+    export_hf(model, tmp_path)
+    keys = read_safetensors(tmp_path)
+    fused = "model.layers.0.mlp.experts.gate_up_proj" in keys
+    assert fused == (kind == "fused")
+    assert ("model.layers.1.mlp.experts.3.down_proj.weight" in keys) == (kind != "fused")
+    assert keys["model.layers.0.mlp.moe_statics.e_score_correction_bias"].shape == (1, 4)
+    assert torch.equal(keys["model.layers.0.mlp.moe_statics.e_score_correction_bias"][0],
+                       model.layers[0].moe.router.expert_bias)
+    from conformance.adapter import HFModel
+
+    hf, info = load_hf_model(HFModel("Ernie4_5_MoeForCausalLM", hf_config(config, 2)),
+                             str(tmp_path), torch.float32)
+    assert isinstance(hf, transformers.Ernie4_5_MoeForCausalLM)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(x), hf.model(inputs_embeds=x[None]).last_hidden_state[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    other = build_model(config, 2, seed=2)
+    import_hf(other, tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors",
+                                            "model.safetensors.index.json"]
+
+
+def test_the_converter_names_what_it_cannot_place() -> None:
+    config = _config("packed")
+    state = {k.removeprefix("model."): v for k, v in to_hf(
+        {"layers.0.moe.experts.0.up.weight": torch.zeros(32, 16)} | {
+            f"layers.0.moe.experts.{g}.{w}.weight": torch.zeros(1) for g in range(4)
+            for w in ("gate", "up", "down")}, config, 1).items()}
+    assert "lm_head.weight" in state
+    with pytest.raises(ValueError, match=r"has no place for the reference's 'layers.0.moe.odd'"):
+        to_hf({"layers.0.moe.odd": torch.zeros(1)}, config, 1)
+    with pytest.raises(ValueError, match=r"layer 0's up weight: the state holds experts \[0, 2\], "
+                       r"expected 0..3"):
+        to_hf({f"layers.0.moe.experts.{g}.up.weight": torch.zeros(1) for g in (0, 2)}, config, 1)
+    with pytest.raises(ValueError, match=r"no place for the Ernie4_5_MoeForCausalLM key "
+                       r"'model.layers.0.mlp.router.bias'"):
+        from_hf({"model.layers.0.mlp.router.bias": torch.zeros(1)}, config)
+    for bad, why in ((MoEConfig(activation="gelu"), "SwiGLU experts"),
+                     (MoEConfig(mtp_layers=1), "no multi-token-prediction layers")):
+        with pytest.raises(ValueError, match=why):
+            hf_config(bad, 2)
+
+
+def _run(pytester: pytest.Pytester, adapter: str, select: str) -> dict[str, dict[str, Any]]:
+    pytester.makepyfile(seeded_hf=SEEDED)
+    out = pytester.path / "out"
+    run_inline(pytester, "--moe-ep-matrix=default", f"--moe-ep-adapter=seeded_hf:{adapter}",
+               "-k", select, f"--moe-ep-report={out}", "-p", "no:cacheprovider")
+    doc = json.loads((out / "moe-ep-conformance.json").read_text())
+    return {c["id"].removeprefix("moe-ep-matrix::checkpoint::"): c for c in doc["cells"]
+            if c["status"] != "n/a"}
+
+
+def _red(cells: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Failing cell -> its first line after the findings it leads with."""
+    return {i: c["detail"].splitlines()[0].split(": ", 1)[1] for i, c in cells.items()
+            if c["status"] in ("fail", "error")}
+
+
+def test_experts_swapped_in_every_export_is_red_in_every_export_cell(
+        pytester: pytest.Pytester) -> None:
+    """The plant: complete, the same at every layout, read back right by its own import."""
+    cells = _run(pytester, "HFExpertsSwapped", MODEL_CELLS)
+    exported = {i for i, c in cells.items() if "[hf_export]" in c["detail"]
+                or "hf_export" in c["detail"].split("(checks: ")[-1]}
+    red = _red(cells)
+    assert len(exported) >= 10 and set(red) == exported, (sorted(red), sorted(exported))
+    for cell_id, first in red.items():
+        assert cells[cell_id]["findings"] == ["on-disk"] and EXPORT_LINE.match(first), first
+        # the import round-trips the export's own mistake: nothing else is wrong
+        assert "checks that passed: checkpoint, values, missing, forward, hf_import" in (
+            cells[cell_id]["detail"]), cells[cell_id]["detail"]
+
+
+def test_an_export_of_rank_zeros_experts_only_is_red_where_ep_splits_them(
+        pytester: pytest.Pytester) -> None:
+    cells = _run(pytester, "HFExportRankZeroOnly", f"{MODEL_CELLS} and ep-only")
+    red = _red(cells)
+    # a pipeline stage's rank 0 holds its stage's layers only: the others are left out too
+    split = {i for i, c in cells.items() if "hf_export" in c["detail"]
+             and (c["save_ep"] > 1 or "pp" in c["save_layout"])}
+    assert split and set(red) == split, (sorted(red), sorted(split))
+    for first in red.values():
+        assert re.match(r"\[hf_export\] the export at (pp=\d, )?ep=\d[^:]*: layer \d, key "
+                        r"'model\.layers\.\d\.mlp\.experts\.[^']+', experts \d", first), first
+
+
+def test_a_transposed_down_projection_is_named_by_the_loader(pytester: pytest.Pytester) -> None:
+    cells = _run(pytester, "HFDownTransposed", f"{MODEL_CELLS} and unpacked and fsdp")
+    red = _red(cells)
+    exported = {i for i, c in cells.items() if "hf_export" in c["detail"]}
+    assert exported and set(red) == exported
+    for first in red.values():
+        assert first.startswith("[hf_export] transformers' Ernie4_5_MoeForCausalLM reports "), first
+        assert "mismatched keys" in first and "down_proj" in first, first
+
+
+def test_an_import_that_resets_the_bias_or_does_nothing_is_silent(
+        pytester: pytest.Pytester) -> None:
+    for adapter, tensor in (("HFImportBiasReset", "router.expert_bias"),
+                            ("HFImportDoesNothing", None)):
+        cells = _run(pytester, adapter, f"{MODEL_CELLS} and fused")
+        red = _red(cells)
+        assert red and set(red) == set(cells), adapter
+        for cell_id, first in red.items():
+            assert cells[cell_id]["findings"] == ["silent"], cells[cell_id]
+            assert first.startswith("first difference: rank "), first
+            assert "after the import of the ep=1 Hugging Face export: " in first, first
+            if tensor is not None:
+                assert f"tensor {tensor!r}" in first and "expert 0" in first, first
+            assert "checks that passed: checkpoint, values, missing, forward" in (
+                cells[cell_id]["detail"])
