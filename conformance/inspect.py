@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
                    f"{ROUNDING_ULPS}; default %(default)s: bit for bit)")
     p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_BYTES >> 20, metavar="MB",
                    help="with --values: read at most this much per batch (default %(default)s)")
+    p.add_argument("--hf-model", metavar="CLASS",
+                   help="also check a Hugging Face export against transformers' CLASS "
+                   "(Qwen3MoeForCausalLM, ...): every key and shape it has, none it lacks "
+                   "(metadata only; needs transformers)")
+    p.add_argument("--hf-config", metavar="FILE",
+                   help="with --hf-model: the config's fields as JSON (model_type among them), for "
+                   "an export without config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also list every expert-holding key family")
@@ -142,6 +149,16 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
         report["compare"] = {"other": args.compare, "values": args.values,
                              "findings": [f.as_dict() for f in found]}
         problems += len(found)
+    if args.hf_model:
+        from conformance.inspection.hf_model import hf_model_findings
+
+        found = hf_model_findings(index, args.hf_model, args.path, args.hf_config)
+        text.append(f"against transformers' {args.hf_model} (keys and shapes): "
+                    + (f"{len(found)} difference(s):" if found else "the same"))
+        text += _lines(found)
+        report["hf_model"] = {"class": args.hf_model,
+                              "findings": [f.as_dict() for f in found]}
+        problems += len(found)
     report["problems"] = problems
     return (1 if problems else 0), report, text
 
@@ -151,11 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.values and not args.compare:
         parser.error("--values needs --compare OTHER_DIR")
+    if args.hf_config and not args.hf_model:
+        parser.error("--hf-config needs --hf-model CLASS")
     if args.experts is not None and args.experts < 1:
         parser.error(f"--experts must be a positive number of experts, got {args.experts}")
     try:
         code, report, text = _run(args)
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError, ImportError) as exc:
         print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -351,4 +351,7 @@ def test_torchtitan_deepseek_passes_every_default_cell(pytester: pytest.Pytester
         if cell["num_experts"] == 5 and cell["load_ep"] > 1:
             assert "forward" in cell["skipped_checks"], cell
         else:
-            assert FORWARD_RAN.search(cell["detail"]) and not cell["skipped_checks"], cell
+            # torchtitan's Hugging Face export cannot split E=5 over ep > 1 (tests/test_hf.py)
+            hf_only = cell["num_experts"] == 5 and set(cell["skipped_checks"]) <= {"hf_export"}
+            assert FORWARD_RAN.search(cell["detail"]), cell
+            assert hf_only or not cell["skipped_checks"], cell

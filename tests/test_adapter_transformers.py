@@ -209,3 +209,18 @@ def test_a_second_build_of_a_layout_forms_no_new_process_groups() -> None:
     ep4 = ParallelLayout.for_world(4, 4)
     adapter.build(Spec(kind="packed", num_experts=4, fsdp=True, layout=ep4), ep4.build_mesh(), 0)
     assert len(_world.pg_map) > groups, "a new layout must get transformers' own meshes"
+
+
+@pytest.mark.parametrize("adapter", ["transformers", "transformers-deepseek_v3"])
+def test_the_hugging_face_export_and_import_pass_in_the_model_cells(
+        pytester: pytest.Pytester, adapter: str) -> None:
+    """``save_pretrained`` at every layout is the ep=1 export, transformers' loader takes it whole
+    and computes the same forward; ``from_pretrained`` at the cell's layout gives the ep=1 state,
+    the DeepSeek-V3 bias included."""
+    _, doc = run(pytester, "--moe-ep-matrix", f"--moe-ep-adapter={adapter}", "-k",
+                 "model and not optim and not legacy and not E5")
+    cells, statuses, _ = by_status(doc)
+    ran = {i: c for i, c in cells.items() if c["status"] != "n/a"}
+    assert ran and set(statuses) <= {"pass", "n/a"}, {i: c["detail"] for i, c in ran.items()}
+    assert all("hf_import)" in c["detail"] for c in ran.values()), ran
+    assert any("hf_export, hf_import)" in c["detail"] for c in ran.values()), ran

@@ -160,3 +160,58 @@ def test_an_import_that_resets_the_bias_or_does_nothing_is_silent(
                 assert f"tensor {tensor!r}" in first and "expert 0" in first, first
             assert "checks that passed: checkpoint, values, missing, forward" in (
                 cells[cell_id]["detail"])
+
+
+def test_inspect_checks_an_export_against_its_model_class(tmp_path: Path, capsys: Any) -> None:
+    pytest.importorskip("transformers")
+    from conformance.inspect import main
+    from reference_impl.hf import write_safetensors
+
+    export_hf(build_model(_config("packed"), 2, seed=1), tmp_path)
+    assert main([str(tmp_path), "--hf-model", "Ernie4_5_MoeForCausalLM"]) == 0
+    assert "against transformers' Ernie4_5_MoeForCausalLM (keys and shapes): the same" in (
+        capsys.readouterr().out)
+    tensors = read_safetensors(tmp_path)
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    down = "model.layers.0.mlp.experts.3.down_proj.weight"
+    tensors[down] = tensors[down].t().contiguous()
+    tensors["model.layers.0.mlp.experts.9.up_proj.weight"] = tensors[down]
+    config = json.loads((tmp_path / "config.json").read_text())
+    write_safetensors(tensors, tmp_path, config)
+    assert main([str(tmp_path), "--hf-model", "Ernie4_5_MoeForCausalLM", "--json"]) == 1
+    found = {(f["problem"], f["layer"], tuple(f["experts"])): f["text"]
+             for f in json.loads(capsys.readouterr().out)["hf_model"]["findings"]}
+    assert set(found) == {("hf_missing", 1, (2,)), ("hf_shape", 0, (3,)),
+                          ("hf_unexpected", 0, (9,))}, found
+    assert "shape [32, 16] in the export, [16, 32] in Ernie4_5_MoeForCausalLM" in (
+        found[("hf_shape", 0, (3,))])
+    (tmp_path / "config.json").unlink()
+    assert main([str(tmp_path), "--hf-model", "Ernie4_5_MoeForCausalLM"]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    assert main([str(tmp_path), "--hf-model", "Qwen3MoeForCausalLM", "--hf-config",
+                 str(tmp_path / "cfg.json")]) == 2
+    assert "model_type 'ernie4_5_moe'; Qwen3MoeForCausalLM takes 'qwen3_moe'" in (
+        capsys.readouterr().err)
+
+
+def test_torchtitan_exports_and_imports_deepseek_v3_through_its_checkpointer(
+        pytester: pytest.Pytester) -> None:
+    """``last_save_in_hf`` and ``dcp_load(from_hf=True)`` at every layout of the model cells: the
+    export (its MTP layer filed as layer 2, which DeepseekV3ForCausalLM does not load) is the ep=1
+    export, and transformers computes torchtitan's forward from it; E=5 over ep > 1 is n/a for
+    torchtitan's converter, with its reason."""
+    pytest.importorskip("torchtitan", reason="torchtitan not installed (ci/install_torchtitan.sh)")
+    out = pytester.path / "out"
+    run_inline(pytester, "--moe-ep-matrix=default", "--moe-ep-adapter=torchtitan-deepseek",
+               "-k", MODEL_CELLS, f"--moe-ep-report={out}", "-p", "no:cacheprovider")
+    cells = [c for c in json.loads((out / "moe-ep-conformance.json").read_text())["cells"]
+             if c["status"] != "n/a"]
+    assert cells and {c["status"] for c in cells} == {"pass"}, [c["detail"] for c in cells]
+    assert any("hf_export, hf_import)" in c["detail"] for c in cells), cells
+    for cell in cells:
+        skipped = cell["skipped_checks"]
+        if cell["num_experts"] == 5 and "hf_export" in skipped:
+            assert "cannot split E=5 experts over ep=" in skipped["hf_export"], cell
+        else:
+            assert "hf_import" in cell["detail"], cell

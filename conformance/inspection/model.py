@@ -133,6 +133,10 @@ class Finding:
 
 #: every problem code, with what it means; the CLI's --json and the README list them.
 PROBLEMS: dict[str, str] = {
+    "hf_missing": "--hf-model: a key the model class has is not in the export",
+    "hf_unexpected": "--hf-model: a key in the export the model class neither has nor ignores",
+    "hf_shape": "--hf-model: a key whose shape is not the model class's (transposed, one rank's "
+    "rows)",
     "no_expert_keys": "no key matched an expert pattern: nothing was checked (add --expert-key)",
     "local_extent": "a packed key's expert axis has fewer rows than experts: one EP rank's local "
     "count", "extent_mismatch": "a packed key's expert axis has more rows than experts",
