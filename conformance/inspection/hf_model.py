@@ -25,7 +25,8 @@ from conformance.inspection.model import CheckpointError, CheckpointIndex, Findi
 
 __all__ = ["hf_model_findings", "hf_model_shapes"]
 
-_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.(?:(\d+)\.)?")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
 def _config(directory: str, given: str | None) -> Any:
@@ -91,17 +92,16 @@ def hf_model_findings(index: CheckpointIndex, cls_name: str, directory: str,
 def _layer_and_leaf(key: str) -> tuple[str | None, str]:
     """A key's layer and what it is within the layer: ``experts`` for any expert weight, else its
     last name that is not ``weight``."""
-    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    layer = _LAYER.search(key)
     parts = [p for p in key.split(".") if p != "weight" and not p.isdigit()]
     return (layer[1] if layer else None), ("experts" if "experts" in parts else parts[-1])
 
 
 def _finding(problem: str, key: str, message: str) -> Finding:
     """A finding named by the layer and expert its key holds, where it holds one."""
-    m = _EXPERT.search(key)
-    layer = int(m[1]) if m else None
-    experts = (int(m[2]),) if m and m[2] is not None else ()
-    return Finding(problem, key, message, layer=layer, experts=experts)
+    layer, expert = _LAYER.search(key), _EXPERT.search(key)
+    return Finding(problem, key, message, layer=int(layer[1]) if layer else None,
+                   experts=(int(expert[1]),) if expert else ())
 
 
 def _differences(held: Mapping[str, Any], form: Mapping[str, tuple[int, ...]],
