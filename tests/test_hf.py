@@ -8,9 +8,11 @@ in every cell that writes an export.  The rest of each slice is the no-false-ala
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,9 @@ from reference_impl.moe import MoEConfig, build_model
 pytestmark = pytest.mark.usefixtures("shared_fork_server")
 SEEDED = (Path(__file__).parent / "seeded_hf.py").read_text()
 MODEL_CELLS = "model and not optim and not legacy"
+MISFILED = re.compile(r"^\[hf_export\] the export at [^:]+: layer 0, key 'model\.layers\.0\.mlp\."
+                      r"experts\.[^']+', expert ([01]): (row [01]: )?holds the model's '\w+' of "
+                      r"layer 0, expert (?!\1)[01], not expert \1's")
 EXPORT_LINE = re.compile(r"^\[hf_export\] Ernie4_5_MoeForCausalLM loaded from the export at "
                          r"(pp=\d, )?ep=\d[^:]*, dp_replicate=\d: the forward differs from the "
                          r"ground truth's: element \[\d+, \d+\] expected ")
@@ -116,7 +121,11 @@ def test_experts_swapped_in_every_export_is_red_in_every_export_cell(
     red = _red(cells)
     assert len(exported) >= 10 and set(red) == exported, (sorted(red), sorted(exported))
     for cell_id, first in red.items():
-        assert cells[cell_id]["findings"] == ["on-disk"] and EXPORT_LINE.match(first), first
+        # named by value: which key holds which expert's tensor; and the forward that shows it
+        assert cells[cell_id]["findings"] == ["on-disk"] and MISFILED.match(first), first
+        detail = cells[cell_id]["detail"]
+        assert (any(EXPORT_LINE.match(line) for line in detail.splitlines())
+                or "more problems (the record has them all" in detail), detail
         # the import round-trips the export's own mistake: nothing else is wrong
         assert "checks that passed: checkpoint, values, missing, forward, hf_import" in (
             cells[cell_id]["detail"]), cells[cell_id]["detail"]
@@ -215,3 +224,32 @@ def test_torchtitan_exports_and_imports_deepseek_v3_through_its_checkpointer(
             assert "cannot split E=5 experts over ep=" in skipped["hf_export"], cell
         else:
             assert "hf_import" in cell["detail"], cell
+
+
+def test_without_transformers_the_checks_say_why_they_did_not_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where they would run: a reason, not a silent pass; elsewhere: nothing to say."""
+    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.checks.hf import applies
+    from conformance.layout import ParallelLayout
+    from conformance.matrix import Cell
+    from conformance.members import members_of
+
+    layout = ParallelLayout.for_world(4, 2)
+    cell = Cell("packed", "packed", "model", False, layout, layout, 4)
+    reference = ReferenceAdapter()
+    reference.members = members_of(reference)  # type: ignore[attr-defined]
+    assert applies(reference, cell) is None
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    why = applies(reference, cell)
+    assert why and why.startswith("transformers is not installed") and "[hf]" in why, why
+    assert applies(reference, dataclasses.replace(cell, state="model+optim")) == ""
+    assert applies(reference, dataclasses.replace(cell, legacy=True)) == ""
+
+    class NoHF:
+        name, version, capabilities = "no-hf", "0", reference.capabilities
+        build = save = load = expert_tensors = other_tensors = ReferenceAdapter.build
+
+    plain = NoHF()
+    plain.members = members_of(plain)  # type: ignore[attr-defined]
+    assert applies(plain, cell) == ""  # no HF members: the checks are not asked

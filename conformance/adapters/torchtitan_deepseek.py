@@ -17,7 +17,10 @@ For CPU, besides the base's: ``DeepSeekV3Model.Config.update_from_config`` impor
 ``torchtitan.trainer``, which needs ``torchdata`` (not installed): the adapter calls what it does
 for the model, ``set_deepseek_v3_sharding_config`` (main and MTP layers alike).  torchtitan
 refuses pipeline parallelism with MTP ("MTP does not support pipeline parallelism yet",
-``MTPDecoder.Config.update_from_config``): pp=1 only.  Findings: docs/frameworks/torchtitan.md.
+``MTPDecoder.Config.update_from_config``): pp=1 only.  The Hugging Face export is the checkpointer's
+``last_save_in_hf`` through ``DeepSeekV3StateDictAdapter`` (the MTP layer filed as layer
+``num_layers``), the import ``dcp_load(..., from_hf=True)``, checked against transformers'
+``DeepseekV3ForCausalLM``.  Findings: docs/frameworks/torchtitan.md.
 """
 
 from __future__ import annotations

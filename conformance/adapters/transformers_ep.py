@@ -12,7 +12,10 @@ ep_implementation="all_to_all")`` (its own meshes, EP groups of consecutive rank
 distributed_checkpoint=True)`` and ``save_optimizer_distributed``;
 ``_load_model_checkpoint_distributed`` (what ``from_pretrained(path, distributed_config=...)`` runs
 on a sharded checkpoint, here into the built model, since the contract loads in place) and
-``load_optimizer_distributed``; and ``model(inputs_embeds=batch).logits`` as the forward.
+``load_optimizer_distributed``; and ``model(inputs_embeds=batch).logits`` as the forward.  Its
+Hugging Face export is ``save_pretrained(path)`` (gathered) and its import ``from_pretrained(path,
+distributed_config=...)`` at the cell's layout, copied into the cell's model (``hf_export``,
+``hf_import``).
 
 Workarounds (none changes what is checked):
 

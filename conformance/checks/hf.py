@@ -137,8 +137,9 @@ def export_problems(adapter: Any, spec: Any, got: str, want: str, truth: Truth,
         index = read_checkpoint(got)
     except CheckpointError as exc:
         return [f"the export at {where} cannot be read: {exc}"]
-    lines = [f"the export at {where}: {f}" for f in
-             inspect_index(index, num_experts=spec.num_experts).findings]
+    lines = [f"the export at {where}: {f}" for f in _misfiled(index, truth)]
+    lines += [f"the export at {where}: {f}" for f in
+              inspect_index(index, num_experts=spec.num_experts).findings]
     if os.path.realpath(got) != os.path.realpath(want):
         found = compare_indexes(index, read_checkpoint(want), values=True,
                                 names=(f"{where} export", "ep=1 export"))
@@ -161,6 +162,20 @@ def export_problems(adapter: Any, spec: Any, got: str, want: str, truth: Truth,
     lines += [f"{hf.cls} loaded from the export at {where}: {line.replace('after the load ', '')}"
               for line in forward_problems(result, wanted, hf.tolerance_scale)]
     return lines
+
+
+def _misfiled(index: Any, truth: Truth) -> list[Any]:
+    """Export keys (or rows) that hold another expert's tensor of the model, by value: what names
+    the layer, expert and key of a mistake the forward only shows as a wrong output (the
+    checkpoint check's attribution, :func:`~conformance.inspection.attribute_experts`).  A form the
+    values do not show (gate and up fused into one row) is attributed by the forward alone."""
+    from conformance.inspection import DEFAULT_PATTERNS, attribute_experts
+    from conformance.inspection.learn import learn_expert_keys, learned_patterns, owners_of
+
+    owners, _ = owners_of(truth.tensors)
+    patterns = (*learned_patterns(learn_expert_keys(index, owners), index.entries),
+                *DEFAULT_PATTERNS)
+    return list(attribute_experts(index, owners, patterns=patterns))
 
 
 def _load_report(info: Mapping[str, Any], hf: HFModel, where: str) -> list[str]:
