@@ -18,7 +18,13 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from conformance.inspection.digests import WHOLE_ONLY, Digest, _fingerprints, _is_digest
+from conformance.inspection.digests import (
+    Digest,
+    _fingerprints,
+    _is_digest,
+    packed_rows,
+    whole_only,
+)
 from conformance.inspection.keys import (
     DEFAULT_PATTERNS,
     KeyInfo,
@@ -304,13 +310,14 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
     # whole digests first: a packed key's row digests are needed only where some tensor differs
     # (7,000 rows a checkpoint at 256 experts; an equal checkpoint, the usual cell, then hashes each
     # value once)
-    g_whole, _ = _fingerprints(got, [*readable, *unexpected], WHOLE_ONLY, memory_bytes)
-    w_whole, _ = _fingerprints(want, w_keys, WHOLE_ONLY, memory_bytes)
+    g_whole, _ = _fingerprints(got, [*readable, *unexpected], whole_only, memory_bytes)
+    w_whole, _ = _fingerprints(want, w_keys, whole_only, memory_bytes)
     g_rows: dict[str, list[Digest]] = {}
     w_rows: dict[str, list[Digest]] = {}
     if any(_is_digest(g_whole[k]) and g_whole[k] != w_whole[k] for k in readable):
-        g_whole, g_rows = _fingerprints(got, [*readable, *unexpected], g_info, memory_bytes)
-        w_whole, w_rows = _fingerprints(want, w_keys, w_info, memory_bytes)
+        g_whole, g_rows = _fingerprints(got, [*readable, *unexpected], packed_rows(g_info),
+                                        memory_bytes)
+        w_whole, w_rows = _fingerprints(want, w_keys, packed_rows(w_info), memory_bytes)
     seen["got"], seen["want"] = g_whole, w_whole
     by_whole: dict[Any, list[tuple[str, int | None]]] = defaultdict(list)
     by_row: dict[Digest, list[tuple[str, int | None]]] = defaultdict(list)
@@ -469,7 +476,7 @@ def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any,
     infos = classify_keys(index.entries, patterns)
     keys = [k for k, i in infos.items() if i.role == "expert" and index.entries[k].is_tensor
             and index.entries[k].shape]
-    whole, rows = _fingerprints(index, keys, infos, memory_bytes)
+    whole, rows = _fingerprints(index, keys, packed_rows(infos), memory_bytes)
     found: list[Finding] = []
     for key in keys:
         info = infos[key]

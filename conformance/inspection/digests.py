@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from conformance.inspection.keys import KeyInfo
@@ -20,7 +19,8 @@ from conformance.world_state import world_state
 Digest = tuple[str, tuple[int, ...], bytes]
 
 
-@functools.cache
+#: bounded, not ``functools.cache``: the dtype names come from the files read.
+@functools.lru_cache(maxsize=64)
 def _element_size(dtype: str | None) -> int:
     import torch
 
@@ -72,9 +72,24 @@ def _row_digests(t: Any) -> list[Digest]:
             for row in rows]
 
 
-#: infos that read every key as dense: :func:`_fingerprints` then takes whole digests only, no row
-#: digests.
-WHOLE_ONLY: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "dense"))
+#: which keys :func:`_fingerprints` also takes row digests of (a packed key's expert axis).
+RowsOf = Callable[[str], bool]
+
+
+def whole_only(key: str) -> bool:
+    """Row digests of no key: a function rather than a table, since the keys asked about are every
+    key of every checkpoint a session reads."""
+    return False
+
+
+def every_row(key: str) -> bool:
+    """Row digests of every key (read as if each were packed)."""
+    return True
+
+
+def packed_rows(infos: Mapping[str, KeyInfo]) -> RowsOf:
+    """Row digests of the keys ``infos`` classifies as packed."""
+    return lambda key: infos[key].kind == "packed"
 
 #: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth
 #: checkpoint is compared with every checkpoint saved from its model, and read once, not once per
@@ -100,10 +115,10 @@ def _stamp(index: CheckpointIndex) -> tuple[Any, ...] | None:
     return tuple(found)
 
 
-def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, KeyInfo],
-                  memory_bytes: int
+def _fingerprints(index: CheckpointIndex, keys: Sequence[str], rows_of: RowsOf, memory_bytes: int
                   ) -> tuple[dict[str, Any], dict[str, list[Digest]]]:
-    """Each key's digest (or non-tensor value) and the digests of each packed key's rows."""
+    """Each key's digest (or non-tensor value) and the digests of the rows of each key ``rows_of``
+    names."""
     import torch
 
     if index.reader is None:
@@ -113,19 +128,19 @@ def _fingerprints(index: CheckpointIndex, keys: Sequence[str], infos: dict[str, 
     if stamp is not None:
         seen = _SEEN.get((index.path, stamp)) or {}
     wanted = [k for k in keys if k not in seen
-              or (infos[k].kind == "packed" and seen[k][1] is None)]
+              or (rows_of(k) and seen[k][1] is None)]
     for batch in _batches(index, wanted, memory_bytes):
         for key, value in index.reader(batch).items():
             if isinstance(value, torch.Tensor):
                 seen[key] = (digest(value),
-                             _row_digests(value) if infos[key].kind == "packed" else None)
+                             _row_digests(value) if rows_of(key) else None)
             else:
                 seen[key] = (value, None)
     if stamp is not None and wanted:
         count = sum(1 + len(rows or ()) for _, rows in seen.values())
         _SEEN.put((index.path, stamp), seen, count * 200)  # a digest's tuple, strings, 16 bytes
     whole = {k: seen[k][0] for k in keys if k in seen}
-    rows = {k: found for k in keys if infos[k].kind == "packed" and k in seen
+    rows = {k: found for k in keys if rows_of(k) and k in seen
             and (found := seen[k][1]) is not None}
     return whole, rows
 

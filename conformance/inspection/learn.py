@@ -27,14 +27,15 @@ from typing import Any
 
 from conformance.inspection.compare import DEFAULT_MEMORY_BYTES
 from conformance.inspection.digests import (
-    WHOLE_ONLY,
     Digest,
     _batches,
     _fingerprints,
     _row_digests,
     digest,
+    every_row,
+    whole_only,
 )
-from conformance.inspection.keys import KeyInfo, KeyPattern, optimizer_parts
+from conformance.inspection.keys import KeyPattern, optimizer_parts
 from conformance.inspection.model import CheckpointIndex, paused_gc
 
 __all__ = ["LearnedKey", "key_owners", "learn_expert_keys", "learned_patterns", "owners_of",
@@ -72,7 +73,7 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
         # The whole-tensor digests come from (and stay in) the comparison's per-checkpoint cache:
         # the attribution and the comparison with this checkpoint then read it no more.  Only a key
         # whose whole value is no tensor of the model is read again, for its rows or blocks.
-        whole, _ = _fingerprints(index, keys, WHOLE_ONLY, memory_bytes)
+        whole, _ = _fingerprints(index, keys, whole_only, memory_bytes)
         rest = []
         for key in keys:
             owner = owners.get(whole.get(key))  # type: ignore[arg-type]
@@ -83,7 +84,7 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
         # a key read for its rows keeps them in the same cache: the attribution (rows of every
         # packed key) reads the checkpoint no more
         multi = [k for k in rest if len(index.entries[k].shape or ()) > 1]
-        _, rows_of = _fingerprints(index, multi, _AS_PACKED, memory_bytes)
+        _, rows_of = _fingerprints(index, multi, every_row, memory_bytes)
         blocky = [k for k in rest
                   if _block_shape(tuple(index.entries[k].shape or ()), shapes) is not None]
         for key in rest:
@@ -96,10 +97,6 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
                         _learn_rows(found, key, "blocks", _row_digests(_blocks(value, shapes)),
                                     owners)
     return found
-
-
-#: infos that read every key as packed: :func:`_fingerprints` takes the digests of its rows too.
-_AS_PACKED: defaultdict[str, KeyInfo] = defaultdict(lambda: KeyInfo("", "expert", "packed"))
 
 
 def _learn_rows(found: dict[str, LearnedKey], key: str, kind: str, rows: list[Digest] | None,
@@ -258,7 +255,7 @@ def key_owners(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Seq
     entries = index.entries
     tensors = [k for k in keys if k in entries and entries[k].is_tensor and entries[k].shape]
     with paused_gc():
-        whole, _ = _fingerprints(index, tensors, WHOLE_ONLY, memory_bytes)
+        whole, _ = _fingerprints(index, tensors, whole_only, memory_bytes)
     return {k: owner for k in tensors
             if (owner := owners.get(whole.get(k))) is not None}  # type: ignore[arg-type]
 
