@@ -12,8 +12,8 @@
 
 Nothing here writes to the checkpoint directory, and nothing outside it is read: every file is
 opened only after its path, links resolved, is found inside the checkpoint directory
-(:func:`_inside`), so an index naming ``../../etc/passwd`` or a link out of the directory is a
-:class:`CheckpointError` before anything is opened.
+(:func:`~conformance.inspection.roots.inside`), so an index naming ``../../etc/passwd`` or a link
+out of the directory is a :class:`CheckpointError` before anything is opened.
 """
 
 from __future__ import annotations
@@ -28,30 +28,21 @@ from pathlib import Path
 from typing import Any
 
 from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, paused_gc
-from conformance.inspection.roots import ROOT_DEPTH, dcp_dir, find_checkpoint, is_checkpoint
+from conformance.inspection.roots import (
+    ROOT_DEPTH,
+    WHAT,
+    dcp_dir,
+    find_checkpoint,
+    inside,
+    is_checkpoint,
+)
+from conformance.inspection.safetensors_reader import read_safetensors
 from pytest_moe_ep.text import shorten
 
 __all__ = ["find_checkpoint", "index_state_dict", "read_checkpoint", "read_dcp"]
 
-WHAT = "a DCP checkpoint directory (with .metadata) or a Hugging Face safetensors directory"
-OUTSIDE = "only files inside the checkpoint directory (after resolving links)"
-
-
-def _inside(root: Path, file: Path, named: str = "") -> Path:
-    """``file`` with its links resolved, refused unless it lies inside ``root`` (itself
-    resolved)."""
-    real = file.resolve()
-    if real != root and root not in real.parents:
-        what = f"{named}, which resolves" if named else "resolves"
-        raise CheckpointError(str(file),
-                              f"{what} to {real}, outside the checkpoint directory {root}", OUTSIDE)
-    return real
-
-
 def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
     """The index of the checkpoint at (or below: :func:`find_checkpoint`) ``path``."""
-    from conformance.inspection.safetensors_reader import read_safetensors
-
     p = Path(path)
     if p.is_file() and p.name == ".metadata":
         p = p.parent
@@ -90,7 +81,6 @@ class _Properties:
         self.state = state
 
 
-_RECORDS: dict[str, type] = {}
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict,
                   "int": int,
                   "float": float, "str": str, "bytes": bytes, "bool": bool, "complex": complex}
@@ -111,7 +101,19 @@ class _MetadataUnpickler(pickle.Unpickler):
     Why not ``FileSystemReader.read_metadata()``: that is ``pickle.load``, which runs whatever a
     file names.  Here a DCP class becomes a plain record, ``torch.Size`` a tuple, a dtype its name;
     any other global is refused, so inspecting a checkpoint cannot run code and needs no torch.
+
+    The stand-in classes are this unpickler's own (one file's), not a module's: their names come
+    from the file, so a table kept for the process would grow with every checkpoint read.
     """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._records: dict[str, type] = {}
+
+    def _record(self, name: str, qualified: str) -> type:
+        if qualified not in self._records:
+            self._records[qualified] = type(name, (_Record,), {})
+        return self._records[qualified]
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch":
@@ -121,16 +123,14 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return _Properties
             if name == "_MEM_FORMAT_ENCODING":
                 return int
-            if name not in _RECORDS:
-                _RECORDS[name] = type(name, (_Record,), {})
-            return _RECORDS[name]
+            return self._record(name, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return str
         if module == "pathlib":  # StorageMeta.checkpoint_id: a path pickled as its parts
             return _path
         # a storage writer's own per-item record (storage_data): never read
         if (module, name) in _STORAGE_INFO:
-            return _RECORDS.setdefault(f"{module}.{name}", type(name, (_Record,), {}))
+            return self._record(name, f"{module}.{name}")
         if module == "builtins" and name in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[name]
         if module == "collections" and name == "OrderedDict":
@@ -173,7 +173,7 @@ def _read_dcp(p: Path) -> CheckpointIndex:
                               WHAT)
     expected = "a pickled torch.distributed.checkpoint Metadata, as dcp.save writes it"
     if meta_path.is_symlink():
-        _inside(p.resolve(), meta_path)
+        inside(p.resolve(), meta_path)
     try:
         with meta_path.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -205,11 +205,11 @@ def _read_dcp(p: Path) -> CheckpointIndex:
         raise CheckpointError(str(meta_path), f"is not DCP metadata as expected ({exc})",
                               "TensorStorageMetadata or BytesStorageMetadata for every "
                               "key") from None
-    _storage_inside(p, metadata, str(meta_path))
+    _storageinside(p, metadata, str(meta_path))
     return CheckpointIndex(str(p), "dcp", entries, reader=_DcpReader(str(p)))
 
 
-def _storage_inside(p: Path, metadata: Any, meta_path: str) -> None:
+def _storageinside(p: Path, metadata: Any, meta_path: str) -> None:
     """Every data file ``.metadata`` names lies inside the checkpoint directory (DCP opens
     ``p / name``)."""
     root = p.resolve()
@@ -221,7 +221,7 @@ def _storage_inside(p: Path, metadata: Any, meta_path: str) -> None:
         name = getattr(info, "relative_path", None)
         if isinstance(name, str) and name and name not in checked:
             fqn = getattr(index, "fqn", index)
-            _inside(root, p / name, f"named by {meta_path} for key {fqn!r} as {name!r}")
+            inside(root, p / name, f"named by {meta_path} for key {fqn!r} as {name!r}")
             checked.add(name)
 
 
@@ -240,9 +240,9 @@ class _DcpReader:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         if self.metadata is None:  # read once, with DCP's own reader, only when values are wanted
-            _inside(Path(self.path).resolve(), Path(self.path) / ".metadata")
+            inside(Path(self.path).resolve(), Path(self.path) / ".metadata")
             self.metadata = _with_dcp_storage_info(FileSystemReader(self.path).read_metadata())
-            _storage_inside(Path(self.path), self.metadata, str(Path(self.path) / ".metadata"))
+            _storageinside(Path(self.path), self.metadata, str(Path(self.path) / ".metadata"))
         metadata = self.metadata
 
         class Reader(FileSystemReader):

@@ -4,7 +4,8 @@ Checkpointers write under a directory they name (``<root>/step-<n>/``,
 ``<root>/checkpoints/step_100/``), so ``save(path)`` and ``load(path)`` may treat ``path`` as the
 run's checkpoint root.  Every reader of a checkpoint
 (:func:`conformance.inspection.read_checkpoint`, :func:`~conformance.inspection.read_dcp`, and so
-the matrix's checkpoint check and ``moe-ep-inspect``) asks :func:`find_checkpoint` first.
+the matrix's checkpoint check and ``moe-ep-inspect``) asks :func:`find_checkpoint` first, and
+opens a file only once :func:`inside` finds it inside the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from pathlib import Path
 
 from conformance.inspection.model import CheckpointError
 
-__all__ = ["ROOT_DEPTH", "dcp_dir", "find_checkpoint", "is_checkpoint"]
+__all__ = ["OUTSIDE", "ROOT_DEPTH", "WHAT", "dcp_dir", "find_checkpoint", "inside", "is_checkpoint"]
+
+#: what every reader expects at the path it is given.
+WHAT = "a DCP checkpoint directory (with .metadata) or a Hugging Face safetensors directory"
+#: what a reader expects of the files a checkpoint names.
+OUTSIDE = "only files inside the checkpoint directory (after resolving links)"
 
 #: how far below a run's checkpoint root a checkpoint is looked for: checkpointers write under a
 #: directory they name (``<root>/step-<n>``, ``<root>/checkpoints/step_100``).
@@ -58,3 +64,15 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
                               "not one", "a checkpoint directory, or a run's checkpoint root "
                               "holding exactly one: name the one to read")
     return found[0] if found else p
+
+
+def inside(root: Path, file: Path, named: str = "") -> Path:
+    """``file`` with its links resolved, refused unless it lies inside ``root`` (itself
+    resolved): an index naming ``../../etc/passwd``, or a link out of the directory, is a
+    :class:`CheckpointError` before anything is opened."""
+    real = file.resolve()
+    if real != root and root not in real.parents:
+        what = f"{named}, which resolves" if named else "resolves"
+        raise CheckpointError(str(file),
+                              f"{what} to {real}, outside the checkpoint directory {root}", OUTSIDE)
+    return real

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding
-from conformance.inspection.readers import WHAT, _inside
+from conformance.inspection.roots import WHAT, inside
 
 __all__ = ["read_safetensors"]
 
@@ -68,7 +68,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
     indexes = sorted(directory.glob("*.safetensors.index.json")) if p.is_dir() else (
         [p] if p.name.endswith(".index.json") else [])
     for index_file in indexes:
-        _inside(root, index_file)
+        inside(root, index_file)
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
             if not isinstance(weight_map, dict):
@@ -80,7 +80,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
             raise CheckpointError(str(index_file), f"is corrupt ({type(exc).__name__}: {exc})",
                                   'JSON with a "weight_map" object of key -> file name') from None
         for key, name in weight_map.items():
-            _inside(root, directory / str(name),
+            inside(root, directory / str(name),
                     f"named by {index_file} for key {key!r} as {str(name)!r}")
         listed.update({str(k): str(v) for k, v in weight_map.items()})
     if listed:
@@ -94,7 +94,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
     entries: dict[str, Entry] = {}
     where: dict[str, tuple[Path, int, int, int]] = {}
     for file in files:
-        _inside(root, file)
+        inside(root, file)
         if not file.exists():
             keys = sorted(k for k, v in listed.items() if directory / v == file)
             raise CheckpointError(str(file),
