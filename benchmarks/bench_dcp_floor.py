@@ -46,7 +46,8 @@ def build(kind: str, experts: int, ep: int) -> tuple[Any, Any]:
     from conformance.layout import ParallelLayout
     from reference_impl.moe import MoEConfig, apply_expert_parallel, build_model
 
-    config = MoEConfig(num_experts=experts, dim=16, hidden=32, kind=kind)  # type: ignore[arg-type]  # Spec's sizes
+    config = MoEConfig(num_experts=experts, dim=16, hidden=32,  # Spec's sizes
+                       kind=kind)  # type: ignore[arg-type]
     model = build_model(config, 2, seed=0)
     apply_expert_parallel(model, ParallelLayout.for_world(WORLD, ep).build_mesh())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

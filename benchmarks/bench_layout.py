@@ -68,7 +68,8 @@ def optimizer_tensors(state: dict[str, Any], param: torch.Tensor) -> Iterator[to
 
 
 def build(kind: str, args: argparse.Namespace, mesh: Any) -> tuple[Any, dict[str, Any]]:
-    config = MoEConfig(num_experts=args.experts, dim=8, hidden=4, kind=kind, top_k=8)  # type: ignore[arg-type]
+    config = MoEConfig(num_experts=args.experts, dim=8, hidden=4,
+                       kind=kind, top_k=8)  # type: ignore[arg-type]
     with torch.device("meta"):  # no init of 58 x 256 experts; rank 0's share gets real memory below
         model = build_model(config, args.layers, seed=0)
     apply_expert_parallel(model, mesh)

@@ -66,7 +66,8 @@ class LogContents:
 def _lines(path: Path) -> Iterator[str]:
     opener = OPENERS.get(path.suffix)
     try:
-        with (opener(path, "rt", encoding="utf-8") if opener else path.open(encoding="utf-8")) as f:  # type: ignore[operator]
+        with (opener(path, "rt", encoding="utf-8")  # type: ignore[operator]
+              if opener else path.open(encoding="utf-8")) as f:
             yield from f
     except (EOFError, OSError, lzma.LZMAError) as exc:  # a compressed log cut mid-stream ends here
         if isinstance(exc, FileNotFoundError | IsADirectoryError | PermissionError):

@@ -780,7 +780,7 @@ class SettingsPerParameterUnderEp(ReferenceAdapter):
             return super().save(model, optimizer, path)
         real = ck.dcp.save
         try:
-            ck.dcp.save = lambda state, **kw: real(_settings_per_parameter(state), **kw)  # type: ignore[assignment]
+            ck.dcp.save = lambda state, **kw: real(_settings_per_parameter(state), **kw)
             super().save(model, optimizer, path)
         finally:
             ck.dcp.save = real
@@ -1035,7 +1035,7 @@ class StagesReversed(ReferenceAdapter):
         import reference_impl.moe as moe
 
         real = moe.apply_pipeline
-        moe.apply_pipeline = lambda model, pp, stage: real(model, pp, pp - 1 - stage)  # type: ignore[assignment]
+        moe.apply_pipeline = lambda model, pp, stage: real(model, pp, pp - 1 - stage)
         try:
             return super().build(spec, mesh, seed)
         finally:
@@ -1070,11 +1070,12 @@ class ParamGroupsFromCheckpoint(ReferenceAdapter):
                       for g, p in zip(state["param_groups"], loaded, strict=True)]
             real_set(model, optimizer, {**state, "param_groups": groups}, **kwargs)
 
-        ck._load_here, ck.set_optimizer_state_dict = load_here, set_state  # type: ignore[assignment]
+        ck._load_here = load_here  # type: ignore[assignment]
+        ck.set_optimizer_state_dict = set_state  # type: ignore[assignment]
         try:
             super().load(model, optimizer, path)
         finally:
-            ck._load_here, ck.set_optimizer_state_dict = real_load, real_set  # type: ignore[assignment]
+            ck._load_here, ck.set_optimizer_state_dict = real_load, real_set
 
 
 # -- today's MoE state: the expert bias, fused gate/up weights, MTP layers -------------------------

@@ -1,12 +1,14 @@
 """Nothing of a run reachable from the network, nothing left behind, failures that say what
-happened.
+happened; and source that stays readable.
 
 Real worlds throughout: the listening sockets of a live 4-rank world, a matrix cell that hangs, a
-``kill -9`` of a pytest process, the processes of a finished run, folded tracebacks.
+``kill -9`` of a pytest process, the processes of a finished run, folded tracebacks.  The source:
+no line past 100 characters, no import cycle among the project's modules.
 """
 
 from __future__ import annotations
 
+import ast
 import ipaddress
 import json
 import os
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -263,7 +266,9 @@ def test_sweep_removes_only_leftovers_whose_owner_is_provably_gone(tmp_path: Pat
     assert stuck_id is not None
     stuck_id.write(str(dirs["dead"] / "gen0" / "rank0.pid"))
     live_rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    Identity.of(live_rank.pid).write(str(dirs["live"] / "gen0" / "rank0.pid"))  # type: ignore[union-attr]
+    live_id = Identity.of(live_rank.pid)
+    assert live_id is not None
+    live_id.write(str(dirs["live"] / "gen0" / "rank0.pid"))
     removed = sweep(str(tmp_path))
     assert stuck.wait(10) == -signal.SIGKILL
     assert live_rank.poll() is None, "a rank of a live session was stopped"
@@ -452,3 +457,97 @@ def test_shortened_failure_text_ends_on_a_word() -> None:
     short = shorten(text, 100)
     assert len(short) <= 100 and short.endswith("...")
     assert short[:-3].split() == text.split()[:len(short[:-3].split())]
+
+
+# -- the source itself -----------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+#: the packages whose modules import one another.
+PACKAGES = ("conformance", "reference_impl", "pytest_moe_ep")
+
+
+def _tracked_python() -> list[Path]:
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "*.py"], cwd=ROOT, capture_output=True,
+                                check=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no list of tracked files")
+    return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).exists()]
+
+
+def test_no_tracked_python_line_is_over_100_characters() -> None:
+    """Characters, not bytes; a line ending in a pragma (``# type: ignore``, ``# noqa``) counts too,
+    though ruff's E501 lets it pass: the pragma goes on a line that still carries the error."""
+    long = [f"{path.relative_to(ROOT)}:{number} ({len(line)})"
+            for path in _tracked_python()
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > 100]
+    assert not long, f"lines over 100 characters: {', '.join(long)}"
+
+
+def _imported(node: ast.AST) -> Iterator[str]:
+    """Every module name an import under ``node`` may bring in, at any depth (an import inside a
+    function closes a cycle when it runs), but not those under ``if TYPE_CHECKING:``, which never
+    run."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            for other in child.orelse:
+                yield from _imported(other)
+            continue
+        if isinstance(child, ast.Import):
+            yield from (alias.name for alias in child.names)
+        elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+            yield child.module
+            yield from (f"{child.module}.{alias.name}" for alias in child.names)
+        yield from _imported(child)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def project_module(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {module: {found for name in _imported(ast.parse(path.read_text(encoding="utf-8")))
+                     if (found := project_module(name)) and found != module}
+            for module, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return found
+
+
+def test_no_import_cycle_among_the_projects_modules() -> None:
+    """A cycle makes a module's import order matter, and whichever half is imported first sees
+    the other half-made."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)

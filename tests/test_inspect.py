@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def trained(kind: str, ep: int, fsdp: bool = False) -> tuple[Any, Any]:
     """The reference model at ``ep`` on this world (or alone at ep=0), one AdamW step taken."""
-    model = build_model(MoEConfig(num_experts=E, kind=kind), LAYERS, seed=1)  # type: ignore[arg-type]
+    config = MoEConfig(num_experts=E, kind=kind)  # type: ignore[arg-type]
+    model = build_model(config, LAYERS, seed=1)
     if ep:
         from pytest_moe_ep.world.meshes import device_mesh
 

@@ -151,8 +151,8 @@ def test_legacy_adapter_fails_exactly_where_it_saves_at_ep_above_one(
     assert same_ep["status"] in ("fail", "error")
     assert "expert" in same_ep["detail"]
     # Without -v the terminal shows the tables that hold a red cell, not the others.
-    result.stdout.fnmatch_lines(["unpacked · model · ep-only · E=4", "|*load ep1*load ep2*|", "|*",
-                                 "| save ep1 *pass*", "| save ep2 *"])
+    result.stdout.fnmatch_lines(["unpacked · model · ep-only · E=4", "|*load ep1*load ep2*|",
+                                 "|*", "| save ep1 *pass*", "| save ep2 *"])
 
 
 def test_verbose_terminal_summary_shows_every_table(pytester: pytest.Pytester) -> None:

@@ -3,6 +3,8 @@ with the reason; on a GPU machine they run (see README "Development" for the com
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pytest_moe_ep.world import BackendUnavailable, Engine
@@ -29,7 +31,7 @@ def test_nccl_world_all_reduces_on_the_gpu() -> None:
 
 
 @pytest.mark.moe_ep_world(1, backend="nccl")
-def test_reference_checkpoint_round_trip_on_the_gpu(moe_ep_shared_dir) -> None:  # type: ignore[no-untyped-def]
+def test_reference_checkpoint_round_trip_on_the_gpu(moe_ep_shared_dir: Path) -> None:
     import torch
 
     from reference_impl import checkpoint

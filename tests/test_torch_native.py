@@ -25,7 +25,9 @@ GUIDE = HERE.parent / "docs" / "adapters.md"
 
 def guide_example() -> str:
     """The first python block of docs/adapters.md: the adapter the page shows first."""
-    return re.search(r"```python\n(.*?)```", GUIDE.read_text(), re.S).group(1)  # type: ignore[union-attr]
+    found = re.search(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    assert found is not None, f"{GUIDE} holds no python block"
+    return found.group(1)
 
 
 LOCAL_SAVE = '''

@@ -317,7 +317,8 @@ class MegatronDistOptAdapter(MegatronAdapter):
 
     on_cpu = staticmethod(distopt_on_cpu)
 
-    save_legacy = None  # type: ignore[assignment]  # the megatron adapter's legacy save covers the old format
+    # the megatron adapter's legacy save covers the old format
+    save_legacy = None  # type: ignore[assignment]
 
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[tuple[int, int, str, Any]]:
         states = _whole_states(optimizer) if optimizer is not None else {}

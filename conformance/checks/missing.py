@@ -61,7 +61,8 @@ def _truth_pieces(truth: Mapping[Key, Any] | set[Key]) -> tuple[Pieces, dict[Key
     dense: dict[Key, Any] = {}
     blocks = getattr(truth, "blocks", None)
     if blocks is not None:
-        singles: Iterable[tuple[Key, tuple[Any, Any]]] = truth.singles().items()  # type: ignore[union-attr]
+        singles: Iterable[tuple[Key, tuple[Any, Any]]]
+        singles = truth.singles().items()  # type: ignore[union-attr]
     elif isinstance(truth, Mapping):
         singles = ((k, (v, None)) for k, v in truth.items())
     else:

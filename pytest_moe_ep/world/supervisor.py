@@ -485,7 +485,8 @@ def _short_mp_tempdir() -> str | None:
     for base in SHORT_TEMP_BASES:
         if len(base) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
             made = tempfile.mkdtemp(prefix="pymp-", dir=base)
-            util.Finalize(None, util._remove_temp_dir, args=(shutil.rmtree, made),  # type: ignore[attr-defined]
+            util.Finalize(None, util._remove_temp_dir,  # type: ignore[attr-defined]
+                          args=(shutil.rmtree, made),
                           exitpriority=-100)  # as multiprocessing removes its own at exit
             process.current_process()._config["tempdir"] = made  # type: ignore[attr-defined]
             return made
