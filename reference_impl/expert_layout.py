@@ -72,8 +72,8 @@ from reference_impl.saved import (
 from reference_impl.staging import Staged, StagedKey, copy_back, stack
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows",
-           "fused_layers", "layer_form", "moe_layers", "packed_layers", "saved_forms",
-           "saved_fused_layers", "saved_packed_layers"]
+           "layer_form", "moe_layers", "packed_layers", "saved_forms", "saved_fused_layers",
+           "saved_packed_layers"]
 
 
 def layer_form(name: str, moe: MoEMLP, packed_form: Collection[str],
@@ -107,11 +107,6 @@ def packed_layers(model: nn.Module) -> set[str]:
     """The names of ``model``'s packed and fused MoE layers: what
     :func:`reference_impl.checkpoint.save` keeps in a packed form (each its own)."""
     return {name for name, moe in moe_layers(model) if moe.kind != "unpacked"}
-
-
-def fused_layers(model: nn.Module) -> set[str]:
-    """The names of ``model``'s fused MoE layers."""
-    return {name for name, moe in moe_layers(model) if moe.kind == "fused"}
 
 
 def expert_key(layer: str, expert: int, linear: str) -> str:
