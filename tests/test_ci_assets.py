@@ -101,3 +101,15 @@ def test_the_status_index_says_which_tier_each_report_ran(tmp_path: Path) -> Non
             for line in text.splitlines() if line.startswith("| ") and "`" in line}
     assert [r[1] for r in rows.values()] == ["default", "full"], rows
     assert page.read_text().startswith("head\n") and "old" not in page.read_text()
+
+
+def test_the_project_workflow_runs_the_slow_tests_on_a_schedule() -> None:
+    """The tests kept out of every push (``slow``) still run somewhere: nightly, whole."""
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((ROOT / "ci/github/pytest-moe-ep-tests.yml").read_text())
+    runs = {job: [step["run"] for step in spec["steps"] if "run" in step]
+            for job, spec in workflow["jobs"].items()}
+    assert runs == {"suite": ["bash .ci/run"], "slow": ["bash .ci/run --slow"]}
+    assert workflow[True]["schedule"] and "schedule" in workflow["jobs"]["slow"]["if"]
+    ci_run, test_sh = (ROOT / ".ci/run").read_text(), (ROOT / "ci/test.sh").read_text()
+    assert 'bash ci/test.sh "$@"' in ci_run and "--run-slow" in test_sh
