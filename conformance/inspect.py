@@ -23,7 +23,7 @@ from conformance.inspection import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_PATTERNS,
     CheckpointError,
-    Finding,
+    CheckpointProblem,
     Inspection,
     compare_indexes,
     expert_ranges,
@@ -95,21 +95,21 @@ def _summary(result: Inspection) -> list[str]:
             f"{'; optimizer state ' + ', '.join(stats) if stats else '; no optimizer state'})"]
 
 
-def _where(f: Finding) -> str:
+def _where(f: CheckpointProblem) -> str:
     layer = f"layer {f.layer}" if f.layer is not None else "-"
     experts = (f"expert{'s' if len(f.experts) > 1 else ''} {expert_ranges(f.experts)}" if f.experts
                else "-")
     return f"{layer:<9} {experts:<16} {f.key}"
 
 
-def _lines(findings: Sequence[Finding]) -> list[str]:
+def _lines(problems: Sequence[CheckpointProblem]) -> list[str]:
     """One line per problem (layer, experts, key), under the explanation the problems share."""
-    groups: dict[tuple[str, str], list[Finding]] = {}
-    for f in sorted(findings, key=lambda f: (f.layer is None, f.layer or 0, f.key)):
+    groups: dict[tuple[str, str], list[CheckpointProblem]] = {}
+    for f in sorted(problems, key=lambda f: (f.layer is None, f.layer or 0, f.key)):
         groups.setdefault((f.problem, f.message), []).append(f)
     out: list[str] = []
     for (problem, message), group in sorted(groups.items(),
-                                            key=lambda kv: list(findings).index(kv[1][0])):
+                                            key=lambda kv: list(problems).index(kv[1][0])):
         if len(group) == 1:
             out.append(f"  {problem}: {_where(group[0])}: {message}")
             continue
@@ -150,9 +150,9 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
                              "findings": [f.as_dict() for f in found]}
         problems += len(found)
     if args.hf_model:
-        from conformance.inspection.hf_model import hf_model_findings
+        from conformance.inspection.hf_model import hf_model_problems
 
-        found = hf_model_findings(index, args.hf_model, args.path, args.hf_config)
+        found = hf_model_problems(index, args.hf_model, args.path, args.hf_config)
         text.append(f"against transformers' {args.hf_model} (keys and shapes): "
                     + (f"{len(found)} difference(s):" if found else "the same"))
         text += _lines(found)

@@ -1,6 +1,7 @@
 """A cell's outcome in words, from every rank's verdict (or, for a functions cell, every function's
-merged record): the first line is the diagnosis.  What the outcome *is* (status, findings) is
-decided in :mod:`conformance.outcome`, which asks this module for the words.
+merged record): the first line is the diagnosis.  What the outcome *is* (green or red, status,
+findings) is decided in :mod:`conformance.outcome`, which asks this module for the words of what it
+decided, so a cell's words can never disagree with its outcome.
 
 The first line is what the report's failure list, the index and the README table show, so it names
 the rank, layer, expert and tensor (or the checkpoint key and experts) and ends with the cell's
@@ -67,47 +68,47 @@ def _rounding(verdicts: list[RankVerdict]) -> str:
             f"tolerance is {ROUNDING_ULPS})")
 
 
-def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> tuple[str, str]:
-    """``(status, detail)`` of a cell from every rank's verdict, in words: the detail fits one
-    screen. Its findings, and the headline that leads with them, are
-    :mod:`conformance.outcome`'s."""
+def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str, green: bool) -> str:
+    """The detail of a cell from every rank's verdict, in words that fit one screen; ``green``:
+    whether :func:`conformance.outcome.is_green` passed it.  Its findings, and the headline that
+    leads with them, are :mod:`conformance.outcome`'s."""
     context = _context(cell, adapter)
     if cell.legacy:
         refused = {v.rank: v.refused for v in verdicts if v.refused}
-        if len(refused) == len(verdicts):
-            return "pass", f"refused on every rank: {next(iter(refused.values()))}"
+        if green:
+            return f"refused on every rank: {next(iter(refused.values()))}"
         silent = [v for v in verdicts if not v.refused]
         ranks = ", ".join(str(v.rank) for v in silent)
         lines = [f"legacy checkpoint {silent[0].not_refused or 'not refused'} on rank(s) {ranks} "
                  f"{context}", *mismatch_lines(verdicts)]
-        return "fail", "\n".join(lines)
+        return "\n".join(lines)
     problems = _problem_lines(verdicts)
     mismatches = mismatch_lines(verdicts)
-    if not problems and not mismatches:
+    if green:
         compared = sum(v.compared for v in verdicts)
         skipped = {k: why for v in verdicts for k, why in v.skipped.items()}
         ran = [c for c in CHECKS if c not in skipped and c not in ("refusal", "setup")
                and not (cell.state == "model" and c in ("scalars", "resume"))
                and (c not in WHERE_RUN or any(c in v.ran for v in verdicts))]
         tail = "".join(f"; {k} check skipped: {why}" for k, why in sorted(skipped.items()))
-        return "pass", (f"{compared} tensors on {len(verdicts)} ranks equal what the checkpoint "
-                        f"holds bit for bit, and the ep=1 ground truth{_rounding(verdicts)} "
-                        f"(checks: {', '.join(ran)}){tail}")
+        return (f"{compared} tensors on {len(verdicts)} ranks equal what the checkpoint "
+                f"holds bit for bit, and the ep=1 ground truth{_rounding(verdicts)} "
+                f"(checks: {', '.join(ran)}){tail}")
     # A wrong value leads (it names rank, layer, expert and tensor); else the checks' problems, the
     # checkpoint's own findings first, and a difference only the next step shows last.
     values_first = any(m.check == "values" for v in verdicts for m in v.mismatches)
     lines = mismatches + problems if values_first else problems + mismatches
     lines[0] = f"{lines[0]} {context}"
-    return "fail", "\n".join(lines)
+    return "\n".join(lines)
 
 
-def summarize_functions(cell: Any, records: list[dict[str, Any]]) -> tuple[str, str]:
-    """``(status, detail)`` of a functions cell from its functions' merged records (one per
-    function)."""
+def summarize_functions(cell: Any, records: list[dict[str, Any]], green: bool) -> str:
+    """The detail of a functions cell from its functions' merged records (one per function);
+    ``green``: whether :mod:`conformance.outcome` passed it."""
+    if green:
+        return f"{len(records)} functions agree with the reference"
     failed = [r for r in records if r["status"] != "pass"]
-    if not failed:
-        return "pass", f"{len(records)} functions agree with the reference"
     lines = [f"{len(failed)} of {len(records)} functions disagree with the reference on "
              f"mesh {cell.mesh} {cell.placements}, k={cell.k}:"]
     lines += [f"  {r['function']}: {r['detail']} ({r.get('count', 1)} case(s))" for r in failed]
-    return "fail", "\n".join(lines)
+    return "\n".join(lines)

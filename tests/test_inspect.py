@@ -21,6 +21,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from conformance.inspect import main
 from conformance.inspection import (
     CheckpointError,
-    Finding,
+    CheckpointProblem,
     classify_keys,
     compare_indexes,
     index_state_dict,
@@ -68,9 +69,9 @@ def trained(kind: str, ep: int, fsdp: bool = False) -> tuple[Any, Any]:
     return model, optimizer
 
 
-def problems(findings: list[Finding] | tuple[Finding, ...]) -> dict[str, list[Finding]]:
-    out: dict[str, list[Finding]] = {}
-    for f in findings:
+def problems(found: Sequence[CheckpointProblem]) -> dict[str, list[CheckpointProblem]]:
+    out: dict[str, list[CheckpointProblem]] = {}
+    for f in found:
         out.setdefault(f.problem, []).append(f)
     return out
 

@@ -9,9 +9,9 @@ process group, no argparse; torch is imported only when a DCP checkpoint is read
     Inspection(.findings) result = inspect_checkpoint(path, num_experts)   # the two in one call
     problems = compare_indexes(got, want, values=True, names=("ep=2 checkpoint", "ep=1 checkpoint"))
 
-Every problem is a :class:`Finding` (``problem`` code from ``PROBLEMS``, ``key``, ``layer``,
-``experts``, ``other_key``, ``message``); unreadable input raises :class:`CheckpointError`
-(``path``, ``problem``, ``expected``).
+Every problem is a :class:`CheckpointProblem` (``problem`` code from ``PROBLEMS``, ``key``,
+``layer``, ``experts``, ``other_key``, ``message``); unreadable input raises
+:class:`CheckpointError` (``path``, ``problem``, ``expected``).
 """
 
 from conformance.inspection.compare import DEFAULT_MEMORY_BYTES, attribute_experts, compare_indexes
@@ -33,8 +33,8 @@ from conformance.inspection.model import (
     PROBLEMS,
     CheckpointError,
     CheckpointIndex,
+    CheckpointProblem,
     Entry,
-    Finding,
     expert_ranges,
 )
 from conformance.inspection.readers import index_state_dict, read_checkpoint, read_dcp
@@ -46,9 +46,9 @@ __all__ = [
     "PROBLEMS",
     "CheckpointError",
     "CheckpointIndex",
+    "CheckpointProblem",
     "Entry",
     "ExpertGroup",
-    "Finding",
     "Inspection",
     "KeyInfo",
     "KeyPattern",

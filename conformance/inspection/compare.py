@@ -32,7 +32,13 @@ from conformance.inspection.keys import (
     classify_keys,
     field_of,
 )
-from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
+from conformance.inspection.model import (
+    CheckpointIndex,
+    CheckpointProblem,
+    Entry,
+    expert_ranges,
+    paused_gc,
+)
 from conformance.inspection.positional import moved_ids, positional
 from conformance.scalars import is_configuration
 from pytest_moe_ep.text import shorten
@@ -51,8 +57,8 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
                     memory_bytes: int = DEFAULT_MEMORY_BYTES,
                     names: tuple[str, str] = ("checkpoint", "other checkpoint"),
                     rounding_ulps: float = 0.0,
-                    owners: Mapping[str, Any] | None = None) -> list[Finding]:
-    """Findings where ``got`` does not hold what ``want`` holds; empty when they are the same.
+                    owners: Mapping[str, Any] | None = None) -> list[CheckpointProblem]:
+    """Problems where ``got`` does not hold what ``want`` holds; empty when they are the same.
 
     ``ignore``: regexes of keys that legitimately differ (an adapter's EP-dependent keys).  An
     optimizer's configuration (a param group's kernel choice:
@@ -60,9 +66,9 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
     what messages call the two checkpoints ("ep=2 checkpoint", "ep=1 checkpoint").
     ``rounding_ulps``: a tensor (or packed row) that matches nothing else but is within this many
     ulps of its own counterpart (:func:`conformance.rounding.ulps`) is a kernel's rounding, not a
-    finding; 0: bit for bit. ``owners``: ``want``'s keys in model terms (key -> (layer, global
+    problem; 0: bit for bit. ``owners``: ``want``'s keys in model terms (key -> (layer, global
     expert, name)), to name the parameters whose positional optimizer ids moved
-    (:mod:`conformance.inspection.positional`). Findings come worst first (:data:`ORDER`): ids
+    (:mod:`conformance.inspection.positional`). Problems come worst first (:data:`ORDER`): ids
     moved, wrong values, then absent, re-keyed and extra keys.
     """
     with paused_gc():
@@ -71,7 +77,7 @@ def compare_indexes(got: CheckpointIndex, want: CheckpointIndex, *, values: bool
     return sorted(found, key=lambda f: ORDER.get(f.problem, len(ORDER)))
 
 
-#: how bad each comparison finding is, worst first: what a red cell's first line should lead with.
+#: how bad each comparison problem is, worst first: what a red cell's first line should lead with.
 #: A key whose values moved under other names (re-keyed) is still no EP-invariant checkpoint, but it
 #: says less than a value that is wrong.
 ORDER = {code: i for i, code in enumerate((
@@ -83,7 +89,7 @@ ORDER = {code: i for i, code in enumerate((
 def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool,
              patterns: Sequence[KeyPattern],
              ignore: Sequence[str], memory_bytes: int, names: tuple[str, str],
-             rounding_ulps: float, owners: Mapping[str, Any]) -> list[Finding]:
+             rounding_ulps: float, owners: Mapping[str, Any]) -> list[CheckpointProblem]:
     skip: list[Callable[[str], object]] = [*(re.compile(r).search for r in ignore),
                                            is_configuration]
     g_keys = [k for k in got.entries if not any(s(k) for s in skip)]
@@ -91,24 +97,24 @@ def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool,
     g_info, w_info = classify_keys(g_keys, patterns), classify_keys(w_keys, patterns)
     missing = sorted(set(w_keys) - set(g_keys))
     unexpected = sorted(set(g_keys) - set(w_keys))
-    findings: list[Finding] = []
+    problems: list[CheckpointProblem] = []
     common = [k for k in g_keys if k in want.entries]
     readable: list[str] = []
     for key in common:
         a, b, info = got.entries[key], want.entries[key], g_info[key]
         experts = (info.expert,) if info.expert is not None else ()
         if a.is_tensor != b.is_tensor:
-            findings.append(Finding("entry_kind_differs", key,
-                                    f"a {_kind(a)} here, a {_kind(b)} in the {names[1]}",
-                                    info.layer, experts))
+            problems.append(CheckpointProblem("entry_kind_differs", key,
+                                              f"a {_kind(a)} here, a {_kind(b)} in the {names[1]}",
+                                              info.layer, experts))
             continue
         if a.dtype != b.dtype:
-            findings.append(Finding("dtype_differs", key,
-                                    f"dtype {a.dtype}, the {names[1]}'s is {b.dtype}",
-                                    info.layer, experts))
+            problems.append(CheckpointProblem("dtype_differs", key,
+                                              f"dtype {a.dtype}, the {names[1]}'s is {b.dtype}",
+                                              info.layer, experts))
             continue
         if a.shape != b.shape:
-            findings.append(_shape_finding(key, a, b, info, names))
+            problems.append(_shape_problem(key, a, b, info, names))
             if not (a.shape and b.shape and a.shape[1:] == b.shape[1:] and info.kind == "packed"):
                 continue
         readable.append(key)
@@ -118,26 +124,26 @@ def _compare(got: CheckpointIndex, want: CheckpointIndex, values: bool,
         # positional ids of another shape may hold other ids' state: looked up as extra keys are
         reshaped = [k for k in common
                     if k not in readable and positional(k) and got.entries[k].is_tensor]
-        findings += _compare_values(got, want, readable, [*unexpected, *reshaped], w_keys, g_info,
+        problems += _compare_values(got, want, readable, [*unexpected, *reshaped], w_keys, g_info,
                                     w_info, memory_bytes, names, holds, rounding_ulps, seen)
         held = [*holds.items(),
-                *((f.key, f.other_key) for f in findings if f.problem == "holds_other_key")]
-        findings += [f for f in (moved_ids(held, owners, names),) if f is not None]
+                *((f.key, f.other_key) for f in problems if f.problem == "holds_other_key")]
+        problems += [f for f in (moved_ids(held, owners, names),) if f is not None]
     rekeyed, missing, unexpected = _rekeyed(missing, unexpected, got, want, holds, seen, names,
                                             values)
-    findings = _key_findings(missing, unexpected, got, want, g_info, w_info, names,
-                             holds) + rekeyed + findings
-    return findings
+    problems = _key_problems(missing, unexpected, got, want, g_info, w_info, names,
+                             holds) + rekeyed + problems
+    return problems
 
 
 def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, want: CheckpointIndex,
              holds: Mapping[str, str], seen: Mapping[str, Mapping[str, Any]],
              names: tuple[str, str], values: bool
-             ) -> tuple[list[Finding], list[str], list[str]]:
+             ) -> tuple[list[CheckpointProblem], list[str], list[str]]:
     """Non-tensor entries the checkpoint holds under other keys than the other one does (an
-    optimizer's settings per group at ep=1, per parameter at ep>1): one ``key_rekeyed`` finding per
+    optimizer's settings per group at ep=1, per parameter at ep>1): one ``key_rekeyed`` problem per
     parent of the absent keys, saying where their fields went and whether the values agree.  Returns
-    the findings and the keys left unexplained.
+    the problems and the keys left unexplained.
 
     Two keys are the same field re-keyed when they share the top-level name and the last component
     (``optimizer.param_groups.0.lr``, ``optimizer.param_groups.layers.0.mlp.w1.lr``); the values
@@ -156,7 +162,7 @@ def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, wa
             by_parent[key.rsplit(".", 1)[0]].append(key)
     if not by_parent:
         return [], missing, unexpected
-    out: list[Finding] = []
+    out: list[CheckpointProblem] = []
     explained_old: set[str] = set()
     explained_new: set[str] = set()
     for parent, keys in sorted(by_parent.items()):
@@ -182,10 +188,11 @@ def _rekeyed(missing: list[str], unexpected: list[str], got: CheckpointIndex, wa
                    else "the values do not agree: " + "; ".join(disagree[:3])
                    + (f" and {len(disagree) - 3} more fields" if len(disagree) > 3 else ""))
         rest = f"; absent with no counterpart: {', '.join(alone)}" if alone else ""
-        out.append(Finding("key_rekeyed", f"{parent}.*",
-                           f"re-keyed: its {len(fields)} field(s) ({leaves}) are absent "
-                           f"from the {names[0]}, which holds them under {len(targets)} other "
-                           f"key(s) ({shown}); {verdict}{rest}", None, (), targets[0]))
+        out.append(CheckpointProblem("key_rekeyed", f"{parent}.*",
+                                     f"re-keyed: its {len(fields)} field(s) ({leaves}) are absent "
+                                     f"from the {names[0]}, which holds them under "
+                                     f"{len(targets)} other key(s) ({shown}); {verdict}{rest}",
+                                     None, (), targets[0]))
     return (out, [k for k in missing if k not in explained_old],
             [k for k in unexpected if k not in explained_new])
 
@@ -194,23 +201,24 @@ def _kind(entry: Entry) -> str:
     return f"tensor {entry.shape} {entry.dtype}" if entry.is_tensor else "non-tensor entry"
 
 
-def _shape_finding(key: str, a: Entry, b: Entry, info: KeyInfo, names: tuple[str, str]) -> Finding:
+def _shape_problem(key: str, a: Entry, b: Entry, info: KeyInfo,
+                   names: tuple[str, str]) -> CheckpointProblem:
     message = f"global shape {a.shape}, the {names[1]}'s is {b.shape}"
     experts: tuple[int, ...] = (info.expert,) if info.expert is not None else ()
     if info.kind == "packed" and a.shape and b.shape and a.shape[0] < b.shape[0]:
         message += f": its expert axis has {a.shape[0]} rows, not all {b.shape[0]} experts"
         experts = tuple(range(a.shape[0], b.shape[0]))
-    return Finding("shape_differs", key, message, info.layer, experts)
+    return CheckpointProblem("shape_differs", key, message, info.layer, experts)
 
 
-def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointIndex,
+def _key_problems(missing: list[str], unexpected: list[str], got: CheckpointIndex,
                   want: CheckpointIndex, g_info: dict[str, KeyInfo], w_info: dict[str, KeyInfo],
-                  names: tuple[str, str], holds: Mapping[str, str]) -> list[Finding]:
-    """Absent keys grouped in expert terms: one finding per family, or per layer when all its
+                  names: tuple[str, str], holds: Mapping[str, str]) -> list[CheckpointProblem]:
+    """Absent keys grouped in expert terms: one problem per family, or per layer when all its
     experts went.  An absent key whose value another key holds (and the other checkpoint does not
-    have) is that key re-keyed: one ``key_rekeyed`` finding names both (Megatron's
+    have) is that key re-keyed: one ``key_rekeyed`` problem names both (Megatron's
     ``chained_0.optimizer.state.*`` for ``optimizer.state.*``)."""
-    out: list[Finding] = []
+    out: list[CheckpointProblem] = []
     absent = set(missing)
     moved = {target: holder for holder, target in holds.items() if target in absent}
     missing = [k for k in missing if k not in moved]
@@ -226,10 +234,10 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
                     and (shape := want.entries[k].shape)),
                    default=0)
         ids = {w_info[k].expert for k in keys if w_info[k].expert is not None} | set(range(rows))
-        out.append(Finding("key_missing", w_info[keys[0]].family,
-                           f"all {len(keys)} expert keys of layer {layer} "
-                           f"are absent from the {names[0]} (layer {layer}'s experts)", layer,
-                           tuple(sorted(i for i in ids if i is not None))))
+        out.append(CheckpointProblem("key_missing", w_info[keys[0]].family,
+                                     f"all {len(keys)} expert keys of layer {layer} are absent "
+                                     f"from the {names[0]} (layer {layer}'s experts)", layer,
+                                     tuple(sorted(i for i in ids if i is not None))))
     for key in missing:
         info = w_info[key]
         if info.role == "expert" and info.layer in whole_layers:
@@ -240,27 +248,28 @@ def _key_findings(missing: list[str], unexpected: list[str], got: CheckpointInde
         entry = want.entries[key]
         row_ids = tuple(range(entry.shape[0])) if info.kind == "packed" and entry.shape else ()
         what = f" (layer {info.layer}'s experts)" if info.role == "expert" else ""
-        out.append(Finding("key_missing", key, f"absent from the {names[0]}{what}", info.layer,
-                           row_ids))
+        out.append(CheckpointProblem("key_missing", key, f"absent from the {names[0]}{what}",
+                                     info.layer, row_ids))
     for (family, family_layer), expert_ids in sorted(gone.items(),
                                                      key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        out.append(Finding("key_missing", family,
-                           f"absent from the {names[0]} for {len(expert_ids)} expert(s)",
-                           family_layer, tuple(sorted(expert_ids))))
+        out.append(CheckpointProblem("key_missing", family,
+                                     f"absent from the {names[0]} for {len(expert_ids)} expert(s)",
+                                     family_layer, tuple(sorted(expert_ids))))
     for target, key in sorted(moved.items()):
         info = g_info[key]
         expert = info.expert if info.expert is not None else w_info[target].expert
-        out.append(Finding("key_rekeyed", key,
-                           f"re-keyed: holds the {names[1]}'s {target!r}, which is absent from "
-                           f"the {names[0]}; the values agree", info.layer, (expert,) if expert
-                           is not None else (), target))
+        out.append(CheckpointProblem("key_rekeyed", key,
+                                     f"re-keyed: holds the {names[1]}'s {target!r}, which is "
+                                     f"absent from the {names[0]}; the values agree", info.layer,
+                                     (expert,) if expert is not None else (), target))
     for key in unexpected:
         if key in moved.values():
             continue
         info = g_info[key]
         extra = f"; it holds the {names[1]}'s {holds[key]!r}" if key in holds else ""
-        out.append(Finding("key_unexpected", key, f"not in the {names[1]}{extra}", info.layer,
-                           (info.expert,) if info.expert is not None else (), holds.get(key)))
+        out.append(CheckpointProblem("key_unexpected", key, f"not in the {names[1]}{extra}",
+                                     info.layer, (info.expert,) if info.expert is not None else (),
+                                     holds.get(key)))
     return out
 
 
@@ -306,7 +315,7 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
                     unexpected: list[str], w_keys: list[str], g_info: dict[str, KeyInfo],
                     w_info: dict[str, KeyInfo], memory_bytes: int, names: tuple[str, str],
                     holds: dict[str, str], rounding_ulps: float,
-                    seen: dict[str, dict[str, Any]]) -> list[Finding]:
+                    seen: dict[str, dict[str, Any]]) -> list[CheckpointProblem]:
     # whole digests first: a packed key's row digests are needed only where some tensor differs
     # (7,000 rows a checkpoint at 256 experts; an equal checkpoint, the usual cell, then hashes each
     # value once)
@@ -329,7 +338,7 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
     for key, ds in w_rows.items():
         for r, d in enumerate(ds):
             by_row[d].append((key, r))
-    out: list[Finding] = []
+    out: list[CheckpointProblem] = []
     unexplained: list[tuple[str, list[int] | None]] = []
     for key in unexpected:
         d = g_whole.get(key)
@@ -342,18 +351,18 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
             if RANK_LOCAL_NAMES.search(key) and isinstance(a, list) and isinstance(b, list):
                 extra = [n for n in a if n not in set(b)]
                 if extra:
-                    out.append(Finding(
+                    out.append(CheckpointProblem(
                         "value_differs", key, f"lists {len(extra)} parameter name(s) the "
                         f"{names[1]}'s group does not, first {_short(extra[:3])}", info.layer))
             elif not _same_value(a, b):
-                out.append(Finding("value_differs", key,
-                                   f"is {_short(a)}, the {names[1]}'s is {_short(b)}",
-                                   info.layer, experts))
+                out.append(CheckpointProblem("value_differs", key,
+                                             f"is {_short(a)}, the {names[1]}'s is {_short(b)}",
+                                             info.layer, experts))
             continue
         if a == b:
             continue
         if key in g_rows:
-            found, bad = _row_findings(key, g_rows[key], w_rows.get(key, []), by_row, info, w_info,
+            found, bad = _row_problems(key, g_rows[key], w_rows.get(key, []), by_row, info, w_info,
                                        names)
             out += found
             if bad:
@@ -369,15 +378,15 @@ def _compare_values(got: CheckpointIndex, want: CheckpointIndex, readable: list[
                 text = f"holds the {names[1]}'s {source!r}" + (
                     f" (layer {other.layer}, expert {other.expert})" if other.expert is not None
                     else "")
-            out.append(Finding("holds_other_key", key, text, info.layer, experts, source))
+            out.append(CheckpointProblem("holds_other_key", key, text, info.layer, experts, source))
         elif a in by_row:
             source, row = _pick(by_row[a], key, info, w_info)
-            out.append(Finding("holds_other_key", key,
-                               f"holds row {row} (expert {row}) of the {names[1]}'s {source!r}",
-                               info.layer, experts, source))
+            out.append(CheckpointProblem("holds_other_key", key,
+                                         f"holds row {row} (expert {row}) of the {names[1]}'s "
+                                         f"{source!r}", info.layer, experts, source))
         else:
             unexplained.append((key, None))
-    out += _diff_findings(got, want, unexplained, g_info, names, rounding_ulps)
+    out += _diff_problems(got, want, unexplained, g_info, names, rounding_ulps)
     return out
 
 
@@ -397,11 +406,11 @@ def _span(a: int, b: int) -> str:
     return str(a) if a == b else f"{a}..{b}"
 
 
-def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest],
+def _row_problems(key: str, rows: list[Digest], truth_rows: list[Digest],
                   by_row: Mapping[Digest, list[Any]],
                   info: KeyInfo, w_info: dict[str, KeyInfo], names: tuple[str, str]
-                  ) -> tuple[list[Finding], list[int]]:
-    """Which experts the wrong rows of ``key``'s expert axis hold, one finding per source key."""
+                  ) -> tuple[list[CheckpointProblem], list[int]]:
+    """Which experts the wrong rows of ``key``'s expert axis hold, one problem per source key."""
     moved: dict[str, list[tuple[int, int]]] = defaultdict(list)
     bad: list[int] = []
     for r, d in enumerate(rows):
@@ -418,18 +427,19 @@ def _row_findings(key: str, rows: list[Digest], truth_rows: list[Digest],
         parts = [f"rows {_span(a, b)} are experts {_span(c, d)}" for a, b, c, d in runs[:4]]
         more = f" and {len(runs) - 4} more runs" if len(runs) > 4 else ""
         whose = "" if source == key else f" of the {names[1]}'s {source!r}"
-        out.append(Finding(
+        out.append(CheckpointProblem(
             "rows_are_other_experts", key, f"its expert axis holds other experts' values: "
             f"{', '.join(parts)}{more}{whose}", info.layer, tuple(r for r, _ in pairs), source))
     return out, bad
 
 
-def _diff_findings(
+def _diff_problems(
         got: CheckpointIndex, want: CheckpointIndex, keys: list[tuple[str, list[int] | None]],
-        g_info: dict[str, KeyInfo], names: tuple[str, str], rounding_ulps: float) -> list[Finding]:
+        g_info: dict[str, KeyInfo], names: tuple[str, str],
+        rounding_ulps: float) -> list[CheckpointProblem]:
     """Tensors that match nothing: read both once more, one key at a time, for the max abs diff;
     those within ``rounding_ulps`` of their counterpart (rows of a packed key one by one) are no
-    finding."""
+    problem."""
     from conformance.rounding import ulps
 
     out = []
@@ -456,15 +466,15 @@ def _diff_findings(
                  if rows is not None else "")
         experts = tuple(rows) if rows is not None else ((info.expert,
                                                         ) if info.expert is not None else ())
-        out.append(Finding("values_differ", key,
-                           f"{where}differ from the {names[1]}'s (max abs diff {diff}) and "
-                           f"match no tensor or row of it", info.layer, experts))
+        out.append(CheckpointProblem("values_differ", key,
+                                     f"{where}differ from the {names[1]}'s (max abs diff {diff}) "
+                                     "and match no tensor or row of it", info.layer, experts))
     return out
 
 
 def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any, Any, str]], *,
                       patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS,
-                      memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[Finding]:
+                      memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[CheckpointProblem]:
     """Expert keys (and packed rows) whose value is the model's tensor of *another* expert or layer.
 
     ``owners`` maps the digest of each of the model's own tensors to
@@ -477,7 +487,7 @@ def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any,
     keys = [k for k, i in infos.items() if i.role == "expert" and index.entries[k].is_tensor
             and index.entries[k].shape]
     whole, rows = _fingerprints(index, keys, packed_rows(infos), memory_bytes)
-    found: list[Finding] = []
+    found: list[CheckpointProblem] = []
     for key in keys:
         info = infos[key]
         held = ([(info.expert, whole[key])] if info.kind == "per_expert"
@@ -490,8 +500,8 @@ def attribute_experts(index: CheckpointIndex, owners: Mapping[Digest, tuple[Any,
             if other != expert or (info.layer is not None and layer is not None
                                    and layer != info.layer):
                 where = "" if info.kind == "per_expert" else f"row {expert}: "
-                found.append(Finding("holds_other_expert", key,
-                                     f"{where}holds the model's {name!r} of layer {layer}, "
-                                     f"expert {other}, not expert {expert}'s", info.layer,
-                                     (expert,) if expert is not None else ()))
+                found.append(CheckpointProblem(
+                    "holds_other_expert", key, f"{where}holds the model's {name!r} of layer "
+                    f"{layer}, expert {other}, not expert {expert}'s", info.layer,
+                    (expert,) if expert is not None else ()))
     return found

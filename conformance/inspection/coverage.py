@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
-from conformance.inspection.model import CheckpointIndex, Entry, Finding, expert_ranges, paused_gc
+from conformance.inspection.model import (
+    CheckpointIndex,
+    CheckpointProblem,
+    Entry,
+    expert_ranges,
+    paused_gc,
+)
 from conformance.world_state import world_state
 
 __all__ = ["ExpertGroup", "Inspection", "inspect_checkpoint", "inspect_index"]
@@ -36,6 +42,9 @@ class ExpertGroup:
 
 @dataclass(frozen=True)
 class Inspection:
+    """What :func:`inspect_index` found in one checkpoint: its experts (``groups``) and its
+    problems (``findings``, named as the ``--json`` output names them)."""
+
     path: str
     format: str
     num_experts: int | None
@@ -43,7 +52,7 @@ class Inspection:
     num_experts_source: str
     moe_layers: tuple[int, ...]
     groups: tuple[ExpertGroup, ...]
-    findings: tuple[Finding, ...]
+    findings: tuple[CheckpointProblem, ...]
     counts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -97,7 +106,7 @@ def _chunk_verdict(shape: tuple[int, ...], chunks: Any) -> tuple[int, int, bool]
     return verdict
 
 
-def _chunk_findings(entry: Entry, info: KeyInfo) -> list[Finding]:
+def _chunk_problems(entry: Entry, info: KeyInfo) -> list[CheckpointProblem]:
     if not entry.shape or _whole(entry):
         return []
     total, volume, overlap = _chunk_verdict(entry.shape, entry.chunks)
@@ -105,15 +114,15 @@ def _chunk_findings(entry: Entry, info: KeyInfo) -> list[Finding]:
         return []
     out = []
     if volume < total or (volume > total and not overlap):
-        out.append(Finding("chunk_hole", entry.key,
-                           f"its {len(entry.chunks)} chunk(s) cover {volume} of "
-                           f"{total} elements of shape {entry.shape}", info.layer,
-                           (info.expert,) if info.expert is not None else ()))
+        out.append(CheckpointProblem("chunk_hole", entry.key,
+                                     f"its {len(entry.chunks)} chunk(s) cover {volume} of "
+                                     f"{total} elements of shape {entry.shape}", info.layer,
+                                     (info.expert,) if info.expert is not None else ()))
     if overlap:
-        out.append(Finding("chunk_overlap", entry.key,
-                           f"its {len(entry.chunks)} chunks overlap (they hold "
-                           f"{volume} elements for {total})", info.layer,
-                           (info.expert,) if info.expert is not None else ()))
+        out.append(CheckpointProblem("chunk_overlap", entry.key,
+                                     f"its {len(entry.chunks)} chunks overlap (they hold "
+                                     f"{volume} elements for {total})", info.layer,
+                                     (info.expert,) if info.expert is not None else ()))
     return out
 
 
@@ -175,7 +184,7 @@ def _inspect(index: CheckpointIndex, num_experts: int | None,
              patterns: Sequence[KeyPattern]) -> Inspection:
     entries = index.entries
     infos = classify_keys(entries, patterns)
-    findings: list[Finding] = list(index.problems)
+    problems: list[CheckpointProblem] = list(index.problems)
     routers: dict[int | None, tuple[str, int]] = {}
     families: dict[str, dict[int, Entry]] = defaultdict(dict)
     family_info: dict[str, KeyInfo] = {}
@@ -199,7 +208,7 @@ def _inspect(index: CheckpointIndex, num_experts: int | None,
                 family_info.setdefault(info.family, info)
             elif entry.shape:  # a packed 0-d entry (Adam's step) has no expert axis
                 packed.append((info, entry))
-        findings += _chunk_findings(entry, info) if info.kind != "packed" else []
+        problems += _chunk_problems(entry, info) if info.kind != "packed" else []
 
     # the number of experts
     source = "given"
@@ -216,12 +225,12 @@ def _inspect(index: CheckpointIndex, num_experts: int | None,
         why = (f", although layer(s) {expert_ranges(routed)} have a router: their experts are "
                "missing, or named in a form no pattern knows" if routed
                else ", so no expert was checked")
-        findings.append(Finding("no_expert_keys", "",
-                                f"none of the {len(entries)} keys matched an expert "
-                                f"pattern{why}; name them with --expert-key REGEX"))
+        problems.append(CheckpointProblem("no_expert_keys", "",
+                                          f"none of the {len(entries)} keys matched an expert "
+                                          f"pattern{why}; name them with --expert-key REGEX"))
         return Inspection(
             index.path, index.format, num_experts, source if num_experts else "unknown",
-            tuple(sorted(k for k in routers if k is not None)), (), tuple(findings), counts)
+            tuple(sorted(k for k in routers if k is not None)), (), tuple(problems), counts)
     assert num_experts is not None
     every = set(range(num_experts))
     groups: list[ExpertGroup] = []
@@ -233,66 +242,66 @@ def _inspect(index: CheckpointIndex, num_experts: int | None,
         groups.append(ExpertGroup(info.layer, family, "per_expert", info.stat, len(ids),
                                   tuple(sorted(ids))))
         if missing and ids == set(range(len(ids))) and len(ids) in _local_counts(num_experts):
-            findings.append(Finding(
+            problems.append(CheckpointProblem(
                 "local_numbering", family, f"per-expert keys are numbered 0..{len(ids) - 1} "
                 f"only: {len(ids)} of {num_experts} experts{_ep_hint(num_experts, len(ids))}, "
                 "one EP rank's local names; the other experts are not in the checkpoint",
                 info.layer, tuple(missing)))
         elif missing:
-            findings.append(Finding("missing_experts", family,
-                                    f"{len(missing)} of {num_experts} experts have no "
-                                    "key", info.layer, tuple(missing)))
+            problems.append(CheckpointProblem("missing_experts", family,
+                                              f"{len(missing)} of {num_experts} experts have no "
+                                              "key", info.layer, tuple(missing)))
         if unknown:
-            findings.append(Finding("unknown_experts", family,
-                                    f"keys for expert ids >= {num_experts}, the number "
-                                    "of experts", info.layer, tuple(unknown)))
+            problems.append(CheckpointProblem("unknown_experts", family,
+                                              f"keys for expert ids >= {num_experts}, the number "
+                                              "of experts", info.layer, tuple(unknown)))
         kinds: dict[tuple[Any, Any], list[int]] = defaultdict(list)
         for g, e in held.items():
             kinds[(e.shape, e.dtype)].append(g)
         if len(kinds) > 1:
             common = max(kinds, key=lambda k: len(kinds[k]))
             odd = sorted(g for k, gs in kinds.items() if k != common for g in gs)
-            findings.append(Finding("shape_mismatch", family,
-                                    f"shape/dtype differ from the other experts' "
-                                    f"{common[0]} {common[1]}", info.layer, tuple(odd)))
+            problems.append(CheckpointProblem("shape_mismatch", family,
+                                              f"shape/dtype differ from the other experts' "
+                                              f"{common[0]} {common[1]}", info.layer, tuple(odd)))
 
     for info, entry in packed:
         rows = entry.shape[0] if entry.shape else 0
         full, part, twice = _rows(entry)
         groups.append(ExpertGroup(info.layer, entry.key, "packed", info.stat, rows, tuple(full)))
         if rows < num_experts:
-            findings.append(
-                Finding("local_extent", entry.key, f"its expert axis has {rows} rows, expected "
-                        f"{num_experts} (the global extent): {rows} is a local count"
-                        f"{_ep_hint(num_experts, rows)}, so these experts have no row"
-                        + (f" and rows 0..{rows - 1} hold one EP rank's experts" if rows else ""),
-                        info.layer, tuple(range(rows, num_experts))))
+            problems.append(CheckpointProblem(
+                "local_extent", entry.key, f"its expert axis has {rows} rows, expected "
+                f"{num_experts} (the global extent): {rows} is a local count"
+                f"{_ep_hint(num_experts, rows)}, so these experts have no row"
+                + (f" and rows 0..{rows - 1} hold one EP rank's experts" if rows else ""),
+                info.layer, tuple(range(rows, num_experts))))
         elif rows > num_experts:
-            findings.append(Finding(
+            problems.append(CheckpointProblem(
                 "extent_mismatch", entry.key, f"its expert axis has {rows} rows, but the "
                 f"model has {num_experts} experts", info.layer, tuple(range(num_experts, rows))))
         if part:
-            findings.append(Finding("missing_experts", entry.key,
-                                    "no chunk (or only part of one) covers these rows of the "
-                                    f"expert axis: {len(part)} of {rows} experts not stored",
-                                    info.layer, tuple(part)))
+            problems.append(CheckpointProblem(
+                "missing_experts", entry.key, "no chunk (or only part of one) covers these rows of "
+                f"the expert axis: {len(part)} of {rows} experts not stored", info.layer,
+                tuple(part)))
         if twice:
-            findings.append(Finding("duplicate_experts", entry.key,
-                                    "these rows of the expert axis are stored by "
-                                    "more than one chunk", info.layer, tuple(twice)))
+            problems.append(CheckpointProblem("duplicate_experts", entry.key,
+                                              "these rows of the expert axis are stored by "
+                                              "more than one chunk", info.layer, tuple(twice)))
         elif _overlaps(entry.chunks):
-            findings += [f for f in _chunk_findings(entry, info) if f.problem == "chunk_overlap"]
+            problems += [f for f in _chunk_problems(entry, info) if f.problem == "chunk_overlap"]
 
-    findings += _layer_findings(infos, routers, num_experts)
-    findings += _optimizer_findings(infos, entries, num_experts)
+    problems += _layer_problems(infos, routers, num_experts)
+    problems += _optimizer_problems(infos, entries, num_experts)
     moe_layers = {i.layer for i in infos.values() if i.role == "expert"} | set(routers)
     return Inspection(index.path, index.format, num_experts, source,
                       tuple(sorted(x for x in moe_layers if x is not None)), tuple(groups),
-                      tuple(findings), counts)
+                      tuple(problems), counts)
 
 
-def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any],
-                    num_experts: int) -> list[Finding]:
+def _layer_problems(infos: dict[str, KeyInfo], routers: dict[int | None, Any],
+                    num_experts: int) -> list[CheckpointProblem]:
     """An expert tensor the MoE layers hold, absent from one of them: that layer's experts are
     gone."""
     present: dict[str, set[int]] = defaultdict(set)
@@ -301,14 +310,14 @@ def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any],
             present[info.cls].add(info.layer)
     expert_layers = set().union(*present.values()) if present else set()
     moe_layers = expert_layers | {x for x in routers if x is not None}
-    out: list[Finding] = []
+    out: list[CheckpointProblem] = []
     every = tuple(range(num_experts))
     for layer in sorted(moe_layers - expert_layers):
         example = sorted(present)[0].replace("#", str(layer), 1)
-        out.append(Finding("layer_missing", example,
-                           f"the layer has a router but none of the {len(present)} expert tensors "
-                           "the other MoE layers hold: a whole layer's experts are missing", layer,
-                           every))
+        out.append(CheckpointProblem("layer_missing", example,
+                                     f"the layer has a router but none of the {len(present)} "
+                                     "expert tensors the other MoE layers hold: a whole layer's "
+                                     "experts are missing", layer, every))
     # A layer whose tensor a class with another prefix holds is not missing from this one:
     # stage-prefixed names (``stage1.layers.0`` for layer 2) or a second stack (``mtp.layers.0``)
     # number their own layers.
@@ -317,13 +326,15 @@ def _layer_findings(infos: dict[str, KeyInfo], routers: dict[int | None, Any],
         held_as[cls.split("#", 1)[-1]] |= layers
     for cls, layers in sorted(present.items()):
         for layer in sorted(expert_layers - held_as[cls.split("#", 1)[-1]]):
-            out.append(Finding("layer_missing", cls.replace("#", str(layer), 1),
-                               f"absent, but layers {expert_ranges(sorted(layers))} hold it: this "
-                               "layer's experts are missing from it", layer, every))
+            out.append(CheckpointProblem("layer_missing", cls.replace("#", str(layer), 1),
+                                         f"absent, but layers {expert_ranges(sorted(layers))} hold "
+                                         "it: this layer's experts are missing from it", layer,
+                                         every))
     return out
 
 
-def _optimizer_findings(infos: dict[str, KeyInfo], entries: Any, num_experts: int) -> list[Finding]:
+def _optimizer_problems(infos: dict[str, KeyInfo], entries: Any,
+                        num_experts: int) -> list[CheckpointProblem]:
     """Optimizer state for some experts' weights must exist for every expert of that weight."""
     weights = {i.key: i for i in infos.values() if i.role == "expert" and i.stat is None}
     stats_of: dict[str, set[str]] = defaultdict(set)
@@ -349,13 +360,14 @@ def _optimizer_findings(infos: dict[str, KeyInfo], entries: Any, num_experts: in
             experts = [info.expert] if info.kind == "per_expert" else list(range(num_experts))
             missing[(info.family, stat)] += [e for e in experts if e is not None]
             where[(info.family, stat)] = info.layer
-    out = [Finding("optimizer_missing", family,
-                   f"no optimizer state {stat!r} for these experts, although other experts' "
-                   "weights of this kind have it", where[(family, stat)], tuple(sorted(experts)))
+    out = [CheckpointProblem("optimizer_missing", family,
+                             f"no optimizer state {stat!r} for these experts, although other "
+                             "experts' weights of this kind have it", where[(family, stat)],
+                             tuple(sorted(experts)))
            for (family, stat), experts in sorted(missing.items())]
-    out += [Finding("optimizer_orphan", f"{family} [{stat}]",
-                    "optimizer state for an expert weight the checkpoint does not hold (saved "
-                    "under another name?)", orphan_layer[(family, stat)],
-                    tuple(sorted(e for e in experts if e >= 0)))
+    out += [CheckpointProblem("optimizer_orphan", f"{family} [{stat}]",
+                              "optimizer state for an expert weight the checkpoint does not hold "
+                              "(saved under another name?)", orphan_layer[(family, stat)],
+                              tuple(sorted(e for e in experts if e >= 0)))
             for (family, stat), experts in sorted(orphans.items())]
     return out

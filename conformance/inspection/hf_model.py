@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from conformance.inspection.model import CheckpointError, CheckpointIndex, Finding
+from conformance.inspection.model import CheckpointError, CheckpointIndex, CheckpointProblem
 
-__all__ = ["hf_model_findings", "hf_model_shapes"]
+__all__ = ["hf_model_problems", "hf_model_shapes"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
@@ -75,9 +75,9 @@ def hf_model_shapes(cls_name: str, config: Any) -> tuple[dict[str, tuple[int, ..
             {k: tuple(v.shape) for k, v in hub.items()}, ignored)
 
 
-def hf_model_findings(index: CheckpointIndex, cls_name: str, directory: str,
+def hf_model_problems(index: CheckpointIndex, cls_name: str, directory: str,
                       config_file: str | None = None,
-                      extra_keys: tuple[str, ...] = ()) -> list[Finding]:
+                      extra_keys: tuple[str, ...] = ()) -> list[CheckpointProblem]:
     """Where the export in ``index`` is not what ``cls_name`` loads: missing, unexpected and
     misshapen keys (``extra_keys``: regexes of keys the family carries beyond the class)."""
     own, hub, ignored = hf_model_shapes(cls_name, _config(directory, config_file))
@@ -97,16 +97,16 @@ def _layer_and_leaf(key: str) -> tuple[str | None, str]:
     return (layer[1] if layer else None), ("experts" if "experts" in parts else parts[-1])
 
 
-def _finding(problem: str, key: str, message: str) -> Finding:
-    """A finding named by the layer and expert its key holds, where it holds one."""
+def _problem(problem: str, key: str, message: str) -> CheckpointProblem:
+    """A problem named by the layer and expert its key holds, where it holds one."""
     layer, expert = _LAYER.search(key), _EXPERT.search(key)
-    return Finding(problem, key, message, layer=int(layer[1]) if layer else None,
-                   experts=(int(expert[1]),) if expert else ())
+    return CheckpointProblem(problem, key, message, layer=int(layer[1]) if layer else None,
+                             experts=(int(expert[1]),) if expert else ())
 
 
 def _differences(held: Mapping[str, Any], form: Mapping[str, tuple[int, ...]],
                  other: Mapping[str, tuple[int, ...]], name: str, cls_name: str,
-                 skip: list[re.Pattern[str]]) -> list[Finding]:
+                 skip: list[re.Pattern[str]]) -> list[CheckpointProblem]:
     """Against ``form`` (the naming the export shares most keys with), a key held in the other
     naming standing in for its counterpart (the loader converts each key on its own: a fused
     export may carry its bias under the hub's name)."""
@@ -114,15 +114,15 @@ def _differences(held: Mapping[str, Any], form: Mapping[str, tuple[int, ...]],
     stand_ins = {_layer_and_leaf(k) for k in held.keys() & other.keys() - form.keys()}
     for key in sorted(form.keys() - held.keys()):
         if _layer_and_leaf(key) not in stand_ins:
-            found.append(_finding("hf_missing", key, f"{cls_name} has this key ({name}, shape "
+            found.append(_problem("hf_missing", key, f"{cls_name} has this key ({name}, shape "
                                   f"{list(form[key])}); the export does not"))
     for key in sorted(held.keys() - form.keys() - other.keys()):
         if not any(p.search(key) for p in skip):
-            found.append(_finding("hf_unexpected", key, f"{cls_name} has no such key in either "
+            found.append(_problem("hf_unexpected", key, f"{cls_name} has no such key in either "
                                   "naming and does not ignore it"))
     for key in sorted(held.keys() & (form.keys() | other.keys())):
         want = form.get(key, other.get(key))
         if tuple(held[key]) != want:
-            found.append(_finding("hf_shape", key, f"shape {list(held[key])} in the export, "
+            found.append(_problem("hf_shape", key, f"shape {list(held[key])} in the export, "
                                   f"{list(want or ())} in {cls_name}"))
     return found

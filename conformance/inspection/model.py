@@ -1,7 +1,8 @@
 """The data the inspection works on and what it reports: plain frozen dataclasses, no torch.
 
 A :class:`CheckpointIndex` is what a checkpoint's metadata says (key -> global shape, dtype,
-chunks), read without touching tensor data; a :class:`Finding` is one problem, in expert terms.
+chunks), read without touching tensor data; a :class:`CheckpointProblem` is one problem, in expert
+terms.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["CheckpointError", "CheckpointIndex", "Entry", "Finding", "Reader", "expert_ranges",
-           "paused_gc"]
+__all__ = ["CheckpointError", "CheckpointIndex", "CheckpointProblem", "Entry", "Reader",
+           "expert_ranges", "paused_gc"]
 
 #: ``reader(keys) -> {key: value}``: tensors in global form (torch.Tensor), other entries as the
 #: Python values they hold.  One call may hold every value it returns in memory at once.
@@ -63,7 +64,7 @@ class CheckpointIndex:
     format: str  # "dcp" | "safetensors" | "state_dict"
     entries: Mapping[str, Entry]
     #: structural problems found while reading (a key listed by an index but absent from its file).
-    problems: tuple[Finding, ...] = ()
+    problems: tuple[CheckpointProblem, ...] = ()
     reader: Reader | None = field(default=None, compare=False, repr=False)
 
 
@@ -103,7 +104,7 @@ def expert_ranges(experts: Sequence[int]) -> str:
 
 
 @dataclass(frozen=True)
-class Finding:
+class CheckpointProblem:
     """One problem.  ``problem`` is a stable code (see ``PROBLEMS``), ``key`` the checkpoint key
     (``*`` standing for the expert id of per-expert keys), ``experts`` the global expert ids
     concerned, ``other_key`` the other checkpoint's key a comparison involves; ``message`` says

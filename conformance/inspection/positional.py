@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from conformance.inspection.model import Finding
+from conformance.inspection.model import CheckpointProblem
 
 __all__ = ["POSITIONAL", "moved_ids", "positional"]
 
@@ -49,8 +49,8 @@ def _parameter(owners: Mapping[str, Any], head: str, number: int, stats: Iterabl
 
 
 def moved_ids(pairs: Iterable[tuple[str, str | None]], owners: Mapping[str, Any],
-              names: tuple[str, str]) -> Finding | None:
-    """One finding naming the parameters whose positional ids differ between the two checkpoints, or
+              names: tuple[str, str]) -> CheckpointProblem | None:
+    """One problem naming the parameters whose positional ids differ between the two checkpoints, or
     ``None``.
 
     ``pairs``: ``(key here, the other checkpoint's key whose value it holds)``; ``owners``: the
@@ -69,8 +69,8 @@ def moved_ids(pairs: Iterable[tuple[str, str | None]], owners: Mapping[str, Any]
              for (head, was), now in sorted(moved.items())]
     more = f"; and {len(parts) - SHOWN} more" if len(parts) > SHOWN else ""
     heads = sorted({head for head, _ in moved})
-    return Finding("ids_moved", f"{heads[0]}.*", "positional optimizer ids moved: "
-                   f"{'; '.join(parts[:SHOWN])}{more}: the state of {len(parts)} parameter(s) "
-                   f"is under other ids than in the {names[1]} (torch's Optimizer.state_dict() "
-                   "numbers the parameters each rank holds; a rank that holds other parameters "
-                   "at this layout shifts the ids after them)")
+    return CheckpointProblem(
+        "ids_moved", f"{heads[0]}.*", "positional optimizer ids moved: "
+        f"{'; '.join(parts[:SHOWN])}{more}: the state of {len(parts)} parameter(s) is under other "
+        f"ids than in the {names[1]} (torch's Optimizer.state_dict() numbers the parameters each "
+        "rank holds; a rank that holds other parameters at this layout shifts the ids after them)")

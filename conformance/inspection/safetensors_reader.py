@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, Finding
+from conformance.inspection.model import CheckpointError, CheckpointIndex, CheckpointProblem, Entry
 from conformance.inspection.roots import WHAT, inside
 
 __all__ = ["read_safetensors"]
@@ -63,7 +63,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
     p = Path(path)
     directory = p if p.is_dir() else p.parent
     root = directory.resolve()
-    problems: list[Finding] = []
+    problems: list[CheckpointProblem] = []
     listed: dict[str, str] = {}
     indexes = sorted(directory.glob("*.safetensors.index.json")) if p.is_dir() else (
         [p] if p.name.endswith(".index.json") else [])
@@ -113,22 +113,25 @@ def read_safetensors(path: str | os.PathLike[str]) -> CheckpointIndex:
                                       'each entry {"dtype", "shape", "data_offsets": [begin, '
                                       'end]}') from None
             if key in entries:
-                problems.append(Finding("index_mismatch", key,
-                                        f"stored twice: in {where[key][0].name} and {file.name}"))
+                problems.append(CheckpointProblem("index_mismatch", key,
+                                                  f"stored twice: in {where[key][0].name} and "
+                                                  f"{file.name}"))
             if start + end > size:
-                problems.append(Finding("index_mismatch", key,
-                                        f"its data ends at byte {start + end} of "
-                                        f"{file.name}, which has {size}: the file is truncated"))
+                problems.append(CheckpointProblem("index_mismatch", key,
+                                                  f"its data ends at byte {start + end} of "
+                                                  f"{file.name}, which has {size}: the file is "
+                                                  "truncated"))
             if listed and listed.get(key) != file.name:
-                problems.append(Finding("index_mismatch", key,
-                                        f"in {file.name}, but the index says {listed.get(key)!r}"))
+                problems.append(CheckpointProblem("index_mismatch", key,
+                                                  f"in {file.name}, but the index says "
+                                                  f"{listed.get(key)!r}"))
             entries[key] = Entry(key, shape, SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
                                  ((tuple(0 for _ in shape), shape),))
             where[key] = (file, start, begin, end)
     for key in sorted(set(listed) - set(entries)):
-        problems.append(Finding("index_mismatch", key,
-                                f"listed by the index in {listed[key]}, but that "
-                                "file's header does not have it"))
+        problems.append(CheckpointProblem("index_mismatch", key,
+                                          f"listed by the index in {listed[key]}, but that "
+                                          "file's header does not have it"))
     return CheckpointIndex(str(p), "safetensors", entries, tuple(problems),
                            reader=_SafetensorsReader(where, entries))
 
