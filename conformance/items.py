@@ -7,9 +7,9 @@ matrix runs on.  Each cell attaches its report record (a :class:`~conformance.re
 The session hands every item a :class:`CellContext` when it collects them: what a cell needs of the
 session, so an item never looks the session up (and this module never imports it).  A cell stopped
 by Ctrl-C or SIGTERM hands its record, status ``interrupted``, to the context's ``interrupted``
-list: pytest makes no report for it.  A save that fails for want of disk space or permission is an
-``error`` whose first line says where, how much space was free and on which rank
-(:func:`conformance.saves.disk_problem`).
+list: pytest makes no report for it.  A save that fails for want of disk space or permission stops
+the cell with the finding ``error``, whose first line says where, how much space was free and on
+which rank (:func:`conformance.saves.disk_problem`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,19 @@ import pytest
 from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
 from conformance.expectations import Baseline, Judgement
-from conformance.findings import ERROR, headline
+from conformance.findings import headline
 from conformance.matrix import Cell
 from conformance.members import Members
 from conformance.outcome import (
+    FAIL,
     INTERRUPTED,
+    NA,
+    STOPPED,
     CellOutcome,
     checkpoint_outcome,
     error_outcome,
     functions_outcome,
+    harness_outcome,
     judged_outcome,
 )
 from conformance.record import CellRecord, environment, function_record
@@ -157,12 +161,12 @@ class MatrixItem(pytest.Item):
     def runtest(self) -> None:
         started = time.perf_counter()
         if self.na:
-            self._finish("n/a", self.na, started)
+            self._finish(NA, self.na, started)
             pytest.skip(f"n/a: {self.na}")
         try:
             found = self.check()
         except pytest.skip.Exception as exc:
-            self._finish("n/a", str(exc.msg), started)
+            self._finish(NA, str(exc.msg), started)
             raise
         except WorldError as exc:  # the cause alone: the node id already names the call
             found = error_outcome(exc, self.environment_problem)
@@ -176,13 +180,12 @@ class MatrixItem(pytest.Item):
             raise
         except BaseException as exc:  # the harness's own failure in this process
             text = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            judgement = self._conclude(CellOutcome("error", f"{headline([ERROR])} {text}", [ERROR]),
-                                       started)
+            judgement = self._conclude(harness_outcome(text), started)
             if judgement is not None and judgement.met:
                 self._settle(judgement, exc)
             raise
         judgement = self._conclude(found, started)
-        self._settle(judgement, CellFailed(found.detail) if found.status == "fail" else None)
+        self._settle(judgement, CellFailed(found.detail) if found.status == FAIL else None)
 
     def _conclude(self, found: CellOutcome, started: float) -> Judgement | None:
         """The record of a cell that ran: its outcome, then its judgement against the
@@ -311,7 +314,7 @@ class FunctionsCellItem(MatrixItem):
         for r in self.function_records:
             self.user_properties.append((RECORD,
                                          json.dumps({**r, **(self.record.expectation or {})})))
-        if status in ("n/a", "error", INTERRUPTED):
+        if status in (NA, STOPPED, INTERRUPTED):
             self._attach()
         return judgement
 

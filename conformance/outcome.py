@@ -1,17 +1,25 @@
 """A cell's outcome as every report shows it: one word, what counts as red, what counts as expected.
 
-A finished record (:class:`~conformance.record.CellRecord`) has a pytest-facing ``status``
-(``pass``, ``fail``, ``error``, ``n/a``, ``interrupted``) and, when it is red, its ``findings``
-worst first (:mod:`conformance.findings`).  What a person reads is neither alone: a framework's loud
-refusal is an ``error`` to pytest (the cell could not run its checks) and ``refused`` to a release
-page.  So every consumer -- the terminal, the Markdown, HTML and JSON reports, expectations, the
-status table -- asks this module, and shows :func:`outcome`, never the status word:
+Two fields of a finished record (:class:`~conformance.record.CellRecord`) say what became of it,
+and their words never overlap:
 
-``pass``, ``silent``, ``on-disk``, ``refused``, ``error``, ``n/a``, ``interrupted``
+- ``status`` says how far the cell ran: its checks ran to their end and found nothing (``pass``)
+  or something (``fail``); it ``stopped`` before they ended (a rank raised, hung or died, or the
+  harness failed); it did not apply (``n/a``); the session was stopped while it ran
+  (``interrupted``).  Reports before schema 6 wrote ``error`` for ``stopped``; it is read as it.
+- ``outcome`` says what a person reads: ``pass``, the cell's worst finding (``silent``,
+  ``on-disk``, ``refused``, ``error``: :mod:`conformance.findings`), ``n/a`` or ``interrupted``.
+  A framework's loud refusal is ``stopped`` and ``refused``; ``error`` is only ever the finding
+  that the adapter or the harness failed.
 
-*Red* is a cell whose checks found something or could not run (:func:`is_red`); *expected* is a red
-cell the expectations file (or ``--moe-ep-tolerate``, or an update run that rewrote the file) says
-is red (:func:`is_expected`).  Each is defined here once.
+Every consumer -- the terminal, the JSON, Markdown, HTML and SVG reports, the step summary,
+expectations, the status table -- asks this module and shows :func:`outcome`.  *Red* is a cell
+that failed or stopped (:func:`is_red`; an interrupted cell is not red: it has no verdict);
+*expected* is a red cell the expectations file (or ``--moe-ep-tolerate``, or an update run that
+rewrote the file) says is red (:func:`is_expected`); the counts of both, and the sentence that
+says them, are :func:`expected_line` and :func:`expected_phrase`.  Each is defined here once, and
+so is whether a cell is green (:func:`is_green`: a legacy cell is green when every rank refused
+the lossy file).
 """
 
 from __future__ import annotations
@@ -42,15 +50,28 @@ if TYPE_CHECKING:
 
 #: a cell that does not apply to the adapter, and one that was running when the session was stopped.
 NA, INTERRUPTED = "n/a", "interrupted"
+#: a cell whose checks ran to their end and found something, and one that stopped before they ended.
+FAIL, STOPPED = "fail", "stopped"
+#: every ``status`` a record has, in the order the JSON's ``summary`` counts them.
+STATUSES = (PASS, FAIL, STOPPED, NA, INTERRUPTED)
+#: what reports before schema 6 wrote for :data:`STOPPED` (read as it; never written).
+OLD_STOPPED = "error"
 #: every outcome a report shows, in the order it lists them: green, the findings worst first, the
 #: rest.
 OUTCOMES = (PASS, *FINDINGS, NA, INTERRUPTED)
-#: the statuses of a red cell: its checks found something (``fail``) or it could not run them
-#: (``error``).
-RED_STATUSES = ("fail", "error")
+#: the statuses of a red cell: its checks found something, or it stopped before they ended.
+RED_STATUSES = (FAIL, STOPPED, OLD_STOPPED)
 #: how a red cell stood against the expectations when it was expected (``updated``: the run rewrote
 #: the file, which now expects it).
 EXPECTED_STATES = ("met", "tolerated", "updated")
+#: how a cell stood against the expectations when it did not come back as the file said.
+UNMET = "unmet"
+
+
+def status_of(record: Mapping[str, Any]) -> str:
+    """The record's status, an old report's ``error`` read as ``stopped``."""
+    found = str(record.get("status") or "")
+    return STOPPED if found == OLD_STOPPED else found
 
 
 def is_red(record: Mapping[str, Any]) -> bool:
@@ -61,12 +82,12 @@ def is_red(record: Mapping[str, Any]) -> bool:
 def outcome(record: Mapping[str, Any]) -> str:
     """The one word a report shows for the cell: ``pass``, its worst finding, ``n/a`` or
     ``interrupted``."""
-    status = record.get("status")
-    if status in RED_STATUSES:
+    found = record.get("status")
+    if found in RED_STATUSES:
         return str(record.get("finding") or ERROR)
-    if status == PASS:
+    if found == PASS:
         return PASS
-    return INTERRUPTED if status == INTERRUPTED else NA
+    return INTERRUPTED if found == INTERRUPTED else NA
 
 
 def judged_outcome(record: Mapping[str, Any]) -> str | None:
@@ -81,6 +102,11 @@ def is_expected(record: Mapping[str, Any]) -> bool:
     return is_red(record) and record.get("expectation") in EXPECTED_STATES
 
 
+def is_unmet(record: Mapping[str, Any]) -> bool:
+    """Whether the cell did not come back as the expectations file said (red or green)."""
+    return record.get("expectation") == UNMET
+
+
 def outcome_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """Cells counted by :func:`outcome`, every outcome named (``interrupted`` only when there is
     one)."""
@@ -88,10 +114,34 @@ def outcome_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return {o: counts.get(o, 0) for o in OUTCOMES if o != INTERRUPTED or counts.get(o)}
 
 
+def finding_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Red cells counted by their finding (the worst one), every finding named."""
+    counts = outcome_counts(records)
+    return {f: counts.get(f, 0) for f in FINDINGS}
+
+
+def status_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Cells counted by :func:`status_of`, every status named (``interrupted`` only when there is
+    one)."""
+    counts = Counter(status_of(r) for r in records)
+    return {s: counts.get(s, 0) for s in STATUSES if s != INTERRUPTED or counts.get(s)}
+
+
 def expected_line(records: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     """``(expected, red)``: how many red cells were expected, of how many."""
     red = [r for r in records if is_red(r)]
     return sum(is_expected(r) for r in red), len(red)
+
+
+def expected_phrase(records: Iterable[Mapping[str, Any]]) -> str:
+    """``N of M red cell(s) expected``: the words every output says :func:`expected_line` in."""
+    expected, red = expected_line(records)
+    return f"{expected} of {red} red cell(s) expected"
+
+
+def judged(records: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether any cell was judged against expectations (else "expected" says nothing)."""
+    return any(r.get("expectation") for r in records)
 
 
 # -- the outcome of a cell, from what its ranks sent -----------------------------------------------
@@ -132,7 +182,7 @@ def _check_findings(cell: Cell, verdicts: Iterable[RankVerdict]) -> list[str]:
     verdicts = list(verdicts)
     found = [CHECK_FINDING.get(m.check, ERROR) for v in verdicts for m in v.mismatches]
     found += [CHECK_FINDING.get(p.check, ERROR) for v in verdicts for p in v.problems]
-    if cell.legacy and not all(v.refused for v in verdicts):
+    if cell.legacy and not _all_refused(verdicts):
         # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised
         # loud
         found.append(ON_DISK)
@@ -176,17 +226,32 @@ def _passed(verdicts: Iterable[RankVerdict], problems: list[dict[str, Any]]) -> 
     return [c for c in LISTED if all(c in v.ran for v in verdicts) and c not in failed]
 
 
+def _all_refused(verdicts: Iterable[RankVerdict]) -> bool:
+    """Every rank refused the legacy (lossy) checkpoint: what a legacy cell must do."""
+    return all(v.refused for v in verdicts)
+
+
+def is_green(cell: Cell, verdicts: list[RankVerdict]) -> bool:
+    """Whether a checkpoint cell whose every rank returned its verdict passes: a legacy cell when
+    every rank refused the lossy file (whatever else it found: nothing was loaded), any other cell
+    when no rank found a difference or a problem."""
+    if cell.legacy:
+        return _all_refused(verdicts)
+    return not any(v.mismatches or v.problems for v in verdicts)
+
+
 def checkpoint_outcome(cell: Cell, verdicts: list[RankVerdict], adapter: str) -> CellOutcome:
     """A checkpoint cell whose every rank returned its verdict."""
-    status, detail = summarize(cell, verdicts, adapter)
-    if status == PASS:
+    green = is_green(cell, verdicts)
+    detail = summarize(cell, verdicts, adapter, green)
+    if green:
         return CellOutcome(PASS, detail, passed=_passed(verdicts, []))
     findings = _check_findings(cell, verdicts) or [ERROR]
     problems = _problems(verdicts)
     passed = _passed(verdicts, problems)
     if passed:
         detail += f"\nchecks that passed: {', '.join(passed)}"
-    return CellOutcome("fail", f"{headline(findings)} {detail}", findings, problems, passed=passed)
+    return CellOutcome(FAIL, f"{headline(findings)} {detail}", findings, problems, passed=passed)
 
 
 def rank_verdicts(error: WorldError) -> dict[int, RankVerdict]:
@@ -215,7 +280,7 @@ def error_outcome(error: WorldError, environment: str = "") -> CellOutcome:
     detail = f"{headline(findings)} {_lead(findings, blamed)}{error.cause}"
     if passed:
         detail += f"\nchecks that passed before it: {', '.join(passed)}"
-    return CellOutcome("error", detail, findings, problems, errors or None, passed)
+    return CellOutcome(STOPPED, detail, findings, problems, errors or None, passed)
 
 
 def _lead(findings: list[str], blamed: list[RankVerdict]) -> str:
@@ -265,36 +330,58 @@ def _without_place(text: str, raised_at: str) -> str:
     return text
 
 
+def harness_outcome(text: str) -> CellOutcome:
+    """A cell the harness's own code failed in this process (not on a rank): it stopped, and the
+    finding is ``error``, not one about the framework."""
+    return CellOutcome(STOPPED, f"{headline([ERROR])} {text}", [ERROR])
+
+
 def functions_outcome(cell: Any, records: list[dict[str, Any]]) -> CellOutcome:
     """A functions cell from its functions' merged records: a function that answers wrong without a
     word is ``silent``."""
-    status, detail = summarize_functions(cell, records)
-    if status == PASS:
+    green = all(r.get("status") == PASS for r in records)
+    detail = summarize_functions(cell, records, green)
+    if green:
         return CellOutcome(PASS, detail)
-    return CellOutcome("fail", f"{headline([SILENT])} {detail}", [SILENT])
+    return CellOutcome(FAIL, f"{headline([SILENT])} {detail}", [SILENT])
 
 
-#: a functions record's finding by its status: a function that answers wrong without a word is
-#: silent.
-FUNCTION_FINDING = {"fail": SILENT, "error": ERROR}
+def function_findings(record: Mapping[str, Any]) -> list[str]:
+    """One function's findings from its merged record: one that answers wrong without a word is
+    ``silent``; one that stopped (or an old report's ``error``) is ``error``; a pass has none."""
+    found = status_of(record)
+    return [SILENT] if found == FAIL else [ERROR] if found == STOPPED else []
 
 
 __all__ = [
     "EXPECTED_STATES",
-    "FUNCTION_FINDING",
+    "FAIL",
     "INTERRUPTED",
     "NA",
+    "OLD_STOPPED",
     "OUTCOMES",
     "RED_STATUSES",
+    "STATUSES",
+    "STOPPED",
+    "UNMET",
     "CellOutcome",
     "checkpoint_outcome",
     "error_outcome",
     "expected_line",
+    "expected_phrase",
+    "finding_counts",
+    "function_findings",
     "functions_outcome",
+    "harness_outcome",
     "is_expected",
+    "is_green",
     "is_red",
+    "is_unmet",
+    "judged",
     "judged_outcome",
     "outcome",
     "outcome_counts",
     "rank_verdicts",
+    "status_counts",
+    "status_of",
 ]

@@ -5,7 +5,8 @@ Each matrix item builds one :class:`CellRecord` and attaches :meth:`CellRecord.t
 report (:data:`~conformance.report.RECORD`); :mod:`conformance.report` reads the dicts, whether they
 come from this process, an xdist worker or a ``pytest-reportlog`` log.  A functions cell's report is
 one record per function (:func:`function_record`); its own record is kept only when it has no
-per-function records (``n/a``, ``error``, ``interrupted``).
+per-function records (``n/a``, ``stopped``, ``interrupted``).  What a record's ``status`` and
+findings mean, and every word a report shows for them, is :mod:`conformance.outcome`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.outcome import FUNCTION_FINDING
+from conformance.outcome import function_findings
 
 
 @dataclass
@@ -35,7 +36,7 @@ class CellRecord:
     timings: dict[str, float] | None = None
     shared_save: bool | None = None
     skipped_checks: dict[str, str] | None = None
-    #: an ``error`` cell: each distinct rank error in full, by rank.
+    #: a ``stopped`` cell: each distinct rank error in full, by rank.
     errors: dict[str, str] | None = None
     #: the environment, once the cell finished: torch's version, the world size and the backend
     #: used.
@@ -81,10 +82,10 @@ def environment(torch: str, world_size: int, backend: str) -> dict[str, Any]:
 
 def function_record(cell: CellRecord, merged: dict[str, Any], torch: str) -> dict[str, Any]:
     """The report's record of one function of a functions cell, from its ranks' merged record."""
-    found = FUNCTION_FINDING.get(str(merged.get("status")))
+    found = function_findings(merged)
     return {"id": f"{cell.id}::{merged['function']}", "adapter": cell.adapter,
             "adapter_version": cell.adapter_version, "duration_s": 0.0, "torch": torch, **merged,
-            **({"finding": found, "findings": [found]} if found else {})}
+            **({"finding": found[0], "findings": found} if found else {})}
 
 
 __all__ = ["CellRecord", "environment", "function_record"]

@@ -67,13 +67,13 @@ def test_deepspeed_matrix_as_found(pytester: pytest.Pytester,
         by_status.setdefault(cell["status"], set()).add(cell_id)
     assert by_status.get("pass", set()) == PASSING, {i: cells[i]["detail"]
                                                      for i in PASSING ^ by_status["pass"]}
-    assert by_status.get("error", set()) == set(OPTIMIZER_RESHARD)
+    assert by_status.get("stopped", set()) == set(OPTIMIZER_RESHARD)
     assert by_status.get("fail", set()) == set()
     na: dict[str, int] = {}
     for cell_id in by_status.get("n/a", set()):
         na[cells[cell_id]["detail"]] = na.get(cells[cell_id]["detail"], 0) + 1
     assert na == NOT_APPLICABLE
-    assert doc["summary"] == {"pass": 9 + 3, "fail": 0, "error": 6, "n/a": 94}
+    assert doc["summary"] == {"pass": 9 + 3, "fail": 0, "stopped": 6, "n/a": 94}
 
     for cell_id in PASSING:
         assert "the ep=1 ground truth bit for bit" in cells[cell_id]["detail"], cells[cell_id]
@@ -123,7 +123,7 @@ def test_seeded_deepspeed_bugs_are_caught(pytester: pytest.Pytester,
     doc = json.loads((Path(out) / "moe-ep-conformance.json").read_text())
     cells = {c["id"]: c for c in doc["cells"]}
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
-    assert doc["summary"] == {"pass": 0, "fail": 4, "error": 0,
+    assert doc["summary"] == {"pass": 0, "fail": 4, "stopped": 0,
                               "n/a": 0}, {i: c["detail"] for i, c in cells.items()}
     keys = {"unpacked": "layers.0.moe.deepspeed_moe.experts.deepspeed_experts.{g}.down.weight",
             "packed": "model.layers.0.mlp.experts.{g}.w1"}

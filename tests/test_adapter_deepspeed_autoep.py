@@ -77,7 +77,7 @@ def run_cells(pytester: pytest.Pytester, cls: str,
                              "-k", selection)
     assert doc["adapter"]["version"] == "0.19.8", doc["adapter"]
     cells, statuses, na = by_status(doc)
-    failed = statuses.get("fail", set()) | statuses.get("error", set())
+    failed = statuses.get("fail", set()) | statuses.get("stopped", set())
     assert result.ret == (pytest.ExitCode.TESTS_FAILED if failed
                           else pytest.ExitCode.OK), result.stdout.str()[-3000:]
     return cells, statuses, na
@@ -96,7 +96,7 @@ def test_zero1_universal_and_native_loads(pytester: pytest.Pytester) -> None:
                ID.format(state="model", s=4, t=4)}
     unconvertible = ID.format(state="model", s=2, t=4)
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"] for i in cells}
-    assert statuses.get("error", set()) == {unconvertible}
+    assert statuses.get("stopped", set()) == {unconvertible}
     assert (set(cells) - passing - {unconvertible}
             == {"moe-ep-matrix::checkpoint::legacy::packed::ep2->ep4"})
     for cell_id in passing:
@@ -203,7 +203,7 @@ def test_bf16_optimizer_step_after_universal_load_is_refused(pytester: pytest.Py
     native, universal = ID.format(state="model+optim", s=2,
                                   t=2), ID.format(state="model+optim", s=2, t=1)
     assert statuses.get("pass", set()) == {native}, {i: cells[i]["detail"] for i in cells}
-    assert statuses.get("error", set()) == {universal}, {i: cells[i]["detail"] for i in cells}
+    assert statuses.get("stopped", set()) == {universal}, {i: cells[i]["detail"] for i in cells}
     assert BIT_FOR_BIT in cells[native]["detail"], cells[native]
     cell = cells[universal]
     assert cell["finding"] == "refused", cell

@@ -174,7 +174,7 @@ def test_megatron_matrix_as_found(pytester: pytest.Pytester) -> None:
     passing = MODEL | OPTIM_PASS | LEGACY
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"]
                                                     for i in passing ^ statuses["pass"]}
-    assert statuses.get("error", set()) == set(OPTIM_ERROR)
+    assert statuses.get("stopped", set()) == set(OPTIM_ERROR)
     assert statuses.get("fail", set()) == OPTIM_FAIL
     assert na == NOT_APPLICABLE
     for cell_id in OPTIM_FAIL:  # Megatron's ChainedOptimizer at ep > 1 renames every optimizer key
@@ -237,7 +237,7 @@ def test_megatron_cells_saved_at_ep2_as_found(pytester: pytest.Pytester) -> None
                              "-k", "save_ep2 and not load_ep4", *expectations_args("megatron"))
     assert_as_expected(result, doc)
     cells = assert_slice_as_found(doc, {"pass": MODEL | OPTIM_PASS | LEGACY, "fail": OPTIM_FAIL,
-                                        "error": set(OPTIM_ERROR)})
+                                        "stopped": set(OPTIM_ERROR)})
     for cell_id, cell in cells.items():
         if cell_id in OPTIM_FAIL:
             assert re.match(r"\[checkpoint\] checkpoint: layer 0, key "
@@ -273,7 +273,7 @@ def test_megatron_expert_tensor_parallel_cells_as_found(pytester: pytest.Pyteste
     # held against ci/expectations/megatron.toml: the session is green
     cells = assert_as_expected(result, doc)
     _, statuses, _ = by_status(doc)
-    assert statuses == {"pass": ETP_PASS, "fail": ETP_FAIL, "error": ETP_ERROR}, \
+    assert statuses == {"pass": ETP_PASS, "fail": ETP_FAIL, "stopped": ETP_ERROR}, \
         {i: c["detail"][:300] for i, c in cells.items()}
     # every value came back; the keys are re-keyed
     assert {cells[i]["finding"] for i in ETP_FAIL} == {"on-disk"}

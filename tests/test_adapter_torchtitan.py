@@ -75,7 +75,7 @@ def test_torchtitan_partial_dtensor_passes_every_packed_cell(pytester: pytest.Py
     assert statuses.get("pass", set()) == passing, {i: cells[i]["detail"]
                                                     for i in passing - statuses["pass"]}
     assert na == PACKED_ONLY_NOT_APPLICABLE
-    assert doc["summary"] == {"pass": 36 + 8, "fail": 0, "error": 0, "n/a": 68}
+    assert doc["summary"] == {"pass": 36 + 8, "fail": 0, "stopped": 0, "n/a": 68}
     assert_even_cells_pass(cells)
     for cell_id, (s, t) in E5.items():
         assert (cells[cell_id]["save_ep"], cells[cell_id]["load_ep"],
@@ -124,9 +124,9 @@ def test_torchtitan_local_shows_the_plain_local_expert_trap(pytester: pytest.Pyt
                                                     for i in passing ^ statuses["pass"]}
     assert statuses.get("fail", set()) == silent, {i: cells[i]["detail"]
                                                    for i in silent ^ statuses["fail"]}
-    assert statuses.get("error", set()) == reshard | fsdp | set(E5)
+    assert statuses.get("stopped", set()) == reshard | fsdp | set(E5)
     assert na == PACKED_ONLY_NOT_APPLICABLE
-    assert doc["summary"] == {"pass": 2, "fail": 4, "error": 6 * 2 + 18 + 8, "n/a": 68}
+    assert doc["summary"] == {"pass": 2, "fail": 4, "stopped": 6 * 2 + 18 + 8, "n/a": 68}
 
     for cell_id in passing:
         assert BIT_FOR_BIT in cells[cell_id]["detail"], cells[cell_id]

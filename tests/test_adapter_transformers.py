@@ -95,7 +95,7 @@ def test_transformers_matrix_subset_passes_fsdp_and_hsdp_cells_and_names_what_is
                 and ALL_CHECKS in cells[cell_id]["detail"]), cells[cell_id]
     na = {i: cells[i]["detail"] for i in statuses.get("n/a", set()) if i in NOT_APPLICABLE}
     assert na == NOT_APPLICABLE
-    assert statuses.get("error", set()) == {UNEVEN}, statuses
+    assert statuses.get("stopped", set()) == {UNEVEN}, statuses
     assert UNEVEN_REFUSAL in cells[UNEVEN]["detail"], cells[UNEVEN]["detail"]
     assert cells[UNEVEN]["finding"] == "refused", cells[UNEVEN]
     assert "fail" not in statuses
@@ -174,7 +174,7 @@ def test_a_load_that_zeroes_the_expert_bias_is_red_in_every_default_cell(
     _, doc = run(pytester, "--moe-ep-matrix", "--moe-ep-adapter=seeded_bias:BuffersZeroedOnLoad")
     cells, statuses, _ = by_status(doc)
     ran = {i: c for i, c in cells.items() if c["status"] != "n/a" and not c["legacy"]}
-    red = {i for i, c in ran.items() if c["status"] in ("fail", "error")}
+    red = {i for i, c in ran.items() if c["status"] in ("fail", "stopped")}
     assert len(red) >= 0.9 * len(ran), {i: c["status"] for i, c in ran.items()}
     assert statuses.get("fail") and not statuses.get("pass"), statuses
     for cell_id in statuses["fail"]:
@@ -183,7 +183,7 @@ def test_a_load_that_zeroes_the_expert_bias_is_red_in_every_default_cell(
         assert cell["finding"] == "silent" and "mlp.gate.e_score_correction_bias'" in first, first
         caught = {"values", "forward"} | ({"resume"} if cell["state"] == "model+optim" else set())
         assert caught <= {p["check"] for p in cell["problems"]}, cell["problems"]
-    for cell_id in statuses.get("error", set()):
+    for cell_id in statuses.get("stopped", set()):
         cell = cells[cell_id]
         assert cell["num_experts"] == 5 and cell["finding"] == "refused", cell
 

@@ -483,7 +483,7 @@ def test_a_full_disk_is_a_cell_error_naming_directory_space_and_rank(pytester: p
     # Both cells loading the ep=2 save ran: the first one's failure did not stop the matrix.
     assert [c["id"].rsplit("::", 1)[1] for c in doc["cells"]] == ["ep2->ep1", "ep2->ep2"], text
     for cell in doc["cells"]:
-        assert cell["status"] == "error"
+        assert cell["status"] == "stopped"
         first = cell["detail"].splitlines()[0]
         assert first.startswith("error: save failed: no space left on device (ENOSPC) writing "
                                 f"{disk}/"), first

@@ -51,7 +51,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(
     result, doc = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}",
                       "--moe-ep-update-expectations", "-k", SLICE, tier=SLICE_TIER)
     assert result.ret == 0, result.stdout.str()[-3000:]
-    red = {c["id"]: c for c in doc["cells"] if c["status"] in ("fail", "error")}
+    red = {c["id"]: c for c in doc["cells"] if c["status"] in ("fail", "stopped")}
     green = [c["id"] for c in doc["cells"] if c["status"] == "pass"]
     assert red and green
     for cell in red.values():  # every red cell has a finding; the legacy save is lossy: on-disk
@@ -82,7 +82,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(
     result.stdout.fnmatch_lines(["XFAIL *on-disk as expected (*): on-disk, *"])
     assert doc["expectations"]["counts"] == {"met": len(doc["cells"])}
     md = (pytester.path / "out" / "moe-ep-conformance.md").read_text()
-    assert (f"{len(red)} of {len(red)} red cell(s) were expected" in md
+    assert (f"{len(red)} of {len(red)} red cell(s) expected" in md
             and "legacy saves local names, see docs" in md)
     assert f"**{len(red)} on-disk** cell(s); the first: `" in md
 
@@ -120,7 +120,7 @@ def test_legacy_baseline_is_written_held_and_shows_what_another_adapter_fixed(
     result, doc = run(pytester, "--moe-ep-adapter=legacy", f"--moe-ep-expectations={baseline}",
                       "--moe-ep-update-expectations", "-k", ran, out="slice", tier=SLICE_TIER)
     assert result.ret == 0
-    touched = {c["id"] for c in doc["cells"] if c["status"] in ("fail", "error")}
+    touched = {c["id"] for c in doc["cells"] if c["status"] in ("fail", "stopped")}
     after = parse(baseline, baseline.read_text())
     assert touched and touched != set(red)
     for entry in after.entries:
@@ -229,7 +229,7 @@ def test_a_framework_refusal_keeps_its_file_and_line_and_an_adapter_bug_is_an_er
         pytester: pytest.Pytester) -> None:
     result, doc = run_report_with_refusing_adapter(pytester, "RefusesEp4",
                                                    "--moe-ep-tolerate=refused")
-    red = [c for c in doc["cells"] if c["status"] == "error"]
+    red = [c for c in doc["cells"] if c["status"] == "stopped"]
     # tolerated: xfailed, and still reported
     assert red and result.ret == 0, result.stdout.str()[-3000:]
     result.assert_outcomes(xfailed=len(red), passed=len(doc["cells"]) - len(red))
@@ -249,7 +249,7 @@ def test_a_framework_refusal_keeps_its_file_and_line_and_an_adapter_bug_is_an_er
                                                    "--moe-ep-tolerate=refused")
     # an adapter's error is not the framework's refusal
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    red = [c for c in doc["cells"] if c["status"] == "error"]
+    red = [c for c in doc["cells"] if c["status"] == "stopped"]
     assert red
     for cell in red:
         assert cell["finding"] == "error", cell

@@ -109,7 +109,7 @@ def _run(pytester: pytest.Pytester, adapter: str, select: str) -> dict[str, dict
 def _red(cells: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Failing cell -> its first line after the findings it leads with."""
     return {i: c["detail"].splitlines()[0].split(": ", 1)[1] for i, c in cells.items()
-            if c["status"] in ("fail", "error")}
+            if c["status"] in ("fail", "stopped")}
 
 
 def test_experts_swapped_in_every_export_is_red_in_every_export_cell(

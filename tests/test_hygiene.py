@@ -394,7 +394,7 @@ def test_a_hang_in_a_matrix_cell_is_reported_as_one(pytester: pytest.Pytester) -
     assert expected in text and "in save); rank 0 waiting in a collective" in text, text
     doc = json.loads((out / "moe-ep-conformance.json").read_text())
     [cell] = doc["cells"]
-    assert cell["status"] == "error"
+    assert cell["status"] == "stopped"
     assert (cell["detail"].startswith(f"error: {expected}")
             and "sleepy.py:" in cell["detail"]), cell["detail"]
     assert cell["detail"].endswith("in save); rank 0 waiting in a collective"), cell["detail"]
@@ -406,7 +406,7 @@ def test_a_hang_in_a_matrix_cell_is_reported_as_one(pytester: pytest.Pytester) -
     assert "1 error," in markdown and "1 errors" not in markdown and "1 errors" not in text
     assert "A blank table cell is a (save, load) layout pair this run did not include" in text
     prop = ElementTree.parse(out / "junit.xml").find(".//property[@name='moe_ep_record']")
-    assert prop is not None and json.loads(prop.get("value", ""))["status"] == "error"
+    assert prop is not None and json.loads(prop.get("value", ""))["status"] == "stopped"
 
 
 # -- 13.3, 13.4, 13.5, 13.9: bad input is a usage error that names what was wrong, before any world

@@ -77,7 +77,8 @@ def test_every_red_cell_is_a_square_titled_with_its_id_and_finding(
     # the fused cells: one on-disk, four refused (the old save's gate_up_w is not the fused form)
     assert doc["outcomes"] == {"pass": 15, "silent": 0, "on-disk": 42, "refused": 6, "error": 0,
                                "n/a": 2}
-    assert doc["summary"]["error"] == 48  # pytest's view, kept: a loud refusal is an error to it
+    # how far each ran: a loud refusal stopped the cell; "error" is only ever a finding
+    assert doc["summary"]["stopped"] == 48 and "error" not in doc["summary"], doc["summary"]
     found, where = squares(out), anchors(c["id"] for c in doc["cells"])
     assert set(found) == {c["id"] for c in doc["cells"]}  # every cell, red or not, is one square
     for cell in doc["cells"]:
@@ -305,15 +306,19 @@ def record(cell_id: str, status: str, finding: str | None = None, **extra: Any) 
 
 
 def test_a_loud_refusal_is_refused_everywhere_and_the_json_counts_outcomes(tmp_path: Path) -> None:
-    records = [record("ep1->ep2", "error", "refused"), record("ep2->ep1", "fail", "silent"),
+    records = [record("ep1->ep2", "stopped", "refused"), record("ep2->ep1", "fail", "silent"),
                record("ep1->ep1", "pass"), record("ep2->ep2", "n/a")]
     write_report(tmp_path, records, backend="gloo", world_size=4, tier="default", experts=(4, 5),
                  adapter_option="acme_ckpt:Adapter")
     doc = read_report(tmp_path / JSON_NAME)
-    assert doc["schema_version"] == 5
+    assert doc["schema_version"] == 6
     assert doc["outcomes"] == {"pass": 1, "silent": 1, "on-disk": 0, "refused": 1, "error": 0,
                                "n/a": 1}
-    assert doc["summary"] == {"pass": 1, "fail": 1, "error": 1, "n/a": 1}
+    assert doc["summary"] == {"pass": 1, "fail": 1, "stopped": 1, "n/a": 1}
+    # every cell holds its outcome; the refused one's status says only that it stopped
+    assert {c["id"].rsplit("::", 1)[1]: (c["status"], c["outcome"]) for c in doc["cells"]} == {
+        "ep1->ep2": ("stopped", "refused"), "ep2->ep1": ("fail", "silent"),
+        "ep1->ep1": ("pass", "pass"), "ep2->ep2": ("n/a", "n/a")}
     markdown = render_markdown(doc)
     assert "1 pass, 1 silent, 0 on-disk, 1 refused, 0 error, 1 n/a" in markdown
     assert "ERROR" not in markdown and "FAIL" not in markdown
@@ -321,7 +326,7 @@ def test_a_loud_refusal_is_refused_everywhere_and_the_json_counts_outcomes(tmp_p
     assert refused["rerun"] == ('pytest --moe-ep-matrix --moe-ep-adapter=acme_ckpt:Adapter -k '
                                 '"checkpoint::packed::model::ep-only::ep1- and load_ep2 and '
                                 'load_dp_shard2 and load_strided"')
-    for old in (4, 3):  # earlier schemas are still read
+    for old in (5, 4, 3):  # earlier schemas are still read
         path = tmp_path / f"v{old}.json"
         path.write_text(json.dumps({**doc, "schema_version": old}))
         assert read_report(path)["schema_version"] == old
@@ -333,6 +338,7 @@ def _short(changes: list[Change]) -> list[str]:
 
 def test_the_diff_keeps_newly_failing_newly_passing_and_changed_findings_apart(
         tmp_path: Path) -> None:
+    # "error": what a record before schema 6 said for "stopped", still read as it
     old = build_report([record("ep1->ep2", "pass"), record("ep2->ep1", "fail", "on-disk"),
                         record("ep1->ep1", "error", "refused"), record("ep2->ep2", "pass"),
                         record("ep1->ep4", "n/a"), record("ep4->ep1", "fail", "silent")],
@@ -412,7 +418,7 @@ def test_the_status_table_gets_a_stacked_bar_per_framework(tmp_path: Path) -> No
 
     write_report(tmp_path / "reports" / "acme",
                  [record("ep1->ep2", "fail", "silent"), record("ep1->ep1", "pass"),
-                  record("ep2->ep1", "error", "refused"), record("ep2->ep2", "n/a")],
+                  record("ep2->ep1", "stopped", "refused"), record("ep2->ep2", "n/a")],
                  backend="gloo", world_size=4, tier="full")
     write_report(tmp_path / "reports" / "fixed", [record("ep1->ep2", "pass")], backend="gloo",
                  world_size=4, tier="full")
@@ -437,7 +443,7 @@ def test_the_status_table_gets_a_stacked_bar_per_framework(tmp_path: Path) -> No
 def test_the_step_summary_shows_the_grid_as_text_squares_and_the_rerun_commands(
         tmp_path: Path) -> None:
     write_report(tmp_path, [record("ep1->ep2", "fail", "silent"), record("ep1->ep1", "pass"),
-                            record("ep2->ep1", "error", "refused", expectation="met",
+                            record("ep2->ep1", "stopped", "refused", expectation="met",
                                    expected="refused", expected_reason="acme cannot")],
                  backend="gloo", world_size=4, tier="default", experts=(4, 5))
     done = subprocess.run([sys.executable, "-m", "conformance.report", "summary",

@@ -6,7 +6,8 @@ process that sees every report (the only process, or xdist's controller) writes,
 
     moe-ep-conformance.json      schema_version, adapter, torch, backend (the one used), world_size,
                                  tier and coverage, experts, created, summary (cells per status),
-                                 outcomes (cells per outcome), findings, rerun, cells
+                                 outcomes (cells per outcome), findings, rerun, cells (each with
+                                 its status and its outcome)
     moe-ep-conformance-grid-<kind>-<state>.svg
                                  a picture per layer kind and state (and per kind of legacy
                                  cells, and the functions suite): save layouts down, load layouts
@@ -18,8 +19,9 @@ process that sees every report (the only process, or xdist's controller) writes,
     moe-ep-conformance.html      the same, self-contained, the pictures inline
 
 A cell is shown by its *outcome* (:mod:`conformance.outcome`: ``pass``, ``silent``, ``on-disk``,
-``refused``, ``error``, ``n/a``, ``interrupted``); a record's ``status`` is pytest's view, kept in
-the JSON.
+``refused``, ``error``, ``n/a``, ``interrupted``), which every cell of the JSON holds; its
+``status`` says only how far it ran (``pass``, ``fail``, ``stopped``, ``n/a``, ``interrupted``),
+so that ``error`` is only ever a finding.
 
 ``python -m conformance.report OLD.json NEW.json [--out DIR]`` prints and writes (into DIR, else
 beside NEW: ``moe-ep-conformance-diff.md`` and ``.svg``) the cells newly failing, newly passing and
@@ -47,8 +49,16 @@ from pathlib import Path
 from typing import Any
 
 from conformance.matrix import uneven_reach
-from conformance.outcome import INTERRUPTED, outcome_counts
-from conformance.report.cells import anchors, finding_counts, grids, square_title
+from conformance.outcome import (
+    INTERRUPTED,
+    STATUSES,
+    finding_counts,
+    outcome,
+    outcome_counts,
+    status_counts,
+    status_of,
+)
+from conformance.report.cells import anchors, grids, square_title
 from conformance.report.diff import ReportDiff, compare_reports
 from conformance.report.files import (
     HTML_NAME,
@@ -75,16 +85,6 @@ OUTCOME = "moe_ep_outcome"
 #: a cell item's setup report carries the session's final selection (after ``-k``), for
 #: ``--from-log``.
 SELECTION = "moe_ep_selection"
-#: pytest's statuses, counted in ``summary``; ``interrupted`` only when a cell was.
-STATUSES = ("pass", "fail", "error", "n/a")
-
-
-def _summary(records: Iterable[dict[str, Any]]) -> dict[str, int]:
-    counts = Counter(r["status"] for r in records)
-    shown = (*STATUSES, *((INTERRUPTED,) if counts.get(INTERRUPTED) else ()))
-    return {s: counts.get(s, 0) for s in shown}
-
-
 def expectation_counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
     """Cells counted by how they stood against the expectations file (only cells judged)."""
     counts = Counter(r["expectation"] for r in records if r.get("expectation"))
@@ -120,6 +120,8 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
     commands = reruns(cells, tier=tier, world_size=world_size, experts=experts,
                       adapter=adapter_option)
     for cell in cells:
+        # a record from an older log says ``error`` for ``stopped``: the report is at this schema
+        cell["status"], cell["outcome"] = status_of(cell), outcome(cell)
         if cell["id"] in commands.commands:
             cell["rerun"] = commands.commands[cell["id"]]
     not_run = sorted(not_run)
@@ -137,7 +139,7 @@ def build_report(records: list[dict[str, Any]], *, backend: str, world_size: int
         "experts": experts,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
-        "summary": _summary(cells),
+        "summary": status_counts(cells),
         "outcomes": outcome_counts(cells),
         "findings": finding_counts(cells),
         "expectations": judged,

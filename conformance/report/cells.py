@@ -4,8 +4,9 @@ The Markdown, the HTML page, the SVG pictures, the step summary and the terminal
 cells the same way, so the rules live here once: a cell's *anchor* (the id its entry carries and its
 square links to), the *grid* it is drawn in (one per layer kind and state: save layouts down, load
 layouts across, one panel per FSDP mode and expert count), the order red cells are listed in (worst
-first) and the line each one leads with.  Outcomes are :mod:`conformance.outcome`'s words.  This
-module reads report records (dicts) and imports nothing of the report package, which imports it.
+first) and the line each one leads with.  Outcomes, what is red, what is expected and their counts
+are :mod:`conformance.outcome`'s, asked here and never re-derived.  This module reads report records
+(dicts) and imports nothing of the report package, which imports it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import Any
 
 from conformance.findings import FINDINGS, ON_DISK, SILENT
 from conformance.matrix import guarantee
-from conformance.outcome import is_red, outcome, outcome_counts
+from conformance.outcome import (
+    expected_phrase,
+    finding_counts,
+    is_red,
+    is_unmet,
+    judged,
+    outcome,
+    outcome_counts,
+)
 from pytest_moe_ep.text import shorten
 from reference_impl.layout import UNEVEN_CLASSES
 
@@ -67,25 +76,34 @@ def expectation_note(record: Record, bold: str = "") -> str:
         return f" (expected: {record.get('expected_reason') or state})"
     if state == "tolerated":
         return " (tolerated)"
+    if state == "updated" and is_red(record):
+        return " (expected: the expectations file was updated to expect it)"
     if state == "unmet":
         return f" ({bold}unexpected{bold}: expected {record.get('expected')})"
     return ""
 
 
 def expectations_summary(report: Mapping[str, Any], code: str = "`") -> str:
-    """``N of M red cell(s) were expected (FILE); K cell(s) did not come back as expected.``
-    ("" without expectations; ``code`` quotes the file's name)."""
+    """``N of M red cell(s) expected (FILE); K cell(s) did not come back as expected.`` ("" without
+    expectations; ``code`` quotes the file's name)."""
     info = report.get("expectations")
     if not info:
         return ""
     cells = report["cells"]
-    red = [r for r in cells if is_red(r)]
-    expected = [r for r in red if r.get("expectation") in ("met", "tolerated")]
-    unmet = [r for r in cells if r.get("expectation") == "unmet"]
+    unmet = sum(is_unmet(r) for r in cells)
     source = f"{code}{info['file']}{code}" if info.get("file") else "no expectations file"
     tolerated = f", tolerating {', '.join(info['tolerate'])}" if info.get("tolerate") else ""
-    return (f"{len(expected)} of {len(red)} red cell(s) were expected ({source}{tolerated}); "
-            f"{len(unmet)} cell(s) did not come back as expected.")
+    updated = ", updated by this run" if info.get("update") else ""
+    return (f"{expected_phrase(cells)} ({source}{tolerated}{updated}); "
+            f"{unmet} cell(s) did not come back as expected.")
+
+
+def grid_label(grid: Grid) -> str:
+    """A picture's name for its alt text and accessible label: ``TITLE: N cells, R red`` and, when
+    its cells were judged, ``; E of R red cell(s) expected``."""
+    records = grid.records()
+    label = f"{grid.title}: {len(records)} cells, {sum(is_red(r) for r in records)} red"
+    return f"{label}; {expected_phrase(records)}" if judged(records) else label
 
 
 def square_title(record: Record) -> str:
@@ -102,12 +120,6 @@ def worst_first(record: Record) -> tuple[int, str]:
 def red_cells(records: Iterable[Record]) -> list[Record]:
     """The red cells, worst first."""
     return sorted((r for r in records if is_red(r)), key=worst_first)
-
-
-def finding_counts(records: Iterable[Record]) -> dict[str, int]:
-    """Red cells counted by their finding (the worst one), every finding named."""
-    counts = outcome_counts(records)
-    return {f: counts.get(f, 0) for f in FINDINGS}
 
 
 def counts_line(records: Iterable[Record]) -> str:
@@ -256,6 +268,6 @@ def _panel_order(title: str) -> tuple[int, int]:
 
 
 __all__ = ["Grid", "Panel", "anchors", "counts_line", "coverage_items", "expectation_note",
-           "expectations_summary",
-           "finding_counts", "first_line", "grids", "layout_name", "layout_order", "lead_lines",
-           "red_cells", "short_id", "square_title", "worst_first"]
+           "expectations_summary", "finding_counts", "first_line", "grid_label", "grids",
+           "layout_name", "layout_order", "lead_lines", "red_cells", "short_id", "square_title",
+           "worst_first"]

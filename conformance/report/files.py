@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 5
-READS = (1, 2, 3, 4, SCHEMA_VERSION)
+SCHEMA_VERSION = 6
+READS = (1, 2, 3, 4, 5, SCHEMA_VERSION)
 JSON_NAME = "moe-ep-conformance.json"
 MD_NAME = "moe-ep-conformance.md"
 HTML_NAME = "moe-ep-conformance.html"

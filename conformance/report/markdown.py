@@ -14,7 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from conformance.findings import ERROR, FINDINGS, MEANING, ON_DISK, PASS, REFUSED, SILENT
-from conformance.outcome import INTERRUPTED, NA, OUTCOMES, is_expected, is_red, outcome
+from conformance.outcome import (
+    INTERRUPTED,
+    NA,
+    OUTCOMES,
+    is_expected,
+    is_red,
+    is_unmet,
+    outcome,
+    status_of,
+)
 from conformance.report.cells import (
     Grid,
     anchors,
@@ -23,6 +32,7 @@ from conformance.report.cells import (
     expectation_note,
     expectations_summary,
     first_line,
+    grid_label,
     grids,
     layout_order,
     lead_lines,
@@ -82,7 +92,7 @@ def incomplete_lines(report: Mapping[str, Any]) -> list[str]:
         why = ("the run's log ends before the session did" if report.get("log_ends_early")
                else "the run was interrupted" if report.get("interrupted")
                else "not every selected cell ran")
-        running = [r["id"] for r in report["cells"] if r["status"] == INTERRUPTED]
+        running = [r["id"] for r in report["cells"] if status_of(r) == INTERRUPTED]
         lines.append(f"**Incomplete: {why}.** {len(report['cells']) - len(running)} cell(s) "
                      "finished" + (f", {len(running)} interrupted while running" if running else "")
                      + f", {len(report.get('not_run') or [])} not run (listed below).")
@@ -102,26 +112,30 @@ def _expectations(report: Mapping[str, Any]) -> list[str]:
     if not line:
         return []
     cells = report["cells"]
-    expected = [r for r in cells if is_red(r) and r.get("expectation") in ("met", "tolerated")]
     lines = ["## Expectations", "", line, ""]
-    reasons = Counter((outcome(r), r.get("expected_reason") or (
-        "tolerated" if r.get("expectation") == "tolerated" else "")) for r in expected)
+    reasons = Counter((outcome(r), _reason(r)) for r in cells if is_expected(r))
     if reasons:
         rows = [[finding, n, why.replace("|", "/")] for (finding, why), n in
                 sorted(reasons.items(), key=lambda kv: (_rank(kv[0][0]), -kv[1]))]
         lines += [_table(["finding", "cells", "why (the expectations file's reason)"], rows), ""]
-    unmet = [r for r in cells if r.get("expectation") == "unmet"]
+    unmet = [r for r in cells if is_unmet(r)]
     lines += [f"- `{r['id']}`: expected {r.get('expected')}, got {outcome(r)}" for r in unmet]
     return [*lines, ""] if unmet else lines
+
+
+def _reason(r: Record) -> str:
+    """Why an expected red cell was expected: the file's reason, else how it came to be."""
+    state = r.get("expectation")
+    if state == "updated":
+        return "written by this run (--moe-ep-update-expectations)"
+    return str(r.get("expected_reason") or ("tolerated" if state == "tolerated" else ""))
 
 
 def picture_lines(report: Mapping[str, Any]) -> list[str]:
     """The pictures as Markdown images (relative paths: GitHub shows the files beside it)."""
     lines = []
     for grid in grids(report["cells"]):
-        red = sum(is_red(r) for r in grid.records())
-        alt = f"{grid.title}: {len(grid.records())} cells, {red} red"
-        lines += [f"![{alt}]({grid_name(grid.slug)})", ""]
+        lines += [f"![{grid_label(grid)}]({grid_name(grid.slug)})", ""]
     if lines:
         lines += ["Each square is a cell (save layout down, load layout across); its tooltip names "
                   "it and it links to the cell's entry below. " + text_legend(), ""]
@@ -286,6 +300,7 @@ def functions_table(records: Iterable[Record]) -> str:
 
 
 def _not_green(records: Iterable[Record]) -> bool:
+    """Whether a table is worth showing: a cell in it is red or was interrupted."""
     return any(outcome(r) not in (PASS, NA) for r in records)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from conformance.findings import ERROR, FINDINGS, ON_DISK, PASS, REFUSED, SILENT
 from conformance.outcome import INTERRUPTED, NA, OUTCOMES, is_expected, outcome
-from conformance.report.cells import Grid
+from conformance.report.cells import Grid, grid_label
 
 Record = Mapping[str, Any]
 #: each outcome's fill (Okabe-Ito: bluish green, vermillion, orange, sky blue, reddish purple, grey,
@@ -93,9 +93,7 @@ def grid_svg(grid: Grid, *, link: Linker, title: Titler, heading: str = "") -> s
     across, one square per cell, a legend below.  ``link`` and ``title`` give each square's link and
     tooltip."""
     body, width, height = grid_drawing(grid, link=link, title=title, heading=heading)
-    red = sum(outcome(r) not in (PASS, NA) for r in grid.records())
-    label = f"{grid.title}: {len(grid.records())} cells, {red} red"
-    label = f"{heading}: {label}" if heading else label
+    label = f"{heading}: {grid_label(grid)}" if heading else grid_label(grid)
     return svg(width, height, label, body)
 
 
