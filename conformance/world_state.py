@@ -14,6 +14,13 @@ share what they kept.
 *Memory bound.*  Every store counts what it keeps in bytes against one budget per process,
 :data:`BUDGET_BYTES`; past it, the least recently used entry of any store goes first.
 
+*What lives elsewhere.*  A ``functools.cache`` on a function of the code alone (a contract's member
+list, a class a module defines); the size of a dtype (:mod:`conformance.inspection.digests`,
+bounded); the reference's own memos (bounded, and cleared here: :mod:`reference_impl` does not
+import this package); and the meshes and process groups made once per layout (a world forms few,
+and a store could drop one still in use).  Nothing keyed by a checkpoint's or a model's data (a
+path, a key, a tensor) is kept outside a store.
+
 *Why a cell run alone gives its tier's verdict.*  Nothing kept decides a verdict: a store holds a
 pure function's result (truths, draws, digests, what the truth checkpoint teaches, the same for
 every cell of its spec), or what a save of this session held -- and a cell whose save is not kept

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+#: every memo, for :func:`clear`: one per module that keeps one, made when it is imported.
 _MEMOS: list[Memo] = []
 
 
