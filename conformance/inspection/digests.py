@@ -19,7 +19,7 @@ from conformance.world_state import world_state
 Digest = tuple[str, tuple[int, ...], bytes]
 
 
-#: bounded, not ``functools.cache``: the dtype names come from the files read.
+# bounded, not ``functools.cache``: the dtype names come from the files read
 @functools.lru_cache(maxsize=64)
 def _element_size(dtype: str | None) -> int:
     import torch
@@ -90,6 +90,7 @@ def every_row(key: str) -> bool:
 def packed_rows(infos: Mapping[str, KeyInfo]) -> RowsOf:
     """Row digests of the keys ``infos`` classifies as packed."""
     return lambda key: infos[key].kind == "packed"
+
 
 #: digests already taken, per DCP checkpoint as found on disk (see :func:`_stamp`): the truth
 #: checkpoint is compared with every checkpoint saved from its model, and read once, not once per
