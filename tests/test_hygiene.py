@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -484,21 +484,24 @@ def test_no_tracked_python_line_is_over_100_characters() -> None:
     assert not long, f"lines over 100 characters: {', '.join(long)}"
 
 
-def _imported(node: ast.AST) -> Iterator[str]:
-    """Every module name an import under ``node`` may bring in, at any depth (an import inside a
-    function closes a cycle when it runs), but not those under ``if TYPE_CHECKING:``, which never
-    run."""
+def _imported(node: ast.AST, modules: Container[str]) -> Iterator[str]:
+    """Every module that importing ``node``'s module reads names from: imports at module level and
+    in class bodies, not in functions (they run later) nor under ``if TYPE_CHECKING:`` (never).
+    ``from package import module`` reads the module, not the package's ``__init__``."""
     for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
         if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
             for other in child.orelse:
-                yield from _imported(other)
+                yield from _imported(other, modules)
             continue
         if isinstance(child, ast.Import):
             yield from (alias.name for alias in child.names)
         elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
-            yield child.module
-            yield from (f"{child.module}.{alias.name}" for alias in child.names)
-        yield from _imported(child)
+            for alias in child.names:
+                name = f"{child.module}.{alias.name}"
+                yield name if name in modules else child.module
+        yield from _imported(child, modules)
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -513,9 +516,11 @@ def _import_graph() -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name
 
-    return {module: {found for name in _imported(ast.parse(path.read_text(encoding="utf-8")))
-                     if (found := project_module(name)) and found != module}
-            for module, path in modules.items()}
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return {project_module(name) for name in _imported(tree, modules)} - {""}
+
+    return {module: imports(path) - {module} for module, path in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
