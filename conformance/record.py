@@ -28,6 +28,7 @@ class CellRecord:
     #: the cell's own fields: a checkpoint cell's :meth:`~conformance.matrix.Cell.record`; a
     #: functions cell's ``function``, ``num_experts``, ``ep``, ``mesh``, ``placements``.
     fields: dict[str, Any] = field(default_factory=dict)
+    #: how far the cell ran (:data:`conformance.outcome.STATUSES`); what it found is its outcome.
     status: str = ""
     detail: str = ""
     duration_s: float = 0.0
