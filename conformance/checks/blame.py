@@ -98,7 +98,7 @@ def short_path(filename: str) -> str:
     return filename
 
 
-def _adapter_files(adapter: Any) -> set[str]:
+def _adapter_files(adapter: object) -> set[str]:
     """The source files of the adapter's class and its bases (a seeded adapter in a test file among
     them)."""
     wrapped = getattr(adapter, "__wrapped__", adapter)
@@ -112,7 +112,7 @@ def _adapter_files(adapter: Any) -> set[str]:
     return files
 
 
-def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
+def raised_where(exc: BaseException, adapter: object) -> tuple[str, str]:
     """``(raised_in, raised_at)`` of the exception the adapter's call raised: ``raised_in`` is
     "adapter" (the adapter's own code: its class's files, or a built-in adapter's modules),
     "harness" (this package's checks) or "framework" (anything else: the framework, torch, DCP),
@@ -139,7 +139,7 @@ def raised_where(exc: BaseException, adapter: Any) -> tuple[str, str]:
     return "framework", where
 
 
-def located(exc: BaseException, adapter: Any, limit: int = 400) -> str:
+def located(exc: BaseException, adapter: object, limit: int = 400) -> str:
     """:func:`one_line` of ``exc`` as the adapter's call raised it (an adapter's wrapper names the
     configuration), with where its original was raised: a bare ``assert`` has no message, and its
     file and line are the message."""
@@ -218,7 +218,7 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
 
 def load_failed(
         exc: BaseException, *, findings: Sequence[str], checked: str, layout: ParallelLayout,
-        num_experts: int, patterns: Sequence[Any], rank: int, adapter: Any = None) -> LoadFailed:
+        num_experts: int, patterns: Sequence[Any], rank: int, adapter: object = None) -> LoadFailed:
     """The :class:`LoadFailed` for a load that raised: the checkpoint leads only when it really
     differs.
 

@@ -1,19 +1,25 @@
 """One checkpoint cell on one rank: save (or reuse a save), load, and run every check.
 
 :func:`run_cell` runs on each rank of the world (the controller's :mod:`conformance.items` asks the
-engine).  In order:
+engine).  The experiment is here; the checks are the rows of :data:`~.table.TABLE`, each run at its
+stage (:data:`~.context.STAGES`) in the cells it is for, timed (``timings[name]``) and marked done
+unless it said why it skipped.  In order:
 
-1. the truth checkpoint: the ep=1 save of the save side's model, written once per spec and shared;
+1. the truth checkpoint: the ep=1 save of the save side's model, written once per spec and shared
+   (with the ep=1 Hugging Face export where the cell's HF checks run);
 2. the save side at its layout with seed A -- unless an earlier cell already wrote this checkpoint
-   (one save feeds every load of it); the cell that writes it also inspects it (``checkpoint``);
-3. the load side at its layout with the run's own configuration but another state -- seed B and one
-   more optimizer step (its step count, moments and a schedule's position differ) -- and a check
-   that it differs from the truth: otherwise a load that does nothing would pass.  The configuration
-   (the learning rate among it) is the save's, as in a real resume: a schedule that closes over its
-   configuration (``min_lr / init_lr``) must not read as state the load failed to restore;
-4. the load; a legacy cell passes only on a real refusal (:mod:`.refusal`), and a load that raises
-   elsewhere names the checkpoint's problems in expert terms before the framework's own message;
-5. ``values``, ``missing`` (per replica group), ``scalars``, ``forward`` and ``resume``.
+   (one save feeds every load of it): ``built`` checks, the save, ``saved`` checks;
+3. ``written`` checks: the checkpoint on disk (the cell that wrote it inspects it);
+4. the load side at its layout with the run's own configuration but another state -- seed B and one
+   more optimizer step (its step count, moments and a schedule's position differ): ``built`` checks,
+   then ``loading`` checks, which make sure it differs from the truth (otherwise a load that does
+   nothing would pass) and, in a legacy cell, load it: a legacy cell ends there.  The
+   configuration (the learning rate among it) is the save's, as in a real resume: a schedule that
+   closes over its configuration (``min_lr / init_lr``) must not read as state the load failed to
+   restore;
+5. the load; one that raises names the checkpoint's problems in expert terms before the framework's
+   own message;
+6. ``loaded`` checks, then the reasons of the checks the adapter could not run here.
 """
 
 from __future__ import annotations
@@ -24,15 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import conformance.checks.checkpoint as checkpoint
-import conformance.checks.forward as forward
 import conformance.checks.hf as hf
 import conformance.checks.load_plan as load_plan
-import conformance.checks.missing as missing
-import conformance.checks.refusal as refusal
-import conformance.checks.resume as resume
 import conformance.checks.save_plan as save_plan
 import conformance.checks.saved as saved
-import conformance.checks.scalars as scalars_check
 from conformance.adapter import AdapterError, Spec, framework_calls
 from conformance.checks.blame import (
     LoadFailed,
@@ -42,10 +43,17 @@ from conformance.checks.blame import (
     original,
     raised_where,
 )
-from conformance.checks.held import settle
-from conformance.checks.layout import LayoutMismatch, check_layout
+from conformance.checks.context import (
+    CheckContext,
+    Stage,
+    TimedAdapter,
+    required,
+    saved_optimizer,
+)
+from conformance.checks.layout import LayoutMismatch
+from conformance.checks.table import TABLE
 from conformance.checks.truth import SEED_A, SEED_B, ground_truth
-from conformance.checks.values import canonical, compare, equal, expected
+from conformance.checks.values import canonical
 from conformance.checks.verdict import VERDICT, RankFailure, RankVerdict
 from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
@@ -63,7 +71,7 @@ LOAD_EXTRA_STEPS = 1
 
 
 class _Timed:
-    """The adapter as the checks see it.  Its framework calls
+    """The adapter as the checks see it (:class:`~.context.TimedAdapter`).  Its framework calls
     (:func:`conformance.adapter.framework_calls`) are timed (``timings["adapter"]``), so the report
     can tell the framework's own work from the harness's, and the call an exception came out of is
     remembered beside it (:meth:`raised_from`), a fact the controller's outcome reads.  ``members``
@@ -109,7 +117,7 @@ class BuildFailed(Exception):
     or the adapter's code failed (not a finding about the framework)."""
 
 
-def _build(adapter: Any, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
+def _build(adapter: TimedAdapter, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
     """``adapter.build`` as a :class:`Built`; its failure becomes :class:`BuildFailed`, worded by
     where it raised."""
     where = f"the {side} side's build at {spec.layout.describe() if spec.layout else 'ep=1'}"
@@ -130,31 +138,46 @@ def _build(adapter: Any, spec: Spec, mesh: Any, seed: int, side: str) -> Built:
         raise BuildFailed(str(exc)) from exc
 
 
-def _saved_optimizer(adapter: Any, b: Built, optim: bool) -> Any:
-    """The optimizer ``save``/``load`` get: the state's, or in model-only cells the step-0 one if
-    the framework's checkpoint always holds one (``capabilities.model_saves_optimizer``), else
-    ``None``."""
-    return b.optimizer if optim or adapter.members.capabilities.model_saves_optimizer else None
+def _check(ctx: CheckContext, stage: Stage) -> None:
+    """Run the table's checks of ``stage`` that this cell runs and the adapter is asked for, in the
+    table's order; each is timed, and done unless it said why it skipped."""
+    verdict = ctx.verdict
+    for check in TABLE:
+        if check.stage != stage or not check.cells(ctx.cell):
+            continue
+        if check.asked is not None and check.asked(ctx) is not None:
+            continue
+        started = time.perf_counter()
+        check.run(ctx)
+        # a check that runs after each build (``layout``) adds up
+        verdict.timings[check.name] = (verdict.timings.get(check.name, 0.0)
+                                       + time.perf_counter() - started)
+        if check.name not in verdict.skipped:
+            verdict.done(check.name)
 
 
-def _truth_state(adapter: Any, spec: Spec, rank: int) -> Any:
-    return lambda: ground_truth(adapter, spec, rank).tensors
+def _not_asked(ctx: CheckContext) -> None:
+    """The checks of this cell that the adapter could not run here, with why: said once the cell's
+    checks have run, so that a cell that stops early says what stopped it instead."""
+    for check in TABLE:
+        why = check.asked(ctx) if check.asked is not None and check.cells(ctx.cell) else None
+        if why:
+            ctx.verdict.skipped[check.name] = why
 
 
-def _save_truth(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan,
-                rank: int) -> tuple[str, ...]:
+def _save_truth(ctx: CheckContext) -> tuple[str, ...]:
     """Write the truth checkpoint (and the ep=1 Hugging Face export, where the cell checks one);
     rank 0 learns its expert keys from its content and checks that they hold the model's own
     tensors."""
     import torch.distributed as dist
 
+    adapter, plan, spec, rank = ctx.adapter, ctx.plan, ctx.save_spec, ctx.rank
     assert plan.truth_path is not None
     layout = ParallelLayout.for_world(dist.get_world_size(), 1)
     b = _build(adapter, replace(spec, fsdp=False, layout=layout), layout.build_mesh(), SEED_A,
                "truth")
-    optim = cell.state == "model+optim"
-    adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.truth_path, **b.extra)
-    if hf.applies(adapter, cell) is None:
+    adapter.save(b.model, saved_optimizer(adapter, b, ctx.optim), plan.truth_path, **b.extra)
+    if ctx.hf is None:
         hf.export_truth(adapter, b.model, plan.truth_path)
     transient = checkpoint.non_persistent_buffers(b.model)
     del b
@@ -169,72 +192,40 @@ def _save_truth(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan,
     return tuple(found[0])
 
 
-def _save(adapter: Any, cell: Cell, spec: Spec, plan: CellPlan,
-          verdict: RankVerdict) -> tuple[str, ...]:
-    """Write the cell's checkpoint and inspect it on rank 0; every rank gets the findings."""
+def _save(ctx: CheckContext) -> None:
+    """Build the save side, keep what the checkpoint will hold, write it, and run the checks of its
+    build and of the save."""
     import torch.distributed as dist
 
-    optim = cell.state == "model+optim"
-    t0 = time.perf_counter()
-    b = _build(adapter, spec, cell.save.build_mesh(), SEED_A, "save")
-    check_layout(adapter, b.model, b.optimizer if optim else None, cell.save, cell.num_experts,
-                 "save", spec.num_layers)
+    adapter, cell, plan, verdict = ctx.adapter, ctx.cell, ctx.plan, ctx.verdict
+    started = time.perf_counter()
+    ctx.side = "save"
+    ctx.built = b = _build(adapter, ctx.save_spec, cell.save.build_mesh(), SEED_A, "save")
+    _check(ctx, "built")
     # what the checkpoint will hold, on every rank: the reference a load must give back
     if not cell.legacy:
         # first: its build (once a spec) runs the framework
-        truth = ground_truth(adapter, spec, dist.get_rank()).tensors
+        truth = ground_truth(adapter, ctx.save_spec, ctx.rank).tensors
         # not copied: gather packs it into buffers of its own before the framework runs again
-        held = canonical(adapter, b.model, b.optimizer if optim else None, dist.get_rank(), verdict,
-                         copy=False)
+        held = canonical(adapter, b.model, ctx.optimizer, ctx.rank, verdict, copy=False)
         saved.keep(plan.path, saved.gather(held, truth, cell.save.describe()))
         del held, truth
-    t1 = time.perf_counter()
+    built_at = time.perf_counter()
     with save_plan.recorded() as offered:
         try:
             if cell.legacy:  # the framework's own old save: called as it always was
-                adapter.save_legacy(b.model, _saved_optimizer(adapter, b, optim), plan.path)
+                adapter.save_legacy(b.model, ctx.saved_optimizer, plan.path)
             else:
-                adapter.save(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+                adapter.save(b.model, ctx.saved_optimizer, plan.path, **b.extra)
         # DCP refused the global plan: say where in expert terms, on every rank
         except load_errors() as exc:
             save_plan.explain(exc, offered)
             raise
-    verdict.timings.update(build=t1 - t0, save=time.perf_counter() - t1)
-    if hf.applies(adapter, cell) is None and plan.truth_path:
-        t2 = time.perf_counter()
-        hf.check_export(adapter, cell, spec, b.model, plan.path, plan.truth_path,
-                        lambda: ground_truth(adapter, spec, dist.get_rank()), dist.get_rank(),
-                        verdict)
-        verdict.timings["hf_export"] = time.perf_counter() - t2
     del b
+    verdict.timings.update(build=built_at - started, save=time.perf_counter() - built_at)
+    _check(ctx, "saved")
+    ctx.built = None
     dist.barrier()
-    found: list[Any] = [()]
-    if dist.get_rank() == 0 and plan.truth_path and not cell.legacy:
-        t2 = time.perf_counter()
-        known = checkpoint.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, 0),
-                                   checkpoint.declared_patterns(adapter, plan.expert_keys))
-        found[0] = tuple(checkpoint.checkpoint_findings(adapter, plan.path, plan.truth_path,
-                                                        cell.num_experts, known.patterns))
-        verdict.timings["inspect"] = time.perf_counter() - t2
-    dist.broadcast_object_list(found, src=0)
-    return tuple(found[0])
-
-
-def _share_knowledge(adapter: Any, plan: CellPlan, spec: Spec, rank: int) -> checkpoint.Knowledge:
-    """What rank 0 knows of the truth checkpoint's expert keys (learned now if this process has not
-    yet), on every rank: a load that raises is then read with the same keys everywhere, with no new
-    work while ranks raise."""
-    import torch.distributed as dist
-
-    assert plan.truth_path is not None
-    sent: list[Any] = [None]
-    if rank == 0:
-        sent[0] = checkpoint.knowledge(adapter, plan.truth_path, _truth_state(adapter, spec, rank),
-                                     checkpoint.declared_patterns(adapter, plan.expert_keys))
-    dist.broadcast_object_list(sent, src=0)
-    if rank != 0:
-        checkpoint.remember(plan.truth_path, sent[0])
-    return sent[0]
 
 
 def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Members) -> RankVerdict:
@@ -252,7 +243,7 @@ def run_cell(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, members: Memb
     timed = _Timed(adapter, verdict.timings, members)
     try:
         try:
-            _run(timed, cell, base, plan, verdict.rank, verdict)
+            _run(timed, cell, base, plan, verdict)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
@@ -323,102 +314,55 @@ def _failure(exc: BaseException, adapter: _Timed) -> RankFailure:
                        raised_at or "", kind)
 
 
-def _run(adapter: Any, cell: Cell, base: Spec, plan: CellPlan, rank: int,
-         verdict: RankVerdict) -> RankVerdict:
-    optim = cell.state == "model+optim"
+def _run(adapter: TimedAdapter, cell: Cell, base: Spec, plan: CellPlan,
+         verdict: RankVerdict) -> None:
     save_spec, load_spec = cell.spec(base, "save"), cell.spec(base, "load")
-    truth_findings = plan.truth_findings
-    if plan.save_truth and plan.truth_path:
-        truth_findings = _save_truth(adapter, cell, save_spec, plan, rank)
-    verdict.truth_findings = truth_findings
-    findings = _save(adapter, cell, save_spec, plan, verdict) if plan.save else plan.findings
-    verdict.findings = findings
-    if rank == 0:
-        for finding in (*truth_findings, *findings):
-            verdict.problem("checkpoint", f"checkpoint: {finding}")
-    checked = ""
-    if not plan.truth_path and not cell.legacy:
-        checked = verdict.skipped["checkpoint"] = adapter.members.unreadable()
-    elif plan.truth_path:
-        known = _share_knowledge(adapter, plan, save_spec, rank)
-        if rank == 0 and known.note:
-            verdict.skipped["checkpoint attribution"] = known.note
-        if not cell.legacy:
-            verdict.done("checkpoint")
-
-    truth = ground_truth(adapter, load_spec, rank)
+    optim = cell.state == "model+optim"
     side_b = replace(load_spec,
                      optimizer_steps=load_spec.optimizer_steps + LOAD_EXTRA_STEPS if optim else 0)
-    b = _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load")
-    model, optimizer = b.model, b.optimizer if optim else None
-    check_layout(adapter, model, optimizer, cell.load, cell.num_experts, "load",
-                 load_spec.num_layers)
-    before = canonical(adapter, model, optimizer, rank, verdict)
-    settled, _, rest = settle(before, truth.tensors)  # blocks at once; the rest one by one
-    same = {*settled,
-            *(k for k in rest if equal(before[k][0], expected(truth.tensors, k, before[k][1])))}
-    experts_unchanged = sorted((k for k in same if k[1] is not None), key=repr)
-    if before and (experts_unchanged or len(same) == len(before)):
-        verdict.problem("setup", f"rank {rank}: the build with seed {SEED_B} already equals the "
-                        f"ground truth (seed {SEED_A}) for {len(experts_unchanged) or len(before)} "
-                        f"tensor(s), e.g. {(experts_unchanged or list(before))[0]}: a load that "
-                        "does nothing would pass; build() must derive every expert's values from "
-                        "its seed")
+    ctx = CheckContext(adapter, cell, plan, save_spec, load_spec, verdict.rank, verdict,
+                       hf.applies(adapter, cell),
+                       lambda: _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load"))
+    verdict.truth_findings = plan.truth_findings
+    if plan.save_truth and plan.truth_path:
+        verdict.truth_findings = _save_truth(ctx)
+    if plan.save:
+        _save(ctx)
+    else:
+        verdict.findings = plan.findings
+    _check(ctx, "written")
 
-    t3 = time.perf_counter()
-    if cell.legacy:  # decided by the refusal; a load that succeeded shows its damage in the values
-        if refusal.load_legacy(adapter, b, _saved_optimizer(adapter, b, optim), plan.path, verdict):
-            verdict.timings["load"] = time.perf_counter() - t3
-            got = canonical(adapter, model, optimizer, rank, verdict, copy=False)
-            compare(rank, got, truth.tensors, before, verdict)
-        return verdict  # the later checks' collectives may not pair after a lossy load
-    evidence = _Evidence((*findings, *truth_findings), checked, cell, plan, adapter, save_spec)
+    ctx.truth = ground_truth(adapter, load_spec, ctx.rank)
+    ctx.side, ctx.built = "load", ctx.rebuild()
+    _check(ctx, "built")
+    ctx.before = canonical(adapter, ctx.model, ctx.optimizer, ctx.rank, verdict)
+    _check(ctx, "loading")
+    if cell.legacy:  # the refusal check loaded it, or was refused
+        return
+    _load(ctx)
+    ctx.kept = saved.kept(plan.path)
+    if ctx.kept is not None and ctx.rank == 0:
+        ctx.saved_truth = ground_truth(adapter, save_spec, ctx.rank).tensors
+    # not copied: read by the checks before anything (the next step, a truth's build) runs the
+    # framework again
+    ctx.got = canonical(adapter, ctx.model, ctx.optimizer, ctx.rank, verdict, copy=False)
+    _check(ctx, "loaded")
+    _not_asked(ctx)
+
+
+def _load(ctx: CheckContext) -> None:
+    """The load; one that raises is read with what the cell knows of the checkpoint
+    (:class:`_Evidence`)."""
+    b, verdict = required(ctx.built, "the load side's build"), ctx.verdict
+    evidence = _Evidence((*verdict.findings, *verdict.truth_findings),
+                         verdict.skipped.get("checkpoint", ""), ctx.cell, ctx.plan, ctx.adapter)
+    started = time.perf_counter()
     try:
         with load_plan.recorded():  # what the load asked for travels with what it raises
-            adapter.load(b.model, _saved_optimizer(adapter, b, optim), plan.path, **b.extra)
+            ctx.adapter.load(b.model, ctx.saved_optimizer, ctx.plan.path, **b.extra)
     except load_errors() as exc:
-        raise evidence.failure(exc, rank) from exc
-    verdict.timings["load"] = time.perf_counter() - t3
-    held = saved.kept(plan.path)
-    saved_truth = ground_truth(adapter, save_spec,
-                               rank).tensors if held is not None and rank == 0 else None
-    # not copied: read by the checks below before anything (the next step, a truth's build) runs the
-    # framework again
-    got = canonical(adapter, model, optimizer, rank, verdict, copy=False)
-    if held is None:
-        verdict.skipped["values against the checkpoint"] = (
-            "the save side's state was not kept in this world (started after the save): the load "
-            "was compared with the ep=1 truth within a kernel's rounding")
-    elif saved_truth is not None:
-        saved.check_against_truth(held, saved_truth, verdict)
-    compare(rank, got, truth.tensors, before, verdict, held.tensors if held is not None else None)
-    verdict.done("values")
-    missing.check_replicas(rank, got, truth.tensors, cell.load, cell.fsdp, verdict)
-    verdict.done("missing")
-    if optim:
-        scalars_check.check_scalars(adapter, b, optimizer, truth, rank, verdict)
-        _done_unless_skipped(verdict, "scalars")
-    resume.check_next_step(adapter, b, optimizer, load_spec, truth, before, rank, verdict)
-    if optim:
-        _done_unless_skipped(verdict, "resume")
-    forward.check_forward(adapter, model, load_spec, truth, rank, verdict)  # last, as the truth's
-    _done_unless_skipped(verdict, "forward")
-    why_not = hf.applies(adapter, cell)
-    if why_not is None and plan.truth_path:
-        del b, model, got
-        t4 = time.perf_counter()
-        hf.check_import(adapter, cell,
-                        lambda: _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load"),
-                        plan.truth_path, truth, rank, verdict)
-        verdict.timings["hf_import"] = time.perf_counter() - t4
-    elif why_not:
-        verdict.skipped.update(dict.fromkeys((hf.EXPORT, hf.IMPORT), why_not))
-    return verdict
-
-
-def _done_unless_skipped(verdict: RankVerdict, check: str) -> None:
-    if check not in verdict.skipped:
-        verdict.done(check)
+        raise evidence.failure(exc, ctx.rank) from exc
+    verdict.timings["load"] = time.perf_counter() - started
 
 
 @dataclass(frozen=True)
@@ -430,8 +374,7 @@ class _Evidence:
     checked: str
     cell: Cell
     plan: CellPlan
-    adapter: Any
-    spec: Spec
+    adapter: TimedAdapter
 
     def failure(self, exc: BaseException, rank: int) -> LoadFailed:
         """No new work here (every rank must raise at once): the expert keys rank 0 learned and

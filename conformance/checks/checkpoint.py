@@ -23,10 +23,13 @@ adapter's optional ``read_checkpoint``.  Keys the adapter declares EP-dependent
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from conformance.checks.context import CheckContext, TimedAdapter
+from conformance.checks.truth import ground_truth
 from conformance.rounding import ROUNDING_ULPS
 from conformance.world_state import world_state
 
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
     from conformance.inspection import KeyPattern
 
 
-def read_index(adapter: Any, path: str) -> Any:
+def read_index(adapter: TimedAdapter, path: str) -> Any:
     """The checkpoint's index, or ``None`` when this adapter's format cannot be read here.
 
     ``adapter`` here and below is the cell's: its ``members`` are what the controller resolved of
@@ -50,7 +53,7 @@ def read_index(adapter: Any, path: str) -> Any:
     return None
 
 
-def declared_patterns(adapter: Any, extra: Sequence[str] = ()) -> tuple[KeyPattern, ...]:
+def declared_patterns(adapter: TimedAdapter, extra: Sequence[str] = ()) -> tuple[KeyPattern, ...]:
     """The expert-key regexes the adapter declares (``expert_keys``) and the user gives
     (``--moe-ep-expert-key``)."""
     from conformance.inspection import pattern
@@ -88,7 +91,7 @@ def remember(truth_path: str, found: Knowledge) -> None:
     _KNOWLEDGE.put(truth_path, found)
 
 
-def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[Any, Any]],
+def knowledge(adapter: TimedAdapter, truth_path: str, truth_state: Callable[[], Mapping[Any, Any]],
               declared: tuple[KeyPattern, ...] = ()) -> Knowledge:
     """The :class:`Knowledge` of ``truth_path``, learned once from its content and the ground
     truth's tensors."""
@@ -100,7 +103,7 @@ def knowledge(adapter: Any, truth_path: str, truth_state: Callable[[], Mapping[A
     return found
 
 
-def _learn(adapter: Any, truth_path: str, state: Mapping[Any, Any],
+def _learn(adapter: TimedAdapter, truth_path: str, state: Mapping[Any, Any],
            declared: tuple[KeyPattern, ...]) -> list[str]:
     """Learn the truth checkpoint's expert keys; its findings (attribution, experts missing from
     it)."""
@@ -168,7 +171,7 @@ def _layers_missing(index: Any, owners: Mapping[Any, Any], keys: Mapping[str, An
             for layer, found in sorted(wanted.items(), key=lambda kv: repr(kv[0]))]
 
 
-def checkpoint_findings(adapter: Any, path: str, truth_path: str, num_experts: int,
+def checkpoint_findings(adapter: TimedAdapter, path: str, truth_path: str, num_experts: int,
                         patterns: Sequence[KeyPattern] | None = None) -> list[str]:
     """Every way the checkpoint at ``path`` differs from an EP-invariant one, in expert terms.
 
@@ -203,7 +206,8 @@ def non_persistent_buffers(model: Any) -> tuple[str, ...]:
                         for name in getattr(module, "_non_persistent_buffers_set", ())))
 
 
-def transient_findings(adapter: Any, truth_path: str, transient: Sequence[str]) -> list[str]:
+def transient_findings(adapter: TimedAdapter, truth_path: str,
+                       transient: Sequence[str]) -> list[str]:
     """Keys of the ep=1 checkpoint that hold a non-persistent buffer of the model (by its name,
     under any prefix the framework's save adds)."""
     if not transient:
@@ -214,8 +218,49 @@ def transient_findings(adapter: Any, truth_path: str, transient: Sequence[str]) 
             if key == name or key.endswith(f".{name}")]
 
 
-def truth_findings(adapter: Any, truth_path: str, truth_state: Mapping[Any, Any],
+def truth_findings(adapter: TimedAdapter, truth_path: str, truth_state: Mapping[Any, Any],
                    declared: tuple[KeyPattern, ...] = ()) -> list[str]:
     """Learn the truth checkpoint's expert keys from its content; expert keys (or rows) holding
     another expert's tensor of the model, and experts missing from it altogether."""
     return _learn(adapter, truth_path, truth_state, declared)
+
+
+def run(ctx: CheckContext) -> None:
+    """Inspect the checkpoint in the cell that wrote it (rank 0; every rank gets the findings), and
+    report what the inspections found of it and of the truth checkpoint; then give every rank what
+    rank 0 knows of the truth's expert keys, so that a load that raises is read with the same keys
+    everywhere, with no new work while ranks raise (:func:`known`)."""
+    import torch.distributed as dist
+
+    adapter, plan, verdict, rank = ctx.adapter, ctx.plan, ctx.verdict, ctx.rank
+    if plan.save:
+        found: list[Any] = [()]
+        if rank == 0 and plan.truth_path:
+            started = time.perf_counter()
+            patterns = _knowledge(ctx).patterns
+            found[0] = tuple(checkpoint_findings(adapter, plan.path, plan.truth_path,
+                                                 ctx.cell.num_experts, patterns))
+            verdict.timings["inspect"] = time.perf_counter() - started
+        dist.broadcast_object_list(found, src=0)
+        verdict.findings = tuple(found[0])
+    if rank == 0:
+        for finding in (*verdict.truth_findings, *verdict.findings):
+            verdict.problem("checkpoint", f"checkpoint: {finding}")
+    if not plan.truth_path:
+        verdict.skipped["checkpoint"] = adapter.members.unreadable()
+        return
+    sent: list[Any] = [_knowledge(ctx) if rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    if rank != 0:
+        remember(plan.truth_path, sent[0])
+    elif sent[0].note:
+        verdict.skipped["checkpoint attribution"] = sent[0].note
+
+
+def _knowledge(ctx: CheckContext) -> Knowledge:
+    """What this rank knows of the truth checkpoint's expert keys, learned now if it does not yet
+    (from the save side's ground truth)."""
+    adapter, spec, rank, truth_path = ctx.adapter, ctx.save_spec, ctx.rank, ctx.plan.truth_path
+    assert truth_path is not None
+    return knowledge(adapter, truth_path, lambda: ground_truth(adapter, spec, rank).tensors,
+                     declared_patterns(adapter, ctx.plan.expert_keys))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.adapter import FORWARD_OUTPUT, NotApplicable
+from conformance.checks.context import CheckContext, TimedAdapter, required
 from conformance.checks.truth import (
     Truth,
     batch_for,
@@ -62,7 +63,7 @@ def forward_problems(got: dict[str, Any], want: dict[str, Any], scale: float = 1
     return [found[0][1] + others]
 
 
-def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int,
+def check_forward(adapter: TimedAdapter, model: Any, spec: Any, truth: Truth, rank: int,
                   verdict: RankVerdict) -> None:
     """A collective when the framework's forward is (EP all-to-all or all-reduce)."""
     if not adapter.members.has("forward") or truth.output is None:
@@ -76,3 +77,10 @@ def check_forward(adapter: Any, model: Any, spec: Any, truth: Truth, rank: int,
         return
     for line in forward_problems(forward_outputs(result, type(adapter).__name__), truth.output):
         verdict.problem("forward", f"rank {rank}: {line}")
+
+
+def run(ctx: CheckContext) -> None:
+    """The loaded model's forward, after ``resume``'s step where there is one: the truth's output is
+    the one after the extra step."""
+    check_forward(ctx.adapter, ctx.model, ctx.load_spec, required(ctx.truth, "the ground truth"),
+                  ctx.rank, ctx.verdict)

@@ -23,6 +23,12 @@ layers), and each stage's ranks are checked as an EP world of their own.
 
 A mismatch raises :class:`LayoutMismatch` on every rank: the cell is an ``error`` whose first line
 names the groups the framework formed and the ones the layout expects.
+
+It is a check -- a row of the table, run after each build like any check at its stage -- though
+what it finds is about the experiment (the cell would test another layout than its name says), not
+about the framework's checkpoint: so it raises instead of reporting (no later check means anything
+in such a cell), its finding is ``error``, and a passing cell does not list it among the promises
+it kept.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from conformance.adapter import ExpertBlock
+from conformance.checks.context import CheckContext, TimedAdapter
 from conformance.inspection.model import expert_ranges
 from conformance.layout import EP_ORDERS, ParallelLayout
 
@@ -69,12 +76,14 @@ def _ranks(layout: ParallelLayout, coordinate: int) -> str:
                      if layout.coordinates(r)["ep"] == coordinate)
 
 
-def reported_experts(adapter: Any, model: Any, optimizer: Any) -> tuple[int, ...]:
+def reported_experts(adapter: TimedAdapter, model: Any,
+                     optimizer: Any) -> tuple[int, ...]:
     """The global expert ids this rank's ``expert_tensors`` yields (no copies)."""
     return reported(adapter, model, optimizer)[1]
 
 
-def reported(adapter: Any, model: Any, optimizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def reported(adapter: TimedAdapter, model: Any,
+             optimizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(layers, experts)``: the layer indices of every tensor this rank yields (``expert_tensors``
     and ``other_tensors``) and the global expert ids of its ``expert_tensors``.
 
@@ -180,8 +189,8 @@ def formed_groups(layout: ParallelLayout, num_experts: int, held: list[tuple[int
     return problem(layout, num_experts, held, ranks)
 
 
-def check_layout(adapter: Any, model: Any, optimizer: Any, layout: ParallelLayout, num_experts: int,
-                 side: str, num_layers: int = 0) -> None:
+def check_layout(adapter: TimedAdapter, model: Any, optimizer: Any, layout: ParallelLayout,
+                 num_experts: int, side: str, num_layers: int = 0) -> None:
     """Raise :class:`LayoutMismatch` on every rank when the experts are not where ``layout`` puts
     them -- or, under pipeline parallelism, the layers not where its stages put them (``num_layers``
     of the model)."""
@@ -222,3 +231,9 @@ class StageMismatch(LayoutMismatch):
     def _message(self) -> str:
         return (f"the {self.side} side's layers are not where the cell's pipeline stages put them: "
                 f"{self.formed}")
+
+
+def run(ctx: CheckContext) -> None:
+    """After each side's build: its experts (and stages) where the cell's layout puts them."""
+    check_layout(ctx.adapter, ctx.model, ctx.optimizer, ctx.layout, ctx.cell.num_experts,
+                 ctx.side, ctx.spec.num_layers)

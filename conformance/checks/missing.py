@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from conformance.checks.context import CheckContext, required
 from conformance.checks.held import Box, Held, box_of
 from conformance.checks.verdict import Key, RankVerdict
 from conformance.inspection import expert_ranges
@@ -238,3 +239,10 @@ def check_replicas(rank: int, held: Mapping[Key, Any] | set[Key], truth: Mapping
         lines[SHOWN - 1] += f" (and {len(lines) - SHOWN} more missing tensor families)"
     for line in lines[:SHOWN]:
         verdict.problem("missing", line)
+
+
+def run(ctx: CheckContext) -> None:
+    """What the load gave, against the load side's ground truth, per replica group."""
+    check_replicas(ctx.rank, required(ctx.got, "the loaded state"),
+                   required(ctx.truth, "the ground truth").tensors, ctx.cell.load, ctx.cell.fsdp,
+                   ctx.verdict)

@@ -10,14 +10,18 @@ guard), and a load that succeeds is the silent corruption the cell exists to cat
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from conformance.checks.blame import load_errors, one_line
+from conformance.checks.context import CheckContext, TimedAdapter, required
+from conformance.checks.values import canonical, compare
 from conformance.checks.verdict import RankVerdict
 from conformance.members import Built
 
 
-def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: RankVerdict) -> bool:
+def load_legacy(adapter: TimedAdapter, b: Built, optimizer: Any, path: str,
+                verdict: RankVerdict) -> bool:
     """Try to load the legacy checkpoint at ``path``; ``True`` only when it loaded (not refused: the
     values show the damage), with ``verdict.refused`` or ``verdict.not_refused`` saying which."""
     members = adapter.members
@@ -42,3 +46,15 @@ def load_legacy(adapter: Any, b: Built, optimizer: Any, path: str, verdict: Rank
         return False
     verdict.not_refused = "not refused: the load of a legacy checkpoint succeeded"
     return True
+
+
+def run(ctx: CheckContext) -> None:
+    """A legacy cell's load: decided by the refusal; a load that succeeded shows its damage in the
+    values (the later checks' collectives may not pair after a lossy load: the cell ends here)."""
+    b = required(ctx.built, "the load side's build")
+    started = time.perf_counter()
+    if load_legacy(ctx.adapter, b, ctx.saved_optimizer, ctx.plan.path, ctx.verdict):
+        ctx.verdict.timings["load"] = time.perf_counter() - started
+        got = canonical(ctx.adapter, b.model, ctx.optimizer, ctx.rank, ctx.verdict, copy=False)
+        compare(ctx.rank, got, required(ctx.truth, "the ground truth").tensors,
+                required(ctx.before, "the state before the load"), ctx.verdict)

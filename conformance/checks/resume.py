@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conformance.checks.context import CheckContext, TimedAdapter, required
 from conformance.checks.scalars import scalar_lines
 from conformance.checks.truth import SEED_A, Truth
 from conformance.checks.values import Held, canonical, compare
@@ -19,8 +20,8 @@ from conformance.members import Built
 from conformance.scalars import all_scalars
 
 
-def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Truth, before: Held,
-                    rank: int, verdict: RankVerdict) -> None:
+def check_next_step(adapter: TimedAdapter, b: Built, optimizer: Any, spec: Any, truth: Truth,
+                    before: Held, rank: int, verdict: RankVerdict) -> None:
     """One more step (a collective under FSDP2), then every tensor against the truth's next
     state."""
     if optimizer is None:
@@ -42,3 +43,11 @@ def check_next_step(adapter: Any, b: Built, optimizer: Any, spec: Any, truth: Tr
         for line in scalar_lines(all_scalars(adapter, b, optimizer) or {}, truth.next_scalars,
                                   "after one more step"):
             verdict.problem("resume", f"rank {rank}: {line}")
+
+
+def run(ctx: CheckContext) -> None:
+    """One more step on the loaded model: after the checks that read the loaded state, since it
+    changes it."""
+    check_next_step(ctx.adapter, required(ctx.built, "the load side's build"), ctx.optimizer,
+                    ctx.load_spec, required(ctx.truth, "the ground truth"),
+                    required(ctx.before, "the state before the load"), ctx.rank, ctx.verdict)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conformance.checks.context import CheckContext, TimedAdapter, required
 from conformance.checks.truth import Truth
 from conformance.checks.verdict import RankVerdict
 from conformance.inspection.keys import field_of
@@ -60,7 +61,7 @@ def scalar_lines(got: dict[str, Any], want: dict[str, Any], when: str) -> list[s
     return lines
 
 
-def check_scalars(adapter: Any, b: Built, optimizer: Any, truth: Truth, rank: int,
+def check_scalars(adapter: TimedAdapter, b: Built, optimizer: Any, truth: Truth, rank: int,
                   verdict: RankVerdict) -> None:
     if optimizer is None or truth.scalars is None:
         if optimizer is not None:
@@ -70,3 +71,8 @@ def check_scalars(adapter: Any, b: Built, optimizer: Any, truth: Truth, rank: in
     for line in scalar_lines(all_scalars(adapter, b, optimizer) or {}, truth.scalars,
                              "after the load"):
         verdict.problem("scalars", f"rank {rank}: {line}")
+
+
+def run(ctx: CheckContext) -> None:
+    check_scalars(ctx.adapter, required(ctx.built, "the load side's build"), ctx.optimizer,
+                  required(ctx.truth, "the ground truth"), ctx.rank, ctx.verdict)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance.adapter import FORWARD_OUTPUT, AdapterError, NotApplicable, Spec
+from conformance.checks.context import TimedAdapter
 from conformance.checks.values import canonical
 from conformance.checks.verdict import Key
 from conformance.members import built
@@ -110,7 +111,7 @@ def forward_tolerance(want: Any) -> Any:
 _TRUTHS = world_state().store("ground truths")
 
 
-def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
+def ground_truth(adapter: TimedAdapter, spec: Spec, rank: int) -> Truth:
     """The ep=1 build with seed A, on this rank alone (no communication), kept per adapter class,
     version and spec.  ``adapter`` is the cell's (its ``members`` resolved by the controller)."""
     spec = truth_spec(spec)
@@ -118,7 +119,7 @@ def ground_truth(adapter: Any, spec: Spec, rank: int) -> Truth:
                         lambda: _build(adapter, spec, rank))
 
 
-def _build(adapter: Any, spec: Spec, rank: int) -> Truth:
+def _build(adapter: TimedAdapter, spec: Spec, rank: int) -> Truth:
     b = built(adapter.build(spec, None, SEED_A), f"{type(adapter).__name__}.build")
     model = b.model
     optimizer = b.optimizer if spec.optimizer_steps else None

@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from conformance.checks.context import CheckContext, TimedAdapter, required
 from conformance.checks.held import Held, HeldBlock, Region, Rows, held_blocks, settle
 from conformance.checks.verdict import Key, Mismatch, RankVerdict
 from conformance.rounding import ROUNDING_ULPS, describe, ulps, within_rounding
 
 
-def canonical(adapter: Any, model: Any, optimizer: Any, rank: int, verdict: RankVerdict
+def canonical(adapter: TimedAdapter, model: Any, optimizer: Any, rank: int, verdict: RankVerdict
               | None = None, *, copy: bool = True) -> Held:
     """``(layer, expert, name) -> (local data copy, region)`` for everything the adapter yields; a
     packed block kept as one copy (:class:`~conformance.checks.held.Held`).  ``copy=False``: the
@@ -304,3 +305,21 @@ def _named(mismatch: Mismatch, got: Any, want: Any, truth: Mapping[Key, Any]) ->
     mismatch.expert = differ[0]
     mismatch.problem = f"{mismatch.problem} (per-expert entries differ: {entries}{more})"
     return mismatch
+
+
+def run(ctx: CheckContext) -> None:
+    """What the load gave against what the checkpoint holds (the save side's state, where this world
+    kept it) and that against the ep=1 truth; else against the truth within rounding, saying so."""
+    from conformance.checks.saved import check_against_truth  # it reads values with this module's
+
+    verdict, kept = ctx.verdict, ctx.kept
+    if kept is None:
+        verdict.skipped["values against the checkpoint"] = (
+            "the save side's state was not kept in this world (started after the save): the load "
+            "was compared with the ep=1 truth within a kernel's rounding")
+    elif ctx.saved_truth is not None:
+        check_against_truth(kept, ctx.saved_truth, verdict)
+    compare(ctx.rank, required(ctx.got, "the loaded state"),
+            required(ctx.truth, "the ground truth").tensors,
+            required(ctx.before, "the state before the load"), verdict,
+            kept.tensors if kept is not None else None)

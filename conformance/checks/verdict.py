@@ -10,36 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the checks, in the order a cell's failure lists them: the promises of the matrix.
-CHECKS = {
-    "checkpoint": "the checkpoint is EP-invariant (same keys, shapes, dtypes and values as the "
-    "ep=1 save)", "values": "every tensor equals what the checkpoint holds after the load, and "
-    "that the ep=1 ground truth",
-    "missing": "nothing the ground truth holds goes missing in the load",
-    "scalars": "optimizer scalars (step, lr, betas, ...) come back",
-    "resume": "the next training step equals uninterrupted training",
-    "forward": "the loaded model's forward equals the ground truth's",
-    "hf_export": "the Hugging Face export at every layout is the ep=1 export, complete for its "
-    "model class, and computes the framework's forward",
-    "hf_import": "the ep=1 Hugging Face export loaded at every layout gives the ep=1 state",
-    "refusal": "a lossy legacy checkpoint is refused", "setup": "the experiment itself is sound",
-}
-#: the checks a passing cell lists as run ("checks: ..."), in that order: the promises a green cell
-#: kept.
-LISTED = ("checkpoint", "values", "missing", "scalars", "resume", "forward", "hf_export",
-          "hf_import")
-#: checks listed only where a rank ran them: the Hugging Face checks run in the cells that write
-#: an export or load one (model-only cells), not in every cell.
-WHERE_RUN = ("hf_export", "hf_import")
 #: mismatches a rank keeps (the record holds them all; the terminal shows a few): a bound against a
 #: pathological model, far above any cell's tensor count (E=256 x 2 layers x 3 weights x 3 with
 #: moments is 4,608).
 KEEP = 100_000
 
 Key = tuple[Any, Any, str]
+
 #: the key under which a rank that stopped on an exception sends its verdict through the engine's
 #: structured channel (:data:`pytest_moe_ep.world.protocol.FIELDS_ATTR`).
 VERDICT = "verdict"  # (layer, global_expert_id or None, name)
+
+
+def __getattr__(name: str) -> Any:
+    """``CHECKS``, ``LISTED`` and ``WHERE_RUN``, derived from the checks' table
+    (:mod:`conformance.checks.table`), whose checks import this module: read from it when asked."""
+    if name in ("CHECKS", "LISTED", "WHERE_RUN"):
+        from conformance.checks import table
+
+        return getattr(table, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
