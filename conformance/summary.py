@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.checks import CHECKS, Mismatch, RankVerdict
-from conformance.checks.verdict import WHERE_RUN
+from conformance.checks.table import checks_run
 from conformance.matrix import Cell
 from conformance.rounding import ROUNDING_ULPS
 
@@ -87,9 +87,7 @@ def summarize(cell: Cell, verdicts: list[RankVerdict], adapter: str, green: bool
     if green:
         compared = sum(v.compared for v in verdicts)
         skipped = {k: why for v in verdicts for k, why in v.skipped.items()}
-        ran = [c for c in CHECKS if c not in skipped and c not in ("refusal", "setup")
-               and not (cell.state == "model" and c in ("scalars", "resume"))
-               and (c not in WHERE_RUN or any(c in v.ran for v in verdicts))]
+        ran = checks_run(cell, verdicts, skipped)
         tail = "".join(f"; {k} check skipped: {why}" for k, why in sorted(skipped.items()))
         return (f"{compared} tensors on {len(verdicts)} ranks equal what the checkpoint "
                 f"holds bit for bit, and the ep=1 ground truth{_rounding(verdicts)} "
