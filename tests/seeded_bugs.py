@@ -37,8 +37,25 @@ from dataclasses import replace
 from typing import Any
 
 from conformance.adapter import Capabilities
-from conformance.adapters.reference import ReferenceAdapter, ReferencePerExpertAdapter
+from conformance.adapters import reference
 from reference_impl.layout import balanced_range
+
+
+class ReferenceAdapter(reference.ReferenceAdapter):
+    """The reference adapter without its Hugging Face members, so its cells run no HF check.
+
+    The bugs here are planted in the DCP path (state dict, save, load, optimizer); the reference's
+    HF export goes through that same checkpoint, so the HF checks would only read each bug a second
+    time, at twice a cell's cost.  The HF checks' negative controls are ``seeded_hf.py``, and their
+    no-false-alarm control the reference's own default tier (``test_matrix.py``).
+    """
+
+    hf_model = export_hf = import_hf = hf_forward = None
+
+
+class ReferencePerExpertAdapter(ReferenceAdapter, reference.ReferencePerExpertAdapter):
+    """``reference-per-expert`` (one key per expert in both kinds), without the HF members."""
+
 
 _EXPERT_KEY = re.compile(r"(experts\.)(\d+)(\.)")
 
