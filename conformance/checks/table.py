@@ -36,14 +36,18 @@ __all__ = ["CHECKS", "CHECK_FINDING", "LISTED", "TABLE", "WHERE_RUN", "Check", "
 
 
 def every_cell(cell: Cell) -> bool:
+    """Any cell: what the experiment itself needs holds in a legacy cell too."""
     return True
 
 
 def not_legacy(cell: Cell) -> bool:
+    """The cells whose checkpoint promises EP-invariance: a legacy file is lossy by design, and
+    only its refusal is checked."""
     return not cell.legacy
 
 
 def legacy(cell: Cell) -> bool:
+    """Legacy cells: the framework's old, lossy save, which a load must refuse."""
     return cell.legacy
 
 
