@@ -2,7 +2,8 @@
 
 Node ids read like ``moe-ep-matrix::checkpoint::unpacked::model+optim::fsdp::ep2->ep4``, so ``-k``,
 ``-x``, ``--junitxml``, pytest-timeout and pytest-xdist work on cells as on any test.  Every cell
-runs in the session's persistent world; a cell that errors gets a fresh world and the rest of the
+runs in the session's persistent world; a cell that stops keeps it when every rank raised in step
+(a refused load), else gets a fresh one (:mod:`pytest_moe_ep.world.health`), and the rest of the
 matrix runs on.  Each cell attaches its report record (a :class:`~conformance.record.CellRecord`).
 The session hands every item a :class:`CellContext` when it collects them: what a cell needs of the
 session, so an item never looks the session up (and this module never imports it).  A cell stopped

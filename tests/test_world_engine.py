@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 
 import pytest
@@ -68,6 +69,18 @@ def unpicklable_result() -> object:
     return lambda: None
 
 
+def raise_everywhere(unwaited_on: int | None = None) -> None:
+    """Every rank raises after one matched all-reduce; ``unwaited_on`` first posts one more
+    all-reduce it never waits for, which its peers never reach."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == unwaited_on:
+        dist.all_reduce(torch.ones(1), async_op=True)
+    raise ValueError(f"rank {dist.get_rank()} refuses")
+
+
 def all_reduce_sum(value: int) -> int:
     import torch
     import torch.distributed as dist
@@ -95,7 +108,7 @@ def test_exception_on_one_rank_names_it_and_replaces_the_world(moe_ep_engine: Su
     with pytest.raises(RankFailure) as info:
         moe_ep_engine.run(raise_on, 2, world_size=N, backend="gloo")
     err = info.value
-    assert err.at_fault == [2]
+    assert err.at_fault == [2] and err.replaced_because == "not every rank raised and returned"
     assert ("failed on rank(s) 2: rank 2 raised ValueError: deliberate failure on rank 2"
             in err.headline)
     report = err.report()
@@ -104,6 +117,46 @@ def test_exception_on_one_rank_names_it_and_replaces_the_world(moe_ep_engine: Su
     after = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
     assert {p
             for _, _, p in after}.isdisjoint({p for _, _, p in before}), "a broken world was reused"
+
+
+def test_a_failure_every_rank_raised_in_step_keeps_the_world(moe_ep_engine: Supervisor) -> None:
+    """A framework refusing a load on every rank: the world and what its ranks built stay."""
+    before = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
+    starts = moe_ep_engine.starts
+    with pytest.raises(RankFailure) as info:
+        moe_ep_engine.run(raise_everywhere, world_size=N, backend="gloo")
+    assert info.value.at_fault == list(range(N)) and "rank 3 refuses" in info.value.report()
+    assert info.value.kept and not info.value.replaced_because
+    assert moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo") == before
+    assert moe_ep_engine.starts == starts
+    assert moe_ep_engine.run(all_reduce_sum, 2, world_size=N, backend="gloo") == [2 * N] * N
+
+
+def test_a_rank_that_raised_out_of_step_gets_the_world_replaced(moe_ep_engine: Supervisor) -> None:
+    """Negative control: rank 1 posted a collective its peers never reached; kept, the world would
+    pair it with their next one."""
+    before = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
+    with pytest.raises(RankFailure) as info:
+        moe_ep_engine.run(raise_everywhere, 1, world_size=N, backend="gloo")
+    found = re.fullmatch(r"process group 0 ran different numbers of collectives \(rank 0: (\d+), "
+                         r"rank 1: (\d+), rank 2: \1, rank 3: \1\)", info.value.replaced_because)
+    assert not info.value.kept and found and int(found[2]) == int(found[1]) + 1, info.value
+    after = moe_ep_engine.run(rank_and_pid, world_size=N, backend="gloo")
+    assert {p for _, _, p in after}.isdisjoint({p for _, _, p in before}), "an out-of-step world"
+    assert moe_ep_engine.run(all_reduce_sum, 2, world_size=N, backend="gloo") == [2 * N] * N
+
+
+def test_out_of_step_names_the_group_and_the_ranks() -> None:
+    from pytest_moe_ep.world.health import out_of_step
+
+    group = {"0": ((0, 1, 2), 5)}
+    assert out_of_step([group, group, group]) is None
+    assert out_of_step([group, {"0": ((0, 1, 2), 6)}, group]) == (
+        "process group 0 ran different numbers of collectives (rank 0: 5, rank 1: 6, rank 2: 5)")
+    assert out_of_step([group, {}, group]) == (
+        "process group 0 (ranks [0, 1, 2]) is unknown to rank(s) [1]")
+    pair = {"0": ((0, 1, 2), 5), "1": ((0, 1), 2)}
+    assert out_of_step([pair, pair, group]) is None  # rank 2 is no member of group 1
 
 
 def test_hang_names_the_suspect_with_its_stack(moe_ep_engine: Supervisor) -> None:

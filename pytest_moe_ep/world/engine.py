@@ -110,6 +110,10 @@ class WorldError(Exception):
     states: dict[int, str] = field(default_factory=dict)
     sections: list[Section] = field(default_factory=list)
     outputs: list[RankOutput] = field(default_factory=list)
+    #: whether the world served on after the failure (``kept``; only when every rank raised and the
+    #: ranks were still in step: :mod:`~pytest_moe_ep.world.health`), else why it was replaced.
+    kept: bool = False
+    replaced_because: str = ""
     #: "start", "failed", "hang" or "out-of-step"
     kind: ClassVar[str] = "failed"
 

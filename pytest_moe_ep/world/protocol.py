@@ -111,6 +111,9 @@ class Call:
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: the controller's sys.path, so modules it imported (test modules among them) import in ranks.
     sys_path: tuple[str, ...] = ()
+    #: whether the ranks first agree on the call id in a collective; a probe of whether the ranks'
+    #: collectives are still in step (:mod:`.health`) must not run one before it knows.
+    agree: bool = True
 
 
 @dataclass(frozen=True)

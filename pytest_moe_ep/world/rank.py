@@ -261,7 +261,8 @@ def _run(spec: RankSpec, call: Call, device: Any) -> Result:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     try:
-        _agree_on_call(call.call_id, device, spec.world_size)
+        if call.agree:
+            _agree_on_call(call.call_id, device, spec.world_size)
         _import_with_assert_rewriting(call.fn)
         fn = call.fn.resolve()
     except BaseException as exc:
