@@ -20,7 +20,10 @@ run on the ranks; :func:`out_of_step` runs on the controller.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pytest_moe_ep.world.engine import RankFailure, WorldError
 
 #: one rank's report: process group name -> (its members' global ranks, collectives it has run).
 Positions = dict[str, tuple[tuple[int, ...], int]]
@@ -76,3 +79,26 @@ def out_of_step(reports: Sequence[Positions]) -> str | None:
             listed = ", ".join(f"rank {r}: {n}" for r, n in sorted(counts.items()))
             return f"process group {name} ran different numbers of collectives ({listed})"
     return None
+
+
+def why_replaced(exc: BaseException, world_size: int, backend: str, alive: bool,
+                 probe: Callable[[Callable[[], Any], bool], list[Any]]) -> str:
+    """Why a world whose call raised ``exc`` must be replaced ("" when it may serve on).
+
+    ``probe(fn, agree)`` runs ``fn`` on every rank under :data:`PROBE_TIMEOUT_S` and returns the
+    values in rank order, raising :class:`WorldError` when it cannot; ``agree=False`` skips the
+    ranks' agreement on the call id, itself a collective, before the positions are known."""
+    if not isinstance(exc, RankFailure) or len(exc.errors) < world_size:
+        return "not every rank raised and returned"
+    if backend not in KEPT_BACKENDS or not alive:
+        return f"a {backend} world is not kept after a failure"
+    try:
+        why = out_of_step(probe(collective_positions, False))
+        if why:
+            return why
+        sums = probe(all_reduce_world_size, True)
+    except WorldError as failed:
+        return f"the probe of the ranks' process groups failed: {failed.cause}"
+    if sums != [world_size] * world_size:
+        return f"an all-reduce of ones over the world gave {sums}"
+    return ""

@@ -8,13 +8,11 @@ never touches CUDA), so only the first world costs a torch import.  Rendezvous g
 and the ranks' gloo (or NCCL) sockets are bound to loopback: a local world opens no port reachable
 from the network, and parallel pytest processes cannot collide.
 
-A call that fails -- an exception, a dead rank, a deadline -- kills its world, and the next call
-gets a fresh one, unless every rank raised and returned and the ranks are provably still in step
-(:mod:`.health`: each process group's collectives counted alike, then one all-reduce): a framework
-that refuses a load on every rank then costs its refusal, not a new world and everything its ranks
-had built.  A call never inherits a world not known to be sound.  :meth:`Supervisor.shutdown`
-returns only once every process the session started -- ranks, fork server, resource tracker -- is
-gone, and its work directory with them (see :mod:`.workdir` for what happens after a ``kill -9``).
+A call that fails -- an exception, a dead rank, a deadline -- kills its world and the next call
+gets a fresh one, unless every rank raised in step (:mod:`.health`): a call never inherits a world
+not known to be sound.  :meth:`Supervisor.shutdown` returns only once every process the session
+started -- ranks, fork server, resource tracker -- is gone, and its work directory with them (see
+:mod:`.workdir` for what happens after a ``kill -9``).
 """
 
 from __future__ import annotations
@@ -36,21 +34,8 @@ from typing import Any
 
 from pytest_moe_ep.world.backend import GpuLease, lease_gpus, resolve_backend
 from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, main_thread_stack
-from pytest_moe_ep.world.engine import (
-    CallResult,
-    RankFailure,
-    RankOutput,
-    Section,
-    WorldError,
-    WorldStartError,
-)
-from pytest_moe_ep.world.health import (
-    KEPT_BACKENDS,
-    PROBE_TIMEOUT_S,
-    all_reduce_world_size,
-    collective_positions,
-    out_of_step,
-)
+from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
+from pytest_moe_ep.world.health import PROBE_TIMEOUT_S, why_replaced
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
 from pytest_moe_ep.world.workdir import (
@@ -365,27 +350,14 @@ class Supervisor:
 
     def _unsound_after(self, world: World, exc: BaseException) -> str:
         """Why ``world`` may not serve the next call after its call raised ``exc`` ("" when it
-        may): it may when every rank raised and returned and the ranks are still in step
-        (:mod:`.health`)."""
-        if not isinstance(exc, RankFailure) or len(exc.errors) < world.world_size:
-            return "not every rank raised and returned"
-        if world.backend not in KEPT_BACKENDS or not world.alive:
-            return f"a {world.backend} world is not kept after a failure"
-        try:  # no collective before the positions say the ranks are in step
-            reports = self._call(world, Call(next(self.call_ids), function_ref(
-                collective_positions), (), {}, tuple(sys.path), agree=False),
-                PROBE_TIMEOUT_S).values
-            why = out_of_step(reports)
-            if why:
-                return why
-            sums = self._call(world, Call(next(self.call_ids), function_ref(
-                all_reduce_world_size), (), {}, tuple(sys.path)), PROBE_TIMEOUT_S).values
-        except WorldError as probe:
-            return f"the probe of the ranks' process groups failed: {probe.cause}"
-        if sums != [world.world_size] * world.world_size:
-            return f"an all-reduce of ones over the world gave {sums}"
-        world.kept += 1
-        return ""
+        may: :func:`.health.why_replaced`)."""
+        def probe(fn: Callable[[], Any], agree: bool) -> list[Any]:
+            call = Call(next(self.call_ids), function_ref(fn), (), {}, tuple(sys.path), agree)
+            return self._call(world, call, PROBE_TIMEOUT_S).values
+
+        why = why_replaced(exc, world.world_size, world.backend, world.alive, probe)
+        world.kept += not why
+        return why
 
     def _call(self, world: World, call: Call, timeout_s: float) -> CallResult:
         n = world.world_size
