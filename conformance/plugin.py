@@ -50,9 +50,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--moe-ep-report", dest="moe_ep_report", default=None, metavar="DIR",
                     help="write moe-ep-conformance.json and .md into DIR")
     group.addoption("--moe-ep-keep-checkpoints", dest="moe_ep_keep_checkpoints", default=None,
-                    metavar="DIR", help="keep each cell's checkpoints (its save's and the ep=1 "
-                    "truth's) in DIR/<cell id>/save and .../truth, to check a verdict by hand "
-                    "(hard links where the filesystem allows)")
+                    metavar="DIR", help="keep each cell's checkpoints in DIR/<cell id>/: save "
+                    "(what it loaded), ep1 (the ep=1 save it was compared with) and their Hugging "
+                    "Face exports save-hf and ep1-hf, to check a verdict by hand (hard links where "
+                    "the filesystem allows)")
     ini_and_option(parser, "expectations",
                    "an expectations file (TOML): per cell id or pattern, the finding a red cell is "
                    "expected to have (silent, on-disk, refused, error) or pass, and why; a cell "

@@ -152,6 +152,16 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def kept_dirs(plan: CellPlan) -> dict[str, str | None]:
+    """What ``--moe-ep-keep-checkpoints`` keeps of a cell, by the name it is kept under: the save
+    the cell loaded (``save``), the ep=1 save it was compared with (``ep1``; the *ground truth* is
+    the model that save was made from), and the Hugging Face export of each where the cell wrote or
+    read one (``save-hf``, ``ep1-hf``)."""
+    truth = plan.truth_path
+    return {"save": plan.path, "save-hf": export_dir(plan.path), "ep1": truth,
+            "ep1-hf": export_dir(truth) if truth else None}
+
+
 def keep_checkpoints(where: Path, **checkpoints: str | None) -> None:
     """Keep each of ``checkpoints`` (name -> directory) under ``where/<name>``; one that could not
     be kept is a warning naming it, not the cell's failure."""
@@ -198,7 +208,7 @@ class Saves:
     truths_wanted: bool = field(init=False, default=True)
     #: this session's id, sent with every plan.
     session: str = field(default_factory=lambda: uuid.uuid4().hex)
-    #: ``--moe-ep-keep-checkpoints``: each cell's checkpoints (its save's, its truth's) are kept
+    #: ``--moe-ep-keep-checkpoints``: each cell's checkpoints (:func:`kept_dirs`) are kept
     #: under ``keep/<the cell's id>/`` for reading offline (:func:`kept_name`); ``None``: removed as
     #: they go.
     keep: Path | None = None
@@ -232,8 +242,7 @@ class Saves:
         findings = verdict.findings if verdict is not None else None
         entry = self.saves[_key(cell, self.share)]
         if self.keep is not None and getattr(self.engine, "rank", 0) == 0:  # before _empty below
-            keep_checkpoints(self.keep / kept_name(cell.node_name), save=plan.path,
-                             truth=plan.truth_path)
+            keep_checkpoints(self.keep / kept_name(cell.node_name), **kept_dirs(plan))
         if plan.truth_path is not None and verdict is not None and plan.save_truth:
             truth = self.truths[truth_key(cell)]
             truth.written, truth.findings = True, verdict.truth_findings

@@ -668,9 +668,9 @@ def test_names_as_users_type_them(pytester: pytest.Pytester) -> None:
 
 
 def test_each_cells_checkpoints_are_kept_for_reading_offline(pytester: pytest.Pytester) -> None:
-    """``--moe-ep-keep-checkpoints=DIR``: the save and the ep=1 truth of every cell, red ones
-    included (a failed cell's save is emptied for the next writer after it is kept), under the
-    cell's id."""
+    """``--moe-ep-keep-checkpoints=DIR``: the save and the ep=1 save of every cell, red ones
+    included (a failed cell's save is emptied for the next writer after it is kept), and their
+    Hugging Face exports, under the cell's id."""
     from conformance.inspection import inspect_checkpoint, read_checkpoint
     from conformance.saves import kept_name
 
@@ -686,6 +686,11 @@ def test_each_cells_checkpoints_are_kept_for_reading_offline(pytester: pytest.Py
     for cell_id, cell in cells.items():
         where = kept / kept_name(cell_id.removeprefix("moe-ep-matrix::"))
         assert "::" not in where.name and ">" not in where.name
-        assert read_checkpoint(where / "truth").entries and read_checkpoint(where / "save").entries
+        assert read_checkpoint(where / "ep1").entries and read_checkpoint(where / "save").entries
+        # the Hugging Face exports beside them: the ep=1 one every cell compares with, and the
+        # save's where the cell wrote it
+        assert sorted(p.name for p in where.iterdir()) == ["ep1", "ep1-hf", "save", "save-hf"]
+        for export in ("ep1-hf", "save-hf"):
+            assert (where / export / "model.safetensors.index.json").is_file(), export
         local = [f.problem for f in inspect_checkpoint(where / "save", 4).findings]
         assert ("local_numbering" in local) == (cell["save_ep"] == 2), (cell_id, local)
