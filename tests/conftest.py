@@ -1,10 +1,13 @@
 """The project's own test options (not the plugin's: those live in ``pytest_moe_ep/settings.py``).
 
-``slow`` marks the tests that run a real framework through its whole as-found matrix (one to three
-minutes each on the 2-core CI machine).  They are skipped unless ``--run-slow`` is given, so the
-suite CI runs (``bash ci/test.sh``) stays well under its 15-minute budget; every framework still
-runs end to end there through its smaller tests (seeded bugs, negative controls, a few cells).  Run
-them with ``bash ci/test.sh --slow`` before changing the harness or a pinned framework version.
+``slow`` marks the tests that run a whole matrix for minutes: a real framework's whole as-found
+matrix, the reference's 8-rank default tier (one to three minutes each on the 2-core CI machine).
+They are skipped unless ``--run-slow`` is given, so the suite CI runs (``bash ci/test.sh``) stays
+within its 12-minute budget; every framework still runs end to end there through its smaller tests
+(seeded bugs, negative controls, a few cells), and the 8-rank reference through the cells only
+eight ranks reach.  The project's nightly workflow (``ci/github/pytest-moe-ep-tests.yml``) runs
+them with ``bash .ci/run --slow``; run them so before changing the harness or a pinned framework
+version.
 """
 
 from __future__ import annotations
@@ -40,19 +43,19 @@ def shared_fork_server(moe_ep_engine: Any) -> None:
     moe_ep_engine.run(os.getpid, world_size=1, backend="gloo")
 
 
-SLOW_REASON = ("a real framework's whole as-found matrix (minutes): run with --run-slow (bash "
-               "ci/test.sh --slow)")
+SLOW_REASON = ("a whole matrix of minutes (a real framework's as-found one, the 8-rank reference "
+               "tier): run with --run-slow (bash ci/test.sh --slow)")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False,
-                     help="also run the tests marked slow (the real frameworks' whole as-found "
-                     "matrices)")
+                     help="also run the tests marked slow (whole matrices of minutes: the real "
+                     "frameworks' as-found ones, the 8-rank reference tier)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers",
-                            "slow: a real framework's whole as-found matrix; needs --run-slow")
+                            "slow: a whole matrix of minutes; needs --run-slow")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
