@@ -8,7 +8,9 @@ without the ``check_saved_experts`` guard, so the damage shows as wrong values o
 rather than a refusal.
 
 It does not declare ``cross_kind``: its saves keep each kind's raw form (a packed layer's
-``[rows, ...]`` tensors), which only the same kind can load, even at ep=1.
+``[rows, ...]`` tensors), which only the same kind can load, even at ep=1.  Nor has it the
+reference's Hugging Face members: its bug is in the DCP save, and the reference's export would be
+checked in every model cell of every legacy run to no end (the reference's own tier checks it).
 """
 
 from __future__ import annotations
@@ -35,3 +37,4 @@ class LegacyAdapter(ReferenceAdapter):
 
     check_saved = None  # type: ignore[assignment]  # no guard: that is the point
     save_legacy = None  # type: ignore[assignment]
+    hf_model = export_hf = import_hf = hf_forward = None  # type: ignore[assignment]
