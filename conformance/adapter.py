@@ -45,6 +45,7 @@ from conformance.scalars import state_scalars, torch_optimizer_scalars
 __all__ = [
     "ADAM_MOMENTS",
     "FORWARD_OUTPUT",
+    "HF_MEMBERS",
     "KINDS",
     "AdapterError",
     "Capabilities",
@@ -75,6 +76,8 @@ KINDS = ("packed", "unpacked", "fused")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 #: the name of the model's output in ``forward``'s results (a plain tensor's, and the named form's).
 FORWARD_OUTPUT = "output"
+#: the optional members of a Hugging Face export: the HF checks run where an adapter has all four.
+HF_MEMBERS = ("hf_model", "export_hf", "import_hf", "hf_forward")
 
 
 class AdapterError(Exception):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from conformance.adapter import HF_MEMBERS
 from conformance.report import (
     MD_NAME,
     OUTCOME,
@@ -37,6 +38,10 @@ from conformance.report import (
 )
 from pytest_moe_ep.settings import ENGINE, SETTINGS, number, setting
 from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
+
+#: what the HF checks import on every rank (about 1.3 s each): imported once, by the fork server,
+#: when they will run.
+HF_PRELOAD = ["transformers", "transformers.modeling_utils"]
 
 if TYPE_CHECKING:
     from conformance.expectations import Baseline
@@ -349,6 +354,9 @@ class MatrixSession:
                    "reference_impl.checkpoint", "conformance.functions.rank"]
         if self.adapter is not None and self.members is not None:
             modules += [type(self.adapter).__module__, *self.members.value("preload")]
+            if (all(self.members.has(m) for m in HF_MEMBERS)
+                    and importlib.util.find_spec("transformers") is not None):
+                modules += HF_PRELOAD
         engine.add_preload(modules)
         collector = MatrixCollector.from_parent(session, name=MATRIX, nodeid=MATRIX)
         fcells = functions_cells() if self.functions is not None else []

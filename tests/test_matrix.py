@@ -79,8 +79,9 @@ def report(directory: Path) -> dict[str, Any]:
 
 
 def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> None:
-    out = pytester.path / "out"
-    result = run(pytester, "--moe-ep-matrix", f"--moe-ep-report={out}")
+    out, kept = pytester.path / "out", pytester.path / "kept"
+    result = run(pytester, "--moe-ep-matrix", f"--moe-ep-report={out}",
+                 f"--moe-ep-keep-checkpoints={kept}")
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = report(out)
     assert doc["adapter"] == {"name": "reference", "version": "0.1.0"}
@@ -114,6 +115,14 @@ def test_reference_passes_every_applicable_cell(pytester: pytest.Pytester) -> No
     assert model and all("hf_import)" in c["detail"] for c in model)
     exported = [c for c in model if "hf_export" in c["detail"]]
     assert len(exported) >= 10 and not any(c.get("shared_save") for c in exported)
+    # --moe-ep-keep-checkpoints keeps both exports a model cell checked beside its checkpoints
+    from conformance.saves import kept_name
+
+    for cell in exported:
+        where = kept / kept_name(cell["id"].removeprefix("moe-ep-matrix::"))
+        assert sorted(p.name for p in where.iterdir()) == ["ep1", "ep1-hf", "save", "save-hf"]
+        for export in ("ep1-hf", "save-hf"):
+            assert (where / export / "model.safetensors.index.json").is_file(), (where, export)
     assert not any("hf_" in c["detail"] for c in cells if c["state"] == "model+optim")
     md = (out / "moe-ep-conformance.md").read_text()
     assert "](moe-ep-conformance-grid-packed-model.svg)" in md and "## Environment" in md
@@ -704,10 +713,6 @@ def test_each_cells_checkpoints_are_kept_for_reading_offline(pytester: pytest.Py
         where = kept / kept_name(cell_id.removeprefix("moe-ep-matrix::"))
         assert "::" not in where.name and ">" not in where.name
         assert read_checkpoint(where / "ep1").entries and read_checkpoint(where / "save").entries
-        # the Hugging Face exports beside them: the ep=1 one every cell compares with, and the
-        # save's where the cell wrote it
-        assert sorted(p.name for p in where.iterdir()) == ["ep1", "ep1-hf", "save", "save-hf"]
-        for export in ("ep1-hf", "save-hf"):
-            assert (where / export / "model.safetensors.index.json").is_file(), export
+        assert sorted(p.name for p in where.iterdir()) == ["ep1", "save"]  # legacy exports no HF
         local = [f.problem for f in inspect_checkpoint(where / "save", 4).findings]
         assert ("local_numbering" in local) == (cell["save_ep"] == 2), (cell_id, local)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from conformance.adapter import HFModel, NotApplicable
+from conformance.adapter import HF_MEMBERS, HFModel, NotApplicable
 from conformance.checks.context import CheckContext, TimedAdapter
 from conformance.matrix import Cell
 from conformance.saves import export_dir
@@ -28,7 +28,7 @@ __all__ = ["EXPORT", "IMPORT", "applies", "asked", "export_truth", "load_hf_mode
            "why_no_truth"]
 
 EXPORT, IMPORT = "hf_export", "hf_import"
-_MEMBERS = ("hf_model", "export_hf", "import_hf", "hf_forward")
+_MEMBERS = HF_MEMBERS
 
 
 def _transformers_missing() -> str:
