@@ -19,14 +19,14 @@ from collections import Counter
 from pathlib import Path
 
 
-def module_seconds(junit: Path) -> tuple[Counter[str], Counter[str]]:
+def module_seconds(junit: Path) -> tuple[dict[str, float], Counter[str]]:
     """Seconds and test counts per test module (``tests/test_x.py``) of one JUnit XML file."""
-    seconds: Counter[str] = Counter()
+    seconds: dict[str, float] = {}
     tests: Counter[str] = Counter()
     for case in ET.parse(junit).getroot().iter("testcase"):
         module = case.get("classname", "").split(".")
         name = "/".join(module[:2]) + ".py" if len(module) >= 2 else case.get("classname", "?")
-        seconds[name] += float(case.get("time") or 0.0)
+        seconds[name] = seconds.get(name, 0.0) + float(case.get("time") or 0.0)
         tests[name] += 1
     return seconds, tests
 
@@ -35,7 +35,7 @@ def table(runs: list[Path], top: int) -> str:
     """A Markdown table: the modules of the last run, slowest first, with every run's seconds."""
     found = [module_seconds(run) for run in runs]
     last_seconds, last_tests = found[-1]
-    names = [n for n, _ in last_seconds.most_common()]
+    names = sorted(last_seconds, key=lambda n: -last_seconds[n])
     names += sorted({n for s, _ in found[:-1] for n in s} - set(names))
     head = "| module | tests | " + " | ".join(f"{run.name} (s)" for run in runs) + " |"
     lines = [head, "|---|---:|" + "---:|" * len(runs)]
