@@ -76,12 +76,6 @@ def _ranks(layout: ParallelLayout, coordinate: int) -> str:
                      if layout.coordinates(r)["ep"] == coordinate)
 
 
-def reported_experts(adapter: TimedAdapter, model: Any,
-                     optimizer: Any) -> tuple[int, ...]:
-    """The global expert ids this rank's ``expert_tensors`` yields (no copies)."""
-    return reported(adapter, model, optimizer)[1]
-
-
 def reported(adapter: TimedAdapter, model: Any,
              optimizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(layers, experts)``: the layer indices of every tensor this rank yields (``expert_tensors``
