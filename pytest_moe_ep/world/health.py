@@ -14,8 +14,9 @@ which *every* rank raised and returned keeps its world -- if the ranks are still
 
 Anything else -- a rank that died, hung or returned while another raised, a probe that fails or
 disagrees, an NCCL world (whose communicators may hold an asynchronous error) -- and the world is
-killed as before: a call never inherits a world that is not known to be sound.  The functions here
-run on the ranks; :func:`out_of_step` runs on the controller.
+killed as before: a call never inherits a world that is not known to be sound.
+:func:`collective_positions` and :func:`all_reduce_world_size` run on the ranks,
+:func:`why_replaced` and :func:`out_of_step` on the controller.
 """
 
 from __future__ import annotations
