@@ -40,6 +40,7 @@ from conformance.outcome import (
     functions_outcome,
     harness_outcome,
     judged_outcome,
+    rank_verdicts,
 )
 from conformance.record import CellRecord, environment, function_record
 from conformance.report import OUTCOME, RECORD
@@ -259,20 +260,22 @@ class CheckpointCellItem(MatrixItem):
         assert saves is not None and members is not None, ("checkpoint cells come with the "
                                                            "session's saves")
         plan = saves.plan(self.cell, self.context.expert_keys)
-        ok = False
+        # rank 0's verdict, as far as the cell got: what it wrote whole is not written again
+        reached: RankVerdict | None = None
         try:
             result = call_on_world(self, RUN_CELL,
                                    (self.adapter, self.cell, self.base, plan, members), {},
                                    world_size=self.world_size, backend=self.backend)
-            ok = True
+            reached = result.values[0]
         except WorldError as exc:  # measured before finished() removes the partial save
+            reached = rank_verdicts(exc).get(0)
             problem = disk_problem(exc, plan)
             if problem:
                 exc.cause = f"{problem}\n{exc.cause}"
                 self.environment_problem = problem
             raise
         finally:
-            saves.finished(self.cell, plan, result.values[0] if ok else None)
+            saves.finished(self.cell, plan, reached)
         verdicts: list[RankVerdict] = result.values
         phases = [k for k in ("build", "save", "inspect", "load", "adapter", "total")
                   if any(k in v.timings for v in verdicts)]

@@ -238,19 +238,21 @@ class Saves:
                         session=self.session)
 
     def finished(self, cell: Cell, plan: CellPlan, verdict: Any) -> None:
-        """After the cell's world call: ``verdict`` is rank 0's, ``None`` when the call failed."""
-        findings = verdict.findings if verdict is not None else None
+        """After the cell's world call: ``verdict`` is rank 0's, as far as the cell got when it
+        stopped (``None`` when none came back).  A checkpoint the cell wrote whole, its findings
+        read, serves its later readers as it is -- a load that stopped on it would stop on a
+        rewrite too; one it left half-written is emptied for the next reader to write again."""
         entry = self.saves[_key(cell, self.share)]
         if self.keep is not None and getattr(self.engine, "rank", 0) == 0:  # before _empty below
             keep_checkpoints(self.keep / kept_name(cell.node_name), **kept_dirs(plan))
-        if plan.truth_path is not None and verdict is not None and plan.save_truth:
+        if plan.truth_path is not None and plan.save_truth and verdict is not None \
+                and verdict.wrote_truth:
             truth = self.truths[truth_key(cell)]
             truth.written, truth.findings = True, verdict.truth_findings
-        if findings is not None and plan.save:
-            entry.written, entry.findings = True, findings
-        # the next reader writes them again
-        if verdict is None and getattr(self.engine, "rank", 0) == 0:
-            if plan.save and entry.path:
+        if plan.save and verdict is not None and verdict.wrote_save:
+            entry.written, entry.findings = True, verdict.findings
+        if getattr(self.engine, "rank", 0) == 0:
+            if plan.save and not entry.written and entry.path:
                 _empty(entry.path)
             if plan.save_truth and plan.truth_path and not self.truths[truth_key(cell)].written:
                 _empty(plan.truth_path)

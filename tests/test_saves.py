@@ -31,8 +31,13 @@ class DirEngine:
 
 @dataclass
 class Verdict:
+    """Rank 0's :class:`~conformance.checks.verdict.RankVerdict` as far as ``finished`` reads it:
+    by default a cell that wrote what its plan asked."""
+
     findings: tuple[str, ...] = ()
     truth_findings: tuple[str, ...] = ()
+    wrote_save: bool = True
+    wrote_truth: bool = True
 
 
 def cell(load_ep: int, save_ep: int = 2) -> Cell:
@@ -79,3 +84,23 @@ def test_without_sharing_every_cell_saves(tmp_path: Path) -> None:
         saves.finished(c, plans[-1], Verdict())
     assert all(p.save for p in plans) and plans[0].path != plans[1].path
     assert not any(Path(p.path).exists() for p in plans)
+
+
+def test_a_save_written_whole_by_a_cell_that_stopped_is_not_written_again(tmp_path: Path) -> None:
+    """A refused load stops its cell after the save and the truth were written and read: the next
+    reader loads them as they are (a rewrite would be refused the same way); what a stopped cell
+    left half-written is written again."""
+    saves = Saves(DirEngine(tmp_path), ReferenceAdapter())
+    readers = [cell(1), cell(4), cell(2, save_ep=4), cell(1, save_ep=4)]
+    saves.count_readers(readers)
+    first = saves.plan(readers[0])
+    saves.finished(readers[0], first, Verdict(("layer 0: a finding",), ("a truth finding",)))
+    second = saves.plan(readers[1])
+    assert not second.save and second.findings == ("layer 0: a finding",)
+    assert Path(second.path).exists()
+    # the truth written, the save not: only the save is written again
+    other = saves.plan(readers[2])
+    assert other.save and not other.save_truth
+    saves.finished(readers[2], other, Verdict(wrote_save=False))
+    again = saves.plan(readers[3])
+    assert again.save and again.path == other.path and not again.save_truth

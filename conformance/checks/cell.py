@@ -326,11 +326,13 @@ def _run(adapter: TimedAdapter, cell: Cell, base: Spec, plan: CellPlan,
     verdict.truth_findings = plan.truth_findings
     if plan.save_truth and plan.truth_path:
         verdict.truth_findings = _save_truth(ctx)
+        verdict.wrote_truth = True
     if plan.save:
         _save(ctx)
     else:
         verdict.findings = plan.findings
     _check(ctx, "written")
+    verdict.wrote_save = plan.save
 
     ctx.truth = ground_truth(adapter, load_spec, ctx.rank)
     ctx.side, ctx.built = "load", ctx.rebuild()

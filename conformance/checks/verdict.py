@@ -93,6 +93,10 @@ class RankVerdict:
     findings: tuple[str, ...] = ()
     #: the truth checkpoint's findings, from the cell that wrote it.
     truth_findings: tuple[str, ...] = ()
+    #: this cell wrote its checkpoint (the truth checkpoint) whole and read its findings: a later
+    #: reader loads it as it is, even when this cell stopped after (a refused load).
+    wrote_save: bool = False
+    wrote_truth: bool = False
     #: tensors that differ from the ep=1 truth by no more than a kernel's rounding
     #: (:mod:`conformance.rounding`), and the largest such difference in ulps: no finding, but the
     #: pass line says so.
