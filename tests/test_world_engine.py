@@ -45,6 +45,22 @@ def hang_on(rank: int) -> None:
     dist.barrier()
 
 
+def deadlock() -> None:
+    """Rank 0 all-reduces over the pair {0, 1} while ranks 1-3 enter a barrier of the whole world:
+    no collective is ever joined by all its members.  Every rank says it is in the save's save()."""
+    import torch
+    import torch.distributed as dist
+
+    from pytest_moe_ep.world.activity import activity
+
+    pair = dist.new_group([0, 1])
+    with activity(side="save", call="save"):
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1), group=pair)
+        else:
+            dist.barrier()
+
+
 def exit_on(rank: int, code: int) -> None:
     import torch.distributed as dist
 
@@ -179,6 +195,46 @@ def test_hang_names_the_suspect_with_its_stack(moe_ep_engine: Supervisor) -> Non
     victim = report.split("rank 0 (victim)")[1].split("--------")[1]
     assert "waiting in a collective at " in victim and "in barrier" in victim
     assert moe_ep_engine.run(all_reduce_sum, 1, world_size=N, backend="gloo") == [N] * N
+
+
+SAVING = {"side": "save", "call": "save"}
+#: where each rank of :func:`deadlock` waits, as the hang's cause says it.
+DEADLOCKED = (r"rank 0 in all_reduce \(torch/distributed/distributed_c10d\.py:\d+\) from "
+              r"\S*test_world_engine\.py:\d+ in deadlock; ranks 1, 2, 3 in barrier "
+              r"\(torch/distributed/distributed_c10d\.py:\d+\) from "
+              r"\S*test_world_engine\.py:\d+ in deadlock")
+
+
+def test_a_deadlock_names_where_every_rank_waits_and_what_it_was_doing(
+        moe_ep_engine: Supervisor) -> None:
+    """No rank runs its own code: the story is each rank's collective and its caller, and what
+    every rank said it was doing (:mod:`pytest_moe_ep.world.activity`)."""
+    with pytest.raises(WorldTimeout) as info:
+        moe_ep_engine.run(deadlock, world_size=N, backend="gloo", timeout=3)
+    err = info.value
+    assert err.at_fault == [0, 1, 2, 3] and err.waiting == []
+    assert re.fullmatch(r"hung: passed its 3s deadline with every rank waiting in a collective "
+                        rf"\(a deadlock\): {DEADLOCKED}", err.cause), err.cause
+    assert err.activity == dict.fromkeys(range(N), SAVING)
+    assert moe_ep_engine.run(all_reduce_sum, 1, world_size=N, backend="gloo") == [N] * N
+
+
+def test_a_deadlock_the_process_groups_timeout_ends_is_still_a_hang() -> None:
+    """When the process group's timeout fires before the deadline, every rank raises the transport's
+    own text, which names no call: the call is still a hang, each rank's place first (from its
+    traceback), the transport's text after, and each rank's activity as it raised."""
+    engine = Supervisor(pg_timeout_s=2.0, default_timeout_s=60.0)
+    try:
+        with pytest.raises(WorldTimeout) as info:
+            engine.run(deadlock, world_size=N, backend="gloo")
+    finally:
+        engine.shutdown()
+    err = info.value
+    assert re.match(r"hung: every rank timed out in a collective after the process group's 2s "
+                    rf"timeout \(a deadlock\): {DEADLOCKED}; the transport: rank", err.cause), \
+        err.cause
+    assert err.activity == dict.fromkeys(range(N), SAVING)
+    assert err.replaced_because == "not every rank raised and returned"  # no probe of a broken one
 
 
 def test_dead_rank_is_reported_with_its_exit_code(moe_ep_engine: Supervisor) -> None:

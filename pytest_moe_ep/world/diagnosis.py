@@ -8,21 +8,26 @@ someone; a rank running anything else, or a dead one, is a *suspect*.
 
 A hang is not always seen as a deadline: the process group's own timeout may fire first on the ranks
 waiting in a collective, so they *raise* while the stuck rank still runs its own code.  That is
-still a hang, and it is reported as one, with the stuck rank's ``file:line``.
+still a hang, and it is reported as one, with the stuck rank's ``file:line``.  So is a deadlock:
+every rank waiting in a collective that no other rank will join (each rank calls a different one,
+or the same one on another group).  Nobody runs their own code there, so the story is where each
+rank waits: the collective it is in and the code that called it (:func:`waiting_in`), whether the
+deadline found them there or the process group's timeout made them raise (the call's first failure
+came no sooner than that timeout: the transport's own text, which names no call, comes after).
 """
 
 from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from pytest_moe_ep.text import first_line, shorten
 from pytest_moe_ep.world.engine import RankFailure, RankOutput, Section, WorldError, WorldTimeout
 from pytest_moe_ep.world.protocol import RankError
 
-__all__ = ["Observed", "RankState", "RankStatus", "diagnose", "shorten", "suspects"]
+__all__ = ["Observed", "RankState", "RankStatus", "diagnose", "shorten", "suspects", "waiting_in"]
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
 _HEADER = re.compile(r"^main thread (0x[0-9a-f]+)$", re.MULTILINE)
@@ -110,18 +115,61 @@ def suspects(states: list[RankState]) -> list[int]:
     return left if (waiting and left) else waiting
 
 
-_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+# a faulthandler dump's frame (``line 12 in f``) or a Python traceback's (``line 12, in f``)
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+#: where a chained traceback's first exception (the root cause, raised innermost) ends.
+_CHAINED = re.compile(r"^(?:The above exception was the direct cause|During handling of the "
+                      r"above exception)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Frame:
+    path: str
+    line: str
+    func: str
+
+    @property
+    def in_collective(self) -> bool:
+        return "torch/distributed/" in self.path
+
+    @property
+    def place(self) -> str:
+        """``file:line``, the file by its last three path parts."""
+        return f"{'/'.join(self.path.split('/')[-3:])}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.place} in {self.func}"
+
+
+def frames(text: str, innermost_first: bool) -> list[Frame]:
+    """The frames of a faulthandler dump (``innermost_first``) or of a Python traceback's root
+    cause, innermost first."""
+    if not innermost_first:
+        text = text[:m.start()] if (m := _CHAINED.search(text)) else text
+    found = [Frame(m["path"], m["line"], m["func"])
+             for m in map(_FRAME.match, text.splitlines()) if m]
+    return found if innermost_first else found[::-1]
 
 
 def location(stack: str) -> str:
     """``file:line in function`` of the innermost frame of a faulthandler dump ("" when it has
     none)."""
-    for line in stack.splitlines():
-        found = _FRAME.match(line)
-        if found:
-            path = "/".join(found["path"].split("/")[-3:])
-            return f"{path}:{found['line']} in {found['func']}"
-    return ""
+    found = frames(stack, innermost_first=True)
+    return str(found[0]) if found else ""
+
+
+def waiting_in(text: str, innermost_first: bool) -> str:
+    """Where a rank was, from its stack dump or traceback: ``in all_reduce (torch/distributed/
+    distributed_c10d.py:2950) from x/y.py:40 in save`` -- the collective and the code outside
+    ``torch.distributed`` that called it -- or ``at x/y.py:12 in f`` outside any collective ("" when
+    the text has no frame)."""
+    found = frames(text, innermost_first)
+    if not found:
+        return ""
+    if not found[0].in_collective:
+        return f"at {found[0]}"
+    caller = next((f for f in found if not f.in_collective), None)
+    return f"in {found[0].func} ({found[0].place})" + (f" from {caller}" if caller else "")
 
 
 def describe_exit(code: int | None) -> str:
@@ -174,6 +222,28 @@ class Observed:
     stacks: dict[int, str]
     #: the call passed its deadline with no rank having failed first.
     timed_out: bool
+    #: what each rank said it was doing (:mod:`~pytest_moe_ep.world.activity`): where a rank that
+    #: raised raised, where a hung or dead one last was.
+    activity: dict[int, dict[str, str]] = field(default_factory=dict)
+    #: the process group's timeout, and how long after the call began its first rank failed: a
+    #: failure no sooner than the timeout, every rank in a collective, is a deadlock.
+    collective_timeout_s: float | None = None
+    first_failure_s: float | None = None
+
+
+def _where_each(seen: Observed, ranks: list[int]) -> str:
+    """Where each of ``ranks`` was, ranks in the same place named once: "ranks 0, 2 in all_reduce
+    (...) from x.py:40 in save; rank 1 in barrier (...) from ..."."""
+    groups: dict[str, list[int]] = {}
+    for r in ranks:
+        if r in seen.stacks:
+            where = waiting_in(seen.stacks[r], innermost_first=True)
+        elif r in seen.errors:
+            where = waiting_in(seen.errors[r].traceback, innermost_first=False)
+        else:
+            where = ""
+        groups.setdefault(where or "(no stack)", []).append(r)
+    return "; ".join(f"{_ranks(r)} {where}" for where, r in groups.items())
 
 
 def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str]) -> WorldError:
@@ -201,9 +271,28 @@ def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str])
     pg_timeout_hang = bool(stuck) and all(
         s.state in (*_WAITING, RankStatus.OUTSIDE_COLLECTIVE, RankStatus.RETURNED) for s in states
     ) and any(s.state is RankStatus.RAISED_IN_COLLECTIVE for s in states)
-    hung = seen.timed_out or pg_timeout_hang
+    # every rank that did not return waits in (or timed out in) a collective nobody else joins
+    in_collectives = not stuck and all(
+        s.state in (*_WAITING, RankStatus.RETURNED) for s in states) and any(
+        s.state in _WAITING for s in states)
+    timed_out_in_collectives = (
+        in_collectives and any(s.state is RankStatus.RAISED_IN_COLLECTIVE for s in states)
+        and seen.collective_timeout_s is not None and seen.first_failure_s is not None
+        and seen.first_failure_s >= seen.collective_timeout_s)
+    hung = seen.timed_out or pg_timeout_hang or timed_out_in_collectives
     waiting = [s.rank for s in states if s.state in _WAITING and s.rank not in at_fault]
-    if hung:
+    if hung and in_collectives:
+        ranks = [s.rank for s in states if s.state in _WAITING]
+        how = (f"passed its {seen.timeout_s:g}s deadline with every rank waiting in a collective"
+               if seen.timed_out else "every rank timed out in a collective after the process "
+               f"group's {seen.collective_timeout_s:g}s timeout")
+        failed = [r for r in ranks if r in seen.errors]
+        transport = (f"; the transport: {_grouped_details(states, failed, seen.errors, locations)}"
+                     if failed else "")
+        returned = sorted(seen.returned)
+        left = f"; {_ranks(returned)} had returned" if returned else ""
+        cause = f"hung: {how} (a deadlock): {_where_each(seen, ranks)}{left}{transport}"
+    elif hung:
         how = (f"passed its {seen.timeout_s:g}s deadline" if seen.timed_out
                else "timed out in a collective waiting for a stuck rank")
         stuck_at = "; ".join(f"rank {r} at {locations[r]}" for r in at_fault if locations.get(r))
@@ -215,7 +304,7 @@ def diagnose(seen: Observed, outputs: list[RankOutput], crashes: dict[int, str])
     cls = WorldTimeout if hung else RankFailure
     return cls(fn=seen.fn, world_size=seen.world_size, backend=seen.backend, cause=cause,
                at_fault=at_fault, waiting=waiting, locations=locations, errors=dict(seen.errors),
-               states={s.rank: s.state.value for s in states},
+               states={s.rank: s.state.value for s in states}, activity=dict(seen.activity),
                sections=_sections(seen, states, at_fault, crashes), outputs=outputs)
 
 

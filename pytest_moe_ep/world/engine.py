@@ -95,8 +95,9 @@ class WorldError(Exception):
     to blame, most direct first; ``waiting`` the ranks that were only blocked in a collective by
     them; ``locations`` where a rank at fault was stuck (``file:line in function``) when the call
     hung; ``errors`` the exception each rank raised; ``states`` what each rank was doing (the value
-    of a :class:`~pytest_moe_ep.world.diagnosis.RankStatus`); ``sections`` the report's titled
-    blocks.
+    of a :class:`~pytest_moe_ep.world.diagnosis.RankStatus`); ``activity`` what each rank said it
+    was doing (:mod:`~pytest_moe_ep.world.activity`: where a rank that raised was when it raised,
+    where a hung or dead one last was); ``sections`` the report's titled blocks.
     """
 
     fn: str
@@ -108,6 +109,7 @@ class WorldError(Exception):
     locations: dict[int, str] = field(default_factory=dict)
     errors: dict[int, RankError] = field(default_factory=dict)
     states: dict[int, str] = field(default_factory=dict)
+    activity: dict[int, dict[str, str]] = field(default_factory=dict)
     sections: list[Section] = field(default_factory=list)
     outputs: list[RankOutput] = field(default_factory=list)
     #: whether the world served on after the failure (``kept``; only when every rank raised and the

@@ -138,6 +138,9 @@ class RankError:
     #: the exception's :data:`FIELDS_ATTR` dict (see :class:`StructuredError`): what the caller
     #: reads.
     fields: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    #: what the rank said it was doing where the exception left it
+    #: (:func:`pytest_moe_ep.world.activity.activity`).
+    activity: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def headline(self) -> str:
         return f"rank {self.rank} raised {self.type_name}: {first_line(self.message)}".rstrip(": ")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from pytest_moe_ep.world import activity
 from pytest_moe_ep.world.protocol import (
     Call,
     FunctionRef,
@@ -70,6 +71,9 @@ class RankSpec:
     stderr_path: str | None = None
     cuda_device: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    #: where the rank keeps what it says it is doing (:mod:`pytest_moe_ep.world.activity`), for
+    #: the supervisor to read when a call hangs or the rank dies.
+    activity_path: str | None = None
 
 
 def _lifeline(supervisor_pid: int, workdir: str) -> None:
@@ -174,7 +178,8 @@ def _error(rank: int, exc: BaseException, skip_frames: int = 0) -> RankError:
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return RankError(rank, type(exc).__qualname__, _message(exc), text, error_fields(exc))
+    return RankError(rank, type(exc).__qualname__, _message(exc), text, error_fields(exc),
+                     activity.raised_in(exc))
 
 
 def _init_process_group(spec: RankSpec) -> Any:
@@ -224,6 +229,8 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
     stack_file.flush()
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    if spec.activity_path:
+        activity.attach(spec.activity_path)
     for name in INHERITED_RENDEZVOUS:
         os.environ.pop(name, None)
     os.environ.update(spec.env)
@@ -257,6 +264,7 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
 
 
 def _run(spec: RankSpec, call: Call, device: Any) -> Result:
+    activity.reset()
     for entry in reversed(call.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)

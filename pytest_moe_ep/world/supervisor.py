@@ -32,6 +32,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from pytest_moe_ep.world import activity
 from pytest_moe_ep.world.backend import GpuLease, lease_gpus, resolve_backend
 from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, main_thread_stack
 from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
@@ -259,6 +260,7 @@ class Supervisor:
                 stdout_path=os.path.join(base, f"rank{rank}.stdout") if self.capture else None,
                 stderr_path=os.path.join(base, f"rank{rank}.stderr") if self.capture else None,
                 cuda_device=rank if backend == "nccl" else None, env=env,
+                activity_path=os.path.join(base, f"rank{rank}.activity"),
             )
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=rank_main, args=(spec, child), name=f"moe-ep-rank{rank}")
@@ -371,7 +373,8 @@ class Supervisor:
                 world.processes[r].join(1.0)
                 dead[r] = world.processes[r].exitcode
         world.calls += 1
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         failed_at: float | None = time.monotonic() if dead else None
         pending = set(range(n)) - set(dead)
         while pending:
@@ -403,8 +406,9 @@ class Supervisor:
             return CallResult([results[r].value for r in range(n)], outputs)
         stacks = self._collect_stacks(world, sorted(pending), files)
         timed_out = bool(pending) and failed_at is None
+        first_failure_s = (failed_at - started) if failed_at is not None else None
         raise self._failure(world, call, timeout_s, results, dead, stacks, outputs, files,
-                            timed_out)
+                            timed_out, first_failure_s)
 
     def _collect_stacks(self, world: World, ranks: list[int],
                         files: list[_Files]) -> dict[int, str]:
@@ -432,11 +436,19 @@ class Supervisor:
 
     def _failure(self, world: World, call: Call, timeout_s: float, results: dict[int, Result],
                  dead: dict[int, int | None], stacks: dict[int, str], outputs: list[RankOutput],
-                 files: list[_Files], timed_out: bool) -> WorldError:
+                 files: list[_Files], timed_out: bool,
+                 first_failure_s: float | None) -> WorldError:
         errors = {r: res.error for r, res in results.items() if res.error is not None}
+        # a rank that raised says where it raised; a hung or dead one, where it last said it was
+        doing = {r: dict(errors[r].activity) if r in errors
+                 else activity.read(world.specs[r].activity_path or "")
+                 for r in range(world.world_size) if r not in results or r in errors}
         seen = Observed(str(call.fn), world.world_size, world.backend, timeout_s,
                         returned={r for r, res in results.items() if res.error is None},
-                        errors=errors, dead=dead, stacks=stacks, timed_out=timed_out)
+                        errors=errors, dead=dead, stacks=stacks, timed_out=timed_out,
+                        activity={r: found for r, found in doing.items() if found},
+                        collective_timeout_s=self.pg_timeout_s,
+                        first_failure_s=first_failure_s)
         return diagnose(seen, outputs, crashes={r: files[r].read(2).strip() for r in dead})
 
     # -- shutdown -------------------------------------------------------------------------------
