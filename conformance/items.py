@@ -10,7 +10,9 @@ session, so an item never looks the session up (and this module never imports it
 by Ctrl-C or SIGTERM hands its record, status ``interrupted``, to the context's ``interrupted``
 list: pytest makes no report for it.  A save that fails for want of disk space or permission stops
 the cell with the finding ``error``, whose first line says where, how much space was free and on
-which rank (:func:`conformance.saves.disk_problem`).
+which rank (:func:`conformance.saves.disk_problem`).  Each cell's deadline is the session's
+(:mod:`conformance.deadlines`), unless the user chose one; a save that failed or hung is met once
+(:meth:`conformance.saves.Saves.failure`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 
 from conformance.adapter import Spec, installed_version
 from conformance.checks import RankVerdict
+from conformance.deadlines import Deadlines
 from conformance.expectations import Baseline, Judgement
 from conformance.findings import headline
 from conformance.matrix import Cell
@@ -40,12 +43,13 @@ from conformance.outcome import (
     functions_outcome,
     harness_outcome,
     judged_outcome,
+    not_tried_again,
     rank_verdicts,
 )
 from conformance.record import CellRecord, environment, function_record
 from conformance.report import OUTCOME, RECORD
 from conformance.saves import Saves, disk_problem
-from pytest_moe_ep.distributed import call_on_world
+from pytest_moe_ep.distributed import call_on_world, timeout_source
 from pytest_moe_ep.settings import DISTRIBUTED_ATTR, SETTINGS
 from pytest_moe_ep.text import first_line
 from pytest_moe_ep.world.engine import WorldError
@@ -74,6 +78,9 @@ class CellContext:
     running: MatrixItem | None = None
     #: the session's expectations (``None``: every red cell fails the session, as without a file).
     baseline: Baseline | None = None
+    #: what the session measured of its cells, and the next one's deadline (``None``: the usual
+    #: deadline of a call, as under torchrun).
+    deadlines: Deadlines | None = None
 
 
 class CellFailed(Exception):
@@ -187,7 +194,8 @@ class MatrixItem(pytest.Item):
                 self._settle(judgement, exc)
             raise
         judgement = self._conclude(found, started)
-        self._settle(judgement, CellFailed(found.detail) if found.status == FAIL else None)
+        self._settle(judgement,
+                     CellFailed(found.detail) if found.status in (FAIL, STOPPED) else None)
 
     def _conclude(self, found: CellOutcome, started: float) -> Judgement | None:
         """The record of a cell that ran: its outcome, then its judgement against the
@@ -216,6 +224,25 @@ class MatrixItem(pytest.Item):
 
     def check(self) -> CellOutcome:
         raise NotImplementedError
+
+    def deadline(self) -> float:
+        """This cell's deadline, noted in its record: the session's (:mod:`conformance.deadlines`)
+        unless the user gave ``moe_ep_timeout``, never longer than the call would get otherwise
+        (pytest-timeout's value for the cell, else ``moe_ep_timeout``'s)."""
+        seconds, source = timeout_source(self)
+        deadlines = self.context.deadlines
+        if deadlines is not None and not self.config.stash[SETTINGS].timeout_given:
+            derived, how = deadlines.next()
+            if derived < seconds:
+                seconds, source = derived, how
+        self.record.deadline_s, self.record.deadline_from = round(seconds, 3), source
+        return seconds
+
+    def measured(self, verdicts: list[RankVerdict]) -> None:
+        """The slowest rank's seconds in a cell that did not hang, for the next cells' deadline."""
+        totals = [v.timings.get("total", 0.0) for v in verdicts]
+        if self.context.deadlines is not None and totals:
+            self.context.deadlines.measured(max(totals))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, CellFailed):
@@ -259,24 +286,35 @@ class CheckpointCellItem(MatrixItem):
         saves, members = self.context.saves, self.context.members
         assert saves is not None and members is not None, ("checkpoint cells come with the "
                                                            "session's saves")
+        failed = saves.failure(self.cell)
+        if failed is not None:  # met once: the world is not asked again
+            saves.passed_over(self.cell)
+            return not_tried_again(*failed)
         plan = saves.plan(self.cell, self.context.expert_keys)
         # rank 0's verdict, as far as the cell got: what it wrote whole is not written again
         reached: RankVerdict | None = None
+        stopped: WorldError | None = None
         try:
             result = call_on_world(self, RUN_CELL,
                                    (self.adapter, self.cell, self.base, plan, members), {},
-                                   world_size=self.world_size, backend=self.backend)
+                                   world_size=self.world_size, backend=self.backend,
+                                   timeout=self.deadline())
             reached = result.values[0]
         except WorldError as exc:  # measured before finished() removes the partial save
             reached = rank_verdicts(exc).get(0)
+            if exc.kind != "hang":
+                self.measured(list(rank_verdicts(exc).values()))
             problem = disk_problem(exc, plan)
             if problem:
                 exc.cause = f"{problem}\n{exc.cause}"
                 self.environment_problem = problem
+            else:
+                stopped = exc
             raise
         finally:
-            saves.finished(self.cell, plan, reached)
+            saves.finished(self.cell, plan, reached, stopped, self.nodeid)
         verdicts: list[RankVerdict] = result.values
+        self.measured(verdicts)
         phases = [k for k in ("build", "save", "inspect", "load", "adapter", "total")
                   if any(k in v.timings for v in verdicts)]
         self.record.timings = {k: round(max(v.timings.get(k, 0.0) for v in verdicts), 4)
@@ -303,7 +341,8 @@ class FunctionsCellItem(MatrixItem):
         from conformance.functions.merge import merge_rank_records
 
         result = call_on_world(self, CHECK_FUNCTIONS, (self.module, self.cell), {},
-                               world_size=self.cell.world_size, backend=self.backend)
+                               world_size=self.cell.world_size, backend=self.backend,
+                               timeout=self.deadline())
         records = merge_rank_records(result.values)
         self.function_records = [function_record(self.record, r, _torch_version()) for r in records]
         self.record.fields["num_experts"] = sorted({e for r in records

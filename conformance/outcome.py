@@ -277,10 +277,57 @@ def error_outcome(error: WorldError, environment: str = "") -> CellOutcome:
     for rank, e in sorted(error.errors.items()):
         if e.message not in errors.values():
             errors[str(rank)] = e.message
-    detail = f"{headline(findings)} {_lead(findings, blamed)}{error.cause}"
+    detail = f"{headline(findings)} {_lead(findings, blamed)}{_where_stopped(error)}"
     if passed:
         detail += f"\nchecks that passed before it: {', '.join(passed)}"
     return CellOutcome(STOPPED, detail, findings, problems, errors or None, passed)
+
+
+def doing(fields: Mapping[str, str]) -> str:
+    """What a rank said it was doing (:mod:`pytest_moe_ep.world.activity`, as
+    :mod:`conformance.checks.cell` says it), in words: ``the save side's save()``, ``the load side's
+    check 'values'``, ``the ep=1 truth`` (the harness's own code there)."""
+    side = {"truth": "the ep=1 truth", None: "the cell"}.get(fields.get("side"),
+                                                            f"the {fields.get('side')} side")
+    call, check = fields.get("call"), fields.get("check")
+    if call:
+        return f"{side}'s {call}()" + (f" (in the check {check!r})" if check else "")
+    return f"{side}'s check {check!r}" if check else side
+
+
+def _where_stopped(error: WorldError) -> str:
+    """The engine's cause, led by where the ranks at fault were when the cell hung or a rank died:
+    those stories name no side and no call of their own (a deadlock's ranks all sit in
+    ``torch.distributed``; the transport's text names a socket), so the first line says them."""
+    dead = [r for r, state in error.states.items() if state == "dead"]
+    if error.kind != "hang" and not dead:
+        return error.cause
+    ranks = [r for r in (error.at_fault or sorted(error.activity)) if r in error.activity]
+    groups: dict[str, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(doing(error.activity[r]), []).append(r)
+    if not groups:
+        return error.cause
+    where = next(iter(groups)) if len(groups) == 1 else "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} in {words}"
+        for words, r in groups.items())
+    if error.kind == "hang":
+        return f"{where} hung: {error.cause.removeprefix('hung: ')}"
+    return f"{where}: {error.cause}"
+
+
+def not_tried_again(what: str, failed_in: str, error: WorldError) -> CellOutcome:
+    """A cell whose ``what`` (its save, or the ep=1 truth checkpoint it is compared with) failed
+    or hung in an earlier cell, ``failed_in``: it is not tried again -- a checkpoint is a pure
+    function of the adapter and its save side, so it would fail the same way, or hang a deadline
+    more -- and the cell stops with that cell's findings and first line (what it would say run
+    alone: one verdict, whatever ran before it), the next line saying where it failed."""
+    found = error_outcome(error)
+    first, *rest = found.detail.splitlines()
+    note = (f"not tried again: {what} failed in {failed_in}, so this cell stopped with that cell's "
+            "findings without asking the world")
+    return CellOutcome(STOPPED, "\n".join([first, note, *rest]), list(found.findings),
+                       list(found.problems))
 
 
 def _lead(findings: list[str], blamed: list[RankVerdict]) -> str:
@@ -366,6 +413,7 @@ __all__ = [
     "UNMET",
     "CellOutcome",
     "checkpoint_outcome",
+    "doing",
     "error_outcome",
     "expected_line",
     "expected_phrase",
@@ -379,6 +427,7 @@ __all__ = [
     "is_unmet",
     "judged",
     "judged_outcome",
+    "not_tried_again",
     "outcome",
     "outcome_counts",
     "rank_verdicts",

@@ -51,6 +51,11 @@ class CellRecord:
     expectation: dict[str, Any] | None = None
     #: the checks that ran to their end and found nothing (a red cell's too: what still held).
     checks_passed: list[str] | None = None
+    #: the deadline of the cell's world call in seconds, and where it came from (``measured``,
+    #: ``unmeasured``: :mod:`conformance.deadlines`; ``moe_ep_timeout``, ``pytest-timeout``: the
+    #: user's); ``None`` for a cell that asked no world.
+    deadline_s: float | None = None
+    deadline_from: str | None = None
 
     @property
     def finding(self) -> str | None:
@@ -62,7 +67,8 @@ class CellRecord:
     def to_dict(self) -> dict[str, Any]:
         found: dict[str, Any] = {"id": self.id, "suite": self.suite, "adapter": self.adapter,
                                  "adapter_version": self.adapter_version, **self.fields}
-        for name in ("timings", "shared_save", "skipped_checks", "checks_passed", "errors"):
+        for name in ("timings", "shared_save", "skipped_checks", "checks_passed", "errors",
+                     "deadline_s", "deadline_from"):
             value = getattr(self, name)
             if value is not None:
                 found[name] = value

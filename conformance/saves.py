@@ -10,9 +10,14 @@ it after its last reader.  The truth checkpoint (the ep=1 save of a spec, what t
 compares with) is shared the same way, per :func:`truth_key`, for the whole session.
 
 A cell whose run failed may not have finished its save, so what it wrote is removed at once (a
-full disk gets its space back) and the next reader writes it again; a save's inspection findings
-travel with it to every later reader.  A save that failed for want of space or permission is named
-as such by :func:`disk_problem`.
+full disk gets its space back); a save's inspection findings travel with it to every later reader.
+A save -- or a truth checkpoint -- that *itself* failed or hung (the ranks at fault were on its side
+when they stopped: :func:`stopped_side`) is met once: it would fail the same way again, or hang a
+deadline more, so every later cell that needs it stops at once with that cell's findings, naming
+it (:meth:`Saves.failure`), and the world a hang killed is not started again for them.  A save the
+cell stopped before, or elsewhere, is written again by the next reader; so is one that failed for
+want of space or permission, named as such by :func:`disk_problem` (a full disk may have room by
+then).
 """
 
 from __future__ import annotations
@@ -181,12 +186,25 @@ def truth_key(cell: Cell) -> tuple[Any, ...]:
     return (cell.save_kind, cell.state, cell.num_experts, cell.pipeline)
 
 
+def stopped_side(error: Any) -> str | None:
+    """The side (``truth``, ``save``, ``load``: :mod:`conformance.checks.cell`) every rank at fault
+    in ``error`` (the engine's :class:`~pytest_moe_ep.world.engine.WorldError`) said it was on
+    when the call stopped; ``None`` when they said none or not the same one."""
+    activity = getattr(error, "activity", {})
+    ranks = list(getattr(error, "at_fault", [])) or sorted(activity)
+    sides = {activity.get(r, {}).get("side") for r in ranks}
+    return next(iter(sides)) if len(sides) == 1 else None
+
+
 @dataclass
 class _Entry:
     path: str | None = None
     written: bool = False
     readers_left: int = 0
     findings: tuple[str, ...] = ()
+    #: the checkpoint failed or hung while being written: the cell it failed in, and the engine's
+    #: error.
+    failed: tuple[str, Any] | None = None
 
 
 @dataclass
@@ -237,12 +255,43 @@ class Saves:
                         truth_findings=truth_findings, expert_keys=expert_keys,
                         session=self.session)
 
-    def finished(self, cell: Cell, plan: CellPlan, verdict: Any) -> None:
+    def failure(self, cell: Cell) -> tuple[str, str, Any] | None:
+        """What of ``cell``'s checkpoints failed in an earlier cell (:func:`stopped_side`): the
+        words for it, the cell it failed in and the engine's error; ``None`` when neither did."""
+        entry = self.saves.get(_key(cell, self.share))
+        if entry is not None and entry.failed is not None:
+            return (f"its save at {cell.save.fragment}", *entry.failed)
+        truth = self.truths.get(truth_key(cell))
+        if not cell.legacy and self.truths_wanted and truth is not None and truth.failed:
+            return ("the ep=1 truth checkpoint it is compared with", *truth.failed)
+        return None
+
+    def passed_over(self, cell: Cell) -> None:
+        """``cell`` did not run (:meth:`failure`): one reader fewer."""
+        key = _key(cell, self.share)
+        entry = self.saves.get(key)
+        if entry is None:
+            return
+        entry.readers_left -= 1
+        if entry.readers_left <= 0:
+            if entry.path is not None:
+                self._remove(entry.path)
+            del self.saves[key]
+
+    def finished(self, cell: Cell, plan: CellPlan, verdict: Any, stopped: Any = None,
+                 failed_in: str = "") -> None:
         """After the cell's world call: ``verdict`` is rank 0's, as far as the cell got when it
         stopped (``None`` when none came back).  A checkpoint the cell wrote whole, its findings
         read, serves its later readers as it is -- a load that stopped on it would stop on a
-        rewrite too; one it left half-written is emptied for the next reader to write again."""
+        rewrite too; one it left half-written is emptied for the next reader to write again,
+        unless it failed itself (``stopped``, the engine's error, says the ranks at fault were
+        writing it): then it is met once, as the cell ``failed_in``."""
         entry = self.saves[_key(cell, self.share)]
+        side = stopped_side(stopped) if stopped is not None else None
+        if side == "save" and plan.save:
+            entry.failed = (failed_in, stopped)
+        elif side == "truth" and plan.save_truth and plan.truth_path is not None:
+            self.truths[truth_key(cell)].failed = (failed_in, stopped)
         if self.keep is not None and getattr(self.engine, "rank", 0) == 0:  # before _empty below
             keep_checkpoints(self.keep / kept_name(cell.node_name), **kept_dirs(plan))
         if plan.truth_path is not None and plan.save_truth and verdict is not None \

@@ -44,11 +44,21 @@ from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 HF_PRELOAD = ["transformers", "transformers.modeling_utils"]
 
 if TYPE_CHECKING:
+    from conformance.deadlines import Deadlines
     from conformance.expectations import Baseline
     from conformance.items import CellContext
     from conformance.members import Members
 
 MATRIX = "moe-ep-matrix"
+
+
+def _deadlines(engine: Any) -> Deadlines | None:
+    """The session's cell deadlines (:mod:`conformance.deadlines`): a local world's only, whose
+    supervisor kills a hung world; under torchrun the engine's own deadline stays."""
+    from conformance.deadlines import Deadlines
+    from pytest_moe_ep.world.supervisor import Supervisor
+
+    return Deadlines() if isinstance(engine, Supervisor) else None
 
 
 def _usage(message: str) -> pytest.UsageError:
@@ -337,7 +347,8 @@ class MatrixSession:
 
         engine = config.stash[ENGINE]
         context = self.context = CellContext(self.world_size, self.backend_used,
-                                             expert_keys=self.expert_keys, baseline=self.baseline)
+                                             expert_keys=self.expert_keys, baseline=self.baseline,
+                                             deadlines=_deadlines(engine))
         cells = []
         if self.adapter is not None and self.members is not None and self.tier is not None:
             try:

@@ -45,6 +45,17 @@ def call_timeout(item: pytest.Item, explicit: float | None = None) -> float:
     return found if found and found > 0 else item.config.stash[SETTINGS].timeout_s
 
 
+def timeout_source(item: pytest.Item) -> tuple[float, str]:
+    """:func:`call_timeout` of ``item`` without an explicit one, and where it came from:
+    ``pytest-timeout``, ``moe_ep_timeout`` (given on the command line, in the ini file or with
+    ``-o``) or ``default`` (``moe_ep_timeout``'s default)."""
+    found = item.stash.get(TIMEOUT, 0.0)
+    if found and found > 0:
+        return found, "pytest-timeout"
+    settings = item.config.stash[SETTINGS]
+    return settings.timeout_s, "moe_ep_timeout" if settings.timeout_given else "default"
+
+
 def attach_outputs(item: pytest.Item, outputs: list[RankOutput]) -> None:
     """Each rank's output as its own report section, shown on failure like pytest's capture."""
     for rank, out in enumerate(outputs):

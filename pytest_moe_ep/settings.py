@@ -21,6 +21,8 @@ WORLD_MARKER_HELP = (
     "n-rank world with the default process group initialized; it passes only when every rank "
     "passes."
 )
+#: the deadline of one call when ``moe_ep_timeout`` is not given: a whole distributed test's.
+DEFAULT_TIMEOUT_S = 300.0
 GROUP = ("moe-ep", "pytest-moe-ep: expert-parallel worlds and MoE checkpoint conformance")
 
 #: the session's engine (an :class:`~pytest_moe_ep.world.engine.Engine`).
@@ -69,7 +71,8 @@ def number(config: pytest.Config, name: str, kind: type, minimum: float) -> Any:
 def add_options(parser: pytest.Parser) -> None:
     ini_and_option(parser, "timeout",
                    "deadline in seconds of one call on a world; a pytest-timeout value for "
-                   "the test takes precedence (default 300)", default="300")
+                   f"the test takes precedence (default {DEFAULT_TIMEOUT_S:g}; the matrix's cells "
+                   "derive theirs from what the session measured unless this is given)", default="")
     ini_and_option(parser, "backend",
                    "process-group backend: auto, gloo or nccl (default auto: nccl when CUDA "
                    "has a GPU per rank, else gloo; an explicit nccl without GPUs is a usage error)",
@@ -88,10 +91,14 @@ class Settings:
     start_method: str
     preload: tuple[str, ...]
     capture: bool
+    #: whether ``moe_ep_timeout`` was given (command line, ini file or ``-o``): a deadline the user
+    #: chose wins over one a caller derives (the matrix's cells: :mod:`conformance.deadlines`).
+    timeout_given: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
-        timeout_s = number(config, "timeout", float, 0.001)
+        given = setting(config, "timeout") not in (None, "")
+        timeout_s = number(config, "timeout", float, 0.001) if given else DEFAULT_TIMEOUT_S
         backend, start_method = (str(setting(config, "backend")),
                                  str(setting(config, "start_method")))
         if backend not in BACKENDS:
@@ -101,7 +108,7 @@ class Settings:
             raise pytest.UsageError(f"moe_ep_start_method: unknown {start_method!r}; choose one of "
                                     f"{', '.join(START_METHODS)}")
         return cls(timeout_s, backend, start_method, tuple(config.getini("moe_ep_preload")),
-                   config.getoption("capture", "fd") != "no")
+                   config.getoption("capture", "fd") != "no", given)
 
 
 @dataclass(frozen=True)

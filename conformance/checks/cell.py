@@ -61,6 +61,7 @@ from conformance.members import Built, Members, built
 from conformance.saves import CellPlan
 from conformance.world_state import world_state
 from pytest_moe_ep.text import first_line
+from pytest_moe_ep.world.activity import activity
 from pytest_moe_ep.world.protocol import FIELDS_ATTR, StructuredError, error_fields
 
 __all__ = ["LOAD_EXTRA_STEPS", "BuildFailed", "CellPlan", "load_errors", "run_cell"]
@@ -89,7 +90,8 @@ class _Timed:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return found(*args, **kwargs)
+                with activity(call=name):  # what a rank that hangs or dies here was doing
+                    return found(*args, **kwargs)
             except BaseException as exc:
                 if not any(seen is exc for seen, _ in self._raised):  # the innermost call keeps it
                     self._raised.append((exc, name))
@@ -148,7 +150,8 @@ def _check(ctx: CheckContext, stage: Stage) -> None:
         if check.asked is not None and check.asked(ctx) is not None:
             continue
         started = time.perf_counter()
-        check.run(ctx)
+        with activity(check=check.name):
+            check.run(ctx)
         # a check that runs after each build (``layout``) adds up
         verdict.timings[check.name] = (verdict.timings.get(check.name, 0.0)
                                        + time.perf_counter() - started)
@@ -324,16 +327,27 @@ def _run(adapter: TimedAdapter, cell: Cell, base: Spec, plan: CellPlan,
                        hf.applies(adapter, cell),
                        lambda: _build(adapter, side_b, cell.load.build_mesh(), SEED_B, "load"))
     verdict.truth_findings = plan.truth_findings
+    # each side says so (pytest_moe_ep.world.activity): a cell that hangs or dies names it, and a
+    # truth or a save that failed is not tried again (conformance.saves)
     if plan.save_truth and plan.truth_path:
-        verdict.truth_findings = _save_truth(ctx)
+        with activity(side="truth"):
+            verdict.truth_findings = _save_truth(ctx)
         verdict.wrote_truth = True
-    if plan.save:
-        _save(ctx)
-    else:
-        verdict.findings = plan.findings
-    _check(ctx, "written")
+    with activity(side="save" if plan.save else "load"):
+        if plan.save:
+            _save(ctx)
+        else:
+            verdict.findings = plan.findings
+        _check(ctx, "written")
     verdict.wrote_save = plan.save
+    with activity(side="load"):
+        _load_side(ctx)
 
+
+def _load_side(ctx: CheckContext) -> None:
+    """Steps 4-6 of the module docstring: the load side built, loaded and checked."""
+    adapter, cell, plan, verdict = ctx.adapter, ctx.cell, ctx.plan, ctx.verdict
+    save_spec, load_spec = ctx.save_spec, ctx.load_spec
     ctx.truth = ground_truth(adapter, load_spec, ctx.rank)
     ctx.side, ctx.built = "load", ctx.rebuild()
     _check(ctx, "built")
