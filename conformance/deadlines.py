@@ -56,7 +56,7 @@ class Deadlines:
         """The next cell's deadline in seconds, and where it came from."""
         if self.slowest_s <= 0:
             return UNMEASURED_S, UNMEASURED
-        return max(FLOOR_S, FACTOR * self.slowest_s), MEASURED
+        return round(max(FLOOR_S, FACTOR * self.slowest_s), 1), MEASURED  # as a first line says it
 
 
 __all__ = ["FACTOR", "FLOOR_S", "MEASURED", "UNMEASURED", "UNMEASURED_S", "Deadlines"]

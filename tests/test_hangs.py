@@ -60,7 +60,7 @@ def test_a_deadlocked_save_is_met_once_in_seconds_naming_its_side(
     [writer] = [c for c in loading.values() if "deadline_s" in c]
     slowest = healthy["timings"]["total"]
     assert writer["deadline_from"] == "measured"
-    assert writer["deadline_s"] == pytest.approx(max(3.0, 4.0 * slowest), abs=0.01)
+    assert writer["deadline_s"] == pytest.approx(max(3.0, 4.0 * slowest), abs=0.051)
     first = writer["detail"].splitlines()[0]
     assert (writer["status"], writer["findings"]) == ("stopped", ["error"]), first
     # the side, the call, and where each rank waited, from its stack
