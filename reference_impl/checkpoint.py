@@ -32,6 +32,7 @@ control that shows the bug and that the guard catches it.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,12 +40,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from reference_impl.expert_layout import (
     ExpertLayout,
@@ -54,7 +64,8 @@ from reference_impl.expert_layout import (
     saved_forms,
 )
 
-__all__ = ["load", "save", "save_layout", "save_legacy", "state_dict"]
+__all__ = ["WholeStateReader", "load", "load_whole", "save", "save_layout", "save_legacy",
+           "state_dict"]
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -100,6 +111,58 @@ def save_legacy(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     dcp.save(state_dict(model, optimizer), checkpoint_id=os.fspath(path))
 
 
+class WholeStateReader(StorageReader):
+    """A DCP storage reader over whole tensors in memory, one chunk each: ``dcp.load`` through it
+    reads what a checkpoint of the same tensors would give, with no file written or read.
+
+    Every rank holds every tensor whole (a Hugging Face import's state: each rank reads the files
+    itself), so a rank's read plan is served by slicing, and no plan crosses ranks.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.state = dict(state)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return Metadata(state_dict_metadata={
+            key: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.size(), [
+                ChunkStorageMetadata(torch.Size([0] * t.dim()), t.size())])
+            for key, t in self.state.items()})
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise ValueError(f"{item.storage_index.fqn}: a whole-state reader holds tensors "
+                                 "only, and the load asked for an object")
+            source = self.state[item.storage_index.fqn]
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths,
+                                                       strict=True)):
+                source = source.narrow(dim, offset, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
 def _in_place(model: nn.Module, loaded: dict[str, Any]) -> bool:
     """Whether every tensor ``loaded`` holds lives in the model's own parameters and buffers, so
     that the load already wrote the model and ``set_model_state_dict`` would copy each tensor onto
@@ -114,7 +177,7 @@ def _in_place(model: nn.Module, loaded: dict[str, Any]) -> bool:
     return all(isinstance(v, torch.Tensor) and storage(v) in own for v in loaded.values())
 
 
-def _load_here(state: dict[str, Any], path: str) -> None:
+def _load_here(state: dict[str, Any], reader: StorageReader, where: str) -> None:
     """``dcp.load`` of this rank's own state, then one all-reduce so that every rank fails if one
     does.
 
@@ -126,11 +189,11 @@ def _load_here(state: dict[str, Any], path: str) -> None:
     one rank's failure is every rank's.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=reader)
         return
     failed: BaseException | None = None
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         failed = exc
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -140,7 +203,7 @@ def _load_here(state: dict[str, Any], path: str) -> None:
     if failed is not None:
         raise failed
     if int(flag.item()):
-        raise RuntimeError(f"{path}: the load failed on rank {int(flag.item()) - 1} (and maybe "
+        raise RuntimeError(f"{where}: the load failed on rank {int(flag.item()) - 1} (and maybe "
                            f"others); every rank stops with it")
 
 
@@ -157,7 +220,21 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     module docstring of :mod:`reference_impl.expert_layout`).
     """
     path = os.fspath(path)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    _load(model, optimizer, dcp.FileSystemReader(path), path, check_saved)
+
+
+def load_whole(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Load ``state`` -- whole tensors under the names :func:`save` writes, in any form it writes
+    -- into ``model`` at its layout, as :func:`load` loads a checkpoint of them: each rank copies
+    its own regions out of the whole tensors (:class:`WholeStateReader`), nothing written to disk.
+    ``where`` names the source in errors."""
+    _load(model, None, WholeStateReader({f"model.{k}": v for k, v in state.items()}), where, True)
+
+
+def _load(model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StorageReader,
+          path: str, check_saved: bool) -> None:
+    """:func:`load` from ``reader`` (``path`` names it in errors)."""
+    saved = reader.read_metadata().state_dict_metadata
     # off only for the conformance suite's negative control, which must show the damage
     if check_saved:
         check_saved_experts(model, saved, where=path)
@@ -173,7 +250,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
                            fused_form={n for n, f in forms.items() if f == "fused"})
     if layout is not None:
         state = layout.to_global(state)
-    _load_here(state, path)
+    _load_here(state, reader, path)
     if layout is not None:
         state = layout.to_local(state)
     if optimizer is not None:

@@ -25,11 +25,11 @@ Two expert forms, by the model's kind, as the hub holds them:
   ``mlp.experts.down_proj`` ``[E, dim, h]``, which transformers 5 loads as it stands.
 
 The export goes through the reference's own checkpoint (:func:`reference_impl.checkpoint.save`,
-per expert: every expert under its global id at any layout), read whole on rank 0 and renamed;
-the import is the same path backwards (rank 0 renames and writes a checkpoint, every rank
-:func:`~reference_impl.checkpoint.load` s it at its own layout).  That is how the offline
-converters of the frameworks work, and it keeps one rule of where each expert lives.  A key this
-module does not know is an error, never dropped.
+per expert: every expert under its global id at any layout), read whole on rank 0 and renamed; the
+import is the same path backwards (every rank reads and renames the files, then loads its own
+regions of them at its layout, as :func:`~reference_impl.checkpoint.load` loads a checkpoint).
+That is how the offline converters of the frameworks work, and it keeps one rule of where each
+expert lives.  A key this module does not know is an error, never dropped.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -282,22 +281,7 @@ def export_hf(model: nn.Module, path: str | os.PathLike[str]) -> None:
 def import_hf(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Load a :data:`HF_CLASS` checkpoint of either form into ``model`` at its layout (a collective
     on every rank); every tensor of the model is overwritten, none left at its value."""
-    import torch.distributed as dist
+    from reference_impl.checkpoint import load_whole
 
-    from reference_impl.checkpoint import load
-
-    path = os.fspath(path)
-    where: list[Any] = [None]
-    if _rank() == 0:
-        state = from_hf(read_safetensors(path), getattr(model, "config"))  # noqa: B009
-        where[0] = tempfile.mkdtemp(prefix=".hf-import-", dir=os.path.dirname(
-            os.path.abspath(path)))
-        dcp.save({"model": state}, checkpoint_id=where[0], no_dist=True)
-    if dist.is_initialized():
-        dist.broadcast_object_list(where, src=0)
-    try:
-        load(model, None, where[0])
-    finally:
-        _barrier()
-        if _rank() == 0:
-            shutil.rmtree(where[0], ignore_errors=True)
+    state = from_hf(read_safetensors(path), getattr(model, "config"))  # noqa: B009
+    load_whole(model, state, os.fspath(path))
