@@ -27,6 +27,7 @@ from conformance.checks.truth import Truth, batch_for, forward_outputs, ground_t
 from conformance.checks.verdict import RankVerdict
 from conformance.matrix import Cell
 from conformance.saves import export_dir, export_root
+from conformance.world_state import world_state
 
 __all__ = ["check_export", "export_problems", "run"]
 
@@ -43,8 +44,6 @@ def export_problems(adapter: TimedAdapter, spec: Any, got: str, want: str, truth
                     where: str) -> list[str]:
     """Everything wrong with the export in ``got`` (made at ``where``) against the ep=1 export in
     ``want`` and the ground truth's forward: one line each, empty when nothing is."""
-    import torch
-
     from conformance.inspection import (
         CheckpointError,
         compare_indexes,
@@ -60,17 +59,41 @@ def export_problems(adapter: TimedAdapter, spec: Any, got: str, want: str, truth
     lines = [f"the export at {where}: {f}" for f in _misfiled(index, truth)]
     lines += [f"the export at {where}: {f}" for f in
               inspect_index(index, num_experts=spec.num_experts).findings]
-    if os.path.realpath(got) != os.path.realpath(want):
+    same = os.path.realpath(got) == os.path.realpath(want)
+    if not same:
         found = compare_indexes(index, read_checkpoint(want), values=True,
                                 names=(f"{where} export", "ep=1 export"))
         lines += [f"the export at {where} differs from the ep=1 export: {f}" for f in found]
+        same = not found
+    # What transformers makes of the export is a function of its bytes alone: an export that holds
+    # the ep=1 export's keys and bytes loads as the ep=1 export does, so that is loaded once.
+    if same:
+        loaded = world_state().store(_LOADED).keep(
+            os.path.realpath(want), lambda: _as_loaded(adapter, spec, hf, want, truth, _HERE))
+    else:
+        loaded = _as_loaded(adapter, spec, hf, got, truth, _HERE)
+    return [*lines, *(line.replace(_HERE, where) for line in loaded)]
+
+
+#: the store of what transformers made of each ep=1 export (:func:`_as_loaded`'s lines).
+_LOADED = "hf_export.loaded"
+#: where the lines of :func:`_as_loaded` name the export's layout, filled in per cell.
+_HERE = "\x00layout\x00"
+
+
+def _as_loaded(adapter: TimedAdapter, spec: Any, hf: HFModel, directory: str, truth: Truth,
+               where: str) -> list[str]:
+    """What is wrong with the export in ``directory`` as transformers loads it: the loader's
+    refusal or report, and its forward against the ground truth's."""
+    import torch
+
     dtype = getattr(torch, spec.dtype)
     try:
-        model, info = load_hf_model(hf, got, dtype)
+        model, info = load_hf_model(hf, directory, dtype)
     except Exception as exc:  # transformers' own loader refused the export: that is the finding
-        return [*lines, f"transformers' {hf.cls}.from_pretrained refused the export at {where}: "
+        return [f"transformers' {hf.cls}.from_pretrained refused the export at {where}: "
                 f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"]
-    lines += _load_report(info, hf, where)
+    lines = _load_report(info, hf, where)
     if truth.output is None:
         return lines
     with torch.no_grad():
@@ -79,9 +102,9 @@ def export_problems(adapter: TimedAdapter, spec: Any, got: str, want: str, truth
     if unknown:
         return [*lines, f"hf_forward gives outputs {unknown} that forward does not"]
     wanted = {name: truth.output[name] for name in result}
-    lines += [f"{hf.cls} loaded from the export at {where}: {line.replace('after the load ', '')}"
-              for line in forward_problems(result, wanted, hf.tolerance_scale)]
-    return lines
+    return lines + [f"{hf.cls} loaded from the export at {where}: "
+                    f"{line.replace('after the load ', '')}"
+                    for line in forward_problems(result, wanted, hf.tolerance_scale)]
 
 
 def _misfiled(index: Any, truth: Truth) -> list[Any]:
