@@ -113,3 +113,19 @@ def test_the_project_workflow_runs_the_slow_tests_on_a_schedule() -> None:
     assert workflow[True]["schedule"] and "schedule" in workflow["jobs"]["slow"]["if"]
     ci_run, test_sh = (ROOT / ".ci/run").read_text(), (ROOT / "ci/test.sh").read_text()
     assert 'bash ci/test.sh "$@"' in ci_run and "--run-slow" in test_sh
+
+
+def test_ci_runs_the_hf_tests_on_the_hf_extras_floor() -> None:
+    """The ``[hf]`` extra's floor is tested, not just declared: ``.ci/run`` installs the release
+    the extra names (the install script reads it from pyproject.toml) and runs the HF checks' tests
+    on it."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["hf"]
+    assert [r for r in extra if r.startswith("transformers>=")], extra
+    ci_run = (ROOT / ".ci/run").read_text()
+    install = "bash ci/install_transformers_floor.sh .overlay-transformers-floor"
+    test = 'PYTHONPATH="$PWD/.overlay-transformers-floor" python -m pytest tests/test_hf.py'
+    assert install in ci_run and test in ci_run and ci_run.index(install) < ci_run.index(test)
+    assert "pyproject.toml" in (ROOT / "ci/install_transformers_floor.sh").read_text()
