@@ -201,7 +201,7 @@ def test_a_scheduler_the_load_does_not_restore_is_caught_by_scalars(
     optim = {i for i, c in ran(cells).items() if c["state"] == "model+optim" and not c["legacy"]}
     assert optim and set(failing(cells)) == optim
     for cell_id, first in failing(cells).items():
-        assert re.match(r"\[scalars\] rank \d: optimizer scalar "
+        assert re.match(r"\[scalars\] rank \d: training state "
                         r"'state\.scheduler\.(_last_lr|base_lrs|last_epoch|"
                         r"_step_count)' = .* after the load, expected ", first), (cell_id, first)
 
@@ -222,8 +222,8 @@ def test_an_lr_the_load_does_not_restore_is_caught_on_a_per_step_schedule(
     assert optim and set(failing(cells)) == optim
     assert {cells[i]["finding"] for i in optim} == {"silent"}
     for cell_id, first in failing(cells).items():
-        assert re.match(r"\[scalars\] rank \d: optimizer scalar "
-                        r"'(param_groups\.0\.lr|state\.scheduler\._last_lr)' = "
+        assert re.match(r"\[scalars\] rank \d: (optimizer scalar 'param_groups\.0\.lr'|"
+                        r"training state 'state\.scheduler\._last_lr') = "
                         r".* after the load, expected ", first), (cell_id, first)
 
 

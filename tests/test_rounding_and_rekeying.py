@@ -83,13 +83,13 @@ def test_a_scheduler_re_keyed_under_ep_is_no_missing_scalar() -> None:
     wrong = {**under_ep, "state.scheduler.rest.last_epoch": 4}
     (line,) = scalar_lines(wrong, truth, "after the load")
     assert line.startswith(
-        "optimizer scalar 'state.scheduler.last_epoch' is re-keyed after the load as "
+        "training state 'state.scheduler.last_epoch' is re-keyed after the load as "
         "'state.scheduler.experts.last_epoch' and 1 more: values 3, 4, expected 3"), line
     grown = {"state.scheduler.rest.last_epoch": 3, "state.scheduler.experts.last_epoch": 3}
     assert scalar_lines(grown, {"state.scheduler.rest.last_epoch": 3}, "after the load") == []
     assert scalar_lines(
         {**grown, "state.scheduler.experts.last_epoch": 5}, {"state.scheduler.rest.last_epoch": 3},
-         "after the load") == ["optimizer scalar 'state.scheduler.experts.last_epoch' = 5 after "
+         "after the load") == ["training state 'state.scheduler.experts.last_epoch' = 5 after "
                                "the load is not in the ground truth"]
     lost_group = {"param_groups.0.lr": 0.1}
     assert scalar_lines(lost_group, {"param_groups.0.lr": 0.1, "param_groups.1.lr": 0.1}, "after "
@@ -97,7 +97,7 @@ def test_a_scheduler_re_keyed_under_ep_is_no_missing_scalar() -> None:
                                         "load (expected 0.1)"]
     gone = {k: v for k, v in under_ep.items() if "last_epoch" not in k}
     assert scalar_lines(gone, truth, "after the load") == [
-        "optimizer scalar 'state.scheduler.last_epoch' is missing after the load (expected 3)"]
+        "training state 'state.scheduler.last_epoch' is missing after the load (expected 3)"]
 
 
 def _optimizer(settings: dict[str, object], per_parameter: bool,
