@@ -192,7 +192,7 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
         m = SIZE_MISMATCH.search(text)
         if m:
             key, saved, current = m["key"], _ints(m["saved"]), _ints(m["current"])
-            info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
+            info = classify_keys([key], patterns or DEFAULT_PATTERNS)[key]
             where = f"rank {who}, " + (f"layer {info.layer}, " if info.layer is not None else "")
             if (info.role == "expert" and info.kind == "packed" and saved and current
                 and saved[0] != current[0]):
@@ -207,7 +207,7 @@ def translate(exc: BaseException, layout: ParallelLayout, num_experts: int, patt
         m = MISSING_KEY.search(text)
         if m:
             key = m["key"]
-            info = classify_keys([key], tuple(patterns) or DEFAULT_PATTERNS)[key]
+            info = classify_keys([key], patterns or DEFAULT_PATTERNS)[key]
             what = (f" (layer {info.layer}"
                     + (f", expert {info.expert}" if info.expert is not None else "") + ")"
                     if info.layer is not None else "")

@@ -109,6 +109,7 @@ def _learn(adapter: TimedAdapter, truth_path: str, state: Mapping[Any, Any],
     it)."""
     from conformance.inspection import DEFAULT_PATTERNS, attribute_experts, inspect_index
     from conformance.inspection.learn import (
+        evidence,
         key_owners,
         learn_expert_keys,
         learned_patterns,
@@ -122,7 +123,8 @@ def _learn(adapter: TimedAdapter, truth_path: str, state: Mapping[Any, Any],
     keys = learn_expert_keys(index, owners)
     learned = learned_patterns(keys, index.entries)
     by_position = key_owners(index, owners, [k for k in index.entries if positional(k)])
-    patterns = (*declared, *learned, *DEFAULT_PATTERNS)
+    patterns = evidence(index, owners, keys, (*declared, *learned, *DEFAULT_PATTERNS),
+                        getattr(state, "positions", ()))
     found = [f"the ep=1 checkpoint: {f}"
              for f in attribute_experts(index, owners, patterns=patterns)]
     found += _layers_missing(index, owners, keys, state)
@@ -181,7 +183,7 @@ def checkpoint_findings(adapter: TimedAdapter, path: str, truth_path: str, num_e
     """
     from conformance.inspection import DEFAULT_PATTERNS, compare_indexes, inspect_index
 
-    patterns = tuple(patterns or DEFAULT_PATTERNS)
+    patterns = patterns if patterns else DEFAULT_PATTERNS  # an Evidence stays one
     index, truth = read_index(adapter, path), read_index(adapter, truth_path)
     found = [str(f)
              for f in inspect_index(index, num_experts=num_experts, patterns=patterns).findings
@@ -189,10 +191,13 @@ def checkpoint_findings(adapter: TimedAdapter, path: str, truth_path: str, num_e
     ignore = adapter.members.value("ep_dependent_keys")
     learned = known(truth_path)
     owners = learned.owners if learned is not None else None
-    found += [str(f)
-              for f in compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
-                                       names=("checkpoint", "ep=1 checkpoint"),
-                                       rounding_ulps=ROUNDING_ULPS, owners=owners)]
+    compared = compare_indexes(index, truth, values=True, ignore=ignore, patterns=patterns,
+                               names=("checkpoint", "ep=1 checkpoint"),
+                               rounding_ulps=ROUNDING_ULPS, owners=owners)
+    # positional ids that moved leads: every key of the checkpoint is then read as the ep=1 save's
+    # key of that name, which here holds another parameter's state -- what the rest follows from
+    moved = [str(f) for f in compared if f.problem == "ids_moved"]
+    found = [*moved, *found, *(str(f) for f in compared)]
     return list(dict.fromkeys(found))
 
 

@@ -183,6 +183,11 @@ class Held(_Store):
 class State(_Store):
     """``(layer, expert, name) -> whole tensor``: the ground truth, or what a checkpoint holds."""
 
+    #: the ground truth's: the parameters of each torch optimizer of the build, by position
+    #: (:class:`conformance.inspection.positional.ParamAt`), which place the optimizer state a
+    #: checkpoint keys by position (:func:`conformance.checks.truth.optimizer_positions`).
+    positions: tuple[tuple[Any, ...], ...] = ()
+
     def _value(self, tensor: Any, region: Region) -> Any:
         return tensor
 

@@ -148,7 +148,7 @@ def explain(exc: BaseException, patterns: Sequence[Any] = (), *, shapes: bool = 
     reshaped = reshaped if shapes else {}
     if not lacking and not reshaped:
         return ""
-    infos = classify_keys([*lacking, *reshaped], tuple(patterns) or DEFAULT_PATTERNS)
+    infos = classify_keys([*lacking, *reshaped], patterns or DEFAULT_PATTERNS)
     parts = []
     if lacking:
         keys = list(lacking)

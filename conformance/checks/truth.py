@@ -119,11 +119,75 @@ def ground_truth(adapter: TimedAdapter, spec: Spec, rank: int) -> Truth:
                         lambda: _build(adapter, spec, rank))
 
 
+def optimizer_positions(adapter: TimedAdapter, model: Any,
+                        optimizer: Any) -> tuple[tuple[Any, ...], ...]:
+    """Each torch optimizer's parameters by position, as the live optimizer holds them (its param
+    groups in order; the FQN from the model's named parameters), each placed by what the adapter's
+    walks yield at its address: the parameter itself (dense, or one expert's), or its rows (a
+    packed weight, an expert per row).  The evidence that places optimizer state a trainer saves by
+    position, however deep it nests it (:func:`conformance.inspection.positional.resolve`); nothing
+    where the optimizer is no torch one, or the walks yield copies."""
+    from conformance.scalars import optimizers_of
+
+    find = getattr(adapter, "torch_optimizers", None)
+    optimizers = find(optimizer) if callable(find) else optimizers_of(optimizer)
+    named = getattr(model, "named_parameters", None)
+    fqns = {id(p): fqn for fqn, p in named()} if callable(named) else {}
+    at: dict[tuple[int, tuple[int, ...]], tuple[Any, Any, str]] = {}
+    for walk in (adapter.expert_tensors, adapter.other_tensors):
+        for entry in walk(model, optimizer):
+            layer, expert, name, tensor = entry[:4]
+            tensor = _plain(tensor)
+            if tensor is not None and tensor.numel():
+                at.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (layer, expert, str(name)))
+    found = []
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        found.append(tuple(_placed(p, fqns.get(id(p), ""), at) for p in params))
+    return tuple(found)
+
+
+def _plain(tensor: Any) -> Any:
+    """A parameter's data or a plain tensor, whose address says what it is; ``None`` for anything
+    else (a DTensor's address is its shard's)."""
+    import torch
+
+    data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+    return data if type(data) is torch.Tensor else None
+
+
+def _placed(p: Any, fqn: str, at: dict[tuple[int, tuple[int, ...]], tuple[Any, Any, str]]) -> Any:
+    """:class:`~conformance.inspection.positional.ParamAt` of one parameter (see
+    :func:`optimizer_positions`); ``kind`` "" where the walks yield nothing at its address."""
+    from conformance.inspection.positional import ParamAt
+
+    shape = tuple(p.shape)
+    p = _plain(p)
+    if p is None or not p.numel():
+        return ParamAt(fqn, shape, "")
+    whole = at.get((p.data_ptr(), shape))
+    if whole is not None:
+        layer, expert, name = whole
+        return ParamAt(fqn, shape, "dense" if expert is None else "per_expert", layer, expert,
+                       name)
+    step = p.stride(0) * p.element_size() if p.dim() > 1 else 0
+    rows = [at.get((p.data_ptr() + i * step, shape[1:])) for i in range(shape[0])] if step else []
+    if rows and all(r is not None and r[1] is not None for r in rows):
+        layers = {r[0] for r in rows if r is not None}
+        names = {r[2] for r in rows if r is not None}
+        return ParamAt(fqn, shape, "packed", layers.pop() if len(layers) == 1 else None, None,
+                       names.pop() if len(names) == 1 else "")
+    return ParamAt(fqn, shape, "")
+
+
 def _build(adapter: TimedAdapter, spec: Spec, rank: int) -> Truth:
     b = built(adapter.build(spec, None, SEED_A), f"{type(adapter).__name__}.build")
     model = b.model
     optimizer = b.optimizer if spec.optimizer_steps else None
-    truth = Truth(canonical(adapter, model, optimizer, rank).tensors())
+    tensors = canonical(adapter, model, optimizer, rank).tensors()
+    if optimizer is not None:
+        tensors.positions = optimizer_positions(adapter, model, optimizer)
+    truth = Truth(tensors)
     if optimizer is not None:
         truth.scalars = all_scalars(adapter, b, optimizer)
     if optimizer is not None and adapter.members.has("step"):

@@ -34,13 +34,14 @@ hundred regex searches; a pattern must therefore not single out particular digit
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from conformance.inspection.model import paused_gc
 
-__all__ = ["DEFAULT_PATTERNS", "KeyInfo", "KeyPattern", "classify_keys", "field_of", "pattern"]
+__all__ = ["DEFAULT_PATTERNS", "Evidence", "KeyInfo", "KeyPattern", "Placed", "classify_keys",
+           "field_of", "pattern"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class KeyPattern:
     kind: str
     source: str = "user"
     #: for a pattern that keeps some digits literal (a learned positional id: ``^1$``), the template
-    #: (digits as ``#``) of the parameter names it reads: keys of that template are then matched one
-    #: by one, not once.
+    #: (each digit run as one ``#``) of the parameter names it reads: keys of that template are
+    #: then matched one by one, not once.
     template: str = ""
 
 
@@ -97,6 +98,43 @@ OPTIMIZER = re.compile(
 STAT_FIRST = re.compile(
     r"^(?:chained_\d+\.)?optimizer\.state\.(?P<stat>exp_avg_sq|exp_avg|step|fp32_param|param|"
     r"momentum_buffer|max_exp_avg_sq)\.(?P<param>.+)$")
+
+
+class Placed(NamedTuple):
+    """What the ep=1 truth's content shows one key to hold: ``kind`` "per_expert" (``expert`` its
+    global id) or "packed" (the expert axis first), of ``layer``; ``name`` the model's name of the
+    tensor (``experts.w_in.exp_avg``), which is the same tensor in every layer where the key's own
+    name numbers no layer (a positional optimizer id)."""
+
+    kind: str
+    layer: int | None
+    expert: int | None = None
+    name: str = ""
+
+
+class Evidence(tuple[KeyPattern, ...]):
+    """The patterns a model's checkpoints are read with, and what the ep=1 truth's content showed of
+    its keys -- which decides before any pattern does.
+
+    ``experts``: the truth's keys shown to hold experts (by their values, or, for optimizer state,
+    through the live optimizer's parameter); ``dense``: its keys shown to hold no expert (a dense
+    tensor's value, a dense parameter's state), which no name, digit run or row count makes an
+    expert key.  A key the content could not place (a fused or transposed form) and a key the truth
+    does not hold are read by the patterns, which then only name things.  A tuple of the patterns,
+    so that it travels wherever patterns do (the comparison, the load's explanations) unchanged."""
+
+    experts: Mapping[str, Placed]
+    dense: frozenset[str]
+
+    def __new__(cls, patterns: Iterable[KeyPattern], experts: Mapping[str, Placed] | None = None,
+                dense: Iterable[str] = ()) -> Evidence:
+        self = super().__new__(cls, patterns)
+        self.experts = dict(experts or {})
+        self.dense = frozenset(dense)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Evidence, (tuple(self), self.experts, self.dense))
 
 
 def field_of(key: str) -> tuple[str, str]:
@@ -182,6 +220,7 @@ def _recipe(key: str, patterns: Sequence[KeyPattern]) -> _Recipe:
     return _Recipe(role, kind, opt is not None, _where(key, expert_span), _where(key, layer_span))
 
 
+_DIGIT_RUN = re.compile(r"\d+")
 _HASH_DIGITS = str.maketrans("0123456789", "##########")
 
 
@@ -198,8 +237,10 @@ def classify_keys(keys: Iterable[str],
 
 
 def _param_template(key: str) -> str:
+    """The parameter's template as a learned pattern names it (each digit run one ``#``: ids 1 and
+    12 are one template), so every key of it is read one by one."""
     opt = optimizer_parts(key)
-    return (opt[1] if opt else key).translate(_HASH_DIGITS)
+    return _DIGIT_RUN.sub("#", opt[1] if opt else key)
 
 
 def _classify(keys: Iterable[str], patterns: Sequence[KeyPattern]) -> dict[str, KeyInfo]:
@@ -207,6 +248,7 @@ def _classify(keys: Iterable[str], patterns: Sequence[KeyPattern]) -> dict[str, 
     out: dict[str, KeyInfo] = {}
     exact = {p.template for p in patterns if p.template}  # parameter templates read digit by digit
     one_by_one: dict[str, bool] = {}
+    evidence = patterns if isinstance(patterns, Evidence) else None
     for key in keys:
         template = key.translate(_HASH_DIGITS)
         if exact:
@@ -217,28 +259,65 @@ def _classify(keys: Iterable[str], patterns: Sequence[KeyPattern]) -> dict[str, 
         r = recipes.get(template)
         if r is None:
             r = recipes[template] = _recipe(key, patterns)
-        parts = key.split(".") if r.layer is not None or r.expert is not None else []
-        layer = int(parts[r.layer[0]][r.layer[1]:r.layer[2]]) if r.layer is not None else None
-        if r.role == "dense" and not r.optimizer:
-            out[key] = KeyInfo(key, "dense", None, layer, None, "", "", key)
-            continue
-        param, stat = key, None
-        if r.optimizer:
-            _, param, stat = optimizer_parts(key) or (0, key, None)
-        if r.role != "expert":
-            out[key] = KeyInfo(key, r.role, None, layer, None, "", "", param, stat)
-            continue
-        family = key
-        expert = None
-        if r.expert is not None:
-            expert = int(parts[r.expert[0]][r.expert[1]:r.expert[2]])
-            _put(parts, r.expert, "*")
-            family = ".".join(parts)
-        cls = family
-        if r.layer is not None:
-            _put(parts, r.layer, "#")
-            cls = ".".join(parts)
-        out[key] = KeyInfo(key, "expert", r.kind, layer, expert, family, cls, param, stat)
+        if evidence is not None:
+            placed = evidence.experts.get(key)
+            if placed is not None:
+                out[key] = _placed(key, placed, _read(key, r))
+                continue
+            if key in evidence.dense and r.role == "expert":
+                out[key] = _read(key, _recipe(key, ()))
+                continue
+        out[key] = _read(key, r)
     return out
 
 
+def _read(key: str, r: _Recipe) -> KeyInfo:
+    """One key read by its template's recipe."""
+    parts = key.split(".") if r.layer is not None or r.expert is not None else []
+    layer = int(parts[r.layer[0]][r.layer[1]:r.layer[2]]) if r.layer is not None else None
+    if r.role == "dense" and not r.optimizer:
+        return KeyInfo(key, "dense", None, layer, None, "", "", key)
+    param, stat = key, None
+    if r.optimizer:
+        _, param, stat = optimizer_parts(key) or (0, key, None)
+    if r.role != "expert":
+        return KeyInfo(key, r.role, None, layer, None, "", "", param, stat)
+    family = key
+    expert = None
+    if r.expert is not None:
+        expert = int(parts[r.expert[0]][r.expert[1]:r.expert[2]])
+        _put(parts, r.expert, "*")
+        family = ".".join(parts)
+    cls = family
+    if r.layer is not None:
+        _put(parts, r.layer, "#")
+        cls = ".".join(parts)
+    return KeyInfo(key, "expert", r.kind, layer, expert, family, cls, param, stat)
+
+
+def _placed(key: str, placed: Placed, named: KeyInfo) -> KeyInfo:
+    """A key the truth's content shows to hold experts.  Where its name reads experts of the same
+    kind, as the name reads it (its families and layers then group as they always did; a name
+    whose id the value denies is a misfiled expert the attribution names); else its layer and
+    expert as the content says, a per-expert key's family is the model's name of its tensor
+    (``layers.0.experts.w_in.exp_avg [expert *]``: a positional optimizer id numbers no expert),
+    and the class the family with its layer as ``#`` -- or, where the key numbers no layer, the
+    model's name of the tensor in ``layers.#``."""
+    if named.role == "expert" and named.kind == placed.kind:
+        return named  # an id the name claims and the value denies: the attribution names it
+    opt = optimizer_parts(key)
+    param, stat = (opt[1], opt[2]) if opt else (key, None)
+    family = key
+    if placed.kind == "per_expert" and placed.name:
+        # one family per tensor of the model, whatever digits the keys carry
+        family = f"{placed.name} [expert *]"
+        family = f"layers.{placed.layer}.{family}" if placed.layer is not None else family
+    layer = LAYER.search(family)
+    if layer is not None and placed.layer is not None and int(layer["layer"]) == placed.layer:
+        cls = family[:layer.start("layer")] + "#" + family[layer.end("layer"):]
+    elif placed.name and placed.layer is not None:
+        cls = f"layers.#.{placed.name}"
+    else:
+        cls = family
+    return KeyInfo(key, "expert", placed.kind, placed.layer, placed.expert, family, cls, param,
+                   stat)

@@ -35,11 +35,12 @@ from conformance.inspection.digests import (
     every_row,
     whole_only,
 )
-from conformance.inspection.keys import KeyPattern, optimizer_parts
+from conformance.inspection.keys import Evidence, KeyPattern, Placed, optimizer_parts
 from conformance.inspection.model import CheckpointIndex, paused_gc
+from conformance.inspection.positional import ParamAt, resolve
 
-__all__ = ["LearnedKey", "key_owners", "learn_expert_keys", "learned_patterns", "owners_of",
-           "unexplained_volume"]
+__all__ = ["LearnedKey", "evidence", "key_owners", "learn_expert_keys", "learned_patterns",
+           "owners_of", "unexplained_volume"]
 
 _DIGITS = re.compile(r"\d+")
 #: who holds a tensor of the model: ``(layer, global expert, name)``.
@@ -56,6 +57,8 @@ class LearnedKey:
     kind: str
     layer: Any
     experts: tuple[int, ...]
+    #: the model's name of the tensor it holds (``experts.w_in.exp_avg``)
+    name: str = ""
 
 
 def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
@@ -80,7 +83,7 @@ def learn_expert_keys(index: CheckpointIndex, owners: Mapping[Digest, Owner], *,
             if owner is None:
                 rest.append(key)
             elif owner[1] is not None:
-                found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),))
+                found[key] = LearnedKey(key, "per_expert", owner[0], (int(owner[1]),), owner[2])
         # a key read for its rows keeps them in the same cache: the attribution (rows of every
         # packed key) reads the checkpoint no more
         multi = [k for k in rest if len(index.entries[k].shape or ()) > 1]
@@ -107,8 +110,10 @@ def _learn_rows(found: dict[str, LearnedKey], key: str, kind: str, rows: list[Di
     if not held or not all(o is not None and o[1] is not None for o in held):
         return False
     layers = {o[0] for o in held if o is not None}
+    names = {o[2] for o in held if o is not None}
     found[key] = LearnedKey(key, kind, layers.pop() if len(layers) == 1 else None,
-                            tuple(int(o[1]) for o in held if o is not None))
+                            tuple(int(o[1]) for o in held if o is not None),
+                            names.pop() if len(names) == 1 else "")
     return True
 
 
@@ -258,6 +263,39 @@ def key_owners(index: CheckpointIndex, owners: Mapping[Digest, Owner], keys: Seq
         whole, _ = _fingerprints(index, tensors, whole_only, memory_bytes)
     return {k: owner for k in tensors
             if (owner := owners.get(whole.get(k))) is not None}  # type: ignore[arg-type]
+
+
+def evidence(index: CheckpointIndex, owners: Mapping[Digest, Owner],
+             learned: Mapping[str, LearnedKey], patterns: Iterable[KeyPattern],
+             positions: Sequence[Sequence[ParamAt]] = (), *,
+             memory_bytes: int = DEFAULT_MEMORY_BYTES) -> Evidence:
+    """What the truth checkpoint ``index`` shows of its keys, with the ``patterns`` its checkpoints
+    are read by.
+
+    - a key ``learned`` to hold experts (by its value or its rows) holds them; experts flattened
+      into one axis are compared whole, as plain tensors;
+    - a key whose whole value is one of the model's dense tensors (a dense weight, a dense
+      parameter's moment) holds none, whatever its name, digit runs or row count;
+    - optimizer state keyed by position is its parameter's, as the live optimizer of the ep=1
+      build holds it (``positions``, :func:`conformance.inspection.positional.resolve`): an expert
+      parameter's state holds experts, a dense one's none -- what the values showed of it only
+      refines the experts' ids.
+    """
+    experts = {k: Placed(i.kind, i.layer, i.experts[0] if i.kind == "per_expert" else None,
+                         i.name)
+               for k, i in learned.items() if i.kind in ("per_expert", "packed")}
+    tensors = [k for k in index.entries if k not in learned]
+    dense = {k for k, owner in key_owners(index, owners, tensors,
+                                          memory_bytes=memory_bytes).items() if owner[1] is None}
+    for key, (param, stat) in resolve(index, positions).items():
+        if param.kind == "dense":
+            experts.pop(key, None)
+            dense.add(key)
+        elif param.kind in ("packed", "per_expert"):
+            dense.discard(key)
+            experts.setdefault(key, Placed(param.kind, param.layer, param.expert,
+                                           f"{param.name}.{stat}" if param.name else ""))
+    return Evidence(patterns, experts, dense)
 
 
 def owners_of(state: Mapping[Any, Any]) -> tuple[dict[Digest, Owner], int]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from conformance.inspection.model import CheckpointProblem
+from conformance.inspection.model import CheckpointIndex, CheckpointProblem
 
-__all__ = ["POSITIONAL", "moved_ids", "positional"]
+__all__ = ["POSITIONAL", "ParamAt", "moved_ids", "positional", "resolve"]
 
 #: an optimizer state keyed by position: ``<...>state.<id>.<stat>``
 #: (``optimizer.state.4.exp_avg_sq``).
@@ -32,6 +32,44 @@ def positional(key: str) -> tuple[str, int, str] | None:
     """``(head, id, stat)`` of a positional optimizer-state key, else ``None``."""
     found = POSITIONAL.match(key)
     return (found["head"], int(found["id"]), found["stat"]) if found else None
+
+
+class ParamAt(NamedTuple):
+    """The parameter a torch optimizer holds at one position, as the live optimizer of the ep=1
+    truth shows it (its param groups in order, as ``torch.distributed.checkpoint.state_dict`` maps
+    ids to FQNs): its FQN in the model, its global shape, and what the adapter's walks yield of it
+    -- ``kind`` "packed" (a row per expert), "per_expert" (one expert's, ``expert``) or "dense";
+    ``layer`` and ``name`` the model's."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    kind: str
+    layer: Any = None
+    expert: Any = None
+    name: str = ""
+
+
+def resolve(index: CheckpointIndex,
+            optimizers: Sequence[Sequence[ParamAt]]) -> dict[str, tuple[ParamAt, str]]:
+    """``key -> (the parameter, the state's name)`` of each positional optimizer-state tensor of
+    ``index`` (however deep the trainer nests ``Optimizer.state_dict()``: ``state.optimizer.
+    pp_0_stage_0.state.12.exp_avg``) that one of the live ``optimizers`` explains.  The keys of one
+    head (the part before ``.state.<id>``) are one optimizer's: the one whose parameters have the
+    shapes of every tensor state under that head, where exactly one has (else the head is left
+    unresolved)."""
+    heads: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+    for key, entry in index.entries.items():
+        found = positional(key)
+        if found is not None and entry.is_tensor and entry.shape:
+            heads[found[0]].append((key, found[1], found[2]))
+    out: dict[str, tuple[ParamAt, str]] = {}
+    for keys in heads.values():
+        fits = [params for params in optimizers
+                if all(i < len(params) and params[i].shape == tuple(index.entries[k].shape or ())
+                       for k, i, _ in keys)]
+        if len(fits) == 1:
+            out.update((k, (fits[0][i], stat)) for k, i, stat in keys)
+    return out
 
 
 def _parameter(owners: Mapping[str, Any], head: str, number: int, stats: Iterable[str]) -> str:
