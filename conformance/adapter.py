@@ -113,6 +113,7 @@ class Spec:
     kind: str = "unpacked"
     activation: str = "swiglu"
     top_k: int = 2
+    #: a shared expert beside the routed ones: :attr:`Capabilities.shared_expert`, in every cell.
     shared_expert: bool = True
     dtype: str = "float32"
     optimizer_steps: int = 0
@@ -162,6 +163,10 @@ class Capabilities:
     #: multi-token-prediction layers: the cells with pipeline stages and optimizer state build
     #: ``spec.mtp_layers`` of them (node ids say ``mtp``).
     mtp: bool = False
+    #: the model family has a shared expert (an ungated dense FFN beside the routed experts); a
+    #: family without one (Qwen3-MoE, gpt-oss) says ``False``, and every cell's spec then asks for
+    #: none (:attr:`Spec.shared_expert`).  The ``setup`` check holds the build to it.
+    shared_expert: bool = True
 
 
 class TensorEntry(NamedTuple):

@@ -368,10 +368,12 @@ def collect_items(parent: pytest.Collector, context: CellContext, *, adapter: An
     """Checkpoint cells for ``adapter``, then functions cells for ``functions`` (a module and why it
     is n/a)."""
     if adapter is not None:
+        caps = context.members.capabilities if context.members is not None else None
+        base = Spec(shared_expert=caps.shared_expert if caps is not None else True)
         # the loads of one save run one after another
         for cell in sorted(cells, key=lambda cell: cell.save_key):
             yield CheckpointCellItem.from_parent(parent, name=cell.node_name, context=context,
-                                                 cell=cell, adapter=adapter, base=Spec())
+                                                 cell=cell, adapter=adapter, base=base)
     if functions is not None:
         for fcell in functions_cells:
             yield FunctionsCellItem.from_parent(parent, name=fcell.node_name, context=context,

@@ -5,6 +5,13 @@ write differs from the ground truth (seed A) before the load; a build whose tens
 the truth would let a load that writes nothing pass every later check.  An adapter that yields a
 tensor twice is named here too (:func:`conformance.checks.values.canonical`).
 
+A model the spec asks to have no shared expert (:attr:`~conformance.adapter.Capabilities.
+shared_expert` ``False``: a Qwen3-MoE family) must hold none: a build that ignored the spec would
+test another model than the report names.  Which tensors are a shared expert's is read from their
+names here -- the one place a name decides anything, and only about the experiment: the other
+direction (a family with one) is not checked, since not every framework names its shared expert so
+(DeepSpeed's residual MoE calls it ``mlp``).
+
 Its finding is ``error``: what it finds is wrong with the adapter or the harness, not with the
 framework's checkpoint.  It is a check all the same -- a row of the table, reported under its own
 name -- so that a cell that cannot tell a working load from a missing one says so instead of
@@ -25,6 +32,14 @@ def run(ctx: CheckContext) -> None:
     """The load side's state before the load against the ground truth: blocks at once, the rest one
     by one."""
     before = required(ctx.before, "the state before the load")
+    if not ctx.load_spec.shared_expert:
+        shared = sorted(str(k[2]) for k in before if k[1] is None and "shared" in str(k[2]).lower())
+        if shared:
+            ctx.verdict.problem(
+                "setup", f"rank {ctx.rank}: the adapter declares no shared expert "
+                f"(capabilities.shared_expert=False) and the spec asks for none, but the build "
+                f"holds {len(shared)} shared-expert tensor(s), e.g. {shared[0]!r}: build() must "
+                "honour spec.shared_expert")
     truth = required(ctx.truth, "the ground truth").tensors
     settled, _, rest = settle(before, truth)
     same = {*settled, *(k for k in rest if equal(before[k][0], expected(truth, k, before[k][1])))}
