@@ -23,6 +23,7 @@ from conformance.inspection import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_PATTERNS,
     CheckpointError,
+    CheckpointIndex,
     CheckpointProblem,
     Inspection,
     compare_indexes,
@@ -31,6 +32,7 @@ from conformance.inspection import (
     pattern,
     read_checkpoint,
 )
+from conformance.inspection.conversion import compare_conversion, is_conversion
 from conformance.rounding import ROUNDING_ULPS
 from pytest_moe_ep.text import shorten
 
@@ -139,16 +141,20 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     problems = len(result.findings)
     if args.compare:
         other = read_checkpoint(args.compare)
-        found = compare_indexes(index, other, values=args.values, patterns=patterns,
-                                memory_bytes=max(1, args.memory_mb) << 20, rounding_ulps=args.ulps,
-                                names=("checkpoint", "other checkpoint"))
-        what = "keys, global shapes, dtypes" + (" and every value" if args.values else "")
-        text.append(f"compared with the other checkpoint {args.compare} ({what}): "
-                    + (f"{len(found)} difference(s):" if found else "the same"))
-        text += _lines(found)
-        report["compare"] = {"other": args.compare, "values": args.values,
-                             "findings": [f.as_dict() for f in found]}
-        problems += len(found)
+        if is_conversion(index, other):
+            problems += len(_conversion(args, index, other, patterns, text, report))
+        else:
+            found = compare_indexes(index, other, values=args.values, patterns=patterns,
+                                    memory_bytes=max(1, args.memory_mb) << 20,
+                                    rounding_ulps=args.ulps,
+                                    names=("checkpoint", "other checkpoint"))
+            what = "keys, global shapes, dtypes" + (" and every value" if args.values else "")
+            text.append(f"compared with the other checkpoint {args.compare} ({what}): "
+                        + (f"{len(found)} difference(s):" if found else "the same"))
+            text += _lines(found)
+            report["compare"] = {"other": args.compare, "values": args.values,
+                                 "findings": [f.as_dict() for f in found]}
+            problems += len(found)
     if args.hf_model:
         from conformance.inspection.hf_model import hf_model_problems
 
@@ -161,6 +167,34 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
         problems += len(found)
     report["problems"] = problems
     return (1 if problems else 0), report, text
+
+
+def _conversion(args: argparse.Namespace, index: CheckpointIndex, other: CheckpointIndex,
+                patterns: Sequence[Any], text: list[str],
+                report: dict[str, Any]) -> list[CheckpointProblem]:
+    """A training checkpoint against its Hugging Face export (one of each format): every expert by
+    value, whichever side ``DIR`` is (:mod:`conformance.inspection.conversion`)."""
+    export_is_other = other.format == "safetensors"
+    training, export = (index, other) if export_is_other else (other, index)
+    found = compare_conversion(training, export, patterns=patterns,
+                               memory_bytes=max(1, args.memory_mb) << 20,
+                               rounding_ulps=args.ulps)
+    head = (f"compared with its Hugging Face export {args.compare}" if export_is_other
+            else f"compared with the training checkpoint it was exported from {args.compare}")
+    text.append(f"{head} (every expert matrix by value, {found.atoms} of the training "
+                "checkpoint; the key mapping learned from the values"
+                + (f"; {found.cast}" if found.cast else "") + "): "
+                + (f"{len(found.problems)} problem(s):" if found.problems else "the same"))
+    text += _lines(found.problems)
+    if args.verbose:
+        text.append("mapping (training checkpoint -> export, learned from the values):")
+        text += [f"  {line}" for line in found.mapping]
+    if found.notes:
+        text.append("notes (no problem):")
+        text += [f"  {note}" for note in found.notes]
+    report["compare"] = {"other": args.compare, "values": True, "conversion": found.as_dict(),
+                         "findings": [f.as_dict() for f in found.problems]}
+    return found.problems
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -165,4 +165,12 @@ PROBLEMS: dict[str, str] = {
     "values_differ": "compare: values differ and match nothing in the other checkpoint",
     "holds_other_expert": "an expert key (or packed row) holds the model's tensor of another "
     "expert or layer", "value_differs": "compare: a non-tensor entry (step, lr, ...) differs",
+    "export_holds_other": "conversion: an export's expert matrix holds another expert's, "
+    "layer's or projection's values, or the shared expert's",
+    "export_missing": "conversion: experts of the training checkpoint whose values are nowhere in "
+    "the export", "export_values_differ": "conversion: an expert matrix of the export differs "
+    "from its own in the training checkpoint beyond --ulps and matches no other",
+    "export_transposed": "conversion: a projection stored transposed against the export's other "
+    "projections", "export_unexpected": "conversion: expert matrices of the export the training "
+    "checkpoint has no counterpart of",
 }

@@ -1,0 +1,531 @@
+"""A training checkpoint against its Hugging Face export, expert by expert, by value.
+
+A conversion tool renames every key, fuses or splits the gate and up projections, may transpose a
+projection and may cast to bf16, so no key of the export is named as the training checkpoint names
+it.  What stays is the values: each expert's projection is one matrix on both sides.  So both
+checkpoints are cut into *atoms* -- one matrix of one expert (a per-expert key, one row of a packed
+key's expert axis, the shared expert's projections), and where the shapes say one side fuses what
+the other keeps apart, each half of a fused matrix (concatenated or interleaved, along either
+axis) -- and every atom is digested in one orientation (fewer rows than columns), so a transposed
+copy digests alike.  Matching digests is the mapping, learned from the values alone; the names on
+each side only say what the atom *should* be (layer, expert or shared expert, gate / up / down),
+and an atom that holds another one's values is a problem in those terms: "layer 3, expert 17,
+down_proj: holds expert 16's values".
+
+What counts as right is what most atoms show, where names cannot say: the layer numbering of the
+export (a framework's stage-local or dense-first numbering) and the orientation of its projections
+(an export may transpose every projection, as gpt-oss does; one projection transposed against the
+others is a problem).  Values are read one batch of at most ``memory_bytes`` at a time and only
+digests are kept; the training side is cast to the export's dtype first when they differ (an fp32
+checkpoint exported as bf16), and said so.  An atom whose counterpart (same layer, expert and
+projection) differs is compared once more, within ``rounding_ulps``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from conformance.inspection.digests import Digest, _batches, digest
+from conformance.inspection.keys import DEFAULT_PATTERNS, KeyInfo, KeyPattern, classify_keys
+from conformance.inspection.model import (
+    CheckpointIndex,
+    CheckpointProblem,
+    expert_ranges,
+    paused_gc,
+)
+
+__all__ = ["ConversionReport", "compare_conversion", "is_conversion"]
+
+#: the shared expert's keys (dense by the expert patterns: one per layer, no expert axis).
+SHARED = re.compile(r"(?:^|\.)(?:shared_experts?|shared_mlp|moe\.shared)\.")
+#: a projection's role from the tokens of its name: fused first (``gate_up_proj``, ``w13``).
+_FUSED = ("gate_up", "w13", "fc1")
+_ROLES = (("gate", ("gate", "w1")), ("up", ("up", "w3")), ("down", ("down", "w2", "fc2")))
+#: the halves of a fused gate/up matrix, in transformers' order (its forward's ``chunk(2)``).
+HALVES = ("gate", "up")
+_DIGITS = re.compile(r"\d+")
+#: the problems, worst first: values where others belong, then values absent, then extra ones.
+ORDER = ("export_holds_other", "export_missing", "export_values_differ", "export_transposed",
+         "export_unexpected")
+
+
+class Piece(NamedTuple):
+    """One expert matrix as a checkpoint files it: ``row`` of a packed key's expert axis (``None``
+    for a whole key); ``expert`` ``None`` for the shared expert; ``role`` gate / up / down /
+    gate_up, or ``None`` where the name does not say."""
+
+    key: str
+    row: int | None
+    layer: int | None
+    expert: int | None
+    role: str | None
+
+
+class Atom(NamedTuple):
+    """One matrix of a piece: ``split`` "" (the whole piece) or how a fused piece was cut ("cat0":
+    concatenated halves along axis 0, "il1": interleaved columns, ...), ``half`` 0 or 1;
+    ``transposed``: stored with more rows than columns (the digest is of its transpose)."""
+
+    piece: int
+    split: str = ""
+    half: int = 0
+    transposed: bool = False
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`compare_conversion` found: ``problems`` (each a :class:`CheckpointProblem`),
+    ``notes`` (keys on one side only that hold no expert: no problem), ``mapping`` (one line per
+    key family: where its values went), ``cast`` (the cast applied to the training side, if any),
+    ``atoms`` (expert matrices of the training checkpoint compared)."""
+
+    problems: list[CheckpointProblem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    mapping: list[str] = field(default_factory=list)
+    cast: str | None = None
+    atoms: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cast": self.cast, "atoms": self.atoms, "mapping": self.mapping,
+                "notes": self.notes, "findings": [p.as_dict() for p in self.problems]}
+
+
+def is_conversion(a: CheckpointIndex, b: CheckpointIndex) -> bool:
+    """Whether two checkpoints are a training checkpoint and its export (one of each format: a DCP
+    save and safetensors), compared by :func:`compare_conversion` rather than key by key."""
+    return a.format != b.format and "safetensors" in (a.format, b.format)
+
+
+def role_of(key: str) -> str | None:
+    """gate / up / down / gate_up from a key's last two named parts (``gate_w``, ``w1``,
+    ``experts.3.gate_proj.weight``, ``gate_up_proj``, ``linear_fc1``), ``None`` where they do not
+    say."""
+    parts = [p for p in key.split(".") if not p.isdigit() and p not in ("weight", "bias")][-2:]
+    text = "_".join(parts)
+    tokens = set(re.split(r"[._]", text))
+    if ("gate" in tokens and "up" in tokens) or any(f in tokens for f in ("w13", "fc1")):
+        return "gate_up"
+    for role, names in _ROLES:
+        if tokens & set(names):
+            return role
+    return None
+
+
+def _layer_of(key: str) -> int | None:
+    m = re.search(r"(?:^|\.)layers?[._](\d+)\.", key)
+    return int(m[1]) if m else None
+
+
+def _pieces(index: CheckpointIndex, infos: dict[str, KeyInfo]) -> tuple[list[Piece], set[str]]:
+    """Every expert matrix of ``index`` (optimizer state left out: an export holds none) and the
+    keys they come from."""
+    out: list[Piece] = []
+    keys: set[str] = set()
+    for key, info in infos.items():
+        entry = index.entries[key]
+        if not entry.is_tensor or not entry.shape or info.stat is not None:
+            continue
+        if info.role == "expert":
+            keys.add(key)
+            role = role_of(key)
+            if info.kind == "packed":
+                out += [Piece(key, r, info.layer, r, role) for r in range(entry.shape[0])]
+            else:
+                out.append(Piece(key, None, info.layer, info.expert, role))
+        elif len(entry.shape) in (3, 4) and role_of(key) and not SHARED.search(key):
+            # an expert axis no name pattern knows (the reference's fused ``moe.gate_up_w``
+            # ``[E, 2, h, dim]``): a projection's name on a stack of matrices; the values then say
+            # whose they are
+            keys.add(key)
+            out += [Piece(key, r, info.layer, r, role_of(key)) for r in range(entry.shape[0])]
+        elif SHARED.search(key) and len(entry.shape) == 2:
+            keys.add(key)
+            out.append(Piece(key, None, info.layer if info.layer is not None else _layer_of(key),
+                             None, role_of(key)))
+    return out, keys
+
+
+def _shape(index: CheckpointIndex, piece: Piece) -> tuple[int, ...]:
+    shape = index.entries[piece.key].shape or ()
+    shape = tuple(shape[1:]) if piece.row is not None else tuple(shape)
+    # a fused piece kept as ``[2, h, dim]`` is its halves concatenated: ``[2h, dim]``
+    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
+
+
+def _matrix(value: Any, piece: Piece) -> Any:
+    x = value[piece.row] if piece.row is not None else value
+    return x.reshape(-1, x.shape[-1]) if x.dim() == 3 else x
+
+
+def _canonical(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (min(shape), max(shape)) if len(shape) == 2 else shape
+
+
+def _splits(shape: tuple[int, ...], other: set[tuple[int, ...]]) -> list[str]:
+    """The cuts of a ``shape`` matrix into halves whose shape the other side's atoms have."""
+    if len(shape) != 2:
+        return []
+    out = []
+    for axis in (0, 1):
+        if shape[axis] % 2 == 0:
+            half = list(shape)
+            half[axis] //= 2
+            if _canonical(tuple(half)) in other:
+                out += [f"cat{axis}", f"il{axis}"]
+    return out
+
+
+def _cut(x: Any, split: str, half: int) -> Any:
+    axis, n = int(split[-1]), x.shape[int(split[-1])] // 2
+    if split.startswith("cat"):
+        return x.narrow(axis, half * n, n)
+    return x[half::2] if axis == 0 else x[:, half::2]
+
+
+def _oriented(x: Any) -> tuple[Any, bool]:
+    if x.dim() == 2 and x.shape[0] > x.shape[1]:
+        return x.t().contiguous(), True
+    return x.contiguous(), False
+
+
+class _Side:
+    """One checkpoint's atoms and their digests."""
+
+    def __init__(self, index: CheckpointIndex, patterns: Sequence[KeyPattern]) -> None:
+        self.index = index
+        self.infos = classify_keys([k for k, e in index.entries.items() if e.is_tensor], patterns)
+        self.pieces, self.expert_keys = _pieces(index, self.infos)
+        self.atoms: list[Atom] = []
+        self.digests: list[Digest] = []
+
+    def shapes(self) -> set[tuple[int, ...]]:
+        return {_canonical(_shape(self.index, p)) for p in self.pieces}
+
+    def read(self, other_shapes: set[tuple[int, ...]], memory_bytes: int, cast: Any) -> None:
+        """Digest every atom: each piece whole, and cut in halves where the other side's shapes
+        ask for it."""
+        by_key: dict[str, list[int]] = defaultdict(list)
+        for i, p in enumerate(self.pieces):
+            by_key[p.key].append(i)
+        for batch in _batches(self.index, sorted(by_key), memory_bytes):
+            assert self.index.reader is not None, "the caller checked both indexes have readers"
+            for key, value in self.index.reader(batch).items():
+                if cast is not None and value.is_floating_point() and value.dtype != cast:
+                    value = value.to(cast)
+                for i in by_key[key]:
+                    self._digest(i, value, other_shapes)
+
+    def _digest(self, i: int, value: Any, other_shapes: set[tuple[int, ...]]) -> None:
+        x = _matrix(value, self.pieces[i])
+        oriented, flipped = _oriented(x)
+        self.atoms.append(Atom(i, transposed=flipped))
+        self.digests.append(digest(oriented))
+        for split in _splits(tuple(x.shape), other_shapes):
+            for half in (0, 1):
+                part, flipped = _oriented(_cut(x, split, half))
+                self.atoms.append(Atom(i, split, half, flipped))
+                self.digests.append(digest(part))
+
+    def value(self, atom: Atom, cast: Any) -> Any:
+        """An atom's matrix, read again (the comparison within ulps), in its digest's
+        orientation."""
+        piece = self.pieces[atom.piece]
+        assert self.index.reader is not None, "the caller checked both indexes have readers"
+        value = self.index.reader([piece.key])[piece.key]
+        if cast is not None and value.is_floating_point() and value.dtype != cast:
+            value = value.to(cast)
+        x = _matrix(value, piece)
+        return _oriented(_cut(x, atom.split, atom.half) if atom.split else x)[0]
+
+    def role(self, atom: Atom) -> str | None:
+        """What an atom should hold by its name: a fused piece's halves are gate and up."""
+        role = self.pieces[atom.piece].role
+        if atom.split:
+            return HALVES[atom.half] if role == "gate_up" else None
+        return role
+
+    def name(self, atom: Atom) -> str:
+        """The projection an atom is, as this checkpoint names it (``down_proj``, ``gate_up_proj
+        (its up half)``)."""
+        piece = self.pieces[atom.piece]
+        parts = [p for p in piece.key.split(".") if not p.isdigit() and p not in ("weight",)]
+        name = parts[-1] if parts else piece.key
+        if piece.expert is None:
+            name = f"shared expert's {name}"
+        if atom.split:
+            how = "interleaved" if atom.split.startswith("il") else "concatenated"
+            which = (f"its {HALVES[atom.half]} half" if piece.role == "gate_up"
+                     else f"half {atom.half}")
+            name += f" ({which}, {how})"
+        return name
+
+
+def _who(piece: Piece) -> str:
+    return "the shared expert" if piece.expert is None else f"expert {piece.expert}"
+
+
+def compare_conversion(training: CheckpointIndex, export: CheckpointIndex, *,
+                       patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS,
+                       memory_bytes: int = 1 << 30, rounding_ulps: float = 0.0,
+                       names: tuple[str, str] = ("training checkpoint", "export")
+                       ) -> ConversionReport:
+    """Whether ``export`` holds every expert of ``training`` where its names say, by value (see the
+    module docstring); problems come named by the export's keys, in model terms."""
+    if training.reader is None or export.reader is None:
+        raise ValueError("a conversion is compared by value: both checkpoints must be readable")
+    with paused_gc():
+        return _compare(training, export, patterns, memory_bytes, rounding_ulps, names)
+
+
+def _dtype(side: _Side) -> str | None:
+    found = Counter(side.index.entries[k].dtype for k in side.expert_keys)
+    return found.most_common(1)[0][0] if found else None
+
+
+def _compare(training: CheckpointIndex, export: CheckpointIndex, patterns: Sequence[KeyPattern],
+             memory_bytes: int, rounding_ulps: float,
+             names: tuple[str, str]) -> ConversionReport:
+    import torch
+
+    report = ConversionReport()
+    a, b = _Side(training, patterns), _Side(export, patterns)
+    a_dtype, b_dtype = _dtype(a), _dtype(b)
+    cast = None
+    if a_dtype and b_dtype and a_dtype != b_dtype:
+        target = getattr(torch, b_dtype, None)
+        if isinstance(target, torch.dtype) and target.is_floating_point:
+            cast = target
+            report.cast = (f"the {names[0]}'s {a_dtype} values cast to {b_dtype}, as the "
+                           f"{names[1]} holds them")
+    a_shapes, b_shapes = a.shapes(), b.shapes()
+    b.read(a_shapes, memory_bytes, None)
+    a.read(b_shapes, memory_bytes, cast)
+    report.atoms = sum(1 for atom in a.atoms if not atom.split)
+    _judge(a, b, report, names, rounding_ulps, cast)
+    report.notes = _notes(a, b, names, memory_bytes, cast)
+    report.problems.sort(key=lambda f: (ORDER.index(f.problem), str(f.layer), f.key))
+    return report
+
+
+def _index(side: _Side) -> dict[Digest, list[int]]:
+    where: dict[Digest, list[int]] = defaultdict(list)
+    for i, d in enumerate(side.digests):
+        where[d].append(i)
+    return where
+
+
+def _matches(a: _Side, b: _Side) -> list[tuple[int, int]]:
+    """``(a atom, b atom)`` pairs of equal digests, preferring whole pieces: a piece matched whole
+    is not matched again by its halves, on either side.  A value several atoms of the training side
+    share (zeros) names none of them and is left out."""
+    b_at = _index(b)
+    a_count = Counter(a.digests)
+    pairs = [(i, j) for i, d in enumerate(a.digests) if a_count[d] == 1 for j in b_at.get(d, ())]
+    whole_a = {a.atoms[i].piece for i, j in pairs if not a.atoms[i].split}
+    whole_b = {b.atoms[j].piece for i, j in pairs if not b.atoms[j].split}
+    return [(i, j) for i, j in pairs
+            if not (a.atoms[i].split and a.atoms[i].piece in whole_a)
+            and not (b.atoms[j].split and b.atoms[j].piece in whole_b)]
+
+
+def _majority(votes: dict[Any, Counter[Any]]) -> dict[Any, Any]:
+    return {k: c.most_common(1)[0][0] for k, c in votes.items()}
+
+
+def _judge(a: _Side, b: _Side, report: ConversionReport, names: tuple[str, str],
+           rounding_ulps: float, cast: Any) -> None:
+    pairs = _matches(a, b)
+    # what most atoms show: the export's layer for each training layer, and its orientation
+    layer_votes: dict[Any, Counter[Any]] = defaultdict(Counter)
+    flips: Counter[bool] = Counter()
+    for i, j in pairs:
+        pa, pb = a.pieces[a.atoms[i].piece], b.pieces[b.atoms[j].piece]
+        layer_votes[pa.layer][pb.layer] += 1
+        flips[a.atoms[i].transposed != b.atoms[j].transposed] += 1
+    layers = _majority(layer_votes)
+    flipped = flips.most_common(1)[0][0] if flips else False
+    report.mapping = _mapping(a, b, pairs, flipped)
+    grouped: dict[tuple[str, str, Any, str], list[int]] = defaultdict(list)
+    held_a: set[int] = set()
+    held_b: set[int] = set()
+    for i, j in pairs:
+        ai, bj = a.atoms[i], b.atoms[j]
+        pa, pb = a.pieces[ai.piece], b.pieces[bj.piece]
+        held_a.add(i)
+        held_b.add(j)
+        what = b.name(bj)
+        wrong = []
+        if layers.get(pa.layer) != pb.layer:
+            wrong.append(f"layer {pa.layer}'s")
+        if pa.expert != pb.expert:
+            wrong.append("the shared expert's" if pa.expert is None else
+                         f"expert {pa.expert}'s")
+        ra, rb = a.role(ai), b.role(bj)
+        if ra and rb and ra != rb:
+            wrong.append(f"the {ra} projection's")
+        if wrong:
+            text = f"{what}: holds {' '.join(wrong)} values, not its own"
+            if pa.expert is None and pb.expert is not None:
+                text += f" (the shared expert filed as routed expert {pb.expert})"
+            if pa.expert != pb.expert or layers.get(pa.layer) != pb.layer:
+                text += f" (the {names[0]}'s {_where(pa)})"
+            grouped[("export_holds_other", pb.key if pb.row is not None else _family(pb.key),
+                     pb.layer, text)].append(pb.expert if pb.expert is not None else -1)
+        elif (ai.transposed != bj.transposed) != flipped:
+            grouped[("export_transposed", pb.key if pb.row is not None else _family(pb.key),
+                     pb.layer, f"{what}: stored transposed against the other projections "
+                     f"(the {names[0]}'s {_family(pa.key)} is not)")].append(
+                pb.expert if pb.expert is not None else -1)
+    # by identity: the training side's unmatched atoms, and what the export holds in their place
+    place: dict[tuple[Any, Any, str | None], list[int]] = defaultdict(list)
+    for j, atom in enumerate(b.atoms):
+        p = b.pieces[atom.piece]
+        place[(p.layer, p.expert, b.role(atom))].append(j)
+    pieces_held_a = {a.atoms[i].piece for i in held_a}
+    missing: dict[Any, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
+    cut = {atom.piece for atom in a.atoms if atom.split}
+    for i, atom in enumerate(a.atoms):
+        if i in held_a or atom.piece in pieces_held_a:
+            continue
+        if atom.split and a.role(atom) is None:
+            continue  # a cut the other side's shapes suggested, of no fused piece: no identity
+        pa = a.pieces[atom.piece]
+        if not atom.split and pa.role == "gate_up" and atom.piece in cut:
+            continue  # judged by its halves
+        there = [j for j in place.get((layers.get(pa.layer, pa.layer), pa.expert, a.role(atom)),
+                                      ()) if j not in held_b]
+        if there:
+            j = there[0]
+            held_b.update(there)
+            found = _differs(a, b, i, j, flipped, rounding_ulps, cast, names)
+            if found is not None:
+                report.problems.append(found)
+            continue
+        missing[pa.layer][a.role(atom) or _family(pa.key)].add(
+            pa.expert if pa.expert is not None else -1)
+    first_key: dict[Any, str] = {}
+    for p in a.pieces:
+        first_key.setdefault(p.layer, p.key)
+    for layer, roles in sorted(missing.items(), key=lambda kv: str(kv[0])):
+        gone: set[int] = set().union(*roles.values())
+        ids = tuple(sorted(e for e in gone if e >= 0))
+        who = (f"experts {expert_ranges(ids)}" if ids else "") + (
+            (" and " if ids else "") + "the shared expert" if -1 in gone else "")
+        what = ", ".join(f"{role} of {expert_ranges(sorted(e for e in got if e >= 0)) or 'shared'}"
+                         if got != gone else role for role, got in sorted(roles.items()))
+        report.problems.append(CheckpointProblem(
+            "export_missing", _family(first_key.get(layer, "")), f"{who} missing from the "
+            f"{names[1]}: their values ({what}) are nowhere in it", layer, ids))
+    for (code, key, layer, text), experts in grouped.items():
+        ids = tuple(sorted({e for e in experts if e >= 0}))
+        report.problems.append(CheckpointProblem(code, key, text, layer, ids))
+    held_pieces_b = {b.atoms[j].piece for j in held_b}
+    extra: dict[tuple[Any, str], list[int]] = defaultdict(list)
+    for piece_index, p in enumerate(b.pieces):
+        if piece_index in held_pieces_b:
+            continue
+        extra[(p.layer, p.key if p.row is not None else _family(p.key))].append(
+            p.expert if p.expert is not None else -1)
+    for (layer, key), experts in sorted(extra.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        ids = tuple(sorted({e for e in experts if e >= 0}))
+        report.problems.append(CheckpointProblem(
+            "export_unexpected", key, f"holds expert values the {names[0]} does not have "
+            f"(no expert of it, nor its counterpart)", layer, ids))
+
+
+def _where(p: Piece) -> str:
+    return repr(p.key) + (f" row {p.row}" if p.row is not None else "")
+
+
+def _family(key: str) -> str:
+    """A per-expert key with its expert id as ``*`` (``experts.*.down_proj.weight``)."""
+    return re.sub(r"(?<=experts\.)\d+(?=\.)", "*", key)
+
+
+def _differs(a: _Side, b: _Side, i: int, j: int, flipped: bool, rounding_ulps: float, cast: Any,
+             names: tuple[str, str]) -> CheckpointProblem | None:
+    """The export's atom ``j`` in the place of the training side's ``i``, whose values it does not
+    hold: within ``rounding_ulps`` no problem, else how far apart."""
+    from conformance.rounding import ulps
+
+    want, got = a.value(a.atoms[i], cast), b.value(b.atoms[j], None)
+    pb = b.pieces[b.atoms[j].piece]
+    what = b.name(b.atoms[j])
+    if want.shape == got.shape and want.dtype == got.dtype:
+        far = ulps(got, want)
+        if far <= rounding_ulps:
+            return None
+        diff = (got.double() - want.double()).abs().max().item()
+        text = (f"{what}: differs from {_who(pb)}'s values in the {names[0]} (max abs diff "
+                f"{diff:.3g}, {far:.3g} ulps) and matches no other")
+    else:
+        text = (f"{what}: shape {tuple(got.shape)} {got.dtype}, the {names[0]}'s "
+                f"{tuple(want.shape)} {want.dtype}")
+    return CheckpointProblem("export_values_differ", pb.key, text, pb.layer,
+                             (pb.expert,) if pb.expert is not None else (),
+                             a.pieces[a.atoms[i].piece].key)
+
+
+def _mapping(a: _Side, b: _Side, pairs: list[tuple[int, int]], flipped: bool) -> list[str]:
+    """One line per (training family, export family, cut): where the values went, and how many
+    matrices."""
+    found: Counter[tuple[str, str]] = Counter()
+    for i, j in pairs:
+        ai, bj = a.atoms[i], b.atoms[j]
+        pa, pb = a.pieces[ai.piece], b.pieces[bj.piece]
+        left = _DIGITS.sub("#", _family(pa.key)) + ("[e]" if pa.row is not None else "")
+        left += _cut_text(ai)
+        right = _DIGITS.sub("#", _family(pb.key)) + ("[e]" if pb.row is not None else "")
+        right += _cut_text(bj)
+        if ai.transposed != bj.transposed:
+            right += " transposed"
+        found[(left, right)] += 1
+    return [f"{left} -> {right} ({n} matrices)" for (left, right), n in sorted(found.items())]
+
+
+def _cut_text(atom: Atom) -> str:
+    if not atom.split:
+        return ""
+    how = "interleaved" if atom.split.startswith("il") else "concatenated"
+    return f" {how} half {atom.half} along axis {atom.split[-1]}"
+
+
+def _notes(a: _Side, b: _Side, names: tuple[str, str], memory_bytes: int,
+           cast: Any) -> list[str]:
+    """Keys that hold no expert and that one side alone holds (by value): an export adds what
+    training never had (attention, embeddings, a head), training keeps what no export does
+    (optimizer state, counters).  Notes, not problems."""
+    a_dense = [k for k, i in a.infos.items() if k not in a.expert_keys and i.stat is None]
+    b_dense = [k for k in b.infos if k not in b.expert_keys]
+    a_vals = dict(_flat_digests(a.index, a_dense, memory_bytes, cast))
+    b_vals = dict(_flat_digests(b.index, b_dense, memory_bytes, None))
+    b_set, a_set = set(b_vals.values()), set(a_vals.values())
+    only_a = [k for k, d in a_vals.items() if d not in b_set]
+    only_b = [k for k, d in b_vals.items() if d not in a_set]
+    out = []
+    optimizer = sum(1 for i in a.infos.values() if i.stat is not None)
+    others = sum(1 for e in a.index.entries.values() if not e.is_tensor)
+    if optimizer or others:
+        out.append(f"only in the {names[0]}: {optimizer} optimizer state tensor(s) and {others} "
+                   "other entries (an export holds no training state)")
+    for side, keys in ((names[0], only_a), (names[1], only_b)):
+        if keys:
+            shown = ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6
+                                           else "")
+            out.append(f"only in the {side}, holding no expert: {len(keys)} key(s): {shown}")
+    return out
+
+
+def _flat_digests(index: CheckpointIndex, keys: list[str], memory_bytes: int,
+                  cast: Any) -> Iterator[tuple[str, Digest]]:
+    """Each key's digest, its shape left out (a bias saved ``[E]`` and exported ``[1, E]``)."""
+    for batch in _batches(index, keys, memory_bytes):
+        assert index.reader is not None, "the caller checked both indexes have readers"
+        for key, value in index.reader(batch).items():
+            if cast is not None and value.is_floating_point() and value.dtype != cast:
+                value = value.to(cast)
+            yield key, digest(value.reshape(-1))
