@@ -267,3 +267,30 @@ def test_every_conversion_problem_code_is_documented() -> None:
     from conformance.inspection.conversion import ORDER
 
     assert set(ORDER) <= set(PROBLEMS)
+
+
+def test_transformers_save_pretrained_against_its_training_state(tmp_path: Path) -> None:
+    """A real framework's export: transformers' own ``save_pretrained`` (the built-in adapter's
+    ``export_hf``) against the model's state saved with DCP -- clean, and with two experts swapped
+    in the export named by layer and expert."""
+    pytest.importorskip("transformers")
+    import torch.distributed.checkpoint as dcp
+
+    from conformance.adapter import Spec
+    from conformance.adapters.transformers_ep import TransformersAdapter
+
+    adapter = TransformersAdapter()
+    model, _ = adapter.build(Spec(kind="packed", num_experts=E), None, 0)
+    dcp.save({k: v.detach() for k, v in model.state_dict().items()},
+             checkpoint_id=str(tmp_path / "train"), no_dist=True)
+    adapter.export_hf(model, str(tmp_path / "hf"))
+    training = read_checkpoint(tmp_path / "train")
+    report = compare_conversion(training, read_checkpoint(tmp_path / "hf"))
+    assert report.problems == [] and report.atoms, [str(f) for f in report.problems]
+    tensors = hf.read_safetensors(tmp_path / "hf")
+    swap_experts(tensors)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf.write_safetensors(tensors, tmp_path / "bad", config)
+    found = codes(compare_conversion(training, read_checkpoint(tmp_path / "bad")))
+    assert set(found) == {"export_holds_other"}, found
+    assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (0,)), (1, (1,))}
