@@ -388,6 +388,7 @@ def _judge(a: _Side, b: _Side, report: ConversionReport, names: tuple[str, str],
     pieces_held_a = {a.atoms[i].piece for i in held_a}
     missing: dict[Any, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     cut = {atom.piece for atom in a.atoms if atom.split}
+    first_key: dict[Any, str] = {}  # per layer: the first key whose experts are missing
     for i, atom in enumerate(a.atoms):
         if i in held_a or atom.piece in pieces_held_a:
             continue
@@ -407,9 +408,7 @@ def _judge(a: _Side, b: _Side, report: ConversionReport, names: tuple[str, str],
             continue
         missing[pa.layer][a.role(atom) or _family(pa.key)].add(
             pa.expert if pa.expert is not None else -1)
-    first_key: dict[Any, str] = {}
-    for p in a.pieces:
-        first_key.setdefault(p.layer, p.key)
+        first_key.setdefault(pa.layer, pa.key)
     for layer, roles in sorted(missing.items(), key=lambda kv: str(kv[0])):
         gone: set[int] = set().union(*roles.values())
         ids = tuple(sorted(e for e in gone if e >= 0))
