@@ -129,6 +129,56 @@ def best(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
     return min(walls), min(cpus), result
 
 
+def conversion(keys: int, repeats: int) -> None:
+    """``compare_conversion`` of a per-expert DCP training checkpoint (``experts.G.{gate,up,down}
+    .weight``, small matrices: the cost per key is what is measured) with its HF export (per-expert
+    ``gate_proj``/``up_proj``/``down_proj``), against reading every value of both once."""
+    import torch.distributed.checkpoint as dcp
+
+    from conformance.inspection import read_checkpoint
+    from conformance.inspection.conversion import compare_conversion
+    from reference_impl.hf import write_safetensors
+
+    experts = 256
+    layers = max(1, keys // (3 * experts))
+    gen = torch.Generator().manual_seed(0)
+    names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    train, export = {}, {}
+    for layer in range(layers):
+        for g in range(experts):
+            for ours, theirs in names.items():
+                w = torch.randn((8, 4) if ours != "down" else (4, 8), generator=gen)
+                train[f"model.layers.{layer}.moe.experts.{g}.{ours}.weight"] = w
+                export[f"model.layers.{layer}.mlp.experts.{g}.{theirs}.weight"] = w
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp.save(train, checkpoint_id=os.path.join(tmp, "train"), no_dist=True)
+        write_safetensors(export, os.path.join(tmp, "hf"), {})
+
+        def read_both() -> None:
+            for path in ("train", "hf"):
+                index = read_checkpoint(os.path.join(tmp, path))
+                assert index.reader is not None
+                index.reader(list(index.entries))
+
+        def compare() -> None:
+            report = compare_conversion(read_checkpoint(os.path.join(tmp, "train")),
+                                        read_checkpoint(os.path.join(tmp, "hf")))
+            assert not report.problems, report.problems[:3]
+
+        base, took = _best(read_both, repeats), _best(compare, repeats)
+        print(f"conversion, {len(train):,} keys a side: read both once {base:.2f} s, "
+              f"compare_conversion {took:.2f} s ({took / base:.2f}x; target at most 2x)")
+
+
+def _best(fn: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=58)
@@ -136,7 +186,13 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=32)
     parser.add_argument("--dp-shard", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--conversion", type=int, metavar="KEYS", default=0,
+                        help="instead: a training checkpoint against its HF export, about KEYS "
+                        "per-expert keys each (issue 61: within 2x of reading both once)")
     args = parser.parse_args()
+    if args.conversion:
+        conversion(args.conversion, args.repeats)
+        return
     print(f"{args.layers} layers x {args.experts} experts, AdamW state, saved at ep={args.ep} x "
           f"dp_shard={args.dp_shard}; torch {torch.__version__}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.2f}")
