@@ -181,7 +181,7 @@ def _check_findings(cell: Cell, verdicts: Iterable[RankVerdict]) -> list[str]:
     """Every finding the ranks' checks are evidence of, worst first."""
     verdicts = list(verdicts)
     found = [CHECK_FINDING.get(m.check, ERROR) for v in verdicts for m in v.mismatches]
-    found += [CHECK_FINDING.get(p.check, ERROR) for v in verdicts for p in v.problems]
+    found += [p.finding or CHECK_FINDING.get(p.check, ERROR) for v in verdicts for p in v.problems]
     if cell.legacy and not _all_refused(verdicts):
         # the lossy file was taken: the trap is on disk; loaded without a word it is silent, raised
         # loud
@@ -202,13 +202,14 @@ def _problems(verdicts: Iterable[RankVerdict]) -> list[dict[str, Any]]:
         if v.not_refused and not v.refused:
             out.append({"check": "refusal", "finding": ON_DISK, "rank": v.rank,
                         "text": v.not_refused})
-    ranks: dict[tuple[str, str], list[int]] = {}
+    ranks: dict[tuple[str, str, str], list[int]] = {}
     for v in verdicts:
         for p in v.problems:
-            ranks.setdefault((p.check, p.text), []).append(v.rank)
+            ranks.setdefault((p.check, p.text, p.finding), []).append(v.rank)
     order = list(CHECKS)
-    for (check, text), where in sorted(ranks.items(), key=lambda kv: _order(order, kv[0][0])):
-        out.append({"check": check, "finding": CHECK_FINDING.get(check, ERROR),
+    for (check, text, finding), where in sorted(ranks.items(),
+                                                key=lambda kv: _order(order, kv[0][0])):
+        out.append({"check": check, "finding": finding or CHECK_FINDING.get(check, ERROR),
                     "ranks": sorted(set(where)), "text": text})
     return out
 

@@ -52,6 +52,10 @@ class CellPlan:
     #: checkpoint's).
     findings: tuple[str, ...] = ()
     truth_findings: tuple[str, ...] = ()
+    #: the ``hf_export`` check's problems, ``(finding, text)``, from the cell that wrote a shared
+    #: save: the export beside it is every reader's, and a reader whose import then refuses leads
+    #: with the export's defect, not with the refusal.
+    export_problems: tuple[tuple[str, str], ...] = ()
     #: expert-key regexes the user gave (``--moe-ep-expert-key``), tried before what the truth
     #: teaches.
     expert_keys: tuple[str, ...] = ()
@@ -202,6 +206,7 @@ class _Entry:
     written: bool = False
     readers_left: int = 0
     findings: tuple[str, ...] = ()
+    export_problems: tuple[tuple[str, str], ...] = ()
     #: the checkpoint failed or hung while being written: the cell it failed in, and the engine's
     #: error.
     failed: tuple[str, Any] | None = None
@@ -252,7 +257,8 @@ class Saves:
         truth_findings = self.truths[truth_key(cell)].findings if truth_path else ()
         return CellPlan(entry.path, save=not entry.written, truth_path=truth_path,
                         save_truth=save_truth, findings=entry.findings,
-                        truth_findings=truth_findings, expert_keys=expert_keys,
+                        truth_findings=truth_findings, export_problems=entry.export_problems,
+                        expert_keys=expert_keys,
                         session=self.session)
 
     def failure(self, cell: Cell) -> tuple[str, str, Any] | None:
@@ -299,7 +305,11 @@ class Saves:
             truth = self.truths[truth_key(cell)]
             truth.written, truth.findings = True, verdict.truth_findings
         if plan.save and verdict is not None and verdict.wrote_save:
+            from conformance.checks.hf import EXPORT
+
             entry.written, entry.findings = True, verdict.findings
+            entry.export_problems = tuple((p.finding, p.text) for p in verdict.problems
+                                          if p.check == EXPORT)
         if getattr(self.engine, "rank", 0) == 0:
             if plan.save and not entry.written and entry.path:
                 _empty(entry.path)

@@ -1077,8 +1077,8 @@ class ParamGroupsFromCheckpoint(ReferenceAdapter):
         real_load, real_set = ck._load_here, ck.set_optimizer_state_dict
         loaded: list[list[str]] = []
 
-        def load_here(state: dict[str, Any], where: str) -> None:
-            real_load(state, where)
+        def load_here(state: dict[str, Any], reader: Any, where: str) -> None:
+            real_load(state, reader, where)
             loaded[:] = [list(g["params"])
                          for g in state.get("optimizer", {}).get("param_groups", [])]
 

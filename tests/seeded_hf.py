@@ -15,7 +15,11 @@ export writes, or in what the import reads, around the reference's own converter
   (GroupedMLP's layout, Megatron-LM #909; slime #1840 where the two dims are equal);
 - :class:`HFImportBiasReset` -- the import resets the expert bias to zero (torchtitan #4475);
 - :class:`HFImportDoesNothing` -- the import leaves every tensor at its initial value and reports
-  success (Megatron-LM #5844).
+  success (Megatron-LM #5844);
+- :class:`HFExportRefusesUneven` -- the export refuses an expert count the world does not divide,
+  the ep=1 truth's included (an export that splits the experts over every rank to consolidate them);
+- :class:`HFExportRankZeroOnlyImportRefuses` -- :class:`HFExportRankZeroOnly`, and an import that
+  refuses at ep > 1: the export's defect leads, the import's refusal follows it.
 """
 
 from __future__ import annotations
@@ -163,3 +167,32 @@ class HFImportDoesNothing(ReferenceAdapter):
 
     def import_hf(self, model: Any, path: str) -> None:
         read_safetensors(path)
+
+
+class HFExportRefusesUneven(ReferenceAdapter):
+    """An export that refuses E % world size != 0, by the framework's own tensor code: an optional
+    member's failure, which must be named as ``export_hf``'s and leave the DCP checks standing."""
+
+    def export_hf(self, model: Any, path: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        experts = getattr(model, "config").num_experts  # noqa: B009
+        torch.zeros(experts).split([experts // world] * world)  # one chunk a rank, or it raises
+        super().export_hf(model, path)
+
+
+class HFExportRankZeroOnlyImportRefuses(HFExportRankZeroOnly):
+    """:class:`HFExportRankZeroOnly` whose import refuses at ep > 1: it reads the export's experts
+    into a tensor of the whole layer's, by the framework's own tensor code."""
+
+    def import_hf(self, model: Any, path: str) -> None:
+        import torch
+
+        from reference_impl.moe import moe_layers
+
+        moe = next(m for _, m in moe_layers(model))
+        torch.zeros(getattr(model, "config").num_experts).split(  # noqa: B009
+            [moe.num_local_experts])  # the whole layer's experts into this rank's, or it raises
+        super().import_hf(model, path)

@@ -144,6 +144,49 @@ def test_an_export_of_rank_zeros_experts_only_is_red_where_ep_splits_them(
                         r"'model\.layers\.\d\.mlp\.experts\.[^']+', experts \d", first), first
 
 
+def test_an_export_that_raises_at_the_truth_is_export_hfs_and_gates_nothing(
+        pytester: pytest.Pytester) -> None:
+    """An optional member's failure is named as that member's: every E=5 cell is red on
+    ``hf_export`` alone (the cell that wrote the save, and those reading it, which carry its
+    export's problems), a refusal naming the call and the ep=1 truth, with the DCP checks run and
+    passed; ``hf_import`` has no export to read and says so; the E=4 cells are green."""
+    cells = _run(pytester, "HFExportRefusesUneven", f"{MODEL_CELLS} and ep-only and not pp2")
+    red = _red(cells)
+    uneven = {i for i, c in cells.items() if c["num_experts"] == 5}
+    assert {cells[i]["shared_save"] for i in uneven} == {True, False}, sorted(uneven)
+    assert set(red) == uneven, (sorted(red), sorted(uneven))
+    for cell_id, first in red.items():
+        cell = cells[cell_id]
+        assert cell["status"] == "fail" and cell["findings"] == ["refused"], cell
+        assert first.startswith("[hf_export] the framework's export_hf() raised at the ep=1 "
+                                "truth: RuntimeError: split_with_sizes expects split_sizes to sum "
+                                "exactly to 5"), first
+        assert "checks that passed: checkpoint, values, missing, forward" in cell["detail"], cell
+        assert cell["skipped_checks"]["hf_import"].startswith("the ep=1 export raised"), cell
+
+
+def test_the_export_that_drops_experts_leads_and_the_import_refusal_follows(
+        pytester: pytest.Pytester) -> None:
+    """The defect is on disk, in the export: a cell whose export keeps rank 0's experts and whose
+    import then refuses leads with ``hf_export`` (on-disk, layer and experts) and gives the import's
+    refusal after it, as ``import_hf``'s -- in the cell that wrote the save and in every cell that
+    reads it."""
+    cells = _run(pytester, "HFExportRankZeroOnlyImportRefuses",
+                 f"{MODEL_CELLS} and unpacked and fsdp and not pp2 and not E5")
+    both = {i: c for i, c in cells.items() if c["save_ep"] > 1 and c["load_ep"] > 1}
+    # a cell that reads a save another cell wrote carries that cell's export problems
+    assert {c["shared_save"] for c in both.values()} == {True, False}, sorted(both)
+    for cell_id, cell in both.items():
+        assert cell["status"] == "fail" and cell["findings"] == ["on-disk", "refused"], cell
+        first = _red({cell_id: cell})[cell_id]
+        assert re.match(r"\[hf_export\] the export at ep=\d[^:]*: layer \d, key", first), first
+        imported = [p for p in cell["problems"] if p["check"] == "hf_import"]
+        assert imported and imported[0]["finding"] == "refused", cell["problems"]
+        assert imported[0]["text"].startswith("the framework's import_hf() raised importing the "
+                                              "ep=1 export at ep="), imported
+        assert "checks that passed: checkpoint, values, missing, forward" in cell["detail"], cell
+
+
 def test_a_transposed_down_projection_is_named_by_the_loader(pytester: pytest.Pytester) -> None:
     cells = _run(pytester, "HFDownTransposed", f"{MODEL_CELLS} and unpacked and fsdp")
     red = _red(cells)

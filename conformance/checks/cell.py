@@ -338,6 +338,9 @@ def _run(adapter: TimedAdapter, cell: Cell, base: Spec, plan: CellPlan,
             _save(ctx)
         else:
             verdict.findings = plan.findings
+            if verdict.rank == 0:  # what the export beside the save had, as its writer found it
+                for finding, text in plan.export_problems:
+                    verdict.problem(hf.EXPORT, text, finding)
         _check(ctx, "written")
     verdict.wrote_save = plan.save
     with activity(side="load"):

@@ -12,6 +12,12 @@ the import of the ep=1 export at every layout.
 
 transformers is imported only here (``pip install pytest-moe-ep[hf]``); without it both checks are
 skipped, saying why.  Loading runs on rank 0 alone, with no mesh: what a user of the release does.
+
+The members are optional, and so is what they find: an ``export_hf`` or ``import_hf`` that raises
+is a problem of its own check, named as that member's (:func:`member_raised`: ``refused`` where the
+framework raised, ``error`` where the adapter did), and the cell's DCP checks run on.  An export
+that raised at the ep=1 truth is every cell's ``hf_export`` problem (:func:`truth_raised`), and
+leaves ``hf_import`` nothing to import.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from conformance.checks.context import CheckContext, TimedAdapter
 from conformance.matrix import Cell
 from conformance.saves import export_dir
 
-__all__ = ["EXPORT", "IMPORT", "applies", "asked", "export_truth", "load_hf_model",
-           "why_no_truth"]
+__all__ = ["EXPORT", "IMPORT", "agreed", "applies", "asked", "export_truth", "load_hf_model",
+           "member_raised", "truth_raised", "why_no_truth"]
 
 EXPORT, IMPORT = "hf_export", "hf_import"
 _MEMBERS = HF_MEMBERS
@@ -64,31 +70,86 @@ def asked(ctx: CheckContext) -> str | None:
     return ctx.hf
 
 
+#: the marker files beside an ep=1 export that was not made: why not (the checks skip), or how the
+#: member raised (every cell's ``hf_export`` problem: its finding, then its text).
+NOT_EXPORTED, EXPORT_RAISED = "NOT_EXPORTED", "EXPORT_RAISED"
+
+
+def member_raised(adapter: TimedAdapter, member: str, exc: BaseException,
+                  where: str) -> tuple[str, str]:
+    """``(finding, text)`` of an optional member that raised ``exc`` ``where`` ("at ep=2"): the
+    framework's code refused (``refused``), or the adapter's own code failed (``error``, said
+    so)."""
+    from conformance.checks.blame import located, raised_where
+    from conformance.findings import ERROR, REFUSED
+
+    raised_in, _ = raised_where(exc, adapter)
+    if raised_in == "framework":
+        return REFUSED, f"the framework's {member}() raised {where}: {located(exc, adapter)}"
+    return ERROR, (f"the adapter's {member}() failed {where}: {located(exc, adapter)} (an error in "
+                   f"the {raised_in}, not a finding about the framework)")
+
+
+def agreed(mine: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The first rank's ``(finding, text)`` of a member that raised, on every rank (``None`` when
+    none raised): the ranks go on alike, so no rank waits in a collective the others left."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next((found for found in every if found), None)
+
+
 def export_truth(adapter: TimedAdapter, model: Any, truth_path: str) -> None:
     """The ep=1 export, by the truth checkpoint's build (every rank); an export the framework
-    cannot make leaves no directory, and the cells say why (:func:`why_no_truth`)."""
+    cannot make leaves no directory, and the cells say why (:func:`why_no_truth`); one that raised
+    leaves how (:func:`truth_raised`)."""
+    from conformance.checks.blame import load_errors
+
     target = export_dir(truth_path)
+    raised = None
     try:
         adapter.export_hf(model, target)
-    except NotApplicable as exc:
-        _note(target, f"the framework cannot export the ep=1 model: {exc}")
+    except NotApplicable as exc:  # every rank alike: NotApplicable's contract
+        _note(target, NOT_EXPORTED, f"the framework cannot export the ep=1 model: {exc}")
+        return
+    except load_errors() as exc:
+        raised = member_raised(adapter, "export_hf", exc, "at the ep=1 truth")
+    found = agreed(raised)
+    if found is not None:
+        _note(target, EXPORT_RAISED, "\n".join(found))
 
 
-def _note(target: str, why: str) -> None:
+def _note(target: str, marker: str, text: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(target, exist_ok=True)
-        with open(os.path.join(target, "NOT_EXPORTED"), "w") as f:
-            f.write(why)
+        with open(os.path.join(target, marker), "w") as f:
+            f.write(text)
+
+
+def truth_raised(target: str) -> tuple[str, str] | None:
+    """``(finding, text)`` when the ep=1 export in ``target`` raised (:func:`export_truth`)."""
+    marker = os.path.join(target, EXPORT_RAISED)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        finding, text = f.read().split("\n", 1)
+    return finding, text
 
 
 def why_no_truth(target: str) -> str:
     """Why there is no ep=1 export in ``target`` to compare with or import ("" when there is)."""
-    marker = os.path.join(target, "NOT_EXPORTED")
+    marker = os.path.join(target, NOT_EXPORTED)
     if os.path.exists(marker):
         with open(marker) as f:
             return f.read()
+    raised = truth_raised(target)
+    if raised is not None:
+        return f"the ep=1 export raised ({raised[1]})"
     if not os.path.isdir(target):
         return "no ep=1 export was written in this session (its cell stopped before it)"
     return ""

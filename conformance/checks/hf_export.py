@@ -20,9 +20,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from conformance.adapter import HFModel, NotApplicable
+from conformance.checks.blame import load_errors
 from conformance.checks.context import CheckContext, TimedAdapter
 from conformance.checks.forward import forward_problems
-from conformance.checks.hf import EXPORT, load_hf_model, why_no_truth
+from conformance.checks.hf import (
+    EXPORT,
+    agreed,
+    load_hf_model,
+    member_raised,
+    truth_raised,
+    why_no_truth,
+)
 from conformance.checks.truth import Truth, batch_for, forward_outputs, ground_truth
 from conformance.checks.verdict import RankVerdict
 from conformance.matrix import Cell
@@ -142,14 +150,27 @@ def check_export(adapter: TimedAdapter, cell: Cell, spec: Any, model: Any, path:
     """Export the save side's ``model`` beside the save in ``path`` (every rank) and check it on
     rank 0 (:func:`export_problems`)."""
     target, want = export_dir(path), export_dir(truth_path)
+    raised = truth_raised(want)
+    if raised is not None:  # every cell's problem, on rank 0: the ep=1 export is the release
+        if rank == 0:
+            verdict.problem(EXPORT, raised[1], raised[0])
+        return
     why = why_no_truth(want)
     if why:
         verdict.skipped[EXPORT] = why
         return
+    mine = None
     try:
         adapter.export_hf(model, target)
     except NotApplicable as exc:
         verdict.skipped[EXPORT] = f"the framework cannot export in this cell: {exc}"
+        return
+    except load_errors() as exc:
+        mine = member_raised(adapter, "export_hf", exc, f"at {cell.save.describe()}")
+    found = agreed(mine)
+    if found is not None:
+        if rank == 0:
+            verdict.problem(EXPORT, found[1], found[0])
         return
     if rank == 0:
         for line in export_problems(adapter, spec, export_root(target), export_root(want),

@@ -3,8 +3,9 @@ every layout, gives the ep=1 state.
 
 In every model-only cell, on the load side: the ep=1 export loaded at the cell's load layout into a
 model built with another seed gives the ep=1 state, every expert and the bias included; a tensor
-left at its initial value is named so (``silent``).  Where it runs and the ep=1 export it reads:
-:mod:`conformance.checks.hf`.
+left at its initial value is named so (``silent``).  An import that raises is named as
+``import_hf``'s (``refused``), after any problem of the export it read, and the DCP checks stand.
+Where it runs and the ep=1 export it reads: :mod:`conformance.checks.hf`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conformance.adapter import NotApplicable
+from conformance.checks.blame import load_errors
 from conformance.checks.context import CheckContext, TimedAdapter, required
-from conformance.checks.hf import IMPORT, why_no_truth
+from conformance.checks.hf import IMPORT, agreed, member_raised, why_no_truth
 from conformance.checks.missing import check_replicas
 from conformance.checks.truth import Truth
 from conformance.checks.values import canonical, compare
@@ -46,10 +48,18 @@ def check_import(adapter: TimedAdapter, cell: Cell, build: Callable[[], Built], 
         return
     b = build()
     before = canonical(adapter, b.model, None, rank)
+    mine = None
     try:
         adapter.import_hf(b.model, source)
     except NotApplicable as exc:
         verdict.skipped[IMPORT] = f"the framework cannot import in this cell: {exc}"
+        return
+    except load_errors() as exc:
+        mine = member_raised(adapter, "import_hf", exc,
+                             f"importing the ep=1 export at {cell.load.describe()}")
+    refused = agreed(mine)
+    if refused is not None:
+        verdict.problem(IMPORT, refused[1], refused[0])
         return
     got = canonical(adapter, b.model, None, rank, copy=False)
     found = RankVerdict(rank)

@@ -48,10 +48,14 @@ class Mismatch:
 
 @dataclass(frozen=True, order=True)
 class Problem:
-    """One finding that is not a single tensor's values: ``text`` already says where."""
+    """One finding that is not a single tensor's values: ``text`` already says where.
+    ``finding``: what it is evidence of where that is not its check's finding (an optional
+    member that raised inside its check is a refusal, not what the check finds); "" for the
+    check's."""
 
     check: str
     text: str
+    finding: str = ""
 
 
 @dataclass
@@ -117,8 +121,8 @@ class RankVerdict:
         if len(self.mismatches) < KEEP:
             self.mismatches.append(mismatch)
 
-    def problem(self, check: str, text: str) -> None:
-        self.problems.append(Problem(check, text))
+    def problem(self, check: str, text: str, finding: str = "") -> None:
+        self.problems.append(Problem(check, text, finding))
 
     def done(self, check: str) -> None:
         """``check`` ran to its end on this rank (whatever it found)."""
