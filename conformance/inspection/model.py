@@ -61,7 +61,7 @@ class CheckpointIndex:
     """A checkpoint's keys as its metadata describes them, and how to read their values."""
 
     path: str
-    format: str  # "dcp" | "safetensors" | "state_dict"
+    format: str  # "dcp" | "safetensors" | "state_dict" | "deepspeed_universal"
     entries: Mapping[str, Entry]
     #: structural problems found while reading (a key listed by an index but absent from its file).
     problems: tuple[CheckpointProblem, ...] = ()

@@ -9,6 +9,7 @@
   (:class:`_TensorUnpickler`), anything else with ``torch.load(weights_only=True)``, never with
   DCP's unrestricted unpickling.
 * Hugging Face safetensors: :mod:`conformance.inspection.safetensors_reader`.
+* DeepSpeed universal checkpoints: :mod:`conformance.inspection.deepspeed_universal`.
 
 Nothing here writes to the checkpoint directory, and nothing outside it is read: every file is
 opened only after its path, links resolved, is found inside the checkpoint directory
@@ -27,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from conformance.inspection.deepspeed_universal import read_universal, universal_dir
 from conformance.inspection.model import CheckpointError, CheckpointIndex, Entry, paused_gc
 from conformance.inspection.roots import (
     ROOT_DEPTH,
@@ -53,6 +55,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointIndex:
         raise CheckpointError(str(p), "does not exist", WHAT)
     if not p.is_dir():
         raise CheckpointError(str(p), "is a file, not a checkpoint directory", WHAT)
+    if universal_dir(p) is not None:  # DeepSpeed's: no .metadata, one directory per parameter
+        return read_universal(p)
     p = find_checkpoint(p)
     if dcp_dir(p):
         return read_dcp(p)
