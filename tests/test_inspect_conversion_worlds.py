@@ -75,3 +75,30 @@ def test_a_save_at_ep2_with_etp_or_fsdp_against_its_export(moe_ep_shared_dir: Pa
         ("export_missing", 0, (2, 3)), ("export_missing", 1, (2, 3))], [str(f) for f in found]
     assert "experts 2..3 missing from the export: their values (down, gate, up) are nowhere" in (
         found[0].message), found[0].message
+
+
+@pytest.mark.moe_ep_world(WORLD)
+def test_torchtitan_deepseek_v3_saved_and_exported_at_ep2(moe_ep_shared_dir: Path) -> None:
+    """torchtitan's own save (``dcp_save``) and export (``last_save_in_hf``: ``to_hf`` of the
+    ep-sharded DTensors, each split into E experts) of a model trained one step at ep=2 under
+    FSDP2: the export is the save's, expert by expert."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed "
+                        "(ci/install_torchtitan.sh installs torchtitan==0.3.0)")
+    from conformance.adapters.torchtitan_deepseek import TorchtitanDeepSeekAdapter
+
+    adapter = TorchtitanDeepSeekAdapter()
+    spec = Spec(num_layers=LAYERS, num_experts=E, kind="packed", optimizer_steps=1, fsdp=True,
+                layout=ParallelLayout.for_world(WORLD, 2))
+    assert spec.layout is not None
+    model, optimizer, *_ = adapter.build(spec, spec.layout.build_mesh(), seed=1)
+    root = moe_ep_shared_dir / "torchtitan"
+    adapter.save(model, optimizer, str(root / "train"))
+    adapter.export_hf(model, str(root / "hf"))
+    dist.barrier()
+    if dist.get_rank():
+        return
+    index = read_checkpoint(root / "train")
+    report = compare_conversion(index, read_checkpoint(root / "hf" / "step-0"))
+    assert report.problems == [], [str(f) for f in report.problems]
+    # routed w1, w2, w3 and the shared expert's, of both layers and the MTP layer
+    assert report.atoms == (LAYERS + 1) * (3 * E + 3), report.atoms
