@@ -83,6 +83,13 @@ def test_torchtitan_deepseek_v3_save_against_its_last_save_in_hf(tmp_path: Path)
             ("export_holds_other", layer, (1,))] * 3, [str(f) for f in found.problems]
         assert any(f.message.startswith("gate_proj: holds expert 1's values, not its own")
                    for f in found.problems), [f.message for f in found.problems]
+    # the MTP layer's expert 3 left out: named by the layer the export files the MTP layer as
+    hf.write_safetensors({k: v for k, v in tensors.items()
+                          if not k.startswith(f"model.layers.{LAYERS}.mlp.experts.3.")},
+                         tmp_path / "dropped", {})
+    found = compare_conversion(training, read_checkpoint(tmp_path / "dropped"))
+    assert problems(found) == [("export_missing", LAYERS, (3,))], [str(f) for f in found.problems]
+    assert found.problems[0].key.startswith("mtp_layers.0.moe.routed_experts.inner_experts.")
 
 
 def _swap_rows(tensors: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:

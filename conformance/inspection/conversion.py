@@ -406,9 +406,12 @@ def _judge(a: _Side, b: _Side, report: ConversionReport, names: tuple[str, str],
             if found is not None:
                 report.problems.append(found)
             continue
-        missing[pa.layer][a.role(atom) or _family(pa.key)].add(
+        # a key that numbers no layer (torchtitan's ``mtp_layers.0``) is named by the layer the
+        # export files its other experts under, as most atoms show
+        layer = pa.layer if pa.layer is not None else layers.get(None)
+        missing[layer][a.role(atom) or _family(pa.key)].add(
             pa.expert if pa.expert is not None else -1)
-        first_key.setdefault(pa.layer, pa.key)
+        first_key.setdefault(layer, pa.key)
     for layer, roles in sorted(missing.items(), key=lambda kv: str(kv[0])):
         gone: set[int] = set().union(*roles.values())
         ids = tuple(sorted(e for e in gone if e >= 0))
