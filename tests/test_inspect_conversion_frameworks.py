@@ -70,7 +70,7 @@ def test_torchtitan_deepseek_v3_save_against_its_last_save_in_hf(tmp_path: Path)
     assert report.problems == [], [str(f) for f in report.problems]
     # every routed expert's w1, w2, w3 and the shared expert's, of both layers and the MTP layer
     assert report.atoms == (LAYERS + 1) * (3 * E + 3), report.atoms
-    assert ("mtp_layers.#.moe.routed_experts.inner_experts.w#_EDF[e] -> "
+    assert ("mtp_layers.#.moe.routed_experts.inner_experts.w2_EDF[e] -> "
             "model.layers.#.mlp.experts.*.down_proj.weight (4 matrices)") in report.mapping
     assert any("optimizer state" in n for n in report.notes), report.notes
     tensors = hf.read_safetensors(export)

@@ -104,7 +104,7 @@ def test_megatron_torch_dist_is_read_as_global_tensors(moe_ep_shared_dir: Path) 
     # every expert's linear_fc1 (matched by its gate and up halves) and linear_fc2, and the
     # shared expert's two
     assert report.atoms == LAYERS * (2 * E + 2), report.atoms
-    assert any("linear_fc#.weight[e] concatenated half 1 along axis 0 -> model.layers.#.mlp."
+    assert any("linear_fc1.weight[e] concatenated half 1 along axis 0 -> model.layers.#.mlp."
                "experts.*.up_proj.weight" in line for line in report.mapping), report.mapping
     for name in ("gate_proj", "up_proj", "down_proj"):
         a, b = (f"model.layers.1.mlp.experts.{g}.{name}.weight" for g in (0, 1))

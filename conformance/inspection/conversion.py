@@ -47,7 +47,9 @@ _FUSED = ("gate_up", "w13", "fc1")
 _ROLES = (("gate", ("gate", "w1")), ("up", ("up", "w3")), ("down", ("down", "w2", "fc2")))
 #: the halves of a fused gate/up matrix, in transformers' order (its forward's ``chunk(2)``).
 HALVES = ("gate", "up")
-_DIGITS = re.compile(r"\d+")
+#: a layer or expert number in a key: a whole dot-separated part (``layers.3.``), never the digits
+#: of a name (``w1`` and ``w3``, ``linear_fc1`` stay apart in the mapping).
+_DIGITS = re.compile(r"(?<![^.])\d+(?![^.])")
 #: the problems, worst first: values where others belong, then values absent, then extra ones.
 ORDER = ("export_holds_other", "export_missing", "export_values_differ", "export_transposed",
          "export_unexpected")
