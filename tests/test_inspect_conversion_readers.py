@@ -19,7 +19,9 @@ ZeRO-1 save at ep=2, what a load at another EP degree reads): one directory per 
 :mod:`conformance.inspection.deepspeed_universal`.  The same proof: every expert of AutoEP's
 packed ``w1``/``w2``/``w3`` ``[E, ...]`` once (EP rank 1's experts are rows 2..3), and the values
 those of the ep=1 truth written in transformers 5's Mixtral names (``gate_up_proj`` of ``w1`` and
-``w3``, ``down_proj`` of ``w2``): clean, and two swapped experts named.
+``w3``, ``down_proj`` of ``w2``): clean, and two swapped experts named.  DeepSpeed's own
+consolidated export of the same save, ``zero_to_fp32``, refuses it (the finding is asserted as
+found: docs/frameworks/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -163,6 +165,15 @@ def test_deepspeed_universal_checkpoint_is_read_as_global_tensors(moe_ep_shared_
     assert {(f.problem, f.layer, f.experts) for f in found.problems} == {
         ("export_holds_other", 1, (0,)), ("export_holds_other", 1, (1,))}, [
         str(f) for f in found.problems]
+    # DeepSpeed's own consolidated export, zero_to_fp32 (shipped in every checkpoint directory,
+    # ``--safe_serialization`` for safetensors), refuses the MoE checkpoint: its glob of
+    # ``*_model_states.pt`` takes the per-expert files for model states (DeepSpeed #4497)
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    with pytest.raises(ValueError, match=r"/layer_0_expert_0_mp_rank_00_model_states\.pt is "
+                       r"not a model state checkpoint$"):
+        convert_zero_checkpoint_to_fp32_state_dict(str(path), str(moe_ep_shared_dir / "fp32"),
+                                                   safe_serialization=True)
 
 
 def test_a_universal_checkpoint_is_read_only_inside_its_directory(tmp_path: Path) -> None:
