@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.adapters.reference import ReferenceAdapter
+from conformance.checks.verdict import Problem
 from conformance.layout import ParallelLayout
 from conformance.matrix import Cell
 from conformance.saves import Saves
@@ -38,6 +39,7 @@ class Verdict:
     truth_findings: tuple[str, ...] = ()
     wrote_save: bool = True
     wrote_truth: bool = True
+    problems: tuple[Problem, ...] = ()
 
 
 def cell(load_ep: int, save_ep: int = 2) -> Cell:
@@ -62,6 +64,20 @@ def test_the_first_reader_saves_the_others_reuse_and_the_last_removes(tmp_path: 
     saves.finished(readers[2], third, Verdict())
     assert not Path(first.path).exists(), "the checkpoint outlived its last reader"
     assert Path(first.truth_path).exists(), "the truth checkpoint is kept for the session"
+
+
+def test_a_saves_export_problems_reach_its_readers(tmp_path: Path) -> None:
+    """The export beside a shared save is every reader's: its ``hf_export`` problems travel with
+    the save, as its checkpoint findings do; no other check's problem does."""
+    saves = Saves(DirEngine(tmp_path), ReferenceAdapter())
+    readers = [cell(1), cell(4)]
+    saves.count_readers(readers)
+    first = saves.plan(readers[0])
+    saves.finished(readers[0], first, Verdict(problems=(
+        Problem("hf_export", "the export at ep=2: experts 2..3 missing"),
+        Problem("hf_import", "the framework's import_hf() raised", "refused"))))
+    assert saves.plan(readers[1]).export_problems == (("", "the export at ep=2: experts 2..3 "
+                                                       "missing"),)
 
 
 def test_a_failed_save_is_written_again_by_the_next_reader(tmp_path: Path) -> None:
