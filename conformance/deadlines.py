@@ -59,4 +59,13 @@ class Deadlines:
         return round(max(FLOOR_S, FACTOR * self.slowest_s), 1), MEASURED  # as a first line says it
 
 
-__all__ = ["FACTOR", "FLOOR_S", "MEASURED", "UNMEASURED", "UNMEASURED_S", "Deadlines"]
+def deadlines_for(engine: object) -> Deadlines | None:
+    """The session's cell deadlines: a local world's only, whose supervisor kills a hung world;
+    under torchrun the engine's own deadline stays (``None``)."""
+    from pytest_moe_ep.world.supervisor import Supervisor
+
+    return Deadlines() if isinstance(engine, Supervisor) else None
+
+
+__all__ = ["FACTOR", "FLOOR_S", "MEASURED", "UNMEASURED", "UNMEASURED_S", "Deadlines",
+           "deadlines_for"]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 
 from conformance.adapter import HF_MEMBERS
+from conformance.deadlines import deadlines_for
 from conformance.report import (
     MD_NAME,
     OUTCOME,
@@ -44,21 +45,11 @@ from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
 HF_PRELOAD = ["transformers", "transformers.modeling_utils"]
 
 if TYPE_CHECKING:
-    from conformance.deadlines import Deadlines
     from conformance.expectations import Baseline
     from conformance.items import CellContext
     from conformance.members import Members
 
 MATRIX = "moe-ep-matrix"
-
-
-def _deadlines(engine: Any) -> Deadlines | None:
-    """The session's cell deadlines (:mod:`conformance.deadlines`): a local world's only, whose
-    supervisor kills a hung world; under torchrun the engine's own deadline stays."""
-    from conformance.deadlines import Deadlines
-    from pytest_moe_ep.world.supervisor import Supervisor
-
-    return Deadlines() if isinstance(engine, Supervisor) else None
 
 
 def _usage(message: str) -> pytest.UsageError:
@@ -348,7 +339,7 @@ class MatrixSession:
         engine = config.stash[ENGINE]
         context = self.context = CellContext(self.world_size, self.backend_used,
                                              expert_keys=self.expert_keys, baseline=self.baseline,
-                                             deadlines=_deadlines(engine))
+                                             deadlines=deadlines_for(engine))
         cells = []
         if self.adapter is not None and self.members is not None and self.tier is not None:
             try:

@@ -24,7 +24,8 @@ from xml.etree import ElementTree
 import pytest
 
 from pytest_moe_ep.world import RankFailure
-from pytest_moe_ep.world.supervisor import MP_SOCKET_SUFFIX, SUN_PATH_MAX, Supervisor
+from pytest_moe_ep.world.helpers import MP_SOCKET_SUFFIX, SUN_PATH_MAX
+from pytest_moe_ep.world.supervisor import Supervisor
 from pytest_moe_ep.world.workdir import OWNER, PREFIX, Identity, sweep
 
 N = 4

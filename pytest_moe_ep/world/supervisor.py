@@ -21,8 +21,6 @@ import atexit
 import contextlib
 import itertools
 import os
-import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from pytest_moe_ep.world.backend import GpuLease, lease_gpus, resolve_backend
 from pytest_moe_ep.world.diagnosis import Observed, describe_exit, diagnose, main_thread_stack
 from pytest_moe_ep.world.engine import CallResult, RankOutput, Section, WorldError, WorldStartError
 from pytest_moe_ep.world.health import PROBE_TIMEOUT_S, why_replaced
+from pytest_moe_ep.world.helpers import short_mp_tempdir, stop_helper
 from pytest_moe_ep.world.protocol import Call, FunctionRef, Ready, Result, Stop, function_ref
 from pytest_moe_ep.world.rank import STACK_SIGNAL, RankSpec, rank_main
 from pytest_moe_ep.world.workdir import (
@@ -61,22 +60,8 @@ PRELOAD = (
 START_TIMEOUT_S = 180.0
 #: a local world is one host: every socket of its process group stays on the loopback interface.
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-#: how long shutdown waits for the fork server and resource tracker to exit before killing them.
-HELPER_EXIT_S = 10.0
-#: how long the fork server may take to notice its pipe closed before it is sent SIGTERM.  It holds
-#: no state (its socket is unlinked here), but exiting normally finalizes the torch it preloaded:
-#: about 1.5 s.
-FORKSERVER_EXIT_S = 0.05
 #: how long the other ranks may still report once one rank failed, before they are stopped.
 FAILURE_GRACE_S = 2.0
-#: the longest path an AF_UNIX socket address may have on Linux (``sun_path`` is 108 bytes with its
-#: NUL).
-SUN_PATH_MAX = 107
-#: what multiprocessing adds to its temporary base for the fork server's socket:
-#: ``/pymp-XXXXXXXX/listener-XXXXXXXX`` is 32 characters; a margin for other Python versions' names.
-MP_SOCKET_SUFFIX = 40
-#: shorter bases for multiprocessing's directory when ``TMPDIR`` is too long for a socket under it.
-SHORT_TEMP_BASES = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 class _Files:
@@ -215,7 +200,7 @@ class Supervisor:
             self._mp_tempdir = _mp_tempdir()
             if self._mp_tempdir is None and self.start_method == "forkserver":
                 # noted for the reaper with the fork server's own, after the first start
-                _short_mp_tempdir()
+                short_mp_tempdir()
         return self._ctx
 
     def add_preload(self, modules: Sequence[str]) -> None:
@@ -467,7 +452,7 @@ class Supervisor:
             world.stop()
         self.worlds.clear()
         for owner, fd_attr, pid_attr in self._helpers:
-            _stop_helper(owner, fd_attr, pid_attr)
+            stop_helper(owner, fd_attr, pid_attr)
         self._helpers = []
         self._ctx = None
         if self._workdir and os.path.isdir(self._workdir):
@@ -495,68 +480,3 @@ def _mp_tempdir() -> str | None:
     # where multiprocessing.util caches it
     found = getattr(process.current_process(), "_config", {}).get("tempdir")
     return found if isinstance(found, str) else None
-
-
-def _short_mp_tempdir() -> str | None:
-    """Give multiprocessing a temporary directory short enough for the fork server's socket, when
-    ``TMPDIR`` is not.
-
-    The fork server listens on an AF_UNIX socket in multiprocessing's ``pymp-*`` directory under
-    :func:`tempfile.gettempdir`; under a long ``TMPDIR`` (a CI workspace, pytest-xdist's
-    ``popen-gwN`` basetemp) its address passes Linux's 107 characters and every world fails to start
-    with ``OSError: AF_UNIX path too long``.  CPython falls back to a short system directory by
-    itself since gh-132124 (3.13); this does the same on older ones, before multiprocessing makes
-    its own.  Returns the directory made, or ``None`` when ``TMPDIR`` is short enough (or no short
-    base is writable: the start's error then names the path).
-    """
-    from multiprocessing import process, util
-
-    if len(tempfile.gettempdir()) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX:
-        return None
-    for base in SHORT_TEMP_BASES:
-        if len(base) + MP_SOCKET_SUFFIX <= SUN_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
-            made = tempfile.mkdtemp(prefix="pymp-", dir=base)
-            util.Finalize(None, util._remove_temp_dir,  # type: ignore[attr-defined]
-                          args=(shutil.rmtree, made),
-                          exitpriority=-100)  # as multiprocessing removes its own at exit
-            process.current_process()._config["tempdir"] = made  # type: ignore[attr-defined]
-            return made
-    return None
-
-
-def _stop_helper(owner: Any, fd_attr: str, pid_attr: str, timeout_s: float = HELPER_EXIT_S) -> None:
-    """Stop multiprocessing's fork server or resource tracker and reap it, killing it after
-    ``timeout_s``.
-
-    Both exit once every holder closed their "alive" pipe (the ranks held it too, so they go first);
-    multiprocessing would leave them to exit on their own after pytest.  Resetting the attributes
-    lets multiprocessing start them again if something in this process needs them later.
-    """
-    with owner._lock:
-        fd, pid = getattr(owner, fd_attr, None), getattr(owner, pid_attr, None)
-        if fd is None or pid is None:
-            return
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        setattr(owner, fd_attr, None)
-        setattr(owner, pid_attr, None)
-        address = getattr(owner, "_forkserver_address", None)
-        if address and not str(address).startswith("\0"):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        if hasattr(owner, "_forkserver_address"):
-            owner._forkserver_address = None
-        deadline = time.monotonic() + timeout_s
-        term_at = time.monotonic() + FORKSERVER_EXIT_S if address is not None else None
-        try:
-            while os.waitpid(pid, os.WNOHANG)[0] == 0:
-                if term_at is not None and time.monotonic() > term_at:
-                    os.kill(pid, signal.SIGTERM)
-                    term_at = None
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.01)
-        except ChildProcessError:  # already reaped
-            pass
