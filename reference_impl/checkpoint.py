@@ -152,6 +152,10 @@ class WholeStateReader(StorageReader):
                                                        strict=True)):
                 source = source.narrow(dim, offset, length)
             target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():  # copy_ would broadcast a wrong shape silently
+                raise ValueError(f"{item.storage_index.fqn}: the region the load asks for is "
+                                 f"{tuple(target.size())}, the state holds {tuple(source.size())} "
+                                 "there")
             target.copy_(source)
             planner.commit_tensor(item, target)
         done: Future[None] = Future()
