@@ -139,10 +139,13 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "inspection": result.as_dict(),
                               "compare": None}
     problems = len(result.findings)
+    hf_target = (index, args.path)  # what --hf-model checks: the export, in a conversion
     if args.compare:
         other = read_checkpoint(args.compare)
         if is_conversion(index, other):
             problems += len(_conversion(args, index, other, patterns, text, report))
+            if other.format == "safetensors":
+                hf_target = (other, args.compare)
         else:
             found = compare_indexes(index, other, values=args.values, patterns=patterns,
                                     memory_bytes=max(1, args.memory_mb) << 20,
@@ -158,7 +161,7 @@ def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[str]]:
     if args.hf_model:
         from conformance.inspection.hf_model import hf_model_problems
 
-        found = hf_model_problems(index, args.hf_model, args.path, args.hf_config)
+        found = hf_model_problems(hf_target[0], args.hf_model, hf_target[1], args.hf_config)
         text.append(f"against transformers' {args.hf_model} (keys and shapes): "
                     + (f"{len(found)} difference(s):" if found else "the same"))
         text += _lines(found)
@@ -176,18 +179,28 @@ def _conversion(args: argparse.Namespace, index: CheckpointIndex, other: Checkpo
     value, whichever side ``DIR`` is (:mod:`conformance.inspection.conversion`)."""
     export_is_other = other.format == "safetensors"
     training, export = (index, other) if export_is_other else (other, index)
+    hf_names = None
+    if args.hf_model:  # transformers' names pair what values cannot (equal experts)
+        from conformance.inspection.hf_model import _config, hf_model_shapes
+
+        own, hub, _ = hf_model_shapes(args.hf_model, _config(
+            args.compare if export_is_other else args.path, args.hf_config))
+        hf_names = (args.hf_model, own.keys() | hub.keys())
     found = compare_conversion(training, export, patterns=patterns,
                                memory_bytes=max(1, args.memory_mb) << 20,
-                               rounding_ulps=args.ulps)
+                               rounding_ulps=args.ulps, hf_names=hf_names)
     head = (f"compared with its Hugging Face export {args.compare}" if export_is_other
             else f"compared with the training checkpoint it was exported from {args.compare}")
     text.append(f"{head} (every expert matrix by value, {found.atoms} of the training "
                 "checkpoint; the key mapping learned from the values"
+                + (f"; {found.tied} matrices whose values equal another's paired by "
+                   f"{found.tie_names} instead" if found.tied else "")
                 + (f"; {found.cast}" if found.cast else "") + "): "
                 + (f"{len(found.problems)} problem(s):" if found.problems else "the same"))
     text += _lines(found.problems)
     if args.verbose:
-        text.append("mapping (training checkpoint -> export, learned from the values):")
+        text.append("mapping (training checkpoint -> export, learned from the values"
+                    + (", ties by name" if found.tied else "") + "):")
         text += [f"  {line}" for line in found.mapping]
     if found.notes:
         text.append("notes (no problem):")

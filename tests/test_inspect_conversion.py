@@ -294,3 +294,88 @@ def test_transformers_save_pretrained_against_its_training_state(tmp_path: Path)
     found = codes(compare_conversion(training, read_checkpoint(tmp_path / "bad")))
     assert set(found) == {"export_holds_other"}, found
     assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (0,)), (1, (1,))}
+
+
+# -- ties: experts whose values are equal, so values cannot say which is which --------------------
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any],
+                                                                     dict[str, Any]]]:
+    """Per kind: a training checkpoint whose layer 1 experts 0 and 1 hold equal values (every
+    projection), and its faithful export: the values match two experts each."""
+    out = {}
+    root = tmp_path_factory.mktemp("ties")
+    for kind in KINDS:
+        config = MoEConfig(num_experts=E, kind=kind, expert_bias=True)  # type: ignore[arg-type]
+        model = build_model(config, LAYERS, seed=1)
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, p in params.items():
+                if name.startswith("layers.1.moe.") and name.endswith("_w"):
+                    p[1] = p[0]
+                elif name.startswith("layers.1.moe.experts.1."):
+                    p.copy_(params[name.replace("experts.1.", "experts.0.")])
+        training = root / f"train-{kind}"
+        checkpoint.save(model, None, training)
+        out[kind] = (training, _export(model, config, root / f"hf-{kind}"),
+                     hf.hf_config(config, LAYERS))
+    return out
+
+
+def second_into_third(t: dict[str, torch.Tensor]) -> None:
+    """Layer 1's expert 0 (equal to expert 1) written in expert 2's place as well."""
+    if EXPERTS + "down_proj" in t:
+        for name in ("gate_up_proj", "down_proj"):
+            if EXPERTS + name in t:
+                w = t[EXPERTS + name].clone()
+                w[2] = w[0]
+                t[EXPERTS + name] = w
+        return
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        t[f"{EXPERTS}2.{name}.weight"] = t[f"{EXPERTS}0.{name}.weight"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_equal_experts_are_paired_by_name_and_said_so(tied: dict[str, Any], kind: str,
+                                                      tmp_path: Path) -> None:
+    report = compare(tied, kind, export(tied, kind, tmp_path / "hf"))
+    assert report.problems == [], [str(f) for f in report.problems]
+    # both experts' matrices (gate/up or their fused halves, and down), paired by name
+    assert report.tied == 2 * (2 if kind == "fused" else 3), report.mapping
+    assert any(line.endswith("paired by the names both sides parse: their values equal)")
+               for line in report.mapping), report.mapping
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tie_does_not_hide_a_misfiled_third_expert(tied: dict[str, Any], kind: str,
+                                                     tmp_path: Path) -> None:
+    found = codes(compare(tied, kind, export(tied, kind, tmp_path / "hf", second_into_third)))
+    assert set(found) == {"export_holds_other", "export_missing"}, found
+    assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (2,))}
+    assert all("holds the values expert 0 and expert 1 share" in f.message
+               for f in found["export_holds_other"]), found
+    assert [(f.layer, f.experts) for f in found["export_missing"]] == [(1, (2,))]
+
+
+def test_ties_paired_by_transformers_names(tied: dict[str, Any], tmp_path: Path) -> None:
+    """With the class's keys (``--hf-model``), its names pair the tie; a key the class does not
+    have vouches for nothing, so the tied value under it is named."""
+    path = export(tied, "unpacked", tmp_path / "hf")
+    keys = set(hf.read_safetensors(path))
+    report = compare(tied, "unpacked", path, hf_names=("Ernie4_5_MoeForCausalLM", keys))
+    assert report.problems == [] and report.tied == 6, [str(f) for f in report.problems]
+    assert report.tie_names == "transformers' Ernie4_5_MoeForCausalLM names"
+    unknown = keys - {f"{EXPERTS}1.down_proj.weight"}
+    found = codes(compare(tied, "unpacked", path, hf_names=("Ernie4_5_MoeForCausalLM", unknown)))
+    assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (1,))}, found
+    assert "has no such key" in found["export_holds_other"][0].message
+
+
+def test_cli_ties_with_hf_model(tied: dict[str, Any], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    good = str(export(tied, "fused", tmp_path / "good"))
+    code, out, err = cli(str(tied["fused"][0]), "--compare", good, "--values", "-v",
+                         "--hf-model", "Ernie4_5_MoeForCausalLM")
+    assert code == 0, out + err
+    assert ("4 matrices whose values equal another's paired by transformers' "
+            "Ernie4_5_MoeForCausalLM names instead") in out
+    assert "paired by transformers' Ernie4_5_MoeForCausalLM names: their values equal)" in out

@@ -19,13 +19,19 @@ others is a problem).  Values are read one batch of at most ``memory_bytes`` at 
 digests are kept; the training side is cast to the export's dtype first when they differ (an fp32
 checkpoint exported as bf16), and said so.  An atom whose counterpart (same layer, expert and
 projection) differs is compared once more, within ``rounding_ulps``.
+
+Values cannot decide between matrices the training side holds equal (two experts initialised
+alike, zeros): those *ties* are paired by name instead -- the names both sides parse, or, given
+``hf_names``, transformers' own names for the export's class -- and counted as such, so a reader
+knows that part of the mapping rests on names.  A tied value the export files where no tied
+matrix's name says is still a problem: a tie never hides a misfile.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -90,9 +96,14 @@ class ConversionReport:
     mapping: list[str] = field(default_factory=list)
     cast: str | None = None
     atoms: int = 0
+    #: matrices whose values were equal to another's and that were paired by name instead
+    tied: int = 0
+    #: whose names paired them: "the names both sides parse" or transformers' class
+    tie_names: str = "the names both sides parse"
 
     def as_dict(self) -> dict[str, Any]:
         return {"cast": self.cast, "atoms": self.atoms, "mapping": self.mapping,
+                "tied": self.tied, "tie_names": self.tie_names,
                 "notes": self.notes, "findings": [p.as_dict() for p in self.problems]}
 
 
@@ -273,14 +284,18 @@ def _who(piece: Piece) -> str:
 def compare_conversion(training: CheckpointIndex, export: CheckpointIndex, *,
                        patterns: Sequence[KeyPattern] = DEFAULT_PATTERNS,
                        memory_bytes: int = 1 << 30, rounding_ulps: float = 0.0,
-                       names: tuple[str, str] = ("training checkpoint", "export")
+                       names: tuple[str, str] = ("training checkpoint", "export"),
+                       hf_names: tuple[str, Collection[str]] | None = None
                        ) -> ConversionReport:
     """Whether ``export`` holds every expert of ``training`` where its names say, by value (see the
-    module docstring); problems come named by the export's keys, in model terms."""
+    module docstring); problems come named by the export's keys, in model terms.  ``hf_names``:
+    ``(class, its keys in either naming)``, transformers' names that pair tied matrices (equal
+    values) in place of the names parsed from the export's keys."""
     if training.reader is None or export.reader is None:
         raise ValueError("a conversion is compared by value: both checkpoints must be readable")
     with paused_gc():
-        return _compare(training, export, patterns, memory_bytes, rounding_ulps, names)
+        return _compare(training, export, patterns, memory_bytes, rounding_ulps, names,
+                        hf_names)
 
 
 def _dtype(side: _Side) -> str | None:
@@ -289,8 +304,8 @@ def _dtype(side: _Side) -> str | None:
 
 
 def _compare(training: CheckpointIndex, export: CheckpointIndex, patterns: Sequence[KeyPattern],
-             memory_bytes: int, rounding_ulps: float,
-             names: tuple[str, str]) -> ConversionReport:
+             memory_bytes: int, rounding_ulps: float, names: tuple[str, str],
+             hf_names: tuple[str, Collection[str]] | None) -> ConversionReport:
     import torch
 
     report = ConversionReport()
@@ -307,7 +322,9 @@ def _compare(training: CheckpointIndex, export: CheckpointIndex, patterns: Seque
     b.read(a_shapes, memory_bytes, None)
     a.read(b_shapes, memory_bytes, cast)
     report.atoms = sum(1 for atom in a.atoms if not atom.split)
-    _judge(a, b, report, names, rounding_ulps, cast)
+    if hf_names is not None:
+        report.tie_names = f"transformers' {hf_names[0]} names"
+    _judge(a, b, report, names, rounding_ulps, cast, hf_names)
     report.notes = _notes(a, b, names, memory_bytes, cast)
     report.problems.sort(key=lambda f: (ORDER.index(f.problem), str(f.layer), f.key))
     return report
@@ -338,8 +355,66 @@ def _majority(votes: dict[Any, Counter[Any]]) -> dict[Any, Any]:
     return {k: c.most_common(1)[0][0] for k, c in votes.items()}
 
 
+_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HF_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def _export_name(b: _Side, j: int, hf_keys: Collection[str] | None
+                 ) -> tuple[int | None, int | None, str | None] | None:
+    """What the export's atom ``j`` is by name: ``(layer, expert, projection)``.  Given
+    transformers' keys for the class, read by its naming (``layers.N.mlp.experts.G.gate_proj``
+    or a row of the fused ``experts.gate_up_proj``), and ``None`` for a key the class does not
+    have: a name transformers would not load cannot vouch for a tie."""
+    atom = b.atoms[j]
+    piece = b.pieces[atom.piece]
+    if hf_keys is None:
+        return piece.layer, piece.expert, b.role(atom)
+    if piece.key not in hf_keys:
+        return None
+    layer, expert = _HF_LAYER.search(piece.key), _HF_EXPERT.search(piece.key)
+    number = int(expert[1]) if expert else piece.row
+    return (int(layer[1]) if layer else None), number if piece.expert is not None else None, \
+        b.role(atom)
+
+
+def _ties(a: _Side, b: _Side, pairs: list[tuple[int, int]], layers: dict[Any, Any],
+          hf_keys: Collection[str] | None) -> tuple[list[tuple[int, int]], set[int]]:
+    """Where values cannot decide (a value several training atoms share): ``(pairs by name, the
+    export's atoms holding a tied value under no tied atom's name)``.  The second are misfiles the
+    tie would otherwise hide; whole pieces are preferred to their halves, as in :func:`_matches`."""
+    a_count = Counter(a.digests)
+    b_at = _index(b)
+    found: list[tuple[int, int]] = []
+    for i, d in enumerate(a.digests):
+        if a_count[d] < 2:
+            continue
+        pa = a.pieces[a.atoms[i].piece]
+        ra = a.role(a.atoms[i])
+        for j in b_at.get(d, ()):
+            name = _export_name(b, j, hf_keys)
+            if name is None:
+                continue
+            layer, expert, rb = name
+            if (layers.get(pa.layer, pa.layer) == layer and pa.expert == expert
+                    and not (ra and rb and ra != rb)):
+                found.append((i, j))
+    whole_a = {a.atoms[i].piece for i, j in (*pairs, *found) if not a.atoms[i].split}
+    whole_b = {b.atoms[j].piece for i, j in (*pairs, *found) if not b.atoms[j].split}
+    found = [(i, j) for i, j in found
+             if not (a.atoms[i].split and a.atoms[i].piece in whole_a)
+             and not (b.atoms[j].split and b.atoms[j].piece in whole_b)]
+    paired_b = {j for _, j in (*pairs, *found)}
+    held_pieces_b = {b.atoms[j].piece for j in paired_b if not b.atoms[j].split}
+    misfiled = {j for j, d in enumerate(b.digests)
+                if a_count[d] > 1 and j not in paired_b
+                and b.atoms[j].piece not in held_pieces_b
+                and not (b.atoms[j].split and b.role(b.atoms[j]) is None)}
+    return found, misfiled
+
+
 def _judge(a: _Side, b: _Side, report: ConversionReport, names: tuple[str, str],
-           rounding_ulps: float, cast: Any) -> None:
+           rounding_ulps: float, cast: Any,
+           hf_names: tuple[str, Collection[str]] | None = None) -> None:
     pairs = _matches(a, b)
     # what most atoms show: the export's layer for each training layer, and its orientation
     layer_votes: dict[Any, Counter[Any]] = defaultdict(Counter)
@@ -350,10 +425,29 @@ def _judge(a: _Side, b: _Side, report: ConversionReport, names: tuple[str, str],
         flips[a.atoms[i].transposed != b.atoms[j].transposed] += 1
     layers = _majority(layer_votes)
     flipped = flips.most_common(1)[0][0] if flips else False
-    report.mapping = _mapping(a, b, pairs, flipped)
+    tied, misfiled = _ties(a, b, pairs, layers, hf_names[1] if hf_names else None)
+    report.tied = len(tied)
+    report.mapping = _mapping(a, b, pairs, flipped) + _mapping(
+        a, b, tied, flipped, f"paired by {report.tie_names}: their values equal")
+    pairs = pairs + tied
     grouped: dict[tuple[str, str, Any, str], list[int]] = defaultdict(list)
     held_a: set[int] = set()
-    held_b: set[int] = set()
+    held_b: set[int] = set(misfiled)
+    sharing: dict[Digest, list[int]] = defaultdict(list)
+    for i, d in enumerate(a.digests):
+        sharing[d].append(i)
+    for j in sorted(misfiled):
+        pb = b.pieces[b.atoms[j].piece]
+        whose = sorted({_who(a.pieces[a.atoms[i].piece]) + (
+            f" (layer {a.pieces[a.atoms[i].piece].layer})"
+            if layers.get(a.pieces[a.atoms[i].piece].layer) != pb.layer else "")
+            for i in sharing[b.digests[j]]})
+        text = (f"{b.name(b.atoms[j])}: holds the values {' and '.join(whose)} share (equal "
+                f"to each other; by name none of them), not its own")
+        if hf_names and _export_name(b, j, hf_names[1]) is None:
+            text += f" (transformers' {hf_names[0]} has no such key)"
+        grouped[("export_holds_other", pb.key if pb.row is not None else _family(pb.key),
+                 pb.layer, text)].append(pb.expert if pb.expert is not None else -1)
     for i, j in pairs:
         ai, bj = a.atoms[i], b.atoms[j]
         pa, pb = a.pieces[ai.piece], b.pieces[bj.piece]
@@ -474,9 +568,10 @@ def _differs(a: _Side, b: _Side, i: int, j: int, flipped: bool, rounding_ulps: f
                              a.pieces[a.atoms[i].piece].key)
 
 
-def _mapping(a: _Side, b: _Side, pairs: list[tuple[int, int]], flipped: bool) -> list[str]:
+def _mapping(a: _Side, b: _Side, pairs: list[tuple[int, int]], flipped: bool,
+             how: str = "") -> list[str]:
     """One line per (training family, export family, cut): where the values went, and how many
-    matrices."""
+    matrices; ``how`` says when names, not values, paired them (ties)."""
     found: Counter[tuple[str, str]] = Counter()
     for i, j in pairs:
         ai, bj = a.atoms[i], b.atoms[j]
@@ -488,7 +583,9 @@ def _mapping(a: _Side, b: _Side, pairs: list[tuple[int, int]], flipped: bool) ->
         if ai.transposed != bj.transposed:
             right += " transposed"
         found[(left, right)] += 1
-    return [f"{left} -> {right} ({n} matrices)" for (left, right), n in sorted(found.items())]
+    how = f", {how}" if how else ""
+    return [f"{left} -> {right} ({n} matrices{how})"
+            for (left, right), n in sorted(found.items())]
 
 
 def _cut_text(atom: Atom) -> str:
