@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from conformance.inspection import read_checkpoint
-from conformance.inspection.conversion import compare_conversion, role_of
+from conformance.inspection.atoms import role_of
+from conformance.inspection.conversion import compare_conversion
 from reference_impl import checkpoint, hf
 from reference_impl.moe import MoEConfig, build_model
 from reference_impl.regions import set_deterministic_grads
