@@ -32,7 +32,7 @@ with :mod:`reference_impl.collectives`.  :func:`named_modules`, :func:`named_par
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
@@ -216,6 +216,9 @@ class MoEMLP(nn.Module):
         #: expert tensor parallelism: each expert's hidden axis split over ``etp_mesh``.
         self.etp_world_size = 1
         self.etp_mesh: Any = None
+        #: fine-tuning's weights (LoRA, a quantized base: reference_impl.lora), where set:
+        #: ``hook(self, i, linear)``, local expert ``i``'s or (``None``) the shared expert's.
+        self.weight_hook: Callable[[MoEMLP, int | None, str], torch.Tensor] | None = None
 
         E, dim, hidden, dtype = config.num_experts, config.dim, config.hidden, config.dtype
         self.router = Router(dim, E, dtype, expert_bias=config.expert_bias)
@@ -291,17 +294,20 @@ class MoEMLP(nn.Module):
                 w = self.expert_weight(i, linear)
                 fill(w, c.init_std, seed, self.name, "expert", g, linear)
 
-    def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _expert(self, i: int | None, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``i`` on ``x``.  A fused layer multiplies by each half of its row (views) as
         the packed form multiplies by ``gate_w`` and ``up_w``, so the two forms agree bit for bit:
         one product with all ``2h`` rows would be one GEMM, as frameworks run it, but a GEMM of
         another width may sum in another order (torch 2.13's CPU kernels do, in the last bits), and
-        the reference is the truth the others are held to."""
-        if self.kind == "unpacked":
-            return self.experts[i](x)
-        gate = F.linear(x, self.expert_weight(i, "gate")) if self.activation == "swiglu" else None
-        return F.linear(_act(F.linear(x, self.expert_weight(i, "up")), gate),
-                        self.expert_weight(i, "down"))
+        the reference is the truth the others are held to.  ``i=None``: the shared expert."""
+        hook = self.weight_hook
+        if hook is None and (i is None or self.kind == "unpacked"):
+            return cast(nn.Module, self.shared if i is None else self.experts[i])(x)
+
+        def w(linear: str) -> torch.Tensor:
+            return hook(self, i, linear) if hook else self.expert_weight(cast(int, i), linear)
+        gate = F.linear(x, w("gate")) if self.activation == "swiglu" else None
+        return F.linear(_act(F.linear(x, w("up")), gate), w("down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -330,7 +336,7 @@ class MoEMLP(nn.Module):
         for group in groups:
             out = ReduceOverGroup.apply(out, group)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self._expert(None, tokens)
         return out.reshape(x.shape)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from reference_impl.layout import expert_range, mtp_stage, stage_layers
+from reference_impl.lora import keep_expert_rows, split_hidden
 from reference_impl.meshes import sliced
 from reference_impl.model import (
     FUSED_HIDDEN_AXIS,
@@ -75,6 +76,8 @@ def apply_expert_parallel(model: nn.Module, device_mesh: Any) -> nn.Module:
             start, end = expert_range(moe.num_experts, ep, ep_rank)
             if moe.kind == "unpacked":
                 moe.experts = nn.ModuleList(list(moe.experts)[start:end])
+            elif moe.weight_hook is not None:  # fine-tuning state: every row of it moves as one
+                keep_expert_rows(moe, start, end)
             else:
                 for weight in moe.packed_weights():
                     full = getattr(moe, weight)
@@ -103,6 +106,10 @@ def _split_hidden(moe: MoEMLP, etp_mesh: Any) -> None:
     with ``h/etp`` hidden rows in the same order, which the forward multiplies as it is.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    if moe.weight_hook is not None:  # adapters, blocks and scales: reference_impl.lora's plan
+        split_hidden(moe, etp_mesh)
+        return
 
     def shard(full: torch.Tensor, axis: int) -> nn.Parameter:
         # Every rank holds the same full weights, so each takes its own shard (src_data_rank=None).
