@@ -52,7 +52,7 @@ from reference_impl.model import MoEConfig
 from reference_impl.weights import normal
 
 __all__ = ["HF_CLASS", "export_hf", "from_hf", "hf_config", "import_hf", "read_safetensors",
-           "to_hf", "write_safetensors"]
+           "to_hf", "write_safetensors", "write_safetensors_file"]
 
 #: the transformers class the reference's export is for.
 HF_CLASS = "Ernie4_5_MoeForCausalLM"
@@ -187,10 +187,20 @@ def from_hf(hf: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str, torc
 # -- safetensors ---------------------------------------------------------------------------------
 def write_safetensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike[str],
                       config: Mapping[str, Any]) -> None:
-    """``model.safetensors`` (the format's header: 8-byte length, JSON, 8-byte aligned), its index
-    and ``config.json`` in ``directory``."""
+    """``model.safetensors`` (:func:`write_safetensors_file`), its index and ``config.json`` in
+    ``directory``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    total = write_safetensors_file(tensors, directory / FILE)
+    index = {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(tensors, FILE)}
+    (directory / INDEX).write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(dict(config), indent=2))
+
+
+def write_safetensors_file(tensors: Mapping[str, torch.Tensor],
+                           path: str | os.PathLike[str]) -> int:
+    """One safetensors file (the format's header: 8-byte length, JSON, 8-byte aligned) at
+    ``path``; the bytes of tensor data it holds."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     blobs, offset = [], 0
     for key, tensor in tensors.items():
@@ -201,13 +211,11 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], directory: str | os.P
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(directory / FILE, "wb") as f:
+    with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for data in blobs:
             f.write(data)
-    index = {"metadata": {"total_size": offset}, "weight_map": dict.fromkeys(tensors, FILE)}
-    (directory / INDEX).write_text(json.dumps(index, indent=2))
-    (directory / "config.json").write_text(json.dumps(dict(config), indent=2))
+    return offset
 
 
 def read_safetensors(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
