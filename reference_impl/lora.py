@@ -398,7 +398,8 @@ def _packed_plan(moe: MoEMLP) -> list[tuple[str, int | None, bool, int | None]]:
         else:
             plan += [(blocks, 1 if rows else 2, False, quant.block),
                      (scales, 1 if rows else 2, False, quant.block)]
-    for adapter, (a_name, b_name) in lora_names(moe).items():
+    adapters = lora_names(moe) if getattr(moe, "lora", None) is not None else {}
+    for adapter, (a_name, b_name) in adapters.items():
         hidden_b = ETP_FACTOR[adapter] == "B"
         plan += [(a_name, None if hidden_b else 1, False, None),
                  (b_name, 2 if hidden_b else None, adapter == "gate_and_up", None)]

@@ -107,13 +107,13 @@ def block_span(start: int, stop: int, size: int, block: int, *, key: str = "weig
     block`` and ``end = ceil(stop / block)``: a shard smaller than a block that ends the axis holds
     that partial block's one scale (``floor(stop / block)`` would drop it: the scale offset bug of
     vLLM #52997); a cut mid-block is refused (:class:`BlockCutError`) rather than given a
-    neighbour's scale.  An empty shard holds no block.
+    neighbour's scale.  An empty shard holds no block, at ``ceil(start / block)``.
     """
     if not 0 <= start <= stop <= size or block < 1:
         raise ValueError(f"{key}: {shard}: {start}:{stop} is no slice of an axis of {size} (block "
                          f"{block})")
-    if start == stop:
-        return start // block, start // block
+    if start == stop:  # no block, placed after those before it (as torch.chunk places it)
+        return -(-start // block), -(-start // block)
     if start % block or (stop % block and stop != size):
         raise BlockCutError(key, shard, start, stop, size, block)
     return start // block, -(-stop // block)
