@@ -480,7 +480,8 @@ def test_the_priced_covering_covers_all_the_full_tier_covers_and_keeps_no_redund
     from collections import Counter
 
     from conformance.adapters.reference import ReferenceAdapter
-    from conformance.matrix import _pairs, checkpoint_cells
+    from conformance.covering import _pairs
+    from conformance.matrix import checkpoint_cells
 
     everything = [c for c in checkpoint_cells(ReferenceAdapter.capabilities, "full", world_size,
                                               (4, 5)) if not c.na]
@@ -531,7 +532,8 @@ def test_non_legacy_cells_cover_every_pair_among_themselves(world_size: int) -> 
     tests."""
     import itertools
 
-    from conformance.matrix import _fused_pairs, full_product
+    from conformance.covering import _fused_pairs
+    from conformance.matrix import full_product
 
     def values(c: Any) -> list[tuple[str, Any]]:
         return [("save", c.save), ("load", c.load), ("kind", c.kind), ("state", c.state),
@@ -605,7 +607,7 @@ def test_the_default_tier_reaches_every_uneven_class_for_every_kind_on_each_side
 
 
 def test_the_coverage_list_names_the_uneven_classes_the_cells_reached() -> None:
-    from conformance.matrix import uneven_reach
+    from conformance.covering import uneven_reach
     from conformance.report import build_report, render_markdown
     from conformance.report.cells import coverage_items
 

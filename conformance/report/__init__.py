@@ -48,7 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from conformance.matrix import uneven_reach
+from conformance.covering import uneven_reach
 from conformance.outcome import (
     INTERRUPTED,
     STATUSES,

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.covering import guarantee
 from conformance.findings import FINDINGS, ON_DISK, SILENT
-from conformance.matrix import guarantee
 from conformance.outcome import (
     expected_phrase,
     finding_counts,
@@ -159,7 +159,7 @@ def coverage_items(report: Mapping[str, Any], code: str = "`") -> list[tuple[str
     """The tier's coverage as a short list: ``(item, sub-items)`` each (``code`` quotes the tier's
     name).
 
-    What a green run of the tier means (:func:`~conformance.matrix.guarantee`), clause by clause;
+    What a green run of the tier means (:func:`~conformance.covering.guarantee`), clause by clause;
     which uneven splits its cells reached, each with where, and which they did not (a tier that
     never reaches ``mislabel`` cannot catch a silent mislabel).
     """

@@ -309,7 +309,7 @@ def terminal_summary(records: list[dict[str, Any]], *, verbose: bool = False,
     """The terminal summary: the findings, counts per kind and state, the tier's coverage (a line
     per item: the terminal is short), the tables that hold a cell that is not green -- every table
     with ``verbose`` -- and the counts by outcome."""
-    from conformance.matrix import uneven_reach
+    from conformance.covering import uneven_reach
 
     parts = []
     lead = lead_lines(records)
