@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -63,6 +64,8 @@ from reference_impl.expert_layout import (
     packed_layers,
     saved_forms,
 )
+from reference_impl.tuned_checkpoint import adapters_only as tuned_adapters
+from reference_impl.tuned_checkpoint import check_saved_tuning, own_forms
 
 __all__ = ["WholeStateReader", "load", "load_whole", "save", "save_layout", "save_legacy",
            "state_dict"]
@@ -78,7 +81,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
-         per_expert: bool = False) -> None:
+         per_expert: bool = False, adapters_only: bool = False) -> None:
     """Save ``model`` (and ``optimizer``) so that every expert is stored once under its global id.
 
     Packed layers save the packed form (``up_w`` ``[E, ...]`` and its moments, each rank's rows at
@@ -86,11 +89,21 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     dim]``), unpacked layers the per-expert form (``experts.G.up.weight``); ``per_expert=True``
     saves packed and fused layers per expert too.  Every form loads into every kind at any (ep, etp,
     FSDP/HSDP): :mod:`reference_impl.expert_layout`.
+
+    Fine-tuning state (LoRA adapters, a quantized base: :mod:`reference_impl.tuned_checkpoint`) is
+    saved in its layer's own form, under global expert ids.  ``adapters_only=True`` writes what a
+    fine-tuning run's adapter checkpoint holds (PEFT's ``save_pretrained``): the adapters and their
+    optimizer state, no base -- the base is a released checkpoint the run never changed, so a copy
+    of it per save is gigabytes of nothing; :func:`load` with ``adapters_only=True`` reads it into a
+    model whose base came from elsewhere.  A flag rather than a second function, because the same
+    layout translates both and only the selection differs.
     """
     state = state_dict(model, optimizer)
     layout = save_layout(model, per_expert=per_expert)
     if layout is not None:
         state = layout.to_global(state)
+    if adapters_only:
+        state = tuned_adapters(state)
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
@@ -212,7 +225,7 @@ def _load_here(state: dict[str, Any], reader: StorageReader, where: str) -> None
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str], *,
-         check_saved: bool = True) -> None:
+         check_saved: bool = True, adapters_only: bool = False) -> None:
     """Load a checkpoint of :func:`save`, saved at any ep, into ``model`` (and ``optimizer``).
 
     Raises ValueError, before anything is loaded, when the checkpoint holds fewer experts of a layer
@@ -222,9 +235,15 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     writes for packed layers at any ep, or an ep=1 packed run's raw save) and the fused form --
     through views of the model's own tensors, or a stacked copy where no view can present them (the
     module docstring of :mod:`reference_impl.expert_layout`).
+
+    A layer with fine-tuning state loads its own form only, and a checkpoint whose quantized scales
+    do not match their blocks' grid is refused before anything is loaded
+    (:class:`~reference_impl.quantized.QuantizedShapeError`).  ``adapters_only=True`` loads the
+    adapters and their optimizer state alone (a :func:`save` with ``adapters_only``, or any
+    checkpoint holding them), leaving the base as it is.
     """
     path = os.fspath(path)
-    _load(model, optimizer, dcp.FileSystemReader(path), path, check_saved)
+    _load(model, optimizer, dcp.FileSystemReader(path), path, check_saved, adapters_only)
 
 
 def load_whole(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
@@ -236,12 +255,13 @@ def load_whole(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) 
 
 
 def _load(model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StorageReader,
-          path: str, check_saved: bool) -> None:
+          path: str, check_saved: bool, adapters_only: bool = False) -> None:
     """:func:`load` from ``reader`` (``path`` names it in errors)."""
     saved = reader.read_metadata().state_dict_metadata
     # off only for the conformance suite's negative control, which must show the damage
     if check_saved:
         check_saved_experts(model, saved, where=path)
+    check_saved_tuning(model, saved, path)  # blocks and scales agree, before anything is read
     # get_optimizer_state_dict creates a fresh optimizer's moments (a zero-lr step), so DCP has
     # tensors to load into.
     state = state_dict(model, optimizer)
@@ -249,11 +269,14 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: Sto
     # copy of each group's list (DCP keeps one of equal keys), and ranks of different pipeline
     # stages list different parameters
     own = [list(group["params"]) for group in state.get("optimizer", {}).get("param_groups", [])]
-    forms = saved_forms(model, saved)
+    forms = {**saved_forms(model, saved), **own_forms(model)}  # fine-tuning state: its own form
     layout = expert_layout(model, packed_form={n for n, f in forms.items() if f != "per-expert"},
                            fused_form={n for n, f in forms.items() if f == "fused"})
     if layout is not None:
         state = layout.to_global(state)
+    if adapters_only:
+        state = tuned_adapters(state)
+    check_saved_tuning(model, saved, path, state["model"])
     _load_here(state, reader, path)
     if layout is not None:
         state = layout.to_local(state)
@@ -261,6 +284,7 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: Sto
         for group, params in zip(state["optimizer"]["param_groups"], own, strict=True):
             group["params"] = params
     if not _in_place(model, state["model"]):
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"],
+                             options=StateDictOptions(strict=not adapters_only))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

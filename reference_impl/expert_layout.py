@@ -54,12 +54,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
 from reference_impl.fused import canonical_fused, fused_halves
+from reference_impl.lora import has_tuning_state
 from reference_impl.meshes import sliced
 from reference_impl.model import FUSED_WEIGHT, PACKED_WEIGHTS, WRAPPER_PARTS, MoEMLP, moe_layers
 from reference_impl.regions import contiguous_stride, local_region, packed_rows
@@ -70,6 +72,7 @@ from reference_impl.saved import (
     saved_packed_layers,
 )
 from reference_impl.staging import Staged, StagedKey, copy_back, stack
+from reference_impl.tuned_checkpoint import _same, tuned_parts
 
 __all__ = ["ExpertLayout", "check_saved_experts", "expert_key", "expert_layout", "expert_rows",
            "layer_form", "moe_layers", "packed_layers", "saved_forms", "saved_fused_layers",
@@ -131,10 +134,6 @@ def expert_rows(moe: MoEMLP, tensor: torch.Tensor) -> list[tuple[int, torch.Tens
                        where=f"MoE layer {moe.name!r}: a packed weight")
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def _half(order: str, half: int, where: str, t: torch.Tensor) -> torch.Tensor:
     return fused_halves(t, order, where)[half]
 
@@ -185,8 +184,12 @@ class ExpertLayout:
             form, pre = layer_form(name, moe, packed_form, fused_form), _prefix(name)
             transient = moe.router._non_persistent_buffers_set
             self._transient.update(f"{pre}router.{b}" for b in transient)
+            tuned = tuned_parts(name, moe, form) if has_tuning_state(moe) else None
+            if tuned is not None:  # adapters, blocks, scales: reference_impl.tuned_checkpoint
+                self._views.update((k, _View(moe, name, p, False)) for k, p in tuned.items())
             if moe.kind == "unpacked":
                 self._unpacked(name, moe, form)
+            if moe.kind == "unpacked" or tuned is not None:
                 continue
             for weight in moe.packed_weights():
                 key, part = f"{pre}{weight}", (weight[:-2], _same)
@@ -223,7 +226,7 @@ class ExpertLayout:
         pre = _prefix(name)
         for i, expert in enumerate(moe.experts):
             g = moe.local_expert_start + i
-            for pname, _ in expert.named_parameters():
+            for pname, _ in chain(expert.named_parameters(), expert.named_buffers()):
                 pname = ".".join(p for p in pname.split(".") if p not in WRAPPER_PARTS)
                 self._to_global[f"{pre}experts.{i}.{pname}"] = f"{pre}experts.{g}.{pname}"
         if form == "per-expert" or not len(moe.experts):

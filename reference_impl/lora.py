@@ -52,8 +52,8 @@ from reference_impl.quantized import FP8, MXFP4, default_block, dequantize, hidd
 from reference_impl.weights import fill, fill_rows
 
 __all__ = ["LoRASpec", "QuantSpec", "adapter_factors", "apply_lora", "effective_weight",
-           "keep_expert_rows", "lora_names", "merge", "merged_experts", "quantize_experts",
-           "quantized_names", "split_hidden"]
+           "expert_state_plan", "has_tuning_state", "is_adapter", "keep_expert_rows", "lora_names",
+           "merge", "merged_experts", "quantize_experts", "quantized_names", "split_hidden"]
 
 #: the factor expert tensor parallelism splits, per adapter (the other is read whole): B's rows on
 #: the column-parallel gate and up, A's columns on the row-parallel down.
@@ -188,8 +188,9 @@ def apply_lora(model: nn.Module, r: int, alpha: float, *, seed: int = 0,
                 draw(module.lora_B.weight, "B", "shared", linear)
         moe.lora = spec  # type: ignore[assignment]
         moe.weight_hook = effective_weight
+        _record_state(moe)
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in f".{name}")
+        p.requires_grad_(is_adapter(name))
     return model
 
 
@@ -214,7 +215,7 @@ def quantize_experts(model: nn.Module, fmt: str, block: int | None = None) -> nn
     for moe in layers:
         holders: list[tuple[nn.Module, str]] = (
             [(getattr(e, linear), "weight") for e in moe.experts for linear in _linears(moe)]
-            if moe.kind == "unpacked" else [(moe, w) for w in moe.packed_weights()])
+            if moe.kind == "unpacked" else [(moe, w) for w in moe.base_weights()])
         for holder, weight in holders:
             full = getattr(holder, weight)
             blocks, scales = quantize(fmt, full, b, key=f"{moe.name}.{weight}")
@@ -224,6 +225,7 @@ def quantize_experts(model: nn.Module, fmt: str, block: int | None = None) -> nn
         moe.quant = QuantSpec(fmt, b)  # type: ignore[assignment]
         if moe.weight_hook is None:
             moe.weight_hook = effective_weight
+        _record_state(moe)
     return model
 
 
@@ -322,7 +324,7 @@ def merge(model: nn.Module) -> dict[str, torch.Tensor]:
     merged = {(n, g, linear): w for n, g, linear, w in merged_experts(model)}
     for key, value in model.state_dict().items():
         parts = key.split(".")
-        if ".lora_" in f".{key}" or parts[-1].endswith(("_blocks", "_scales", "_scale_inv")):
+        if is_adapter(key) or parts[-1].endswith(("_blocks", "_scales", "_scale_inv")):
             continue
         out[key] = value
     for name, moe in moe_layers(model):
@@ -384,7 +386,7 @@ def _packed_plan(moe: MoEMLP) -> list[tuple[str, int | None, bool, int | None]]:
     """
     quant: QuantSpec | None = getattr(moe, "quant", None)
     plan: list[tuple[str, int | None, bool, int | None]] = []
-    for weight in moe.packed_weights():
+    for weight in moe.base_weights():
         linear = "gate_and_up" if weight == FUSED_WEIGHT else weight[:-2]
         rows = _HIDDEN[linear] == "out"
         fused = weight == FUSED_WEIGHT
@@ -404,6 +406,32 @@ def _packed_plan(moe: MoEMLP) -> list[tuple[str, int | None, bool, int | None]]:
         plan += [(a_name, None if hidden_b else 1, False, None),
                  (b_name, 2 if hidden_b else None, adapter == "gate_and_up", None)]
     return plan
+
+
+def expert_state_plan(moe: MoEMLP) -> list[tuple[str, int | None, bool, int | None]]:
+    """Every packed tensor of expert state of a layer with fine-tuning state: ``(name, hidden axis
+    or None, framed, block)``, the plan the EP and ETP splits follow (a checkpoint presents them by
+    it: reference_impl.tuned_checkpoint).  ``framed``: its axis ``hidden axis`` is a fused gate/up
+    axis, held in the fused frame (``[2, h]`` or ``[h, 2]`` there) under expert TP."""
+    return _packed_plan(moe)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the state-dict entry ``name`` is a LoRA adapter's (packed ``lora_up_A``, or PEFT's
+    ``...up.lora_A.weight``): what an adapter-only checkpoint holds."""
+    return ".lora_" in f".{name}"
+
+
+def has_tuning_state(moe: MoEMLP) -> bool:
+    """Whether ``moe`` holds LoRA adapters or a quantized base."""
+    return getattr(moe, "lora", None) is not None or getattr(moe, "quant", None) is not None
+
+
+def _record_state(moe: MoEMLP) -> None:
+    """Tell the layer which packed tensors of expert state it now holds
+    (:meth:`~reference_impl.model.MoEMLP.packed_weights` answers with them)."""
+    if moe.kind != "unpacked":
+        moe.expert_state = tuple(name for name, *_ in _packed_plan(moe))
 
 
 def keep_expert_rows(moe: MoEMLP, start: int, end: int) -> None:

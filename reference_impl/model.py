@@ -44,27 +44,10 @@ from reference_impl.collectives import CopyToGroup, ReduceOverGroup
 from reference_impl.router import Router
 from reference_impl.weights import fill, fill_rows, stable_seed
 
-__all__ = [
-    "FUSED_ORDERS",
-    "FUSED_WEIGHT",
-    "PACKED_WEIGHTS",
-    "WRAPPER_PARTS",
-    "ExpertMLP",
-    "MTPLayer",
-    "MoEBlock",
-    "MoEConfig",
-    "MoEMLP",
-    "MoEModel",
-    "build_model",
-    "fused_frame",
-    "fused_half",
-    "moe_layers",
-    "moe_modules",
-    "mtp_inputs",
-    "named_modules",
-    "named_parameters",
-    "stable_seed",
-]
+__all__ = ["FUSED_ORDERS", "FUSED_WEIGHT", "PACKED_WEIGHTS", "WRAPPER_PARTS", "ExpertMLP",
+           "MTPLayer", "MoEBlock", "MoEConfig", "MoEMLP", "MoEModel", "build_model", "fused_frame",
+           "fused_half", "moe_layers", "moe_modules", "mtp_inputs", "named_modules",
+           "named_parameters", "stable_seed"]
 
 #: the packed expert weights, in the order :class:`MoEMLP` registers them (gate only for SwiGLU).
 PACKED_WEIGHTS = ("gate_w", "up_w", "down_w")
@@ -219,6 +202,8 @@ class MoEMLP(nn.Module):
         #: fine-tuning's weights (LoRA, a quantized base: reference_impl.lora), where set:
         #: ``hook(self, i, linear)``, local expert ``i``'s or (``None``) the shared expert's.
         self.weight_hook: Callable[[MoEMLP, int | None, str], torch.Tensor] | None = None
+        #: a packed layer's expert tensors where fine-tuning changed them (reference_impl.lora).
+        self.expert_state: tuple[str, ...] | None = None
 
         E, dim, hidden, dtype = config.num_experts, config.dim, config.hidden, config.dtype
         self.router = Router(dim, E, dtype, expert_bias=config.expert_bias)
@@ -243,17 +228,23 @@ class MoEMLP(nn.Module):
             shapes = {"gate_w": (c.num_experts, c.hidden, c.dim), **shapes}
         return shapes
 
-    def packed_weights(self) -> list[str]:
-        """Names of the packed expert Parameters, in registration order (``gate_up_w``, ``down_w``
-        for the fused form; empty for the unpacked form)."""
+    def base_weights(self) -> list[str]:
+        """The packed base weights' names (``gate_up_w``, ``down_w`` fused; none unpacked), held as
+        Parameters or, quantized, as the blocks and scales standing for them."""
         return [] if self.kind == "unpacked" else list(self._packed_shapes())
 
+    def packed_weights(self) -> list[str]:
+        """Names of the packed tensors of expert state held (leading expert axis): the base
+        weights, or with fine-tuning state the tensors held for them (blocks, scales) and the
+        adapters (reference_impl.lora); :meth:`expert_parameters` gives the Parameters."""
+        return list(self.expert_state) if self.expert_state is not None else self.base_weights()
+
     def expert_parameters(self) -> list[nn.Parameter]:
-        """Every expert Parameter of this layer in any form: each expert's linears, or the packed
-        weights."""
+        """Every expert Parameter of this layer: each expert's linears (and adapters), or the
+        packed Parameters (a quantized base's blocks and scales are buffers)."""
         if self.kind == "unpacked":
             return list(self.experts.parameters())
-        return [getattr(self, w) for w in self.packed_weights()]
+        return [p for w in self.packed_weights() if (p := self._parameters.get(w)) is not None]
 
     def expert_weight(self, expert: int, linear: str) -> torch.Tensor:
         """Local expert ``expert``'s ``linear`` ("up", "gate", "down") weight in any form: for the

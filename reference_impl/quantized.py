@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 __all__ = ["E2M1", "FORMATS", "FP8", "FP8_MAX", "MXFP4", "BlockCutError", "QuantizedAxes",
            "QuantizedShapeError",
-           "block_span", "default_block", "dequantize", "hidden_shards", "quantize",
+           "block_span", "check_grid", "default_block", "dequantize", "hidden_shards", "quantize",
            "quantized_axes", "scales_shape", "shard_quantized"]
 
 #: the two formats, by the names node ids and configs use.
@@ -167,6 +167,17 @@ def _check_grid(fmt: str, blocks: torch.Tensor, scales: torch.Tensor, block: int
     if got != expected:
         raise QuantizedShapeError(key, shape, got, expected,
                                   f"the {fmt} scales do not match the blocks' grid")
+
+
+def check_grid(fmt: str, blocks_shape: tuple[int, ...], scales_shape: tuple[int, ...],
+               block: int | None = None, *, key: str = "weight") -> None:
+    """Refuse blocks and scales of these shapes whose grids disagree (:class:`QuantizedShapeError`,
+    one line naming ``key`` and both shapes): what a load asks of a checkpoint's index before it
+    reads a byte."""
+    _check_format(fmt)
+    blocks = torch.empty(blocks_shape, device="meta", dtype=torch.uint8)
+    scales = torch.empty(scales_shape, device="meta", dtype=torch.uint8)
+    _check_grid(fmt, blocks, scales, block or default_block(fmt), key)
 
 
 # ------------------------------------------------------------------------------- MXFP4

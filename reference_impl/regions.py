@@ -231,7 +231,8 @@ def global_regions(model: nn.Module) -> Iterator[GlobalRegion]:
             if rest[0] == "experts":  # unpacked: experts.{i}.{linear}.weight -> global expert id
                 rest[1] = str(moe.local_expert_start + int(rest[1]))
                 fqn = head + ".".join(rest)
-            elif rest[0] in PACKED_WEIGHTS or rest[0] == FUSED_WEIGHT:
+            elif rest[0] in PACKED_WEIGHTS or rest[0] == FUSED_WEIGHT or (
+                    rest[0] in moe.packed_weights()):  # packed adapters are expert rows too
                 experts = prefix
                 if rest[0] == FUSED_WEIGHT:
                     fused = moe.fused_order

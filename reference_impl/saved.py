@@ -46,7 +46,8 @@ def _held(model: nn.Module, saved: Mapping[str, Any]
         pre = f"{name}." if name else ""
         form, held, bias = None, None, None
         for candidate in (f"model.{pre}", pre):
-            sizes = {w: _size(saved, f"{candidate}{w}") for w in (*PACKED_WEIGHTS, FUSED_WEIGHT)}
+            names = dict.fromkeys((*PACKED_WEIGHTS, FUSED_WEIGHT, *moe.packed_weights()))
+            sizes = {w: _size(saved, f"{candidate}{w}") for w in names}  # blocks, adapters too
             rows = {w: n for w, n in sizes.items() if n is not None}
             bias = _size(saved, f"{candidate}{EXPERT_BIAS}") if bias is None else bias
             if candidate in per_expert:
