@@ -44,6 +44,7 @@ from conformance.scalars import state_scalars, torch_optimizer_scalars
 
 __all__ = [
     "ADAM_MOMENTS",
+    "FINETUNES",
     "FORWARD_OUTPUT",
     "HF_MEMBERS",
     "KINDS",
@@ -72,6 +73,14 @@ __all__ = [
 
 #: the expert forms a model's MoE layers come in (:attr:`Capabilities.kinds`).
 KINDS = ("packed", "unpacked", "fused")
+#: the fine-tuning setups a cell can ask for (:attr:`Capabilities.finetune`, :attr:`Spec.finetune`):
+#: LoRA adapters on every expert's projections, routed and shared, over a frozen base that is
+#: plain (``lora``) or holds its routed experts quantized -- MXFP4 blocks with e8m0 scales
+#: (``lora+mxfp4``, as gpt-oss ships experts) or block FP8 with fp32 ``scale_inv`` (``lora+fp8``,
+#: as DeepSeek-V3 does).  Only the adapters train; the blocks and scales are each expert's frozen
+#: state, saved and moved with it.  Node ids carry the setup; ``-k`` takes ``lora``, ``mxfp4``,
+#: ``fp8``.
+FINETUNES = ("lora", "lora+mxfp4", "lora+fp8")
 #: the optimizer state every Adam-family optimizer keeps per parameter.
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 #: the name of the model's output in ``forward``'s results (a plain tensor's, and the named form's).
@@ -129,6 +138,14 @@ class Spec:
     #: multi-token-prediction layers after the main stack, on the last pipeline stage: MTP layer
     #: ``i`` is global layer ``num_layers + i`` in ``expert_tensors`` / ``other_tensors``.
     mtp_layers: int = 0
+    #: ``""``: every weight trains; else one of :data:`FINETUNES`: LoRA adapters of rank
+    #: ``lora_rank`` and scale ``lora_alpha / lora_rank`` on every expert (routed and shared) over a
+    #: frozen base (quantized for ``mxfp4`` / ``fp8``), their B nonzero from the seed (a zero B, as
+    #: PEFT starts, would hide every misfiled adapter); only the adapters train and have optimizer
+    #: state.
+    finetune: str = ""
+    lora_rank: int = 2
+    lora_alpha: int = 4
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,9 @@ class Capabilities:
     #: family without one (Qwen3-MoE, gpt-oss) says ``False``, and every cell's spec then asks for
     #: none (:attr:`Spec.shared_expert`).  The ``setup`` check holds the build to it.
     shared_expert: bool = True
+    #: the fine-tuning setups it builds (:data:`FINETUNES`): the cells of each ask for
+    #: ``spec.finetune``; the others are ``n/a``.
+    finetune: tuple[str, ...] = ()
 
 
 class TensorEntry(NamedTuple):

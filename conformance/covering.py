@@ -43,6 +43,8 @@ def _uneven(cell: Cell, layout: ParallelLayout) -> bool:
 
 def _pairs(cell: Cell) -> set[tuple[object, ...]]:
     """What a cell tests, so what it covers (see :func:`covering`)."""
+    if cell.finetune:
+        return _finetune_pairs(cell)
     if "fused" in (cell.save_kind, cell.load_kind):
         return _fused_pairs(cell)
     if cell.legacy:  # state and FSDP are fixed for legacy cells; their pairs are their own stratum
@@ -100,6 +102,23 @@ def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
             found.add(("fused", "fsdp across an EP change"))
     if _uneven(cell, cell.save) or _uneven(cell, cell.load):
         found.add(("fused", "uneven"))
+    return found
+
+
+def _finetune_pairs(cell: Cell) -> set[tuple[object, ...]]:
+    """What a fine-tuning cell covers: a stratum per setup, a few cells each.  Its adapters, blocks
+    and scales move with their experts through the same saves and loads as any expert tensor; what
+    is new is how each is split and paired, so a setup must meet each kind it applies to, FSDP2 and
+    EP alone, each EP change, the layouts that split an expert's own tensors (expert TP: where a
+    shard may be smaller than a quantization block; HSDP), each state, and an uneven split."""
+    setup, change = cell.finetune, _ep_change(cell.save.ep, cell.load.ep)
+    found: set[tuple[object, ...]] = {("finetune", setup, cell.kind),
+                                      ("finetune", setup, "fsdp", cell.fsdp),
+                                      ("finetune", setup, change), ("finetune", setup, cell.state)}
+    found |= {("finetune", setup, family) for family in (_family(cell.save), _family(cell.load))
+              if family in ("etp", "hsdp")}
+    if _uneven(cell, cell.save) or _uneven(cell, cell.load):
+        found.add(("finetune", setup, "uneven"))
     return found
 
 
@@ -191,7 +210,9 @@ def guarantee(tier: str) -> str:
                 "side for each kind, optimizer state through every layout family (strided, "
                 "consecutive, HSDP, ETP) and EP change (up, down); pipeline stages changing with "
                 "every EP change, traded for EP ranks in one world, and optimizer state stage to "
-                "stage; legacy cells cover the pairs among themselves")
+                "stage; each fine-tuning setup (LoRA over a plain, MXFP4 or FP8 base) through each "
+                "kind, FSDP2 and EP alone, each EP change, expert TP and HSDP, each state and an "
+                "uneven split; legacy cells cover the pairs among themselves")
     if tier == "full":
         return "every cell"
     return "the plain layouts at those EP degrees (see the README's Tiers)"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from conformance.adapter import KINDS, Capabilities, Spec
+from conformance.adapter import FINETUNES, KINDS, Capabilities, Spec
 from conformance.covering import covering
 from conformance.layout import ParallelLayout
 
@@ -71,6 +71,9 @@ class Cell:
     #: weights, its moments, the stage it sits on) -- an MTP layer in every cell with stages cost
     #: the default tier a tenth of its time for nothing more.
     mtp: bool = False
+    #: the fine-tuning setup both sides build (:data:`~conformance.adapter.FINETUNES`; ``""``: every
+    #: weight trains): node ids carry it after the kind.
+    finetune: str = ""
 
     @property
     def kind(self) -> str:
@@ -99,8 +102,9 @@ class Cell:
         if self.legacy:
             return "::".join(["checkpoint", "legacy", self.kind, *experts, pair])
         mtp = ["mtp"] if self.mtp else []
-        return "::".join(["checkpoint", self.kind, self.state, "fsdp" if self.fsdp else "ep-only",
-                          *mtp, *experts, pair])
+        finetune = [self.finetune] if self.finetune else []
+        return "::".join(["checkpoint", self.kind, *finetune, self.state,
+                          "fsdp" if self.fsdp else "ep-only", *mtp, *experts, pair])
 
     def keywords(self) -> set[str]:
         """``-k`` keywords (``-k`` cannot contain ``>``): each side's degrees, prefixed and
@@ -110,6 +114,8 @@ class Cell:
                  f"cross_{self.save_kind}_to_{self.load_kind}"}
         for side, layout in (("save", self.save), ("load", self.load)):
             words |= layout.keywords() | {f"{side}_{w}" for w in layout.keywords()}
+        if self.finetune:  # "lora", and the base's format: "mxfp4", "fp8"
+            words |= {"finetune", *self.finetune.split("+")}
         return words | ({"mtp"} if self.mtp else set())
 
     def spec(self, base: Spec, side: str) -> Spec:
@@ -120,7 +126,8 @@ class Cell:
         layers = max(base.num_layers, PIPELINE_LAYERS) if self.pipeline else base.num_layers
         return replace(base, kind=kind, num_experts=self.num_experts, optimizer_steps=steps,
                        fsdp=self.fsdp,
-                       layout=layout, num_layers=layers, mtp_layers=MTP_LAYERS if self.mtp else 0)
+                       layout=layout, num_layers=layers, mtp_layers=MTP_LAYERS if self.mtp else 0,
+                       finetune=self.finetune)
 
     @property
     def save_key(self) -> tuple[object, ...]:
@@ -128,14 +135,15 @@ class Cell:
         save (:mod:`conformance.saves`), and the covering counts that save once
         (:func:`covering`)."""
         return (self.save_kind, self.state, self.fsdp, self.save, self.num_experts, self.legacy,
-                self.pipeline, self.mtp)
+                self.pipeline, self.mtp, self.finetune)
 
     def record(self) -> dict[str, object]:
         """The cell's fields in the report."""
         return {"kind": self.kind, "state": self.state, "fsdp": self.fsdp, "save_ep": self.save.ep,
                 "load_ep": self.load.ep, "save_pp": self.save.pp, "load_pp": self.load.pp,
                 "save_layout": self.save.fragment, "load_layout": self.load.fragment,
-                "num_experts": self.num_experts, "legacy": self.legacy, "mtp": self.mtp}
+                "num_experts": self.num_experts, "legacy": self.legacy, "mtp": self.mtp,
+                "finetune": self.finetune}
 
 
 # -- applicability ---------------------------------------------------------------------------------
@@ -157,6 +165,10 @@ def _layout_na(layout: ParallelLayout, caps: Capabilities) -> str:
 
 def why_not(cell: Cell, caps: Capabilities) -> str:
     """Why ``cell`` does not apply to an adapter with ``caps`` ("" when it does)."""
+    if cell.finetune and cell.finetune not in caps.finetune:  # first: one reason for all its cells
+        return (f"adapter fine-tunes with {', '.join(caps.finetune)}, not {cell.finetune}"
+                if caps.finetune else "adapter does not fine-tune (Capabilities.finetune: LoRA on "
+                "the experts over a frozen, possibly quantized base)")
     for kind in dict.fromkeys((cell.save_kind, cell.load_kind)):
         if kind not in caps.kinds:
             return f"adapter supports layer kinds {', '.join(caps.kinds)}, not {kind}"
@@ -245,6 +257,25 @@ def full_product(world_size: int, num_experts: tuple[int, ...]) -> list[Cell]:
         cell = replace(cell, mtp=cell.pipeline and state == "model+optim" and not legacy)
         if _valid(cell):
             cells.append(cell)
+    return cells + _finetune_cells(found, num_experts)
+
+
+def _finetune_cells(found: list[ParallelLayout], num_experts: tuple[int, ...]) -> list[Cell]:
+    """Every fine-tuning cell: each setup of :data:`~conformance.adapter.FINETUNES` with each kind
+    it applies to, saved and loaded in that kind (a LoRA checkpoint is loaded back by the trainer
+    that wrote it), at every pair of one-stage layouts, each state, with and without FSDP2.  Stages
+    split no expert's tensors (a stage holds whole layers), so their cells add nothing here; nor do
+    legacy saves.  Block FP8 has no fused cells: DeepSeek-V3 ships gate and up apart, and a
+    ``128 x 128`` tile of a fused weight would straddle its two halves."""
+    one_stage = [layout for layout in found if layout.pp == 1]
+    cells = []
+    for setup, kind, state, fsdp, experts, save, load in itertools.product(
+            FINETUNES, KINDS, STATES, (False, True), num_experts, one_stage, one_stage):
+        if setup.endswith("fp8") and kind == "fused":
+            continue
+        cell = Cell(kind, kind, state, fsdp, save, load, experts, finetune=setup)
+        if _valid(cell):
+            cells.append(cell)
     return cells
 
 
@@ -305,6 +336,11 @@ def checkpoint_cells(caps: Capabilities, tier: str | tuple[str, list[int] | None
         everything = [replace(c, state="model") if c.legacy else c for c in everything]
     if not caps.mtp:  # its pipeline cells are the same cells without the MTP layers
         everything = [replace(c, mtp=False) for c in everything]
+    if not caps.finetune:  # one fine-tuning cell says why there are none (as the default tier's
+        # n/a cells do), not a report of them: an adapter that fine-tunes with nothing has no cell
+        # of any setup
+        first = next((c for c in everything if c.finetune), None)
+        everything = [c for c in everything if not c.finetune or c is first]
     legacy_na = "" if has_legacy else "adapter has no save_legacy (its old, lossy save)"
     marked = [replace(c, na=(legacy_na if c.legacy and legacy_na else "") or why_not(c, caps)
                       or unwritable_legacy(c)) for c in everything]

@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from conformance.adapter import (
+    FINETUNES,
     KINDS,
     AdapterError,
     Capabilities,
@@ -71,11 +72,17 @@ def capabilities_of(adapter: Any) -> Capabilities:
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stages)):
         raise AdapterError(f"adapter capabilities.pp must list the pipeline degrees it supports, 1 "
                            f"among them (ints >= 1), got {stages!r}")
+    finetune = tuple(get("finetune", ()) or ())
+    bad = [s for s in finetune if s not in FINETUNES]
+    if bad:
+        raise AdapterError(f"adapter capabilities.finetune must list some of "
+                           f"{', '.join(FINETUNES)}, got {finetune!r}")
     flags = {f.name: bool(get(f.name, f.default)) for f in fields(Capabilities)
              if f.default is not MISSING and isinstance(f.default, bool)}
     return Capabilities(kinds=kinds, optimizer=bool(get("optimizer")), fsdp=bool(get("fsdp")),
                         uneven=bool(get("uneven")), max_ep=int(get("max_ep")),
-                        format=str(get("format")), ep_orders=orders, pp=stages, **flags)
+                        format=str(get("format")), ep_orders=orders, pp=stages,
+                        finetune=finetune, **flags)
 
 
 def missing_members(adapter: Any) -> list[str]:

@@ -187,7 +187,7 @@ def keep_checkpoints(where: Path, **checkpoints: str | None) -> None:
 
 
 def truth_key(cell: Cell) -> tuple[Any, ...]:
-    return (cell.save_kind, cell.state, cell.num_experts, cell.pipeline)
+    return (cell.save_kind, cell.state, cell.num_experts, cell.pipeline, cell.finetune)
 
 
 def stopped_side(error: Any) -> str | None:

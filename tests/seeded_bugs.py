@@ -51,6 +51,9 @@ class ReferenceAdapter(reference.ReferenceAdapter):
     """
 
     hf_model = export_hf = import_hf = hf_forward = None
+    #: no fine-tuning cells either: a bug planted here reads the same in a fine-tuned model's
+    #: DCP path, and the fine-tuning cells' own controls are ``seeded_finetune.py``.
+    capabilities = replace(reference.ReferenceAdapter.capabilities, finetune=())
 
 
 class ReferencePerExpertAdapter(ReferenceAdapter, reference.ReferencePerExpertAdapter):

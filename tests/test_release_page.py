@@ -74,9 +74,10 @@ def test_every_red_cell_is_a_square_titled_with_its_id_and_finding(
     out = legacy_report(pytester, tmp_path_factory)
     doc = json.loads((out / JSON_NAME).read_text())
     markdown = (out / MD_NAME).read_text()
-    # the fused cells: one on-disk, four refused (the old save's gate_up_w is not the fused form)
+    # the fused cells: one on-disk, four refused (the old save's gate_up_w is not the fused form);
+    # n/a: a legacy save no rank-local save can write, no cross-kind load, no fine-tuning
     assert doc["outcomes"] == {"pass": 15, "silent": 0, "on-disk": 42, "refused": 6, "error": 0,
-                               "n/a": 2}
+                               "n/a": 3}
     # how far each ran: a loud refusal stopped the cell; "error" is only ever a finding
     assert doc["summary"]["stopped"] == 48 and "error" not in doc["summary"], doc["summary"]
     found, where = squares(out), anchors(c["id"] for c in doc["cells"])

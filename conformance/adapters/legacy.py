@@ -23,7 +23,8 @@ from conformance.adapters.reference import ReferenceAdapter
 
 class LegacyAdapter(ReferenceAdapter):
     name = "legacy"
-    capabilities = replace(ReferenceAdapter.capabilities, cross_kind=False)
+    #: no fine-tuning cells: the lossy save is the base layout's bug, shown in its own cells
+    capabilities = replace(ReferenceAdapter.capabilities, cross_kind=False, finetune=())
 
     def save(self, model: Any, optimizer: Any, path: str) -> None:
         from reference_impl.checkpoint import save_legacy

@@ -23,11 +23,13 @@ Expert tensors are yielded as the checkpoint holds them: a whole per-expert tens
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal, cast
 
 from conformance.adapter import (
     ADAM_MOMENTS,
+    FINETUNES,
     FORWARD_OUTPUT,
     Capabilities,
     ExpertBlock,
@@ -51,7 +53,7 @@ class ReferenceAdapter:
     capabilities = Capabilities(
         kinds=("packed", "unpacked", "fused"), optimizer=True, fsdp=True, uneven=True,
         max_ep=64, format="dcp", cross_kind=True, ep_orders=("strided", "consecutive"),
-        hsdp=True, etp=True, pp=(1, 2, 3), mtp=True)
+        hsdp=True, etp=True, pp=(1, 2, 3), mtp=True, finetune=FINETUNES)
     #: the row order of a fused layer's gate/up weight (reference_impl.model.FUSED_ORDERS).
     fused_order = "concatenated"
     #: the expert bias's step per optimizer step (DeepSeek-V3's update speed).
@@ -78,6 +80,7 @@ class ReferenceAdapter:
     def build(self, spec: Spec, mesh: Any, seed: int) -> tuple[Any, Any]:
         import torch
 
+        from conformance.adapters.finetune import apply_finetune, trainable
         from reference_impl.meshes import sliced
         from reference_impl.moe import (
             apply_expert_parallel,
@@ -87,6 +90,8 @@ class ReferenceAdapter:
         )
 
         model = build_model(self.moe_config(spec), spec.num_layers, seed).to(world_device(mesh))
+        if spec.finetune:  # on the whole model: its adapters drawn per global expert, as weights
+            apply_finetune(model, spec, seed)
         if mesh is not None:
             # this rank's stage first: its layers keep their global names
             if "pp" in (mesh.mesh_dim_names or ()):
@@ -98,7 +103,7 @@ class ReferenceAdapter:
                 apply_fsdp(model, mesh)
         if spec.optimizer_steps <= 0:
             return model, None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        optimizer = torch.optim.AdamW(trainable(model), lr=spec.lr, weight_decay=0.01)
         run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
         return model, optimizer
 
@@ -155,6 +160,8 @@ class ReferenceAdapter:
 
         layers = _layer_index(model)
         for piece in global_regions(model):
+            if not piece.param.requires_grad:  # a fine-tuned model's frozen base
+                continue
             layer, expert, name = _identify(piece.name, layers)
             # gate and up rows drawn as their packed weights', in its frame
             if piece.fused_order is not None:
@@ -217,7 +224,12 @@ class ReferenceAdapter:
 
     def export_hf(self, model: Any, path: str) -> None:
         from reference_impl.hf import export_hf
+        from reference_impl.lora import has_tuning_state
+        from reference_impl.moe import moe_layers
 
+        if any(has_tuning_state(moe) for _, moe in moe_layers(model)):
+            raise NotApplicable("a fine-tuned model's exports (the merged weights, the adapters in "
+                                "PEFT's format) are not checked by the matrix yet")
         try:
             export_hf(model, path)
         except ValueError as exc:  # a model the family cannot hold (refused before any collective)
@@ -239,11 +251,16 @@ class ReferenceAdapter:
         whose local shard and region the harness compares (FSDP's shards, expert tensor
         parallelism's shards); a packed weight and each moment as one
         :class:`~conformance.adapter.ExpertBlock` of its rows."""
+        from conformance.adapters.finetune import tuned_expert_tensors
+        from reference_impl.lora import has_tuning_state
         from reference_impl.moe import moe_layers
 
         state = optimizer.state if optimizer is not None else {}
         for _, moe in moe_layers(model):
             layer = moe.layer
+            if has_tuning_state(moe):  # adapters, blocks and scales beside (or for) the weights
+                yield from tuned_expert_tensors(moe, state)
+                continue
             if moe.kind == "fused":  # its halves, placed as a packed layer's gate and up weights
                 yield from _fused_blocks(moe, state)
             for linear in _linears(moe):
@@ -291,6 +308,9 @@ class ReferencePerExpertAdapter(ReferenceAdapter):
 
     name = "reference-per-expert"
     per_expert = True
+    #: a fine-tuned layer saves only in its own kind's form (reference_impl.tuned_checkpoint: a
+    #: fused layer's one A for gate and up has no per-expert twin): no fine-tuning cells here.
+    capabilities = replace(ReferenceAdapter.capabilities, finetune=())
 
 
 def _linears(moe: Any) -> tuple[str, ...]:
@@ -350,8 +370,8 @@ def _identify(name: str, layers: dict[str, int]) -> tuple[int | None, int | None
         head = f"{prefix}." if prefix else ""
         if name.startswith(head):
             rest = name[len(head):]
-            if rest.startswith("experts."):
-                _, g, linear, _ = rest.split(".")
-                return layer, int(g), linear
+            if rest.startswith("experts."):  # experts.G.up.weight, experts.G.up.lora_A.weight
+                _, g, *tensor = rest.split(".")
+                return layer, int(g), ".".join(tensor[:-1])
             return layer, None, rest
     return None, None, name

@@ -98,11 +98,28 @@ def pack(held: Mapping[Key, Any]) -> tuple[list[Entry], dict[str, Any]]:
         meta.append((key, box_of(region), tuple(t.shape), dtype, sizes.get(dtype, 0), rows))
         parts.setdefault(dtype, []).append(t.reshape(-1))
         sizes[dtype] = sizes.get(dtype, 0) + t.numel()
-    return meta, {dtype: torch.cat(ts) for dtype, ts in parts.items()}
+    return meta, {dtype: _on_wire(torch.cat(ts)) for dtype, ts in parts.items()}
+
+
+def _on_wire(buffer: Any) -> Any:
+    """A buffer as it crosses the ranks: a float8 one (block-FP8 experts) as its bytes, since
+    ``all_gather_object`` cannot unpickle float8 storages (torch 2.13); the same bits come back."""
+    import torch
+
+    floating8 = buffer.dtype.is_floating_point and buffer.element_size() == 1
+    return buffer.view(torch.uint8) if floating8 else buffer
+
+
+def _off_wire(buffer: Any, dtype: str) -> Any:
+    import torch
+
+    wanted = getattr(torch, dtype.removeprefix("torch."))
+    return buffer if buffer.dtype == wanted else buffer.view(wanted)
 
 
 def _unpack(meta: list[Entry], buffers: dict[str, Any]) -> list[tuple[Key, Any, Any, int]]:
-    return [(key, box, buffers[dtype][offset:offset + math.prod(shape)].view(shape), rows)
+    return [(key, box, _off_wire(buffers[dtype], dtype)[offset:offset + math.prod(shape)]
+             .view(shape), rows)
             for key, box, shape, dtype, offset, rows in meta]
 
 

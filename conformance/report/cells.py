@@ -225,6 +225,14 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.replace("->", " to ").lower()).strip("-")
 
 
+def cell_kind(record: Record) -> str:
+    """A checkpoint record's kind as the report groups it: the layer kind, and a fine-tuning cell's
+    setup after it (``packed lora+mxfp4``), so its squares never share a grid with the plain
+    cells of the same layouts."""
+    finetune = record.get("finetune")
+    return f"{record.get('kind', '')} {finetune}" if finetune else str(record.get("kind", ""))
+
+
 def grids(records: Iterable[Record]) -> list[Grid]:
     """The report's pictures: a grid per (kind, state) of the checkpoint cells, one per kind of the
     legacy cells, and one of the functions suite (functions down, its cells across)."""
@@ -240,7 +248,7 @@ def grids(records: Iterable[Record]) -> list[Grid]:
             continue
         if r.get("suite") != "checkpoint" or "kind" not in r:
             continue
-        kind = str(r["kind"])
+        kind = cell_kind(r)
         key = ("legacy", kind) if r.get("legacy") else (kind, str(r.get("state", "")))
         panel = f"E={r.get('num_experts', '?')}" if r.get("legacy") else (
             f"{'fsdp' if r.get('fsdp') else 'ep-only'} · E={r.get('num_experts', '?')}")
@@ -267,7 +275,7 @@ def _panel_order(title: str) -> tuple[int, int]:
     return (title.startswith("fsdp"), int(experts) if experts.isdigit() else 0)
 
 
-__all__ = ["Grid", "Panel", "anchors", "counts_line", "coverage_items", "expectation_note",
-           "expectations_summary", "finding_counts", "first_line", "grid_label", "grids",
-           "layout_name", "layout_order", "lead_lines", "red_cells", "short_id", "square_title",
-           "worst_first"]
+__all__ = ["Grid", "Panel", "anchors", "cell_kind", "counts_line", "coverage_items",
+           "expectation_note", "expectations_summary", "finding_counts", "first_line",
+           "grid_label", "grids", "layout_name", "layout_order", "lead_lines", "red_cells",
+           "short_id", "square_title", "worst_first"]

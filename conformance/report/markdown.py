@@ -27,6 +27,7 @@ from conformance.outcome import (
 from conformance.report.cells import (
     Grid,
     anchors,
+    cell_kind,
     counts_line,
     coverage_items,
     expectation_note,
@@ -269,7 +270,7 @@ def kind_state_counts(records: Iterable[Record]) -> str:
     for r in records:
         if r.get("suite") == "checkpoint":
             state = "legacy" if r.get("legacy") else str(r.get("state", ""))
-            counts[(str(r.get("kind", "")), state)][outcome(r)] += 1
+            counts[(cell_kind(r), state)][outcome(r)] += 1
     if not counts:
         return ""
     shown = [o for o in OUTCOMES if o != INTERRUPTED or any(c[o] for c in counts.values())]
