@@ -106,19 +106,24 @@ def _fused_pairs(cell: Cell) -> set[tuple[object, ...]]:
 
 
 def _finetune_pairs(cell: Cell) -> set[tuple[object, ...]]:
-    """What a fine-tuning cell covers: a stratum per setup, a few cells each.  Its adapters, blocks
-    and scales move with their experts through the same saves and loads as any expert tensor; what
-    is new is how each is split and paired, so a setup must meet each kind it applies to, FSDP2 and
-    EP alone, each EP change, the layouts that split an expert's own tensors (expert TP: where a
-    shard may be smaller than a quantization block; HSDP), each state, and an uneven split."""
-    setup, change = cell.finetune, _ep_change(cell.save.ep, cell.load.ep)
-    found: set[tuple[object, ...]] = {("finetune", setup, cell.kind),
-                                      ("finetune", setup, "fsdp", cell.fsdp),
-                                      ("finetune", setup, change), ("finetune", setup, cell.state)}
-    found |= {("finetune", setup, family) for family in (_family(cell.save), _family(cell.load))
-              if family in ("etp", "hsdp")}
-    if _uneven(cell, cell.save) or _uneven(cell, cell.load):
-        found.add(("finetune", setup, "uneven"))
+    """What a fine-tuning cell covers: a stratum per part of its setup -- the adapters (``lora``,
+    in every setup) and the base's format (``mxfp4``, ``fp8``) -- a few cells each.  Adapters,
+    blocks and scales move with their experts through the same saves and loads as any expert
+    tensor; what is new is how each is split and paired, so each part must meet each kind it
+    applies to, FSDP2 and EP alone, each EP change, the layouts that split an expert's own tensors
+    (expert TP: where a shard may be smaller than a quantization block; HSDP), each state, and an
+    uneven split.  A quantized setup's cell covers the adapters' pairs too, so the plain ``lora``
+    setup runs only where none of them reaches."""
+    change = _ep_change(cell.save.ep, cell.load.ep)
+    found: set[tuple[object, ...]] = set()
+    for part in cell.finetune.split("+"):
+        found |= {("finetune", part, cell.kind), ("finetune", part, "fsdp", cell.fsdp),
+                  ("finetune", part, change), ("finetune", part, cell.state)}
+        found |= {("finetune", part, family)
+                  for family in (_family(cell.save), _family(cell.load))
+                  if family in ("etp", "hsdp")}
+        if _uneven(cell, cell.save) or _uneven(cell, cell.load):
+            found.add(("finetune", part, "uneven"))
     return found
 
 
@@ -210,8 +215,8 @@ def guarantee(tier: str) -> str:
                 "side for each kind, optimizer state through every layout family (strided, "
                 "consecutive, HSDP, ETP) and EP change (up, down); pipeline stages changing with "
                 "every EP change, traded for EP ranks in one world, and optimizer state stage to "
-                "stage; each fine-tuning setup (LoRA over a plain, MXFP4 or FP8 base) through each "
-                "kind, FSDP2 and EP alone, each EP change, expert TP and HSDP, each state and an "
+                "stage; LoRA adapters and each quantized base (MXFP4, FP8) through each kind, "
+                "FSDP2 and EP alone, each EP change, expert TP and HSDP, each state and an "
                 "uneven split; legacy cells cover the pairs among themselves")
     if tier == "full":
         return "every cell"

@@ -106,9 +106,9 @@ class SharedAdaptersLeftAtInit(_Base):
 
 
 class ScalesCutAtTheWrongBlock(_Base):
-    """Under expert TP, the load reads each block-FP8 ``down_w``'s ``scale_inv`` shard one block
-    off along the hidden axis (the shard's own blocks' scales taken from the next block, the last
-    wrapping): the blocks come back right, their scales do not (``values``: silent)."""
+    """Under expert TP, the load reads each block-FP8 ``down`` weight's ``scale_inv`` shard one
+    block off along the hidden axis (the shard's own blocks' scales taken from the next block, the
+    last wrapping): the blocks come back right, their scales do not (``values``: silent)."""
 
     name = "seeded-scales-cut-at-the-wrong-block"
 
@@ -120,6 +120,13 @@ class ScalesCutAtTheWrongBlock(_Base):
         super().load(model, optimizer, path)
         with torch.no_grad():
             for _, moe in moe_layers(model):
-                if moe.etp_world_size > 1 and hasattr(moe, "down_w_scale_inv"):
-                    local = _local(moe.down_w_scale_inv)[0]
-                    local.copy_(torch.roll(local, 1, dims=2))
+                if moe.etp_world_size == 1:
+                    continue
+                # the hidden axis of down's block grid: its input's ([out/b, in/b] per expert)
+                targets = ([(getattr(e.down, "weight_scale_inv", None), 1) for e in moe.experts]
+                           if moe.kind == "unpacked"
+                           else [(getattr(moe, "down_w_scale_inv", None), 2)])
+                for tensor, axis in targets:
+                    if tensor is not None:
+                        local = _local(tensor)[0]
+                        local.copy_(torch.roll(local, 1, dims=axis))
