@@ -26,6 +26,11 @@ DS_BUILD_OPS=0 python -m pip install --no-deps --no-build-isolation --no-cache-d
 # TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) the first time deepspeed.initialize runs.
 # Compile it here, once: inside the matrix's first cell it would take minutes on 2 cores.  It needs
 # a C++ compiler; without one DeepSpeed cannot initialise on CPU at all, so fail here, visibly.
+# Into this environment's own directory (tests/conftest.py points the tests there): venvs of one
+# torch sharing ~/.cache/torch_extensions rebuild each other's op, and a rank killed mid-build
+# leaves a lock every later build waits on.
+TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; print(sys.prefix)')/torch_extensions}
+export TORCH_EXTENSIONS_DIR
 DS_ACCELERATOR=cpu python - <<'EOF'
 import deepspeed
 from deepspeed.comm.torch import build_shm_op

@@ -19,12 +19,19 @@ from __future__ import annotations
 # imported first.
 import importlib
 import os
+import sys
 from typing import Any
 
 import pytest
 import torch  # noqa: F401
 
 from pytest_moe_ep.world.engine import CHECKPOINT_PRELOAD
+
+# DeepSpeed's CPU comm op is JIT-built into TORCH_EXTENSIONS_DIR (ci/install_deepspeed.sh builds it
+# there ahead of the tests): one directory per environment, as the install script keeps it, so two
+# venvs of one torch never rebuild each other's op inside a cell -- and a rank killed at its
+# deadline mid-build never leaves another venv's build lock behind.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 for _module in (*CHECKPOINT_PRELOAD, "reference_impl", "conformance.adapters.reference",
                 "conformance.adapters.legacy", "conformance.adapters.balanced_functions"):
