@@ -130,12 +130,15 @@ class MatrixItem(pytest.Item):
         #: raised.
         self.environment_problem = ""
 
-    def interrupt_if_unfinished(self) -> None:
-        """The session was interrupted after this cell's setup passed: if its run had not begun (the
-        signal landed between the two), its record is ``interrupted`` too, as the ``--from-log``
-        rebuild says."""
+    def interrupt_if_unfinished(self, reported: bool = False) -> None:
+        """The session was interrupted after this cell's setup passed: if its run had not begun,
+        or had ended but its report was never made (``reported``: the signal landed between the
+        run and the report), its record is ``interrupted`` too, as the ``--from-log`` rebuild of
+        the same run says (the log has its setup, not its call)."""
         if not self.record.status:
             self._interrupted("interrupted before its run began", time.perf_counter())
+        elif not reported:
+            self._interrupted("interrupted before its report was made", time.perf_counter())
 
     def _interrupted(self, detail: str, started: float) -> None:
         self._finish(INTERRUPTED, detail, started)

@@ -466,7 +466,8 @@ class MatrixSession:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         running = self.context.running if self.context is not None else None
         if exitstatus == pytest.ExitCode.INTERRUPTED and running is not None:
-            running.interrupt_if_unfinished()
+            running.interrupt_if_unfinished(
+                reported=any(r.get("id") == running.nodeid for r in self.records))
         if self.report_dir is not None and self._writes_report():
             env = self._environment()
             records = self.records + self.interrupted
