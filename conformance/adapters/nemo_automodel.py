@@ -68,6 +68,7 @@ from conformance.adapter import (
     torch_optimizer_scalars,
     world_device,
 )
+from conformance.adapters.nemo_automodel_lora import LORA_VIEWS, apply_lora
 from conformance.synthetic import (
     synthetic_grad,
     synthetic_grad_rows,
@@ -100,7 +101,8 @@ class NemoAutomodelAdapter:
     name = "nemo_automodel"
     version = "0.7.0"
     capabilities = Capabilities(kinds=("packed",), optimizer=True, fsdp=True, uneven=True,
-                                max_ep=64, format="dcp", ep_orders=("consecutive",))
+                                max_ep=64, format="dcp", ep_orders=("consecutive",),
+                                finetune=("lora",))
     preload = ("nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
                "nemo_automodel.components.checkpoint.checkpointing",
                "nemo_automodel.components.models.deepseek_v3.state_dict_adapter")
@@ -116,6 +118,9 @@ class NemoAutomodelAdapter:
                              f"{spec.activation!r}")
         model = _model_class()(spec)
         _overwrite(model, seed)
+        if spec.finetune:  # NeMo's order: PEFT on the whole model, then EP and FSDP
+            apply_lora(model, spec)
+            _overwrite(model, seed, lora_only=True)  # PEFT's zero B would hide misfiled adapters
         model.to(world_device(mesh))
         moe_mesh = None
         if mesh is not None:
@@ -123,7 +128,9 @@ class NemoAutomodelAdapter:
         object.__setattr__(model, _MOE_MESH, moe_mesh)
         if spec.optimizer_steps <= 0:
             return model, None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+        # a fine-tuned model's optimizer holds its adapters alone (NeMo's frozen base has no state)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=spec.lr, weight_decay=0.01)
         run_steps(lambda index: self.step(model, optimizer, seed, index), 0, spec.optimizer_steps)
         return model, optimizer
 
@@ -196,22 +203,24 @@ class NemoAutomodelAdapter:
 
     # -- canonical views ---------------------------------------------------------------------------
     def expert_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry | ExpertBlock]:
-        """Each expert weight's views (:data:`EXPERT_VIEWS`) and the same cuts of its Adam moments,
-        as blocks of expert rows (row 0 is expert 0 of a DTensor, this rank's first of a plain
-        tensor: the truth's, expert 0)."""
+        """Each expert weight's views (:data:`EXPERT_VIEWS`) and, in a fine-tuning cell, each packed
+        adapter's (:data:`LORA_VIEWS`), with the same cuts of their Adam moments (a frozen base has
+        none), as blocks of expert rows (row 0 is expert 0 of a DTensor, this rank's first of a
+        plain tensor: the truth's, expert 0)."""
         state = optimizer.state if optimizer is not None else {}
         for layer, moe in _moe_layers(model):
-            for weight_name in EXPERT_VIEWS:
+            for weight_name, labels in _views(moe).items():
                 weight = getattr(moe.experts, weight_name)
                 tensors = {"": weight} | {f".{m}": state[weight][m] for m in ADAM_MOMENTS
                                           if m in state.get(weight, {})}
                 for suffix, tensor in tensors.items():
-                    for label, view in _expert_views(weight_name, tensor):
+                    for label, view in _expert_views(labels, tensor):
                         yield ExpertBlock(layer, 0, f"{label}{suffix}", view)
 
     def other_tensors(self, model: Any, optimizer: Any) -> Iterator[TensorEntry]:
-        """The router and shared-expert parameters with their moments, and the router's expert bias
-        (whole on every rank: a Replicate DTensor under FSDP2, a plain tensor otherwise)."""
+        """The router and shared-expert parameters with their moments (the shared expert's LoRA
+        adapters among them in a fine-tuning cell), and the router's expert bias (whole on every
+        rank: a Replicate DTensor under FSDP2, a plain tensor otherwise)."""
         state = optimizer.state if optimizer is not None else {}
         for layer, moe in _moe_layers(model):
             for name, p in _dense(moe):
@@ -309,23 +318,37 @@ def _dense(moe: Any) -> Iterator[tuple[str, Any]]:
             yield name, p
 
 
-def _overwrite(model: Any, seed: int) -> None:
-    """Synthetic values on the unsplit model: expert weights by global id and view, the rest and
-    the expert bias by name."""
+def _views(moe: Any) -> dict[str, tuple[str, ...]]:
+    """The packed expert tensors of ``moe`` and their views' labels: the weights', and a fine-tuned
+    layer's adapters' (:data:`LORA_VIEWS`) after them."""
+    held = {name: labels for name, labels in LORA_VIEWS.items() if hasattr(moe.experts, name)}
+    return EXPERT_VIEWS | held
+
+
+def _overwrite(model: Any, seed: int, lora_only: bool = False) -> None:
+    """Synthetic values on the unsplit model: expert weights (and adapters) by global id and view,
+    the rest and the expert bias by name; ``lora_only``: the adapters alone, over what NeMo's PEFT
+    drew for them (B zero, A from the process's RNG, which differs per rank)."""
     import torch
 
     with torch.no_grad():
         for layer, moe in _moe_layers(model):
-            for name in EXPERT_VIEWS:
+            for name, labels in _views(moe).items():
+                if lora_only and name not in LORA_VIEWS:
+                    continue
                 weight = getattr(moe.experts, name)
                 experts = range(weight.shape[0])
-                weight.copy_(_whole(name, weight.shape, lambda label, shape, _l=layer, _e=experts:
-                                    torch.stack([synthetic_weight(seed, _l, g, label, shape)
-                                                 for g in _e])))
+                weight.copy_(_whole(labels, weight.shape, lambda label, shape, _l=layer,
+                                    _e=experts: torch.stack([synthetic_weight(seed, _l, g, label,
+                                                                              shape)
+                                                             for g in _e])))
             for name, p in _dense(moe):
-                p.copy_(synthetic_weight(seed, layer, None, f"mlp.{name}", p.shape, dtype=p.dtype))
-            bias = moe.gate.e_score_correction_bias
-            bias.copy_(synthetic_weight(seed, layer, None, BIAS, bias.shape, scale=BIAS_SCALE))
+                if not lora_only or "lora_" in name:
+                    p.copy_(synthetic_weight(seed, layer, None, f"mlp.{name}", p.shape,
+                                             dtype=p.dtype))
+            if not lora_only:
+                bias = moe.gate.e_score_correction_bias
+                bias.copy_(synthetic_weight(seed, layer, None, BIAS, bias.shape, scale=BIAS_SCALE))
 
 
 def _parallelize(model: Any, spec: Spec, mesh: Any) -> Any:
@@ -366,22 +389,21 @@ def _checkpointer(model: Any) -> Any:
 
 
 # -- the expert views, gradients and bias updates ------------------------------------------------
-def _whole(weight_name: str, shape: Any, make: Any) -> Any:
-    """The whole ``[E, ...]`` NeMo weight from its views: ``make(label, view shape)`` gives each
-    view's ``[E, out, in]`` rows (:data:`EXPERT_VIEWS`), transposed into NeMo's ``[E, in, out]`` and
-    concatenated along the last axis."""
+def _whole(labels: tuple[str, ...], shape: Any, make: Any) -> Any:
+    """The whole ``[E, ...]`` NeMo tensor from its views: ``make(label, view shape)`` gives each
+    view's ``[E, out, in]`` rows (``labels``: :func:`_views`'), transposed into NeMo's
+    ``[E, in, out]`` and concatenated along the last axis."""
     import torch
 
-    labels = EXPERT_VIEWS[weight_name]
     view_shape = (shape[-1] // len(labels), shape[-2])
     return torch.cat([make(label, view_shape).transpose(-2, -1) for label in labels], dim=-1)
 
 
-def _expert_views(weight_name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
-    """``(label, view)`` of a NeMo expert weight (or moment), plain or DTensor: the columns of each
-    view, transposed (a DTensor's slice of an axis no placement shards, and its transpose, are local
-    operations: each rank keeps its rows, FSDP's shard of them moves to the view's last axis)."""
-    labels = EXPERT_VIEWS[weight_name]
+def _expert_views(labels: tuple[str, ...], tensor: Any) -> Iterator[tuple[str, Any]]:
+    """``(label, view)`` of a NeMo expert weight or adapter (or moment), plain or DTensor: the
+    columns of each view, transposed (a DTensor's slice of an axis no placement shards, and its
+    transpose, are local operations: each rank keeps its rows, FSDP's shard of them moves to the
+    view's last axis)."""
     width = tensor.shape[-1] // len(labels)
     for i, label in enumerate(labels):
         yield label, tensor[..., i * width:(i + 1) * width].transpose(-2, -1)
@@ -389,16 +411,19 @@ def _expert_views(weight_name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
 
 def _set_grads(model: Any, seed: int, step: int) -> None:
     """Gradients from synthetic_grad by global identity and view, cut to the region each parameter
-    holds."""
+    holds; a frozen parameter (a fine-tuned model's base) gets none."""
     from torch.distributed.tensor import DTensor
 
     for layer, moe in _moe_layers(model):
-        params = [(name, getattr(moe.experts, name)) for name in EXPERT_VIEWS]
+        views = _views(moe)
+        params = [(name, getattr(moe.experts, name)) for name in views]
         params += [(f"mlp.{name}", p) for name, p in _dense(moe)]
         for name, p in params:
-            if name in EXPERT_VIEWS:
+            if not p.requires_grad:
+                continue
+            if name in views:
                 experts = range(p.shape[0])
-                full = _whole(name, p.shape, lambda label, shape, _l=layer, _e=experts:
+                full = _whole(views[name], p.shape, lambda label, shape, _l=layer, _e=experts:
                               synthetic_grad_rows(seed, step, _l, _e, label, shape))
             else:
                 full = synthetic_grad(seed, step, layer, None, name, p.shape)
