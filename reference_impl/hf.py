@@ -258,6 +258,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _every_rank_knows(failed: Exception | None, what: str) -> None:
+    """Raise on every rank when rank 0's part of ``what`` failed (its own exception there, a
+    RuntimeError naming it elsewhere): no rank is left waiting for one that stopped."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if failed is not None:
+            raise failed
+        return
+    said: list[Any] = [None if failed is None else f"{type(failed).__name__}: {failed}"]
+    dist.broadcast_object_list(said, src=0)
+    if failed is not None:
+        raise failed
+    if said[0] is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {said[0]}")
+
+
 def _whole(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint, whole, read by this process alone."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -269,21 +286,32 @@ def _whole(path: str) -> dict[str, torch.Tensor]:
 
 def export_hf(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Write ``model`` (at any layout; a collective on every rank) as a :data:`HF_CLASS` checkpoint
-    in ``path``: ``model.safetensors``, its index and ``config.json``."""
-    from reference_impl.checkpoint import save
+    in ``path``: ``model.safetensors``, its index and ``config.json``.  A fine-tuned model is
+    written merged (:mod:`reference_impl.merged_export`): the release its users load."""
+    from reference_impl.checkpoint import save, state_dict
+    from reference_impl.lora import has_tuning_state
+    from reference_impl.merged_export import merged_state
+    from reference_impl.moe import moe_layers
 
     config: MoEConfig = getattr(model, "config")  # noqa: B009 (an MoEModel's; nn.Module types it)
     num_layers: int = getattr(model, "num_layers")  # noqa: B009
     hf = hf_config(config, num_layers)  # refuses on every rank alike, before any collective
     path = os.fspath(path)
     native = os.path.join(path, "_native")
-    save(model, None, native, per_expert=True)
+    if any(has_tuning_state(moe) for _, moe in moe_layers(model)):
+        dcp.save(merged_state(model, state_dict(model, None)["model"]), checkpoint_id=native)
+    else:
+        save(model, None, native, per_expert=True)
     _barrier()
+    failed: Exception | None = None
     if _rank() == 0:
-        state = {k.removeprefix("model."): v for k, v in _whole(native).items()}
-        shutil.rmtree(native)
-        write_safetensors(to_hf(state, config, num_layers), path, hf)
-    _barrier()
+        try:
+            state = {k.removeprefix("model."): v for k, v in _whole(native).items()}
+            shutil.rmtree(native)
+            write_safetensors(to_hf(state, config, num_layers), path, hf)
+        except (ValueError, OSError, RuntimeError) as exc:
+            failed = exc
+    _every_rank_knows(failed, f"the export to {path}")
 
 
 def import_hf(model: nn.Module, path: str | os.PathLike[str]) -> None:

@@ -10,10 +10,14 @@ The bugs are the classes reported against LoRA-over-quantized-experts trainers i
 - :class:`SharedAdaptersLeftAtInit` -- a load at ep > 1 restores the routed experts' adapters and
   leaves the shared expert's at their initial values (Megatron-Bridge #5379);
 - :class:`ScalesCutAtTheWrongBlock` -- under expert TP, a block-FP8 shard's ``scale_inv`` read one
-  block off (vLLM #52997).
+  block off (vLLM #52997);
+- :class:`MergeOverLocalExpertsOnly` -- the merge adds the delta on the first EP rank's experts
+  only, the others exported as their base (a merge over the local experts: ms-swift #9030);
+- :class:`MergedExportWritesTheBase` -- the merged export writes each expert's base, the LoRA delta
+  dropped (unsloth-zoo #647, #812).
 
-They have no Hugging Face members: their bugs are in the build and the DCP path, which the HF
-checks would only read again.
+The first three have no Hugging Face members: their bugs are in the build and the DCP path, which
+the HF checks would only read again.  The last two are bugs of the merged export itself.
 """
 
 from __future__ import annotations
@@ -130,3 +134,47 @@ class ScalesCutAtTheWrongBlock(_Base):
                     if tensor is not None:
                         local = _local(tensor)[0]
                         local.copy_(torch.roll(local, 1, dims=axis))
+
+
+class MergeOverLocalExpertsOnly(reference.ReferenceAdapter):
+    """The merge adds the LoRA delta on the experts of the first EP rank only -- the experts the
+    merging loop met -- and every other expert goes into the merged export as its base.  At ep=1
+    every rank holds every expert and the export is right; at ep > 1 the other EP ranks' experts
+    differ from the ep=1 export's (``hf_export``: on disk), and the model loaded from it computes
+    another forward."""
+
+    name = "seeded-merge-over-local-experts-only"
+
+    def export_hf(self, model: Any, path: str) -> None:
+        import reference_impl.lora as lora
+
+        real = lora._delta
+
+        def first_ep_rank_only(moe: Any, i: Any, adapter: str, module: Any) -> Any:
+            if i is None or moe.local_expert_start == 0:
+                return real(moe, i, adapter, module)
+            return 0.0
+
+        lora._delta = first_ep_rank_only
+        try:
+            super().export_hf(model, path)
+        finally:
+            lora._delta = real
+
+
+class MergedExportWritesTheBase(reference.ReferenceAdapter):
+    """The merged export writes every expert's base weights (dequantized) without its LoRA delta, at
+    every layout alike: the export equals the ep=1 export byte for byte, and only the model
+    transformers loads from it shows the delta missing (``hf_export``: its forward)."""
+
+    name = "seeded-merged-export-writes-the-base"
+
+    def export_hf(self, model: Any, path: str) -> None:
+        import reference_impl.lora as lora
+
+        real = lora._delta
+        lora._delta = lambda *args: 0.0  # base + 0.0: the delta dropped
+        try:
+            super().export_hf(model, path)
+        finally:
+            lora._delta = real

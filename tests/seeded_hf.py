@@ -204,3 +204,16 @@ class HFExportRankZeroOnlyImportRefuses(HFExportRankZeroOnly):
         torch.zeros(getattr(model, "config").num_experts).split(  # noqa: B009
             [moe.num_local_experts])  # the whole layer's experts into this rank's, or it raises
         super().import_hf(model, path)
+
+
+class HFExportNotApplicableOnRankZero(ReferenceAdapter):
+    """An export that says it cannot run on rank 0 alone, after the collectives of a whole export:
+    ``NotApplicable`` must be said by every rank alike, so this is the adapter's ``error``, named
+    with the rank -- not a skip on rank 0 while the other ranks wait for it."""
+
+    def export_hf(self, model: Any, path: str) -> None:
+        from conformance.adapter import NotApplicable
+
+        super().export_hf(model, path)
+        if _rank() == 0:
+            raise NotApplicable("rank 0 cannot write this export")

@@ -71,3 +71,28 @@ def test_fp8_scales_cut_at_the_wrong_block_under_expert_tp_are_named(
     for cell_id, first in failing(cells).items():
         assert cells[cell_id]["findings"] == ["silent"], cells[cell_id]
         assert re.search(r"layer \d.*expert.*down(_w|\.weight)_scale_inv", first), (cell_id, first)
+
+
+def test_a_merge_over_the_local_experts_only_is_caught_in_the_export(
+        pytester: pytest.Pytester) -> None:
+    cells = run_slice(pytester, "MergeOverLocalExpertsOnly", "finetune and not optim")
+    # the export is made where a save is written, and its findings travel with that save
+    gathered = {i for i, c in ran(cells).items() if c["save_ep"] > 1}
+    assert gathered and set(failing(cells)) == gathered, failing(cells)
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["on-disk"], cells[cell_id]
+        # an expert of the second EP rank (E=4: 2, 3; E=5: 3, 4), named by layer, key and expert
+        assert re.match(r"\[hf_export\] the export at ep=2.* differs from the ep=1 export: layer "
+                        r"\d, key 'model\.layers\.\d\.mlp\.experts\.([234])\.(gate|up|down)"
+                        r"_proj\.weight', expert \1: differ from the ep=1 export's", first), first
+
+
+def test_a_merged_export_that_writes_the_base_is_caught_by_its_forward(
+        pytester: pytest.Pytester) -> None:
+    cells = run_slice(pytester, "MergedExportWritesTheBase", "finetune and not optim")
+    # the same bytes at every layout as at ep=1: only the model transformers loads shows it
+    assert ran(cells) and set(failing(cells)) == set(ran(cells)), failing(cells)
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["on-disk"], cells[cell_id]
+        assert re.match(r"\[hf_export\] Ernie4_5_MoeForCausalLM loaded from the export at ep=",
+                        first), first

@@ -296,3 +296,20 @@ def test_without_transformers_the_checks_say_why_they_did_not_run(
     plain = NoHF()
     plain.members = members_of(plain)  # type: ignore[attr-defined]
     assert applies(plain, cell) == ""  # no HF members: the checks are not asked
+
+
+def test_not_applicable_said_by_one_rank_only_is_an_error_not_a_hang(
+        pytester: pytest.Pytester) -> None:
+    """The ranks agree on how an optional member went before any of them goes on: a NotApplicable
+    on rank 0 alone is the adapter's broken contract, in every model cell (the ep=1 export is the
+    release every cell is held to), within seconds."""
+    cells = _run(pytester, "HFExportNotApplicableOnRankZero",
+                 f"{MODEL_CELLS} and kind_packed and E5 and not fsdp")
+    red = _red(cells)
+    assert cells and set(red) == set(cells), sorted(red)
+    for cell_id, first in red.items():
+        assert cells[cell_id]["findings"] == ["error"], cells[cell_id]
+        assert first.startswith("[hf_export] the adapter's export_hf() raised NotApplicable at "
+                                "the ep=1 truth on rank(s) 0 only (rank 0 cannot write this "
+                                "export); it must be raised on every rank alike"), first
+        assert all(c["duration_s"] < 30 for c in cells.values()), cells

@@ -223,21 +223,24 @@ class ReferenceAdapter:
             raise NotApplicable(str(exc)) from exc
 
     def export_hf(self, model: Any, path: str) -> None:
-        from reference_impl.hf import export_hf
+        """The model as the family's checkpoint; a fine-tuned one merged
+        (:mod:`reference_impl.merged_export`)."""
+        from reference_impl.hf import export_hf, hf_config
+
+        try:  # a model the family cannot hold: refused on every rank alike, before any collective
+            hf_config(model.config, model.num_layers)
+        except ValueError as exc:
+            raise NotApplicable(str(exc)) from exc
+        export_hf(model, path)
+
+    def import_hf(self, model: Any, path: str) -> None:
+        from reference_impl.hf import import_hf
         from reference_impl.lora import has_tuning_state
         from reference_impl.moe import moe_layers
 
         if any(has_tuning_state(moe) for _, moe in moe_layers(model)):
-            raise NotApplicable("a fine-tuned model's exports (the merged weights, the adapters in "
-                                "PEFT's format) are not checked by the matrix yet")
-        try:
-            export_hf(model, path)
-        except ValueError as exc:  # a model the family cannot hold (refused before any collective)
-            raise NotApplicable(str(exc)) from exc
-
-    def import_hf(self, model: Any, path: str) -> None:
-        from reference_impl.hf import import_hf
-
+            raise NotApplicable("a merged export holds no adapters and no quantized base: a "
+                                "fine-tuning run starts from the base's release, not from it")
         import_hf(model, path)
 
     def hf_forward(self, hf_model: Any, batch: Any) -> Any:

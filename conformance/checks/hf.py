@@ -23,6 +23,7 @@ leaves ``hf_import`` nothing to import.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from conformance.adapter import HF_MEMBERS, HFModel, NotApplicable
@@ -30,7 +31,7 @@ from conformance.checks.context import CheckContext, TimedAdapter
 from conformance.matrix import Cell
 from conformance.saves import export_dir
 
-__all__ = ["EXPORT", "IMPORT", "agreed", "applies", "asked", "export_truth", "load_hf_model",
+__all__ = ["EXPORT", "IMPORT", "applies", "asked", "called", "export_truth", "load_hf_model",
            "member_raised", "truth_raised", "why_no_truth"]
 
 EXPORT, IMPORT = "hf_export", "hf_import"
@@ -90,35 +91,51 @@ def member_raised(adapter: TimedAdapter, member: str, exc: BaseException,
                    f"the {raised_in}, not a finding about the framework)")
 
 
-def agreed(mine: tuple[str, str] | None) -> tuple[str, str] | None:
-    """The first rank's ``(finding, text)`` of a member that raised, on every rank (``None`` when
-    none raised): the ranks go on alike, so no rank waits in a collective the others left."""
+def called(adapter: TimedAdapter, member: str, call: Callable[[], Any],
+           where: str) -> tuple[str | None, tuple[str, str] | None]:
+    """Run ``call`` -- the optional ``member`` (``export_hf``, ``import_hf``) -- on this rank, and
+    agree with every rank on how it went, so that the ranks go on alike and none waits in a
+    collective the others left: ``(why not, None)`` where every rank raised NotApplicable;
+    ``(None, (finding, text))`` where a rank's member raised (the first such rank's), or where only
+    some ranks raised NotApplicable (the adapter broke its contract: an ``error``); ``(None,
+    None)`` where it ran on every rank."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return mine
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return next((found for found in every if found), None)
+    from conformance.checks.blame import load_errors
+    from conformance.findings import ERROR
+
+    mine: tuple[str | None, tuple[str, str] | None] = (None, None)
+    try:
+        call()
+    except NotApplicable as exc:
+        mine = (str(exc) or "NotApplicable", None)
+    except load_errors() as exc:
+        mine = (None, member_raised(adapter, member, exc, where))
+    every = [mine]
+    if dist.is_initialized():
+        every = [mine] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    not_applicable = [rank for rank, (why, _) in enumerate(every) if why is not None]
+    if not_applicable and len(not_applicable) < len(every):
+        return None, (ERROR, f"the adapter's {member}() raised NotApplicable {where} on rank(s) "
+                             f"{', '.join(map(str, not_applicable))} only "
+                             f"({every[not_applicable[0]][0]}); it must be raised on every rank "
+                             "alike, before any collective")
+    if not_applicable:
+        return every[0][0], None
+    return None, next((raised for _, raised in every if raised), None)
 
 
 def export_truth(adapter: TimedAdapter, model: Any, truth_path: str) -> None:
     """The ep=1 export, by the truth checkpoint's build (every rank); an export the framework
     cannot make leaves no directory, and the cells say why (:func:`why_no_truth`); one that raised
     leaves how (:func:`truth_raised`)."""
-    from conformance.checks.blame import load_errors
-
     target = export_dir(truth_path)
-    raised = None
-    try:
-        adapter.export_hf(model, target)
-    except NotApplicable as exc:  # every rank alike: NotApplicable's contract
-        _note(target, NOT_EXPORTED, f"the framework cannot export the ep=1 model: {exc}")
-        return
-    except load_errors() as exc:
-        raised = member_raised(adapter, "export_hf", exc, "at the ep=1 truth")
-    found = agreed(raised)
-    if found is not None:
+    why, found = called(adapter, "export_hf", lambda: adapter.export_hf(model, target),
+                        "at the ep=1 truth")
+    if why is not None:
+        _note(target, NOT_EXPORTED, f"the framework cannot export the ep=1 model: {why}")
+    elif found is not None:
         _note(target, EXPORT_RAISED, "\n".join(found))
 
 

@@ -19,15 +19,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from conformance.adapter import HFModel, NotApplicable
-from conformance.checks.blame import load_errors
+from conformance.adapter import HFModel
 from conformance.checks.context import CheckContext, TimedAdapter
 from conformance.checks.forward import forward_problems
 from conformance.checks.hf import (
     EXPORT,
-    agreed,
+    called,
     load_hf_model,
-    member_raised,
     truth_raised,
     why_no_truth,
 )
@@ -159,15 +157,11 @@ def check_export(adapter: TimedAdapter, cell: Cell, spec: Any, model: Any, path:
     if why:
         verdict.skipped[EXPORT] = why
         return
-    mine = None
-    try:
-        adapter.export_hf(model, target)
-    except NotApplicable as exc:
-        verdict.skipped[EXPORT] = f"the framework cannot export in this cell: {exc}"
+    not_here, found = called(adapter, "export_hf", lambda: adapter.export_hf(model, target),
+                        f"at {cell.save.describe()}")
+    if not_here is not None:
+        verdict.skipped[EXPORT] = f"the framework cannot export in this cell: {not_here}"
         return
-    except load_errors() as exc:
-        mine = member_raised(adapter, "export_hf", exc, f"at {cell.save.describe()}")
-    found = agreed(mine)
     if found is not None:
         if rank == 0:
             verdict.problem(EXPORT, found[1], found[0])

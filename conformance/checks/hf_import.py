@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conformance.adapter import NotApplicable
-from conformance.checks.blame import load_errors
 from conformance.checks.context import CheckContext, TimedAdapter, required
-from conformance.checks.hf import IMPORT, agreed, member_raised, why_no_truth
+from conformance.checks.hf import IMPORT, called, why_no_truth
 from conformance.checks.missing import check_replicas
 from conformance.checks.truth import Truth
 from conformance.checks.values import canonical, compare
@@ -48,16 +46,11 @@ def check_import(adapter: TimedAdapter, cell: Cell, build: Callable[[], Built], 
         return
     b = build()
     before = canonical(adapter, b.model, None, rank)
-    mine = None
-    try:
-        adapter.import_hf(b.model, source)
-    except NotApplicable as exc:
-        verdict.skipped[IMPORT] = f"the framework cannot import in this cell: {exc}"
+    not_here, refused = called(adapter, "import_hf", lambda: adapter.import_hf(b.model, source),
+                          f"importing the ep=1 export at {cell.load.describe()}")
+    if not_here is not None:
+        verdict.skipped[IMPORT] = f"the framework cannot import in this cell: {not_here}"
         return
-    except load_errors() as exc:
-        mine = member_raised(adapter, "import_hf", exc,
-                             f"importing the ep=1 export at {cell.load.describe()}")
-    refused = agreed(mine)
     if refused is not None:
         verdict.problem(IMPORT, refused[1], refused[0])
         return
