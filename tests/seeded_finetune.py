@@ -14,10 +14,13 @@ The bugs are the classes reported against LoRA-over-quantized-experts trainers i
 - :class:`MergeOverLocalExpertsOnly` -- the merge adds the delta on the first EP rank's experts
   only, the others exported as their base (a merge over the local experts: ms-swift #9030);
 - :class:`MergedExportWritesTheBase` -- the merged export writes each expert's base, the LoRA delta
-  dropped (unsloth-zoo #647, #812).
+  dropped (unsloth-zoo #647, #812);
+- :class:`SingletonExpertDimSqueezed` -- the load ``squeeze()``-s each packed quantized layer's
+  scales, and a rank holding one expert loses the expert axis (Megatron-Bridge #5731, #5745).
 
 The first three have no Hugging Face members: their bugs are in the build and the DCP path, which
-the HF checks would only read again.  The last two are bugs of the merged export itself.
+the HF checks would only read again, as has the last; the two before it are bugs of the merged
+export itself.
 """
 
 from __future__ import annotations
@@ -178,3 +181,28 @@ class MergedExportWritesTheBase(reference.ReferenceAdapter):
             super().export_hf(model, path)
         finally:
             lora._delta = real
+
+
+class SingletonExpertDimSqueezed(_Base):
+    """The load gathers each packed quantized layer's scales for this rank's experts and
+    ``squeeze()``-s them (Megatron-Bridge #5731, #5745: the singleton dims of ``*_scale_inv``
+    dropped): where a rank holds one expert the expert axis goes with it, ``[1, R, C]`` becoming
+    ``[R, C]``.  Only at ep=E (one expert a rank): the cells loading at ep=4 with E=4."""
+
+    name = "seeded-singleton-expert-dim-squeezed"
+
+    def load(self, model: Any, optimizer: Any, path: str) -> None:
+        from reference_impl.lora import quantized_names
+        from reference_impl.moe import moe_layers
+
+        super().load(model, optimizer, path)
+        for _, moe in moe_layers(model):
+            quant = getattr(moe, "quant", None)
+            if quant is None or moe.kind == "unpacked" or moe.num_local_experts != 1:
+                continue
+            for weight in moe.base_weights():
+                name = quantized_names(quant.fmt, weight)[1]
+                if name in moe._buffers:
+                    moe._buffers[name] = moe._buffers[name].squeeze()
+                else:
+                    getattr(moe, name).data = getattr(moe, name).data.squeeze()

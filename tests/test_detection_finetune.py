@@ -96,3 +96,21 @@ def test_a_merged_export_that_writes_the_base_is_caught_by_its_forward(
         assert cells[cell_id]["findings"] == ["on-disk"], cells[cell_id]
         assert re.match(r"\[hf_export\] Ernie4_5_MoeForCausalLM loaded from the export at ep=",
                         first), first
+
+
+def test_an_expert_dim_squeezed_out_of_the_scales_is_refused_naming_key_and_shapes(
+        pytester: pytest.Pytester) -> None:
+    cells = run_slice(pytester, "SingletonExpertDimSqueezed", "finetune and (mxfp4 or fp8)")
+    # one expert a rank: a packed or fused quantized layer loaded at ep=4
+    one_each = {i for i, c in ran(cells).items()
+                if c["load_ep"] == 4 and not c["kind"].endswith("unpacked")}
+    assert one_each and set(failing(cells)) == one_each, failing(cells)
+    for cell_id, first in failing(cells).items():
+        assert cells[cell_id]["findings"] == ["refused"], cells[cell_id]
+        assert re.search(r"raised QuantizedShapeError: layers\.\d\.moe\.\w+: the (mxfp4|fp8) "
+                         r"scales do not match the blocks' grid: blocks \[[\d, ]+\], scales "
+                         r"\[\d+\] \(expected scales \[[\d, ]+\]\)", first), first
+        # and the values check names each squeezed tensor by layer, expert and shape
+        assert any(p["check"] == "values" and re.match(
+            r"rank \d, layer \d, expert \d+, tensor '\w+_scale(s|_inv)': shape \(\d+,\), "
+            r"expected \(\d+, \d+\)", p["text"]) for p in cells[cell_id]["problems"]), cell_id

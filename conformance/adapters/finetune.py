@@ -83,11 +83,12 @@ def _unframed(t: Any, name: str) -> Any:
     (axis 2 for the fused adapter's B ``[E, r, 2h]``, else axis 1), from the fused frame expert TP
     holds it in -- the halves apart, ``[E, 2, h, ...]`` concatenated or ``[E, h, 2, ...]``
     interleaved, whose two axes read in order are the fused order's ``2h`` rows -- gathered over
-    its mesh.  A tensor not in the frame (no expert TP) is returned as it is."""
+    its mesh.  A tensor not in the frame (no expert TP) is returned as it is, and so is one of
+    neither rank (a load that left it misshapen): the checks name its shape against the truth's."""
     from torch.distributed.tensor import DTensor
 
     unframed_dims = 4 if name.endswith("_blocks") else 3  # MXFP4 blocks: [E, 2h, in/b, b/2]
-    if t.dim() == unframed_dims:
+    if t.dim() != unframed_dims + 1:
         return t
     whole = t.full_tensor() if isinstance(t, DTensor) else t
     axis, shape = (2 if name.startswith("lora_") else 1), list(whole.shape)
