@@ -6,7 +6,8 @@ fused layers, per expert for unpacked ones, optimizer state included) and the ex
 :func:`reference_impl.hf.export_hf` writes, made here in one process by the same functions
 (:func:`~reference_impl.hf.to_hf`, :func:`~reference_impl.hf.write_safetensors`) from the model's
 whole state -- no world is needed to read either.  Each seeded corruption edits the export's
-safetensors as a broken converter would.
+safetensors as a broken converter would.  One test has ranks write both (a 4-rank world: EP, expert
+TP, FSDP2), as a training run at EP > 1 and its converter do.
 """
 
 from __future__ import annotations
@@ -351,7 +352,7 @@ def test_a_tie_does_not_hide_a_misfiled_third_expert(tied: dict[str, Any], kind:
                                                      tmp_path: Path) -> None:
     found = codes(compare(tied, kind, export(tied, kind, tmp_path / "hf", second_into_third)))
     assert set(found) == {"export_holds_other", "export_missing"}, found
-    assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (2,))}
+    assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (0,)), (1, (1,))}
     assert all("holds the values expert 0 and expert 1 share" in f.message
                for f in found["export_holds_other"]), found
     assert [(f.layer, f.experts) for f in found["export_missing"]] == [(1, (2,))]
@@ -380,3 +381,46 @@ def test_cli_ties_with_hf_model(tied: dict[str, Any], tmp_path: Path) -> None:
     assert ("4 matrices whose values equal another's paired by transformers' "
             "Ernie4_5_MoeForCausalLM names instead") in out
     assert "paired by transformers' Ernie4_5_MoeForCausalLM names: their values equal)" in out
+
+
+# -- a training checkpoint saved by ranks --------------------------------------------------------
+@pytest.mark.moe_ep_world(4)
+@pytest.mark.parametrize(("kind", "layout", "fsdp"), [("packed", "ep2.etp2", False),
+                                                      ("unpacked", "ep2", True),
+                                                      ("fused", "ep2.etp2", False)])
+def test_a_training_checkpoint_saved_by_ranks_against_its_export(
+        kind: str, layout: str, fsdp: bool, moe_ep_shared_dir: Path) -> None:
+    """The check reads a DCP save each rank wrote its own experts and expert-TP shards of (or FSDP2
+    shards, with the optimizer's moments) as global tensors: the export the same split model writes
+    (:func:`reference_impl.hf.export_hf`, gathered) compares clean against it, and two of its
+    experts swapped are named by layer and expert -- as at ep=1, in one process, above."""
+    import torch.distributed as dist
+
+    from conformance.layout import ParallelLayout
+    from reference_impl.moe import apply_expert_parallel, apply_fsdp
+
+    ep, _, etp = layout.removeprefix("ep").partition(".etp")
+    mesh = ParallelLayout.for_world(4, int(ep), etp=int(etp or 1)).build_mesh()
+    config = MoEConfig(num_experts=E, kind=kind, expert_bias=True)  # type: ignore[arg-type]
+    model = build_model(config, LAYERS, seed=1)
+    apply_expert_parallel(model, mesh)
+    if fsdp:
+        apply_fsdp(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    set_deterministic_grads(model, 3, 0)
+    optimizer.step()
+    training, exported = moe_ep_shared_dir / "train", moe_ep_shared_dir / "hf"
+    checkpoint.save(model, optimizer, training)
+    hf.export_hf(model, exported)
+    if dist.get_rank() != 0:
+        return
+    clean = compare_conversion(read_checkpoint(training), read_checkpoint(exported))
+    assert clean.problems == [], [str(f) for f in clean.problems]
+    assert clean.atoms == LAYERS * (E * (2 if kind == "fused" else 3) + 3)
+    tensors = hf.read_safetensors(exported)
+    swap_experts(tensors)
+    hf.write_safetensors(tensors, moe_ep_shared_dir / "swapped", hf.hf_config(config, LAYERS))
+    found = codes(compare_conversion(read_checkpoint(training),
+                                     read_checkpoint(moe_ep_shared_dir / "swapped")))
+    assert set(found) == {"export_holds_other"}, found
+    assert {(f.layer, f.experts) for f in found["export_holds_other"]} == {(1, (0,)), (1, (1,))}
